@@ -1,0 +1,105 @@
+"""Every exception zmqsync raises, in one tree.
+
+::
+
+    ZMQSyncError
+    ├── FrameError (ValueError)          a peer sent bytes that are not a valid message
+    ├── SchemaMismatchError (ValueError) weights that do not fit a model (key, dtype, shape)
+    ├── EndpointError (ValueError)       an endpoint string we cannot use
+    ├── SyncTimeout (TimeoutError)       targeted workers did not ack in time
+    ├── WeightsRejected                  workers received a version and refused it
+    └── TransportError                   the backend (ZeroMQ, a pipe, Ray) failed
+        └── TransportClosed              you closed it, then used it
+
+API misuse that torchrl's seeds specify as ``RuntimeError`` (``get_sender()`` before
+``init_on_sender()``, a second ``send_async()`` while one is pending) stays a plain
+``RuntimeError``, so code written against torchrl keeps catching what it caught.
+
+Errors carry fields, not just text: ``SyncTimeout.missing_workers``,
+``WeightsRejected.rejections``, ``SchemaMismatchError.key``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+__all__ = [
+    "EndpointError",
+    "FrameError",
+    "SchemaMismatchError",
+    "SyncTimeout",
+    "TransportClosed",
+    "TransportError",
+    "WeightsRejected",
+    "ZMQSyncError",
+]
+
+
+class ZMQSyncError(Exception):
+    """Base of every error zmqsync raises on purpose."""
+
+
+class FrameError(ZMQSyncError, ValueError):
+    """A list of buffers from a peer is not a valid zmqsync message.
+
+    Raised by the decoder for anything malformed: wrong magic, unknown kind, a limit
+    exceeded, a schema that does not match the buffers. Receivers catch it, count it,
+    and keep running.
+    """
+
+
+class SchemaMismatchError(ZMQSyncError, ValueError):
+    """Weights do not fit the model they should be applied to.
+
+    ``key`` names the first offending tensor (``None`` when the problem is global, such
+    as a strategy mismatch). Nothing was copied when this is raised.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class EndpointError(ZMQSyncError, ValueError):
+    """An endpoint string that zmqsync cannot bind or connect."""
+
+
+class SyncTimeout(ZMQSyncError, TimeoutError):
+    """Targeted workers did not acknowledge a version before the timeout.
+
+    ``missing_workers`` lists their ids (sorted); ``version`` is the version that was
+    being sent. The sender stays usable after this error.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing_workers: Iterable[int] = (),
+        version: int | None = None,
+        transports: Mapping[int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.missing_workers = sorted(missing_workers)
+        self.version = version
+        self.transports = dict(transports or {})
+
+
+class WeightsRejected(ZMQSyncError):
+    """Workers received a version and refused to apply it.
+
+    ``rejections`` maps each refusing worker id to the reason it gave.
+    """
+
+    def __init__(self, message: str, *, rejections: Mapping[int, str], version: int) -> None:
+        super().__init__(message)
+        self.rejections = dict(rejections)
+        self.version = version
+
+
+class TransportError(ZMQSyncError):
+    """The transport backend failed; the original error is chained as ``__cause__``."""
+
+
+class TransportClosed(TransportError):
+    """The transport was closed by its owner and then used."""

@@ -1,0 +1,347 @@
+"""Encode messages to lists of buffers and decode them back. Pure functions, no I/O.
+
+A message is ``[header, body, buffer, buffer, ...]``:
+
+- ``header``: a fixed binary struct (:data:`HEADER`) followed by the UTF-8 model_id.
+- ``body``: for weights, the JSON schema of the tensors; for every other kind, a small
+  JSON object with that kind's fields.
+- ``buffer``: raw tensor bytes (weights only), never copied by the codec.
+
+:func:`decode` either returns a message or raises :class:`~zmqsync.errors.FrameError`,
+whatever it is given; the fuzz tests hold it to that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Final
+
+from zmqsync.errors import FrameError
+from zmqsync.protocol.messages import (
+    DTYPE_ITEMSIZE,
+    MAGIC,
+    MAX_BODY_BYTES,
+    MAX_BUFFERS,
+    MAX_MODEL_ID_BYTES,
+    MAX_NDIM,
+    MAX_SCHEMA_BYTES,
+    MAX_TENSOR_BYTES,
+    MAX_TENSORS,
+    MAX_TEXT_CHARS,
+    PROTOCOL_VERSION,
+    STRATEGIES,
+    Ack,
+    Buffer,
+    ErrorMessage,
+    Hello,
+    Kind,
+    Message,
+    Probe,
+    ProbeRequest,
+    SnapshotRequest,
+    StatusReply,
+    StatusRequest,
+    TensorEntry,
+    UpToDate,
+    Weights,
+    WeightsSchema,
+    Welcome,
+)
+
+__all__ = ["HEADER", "decode", "encode", "encode_schema", "peek_kind"]
+
+#: magic, protocol version, kind, flags, version, epoch, buffer count,
+#: model_id length, schema digest (blake2b-128 of the body; zeros for non-weights).
+HEADER: Final = struct.Struct("!4sBBHQQIH16s")
+_U64_MAX: Final = (1 << 64) - 1
+_NO_DIGEST: Final = bytes(16)
+_SCHEMA_CACHE_SIZE: Final = 32
+
+_JSON_KINDS: Final[dict[Kind, type]] = {
+    Kind.ACK: Ack,
+    Kind.HELLO: Hello,
+    Kind.WELCOME: Welcome,
+    Kind.SNAPSHOT_REQUEST: SnapshotRequest,
+    Kind.UP_TO_DATE: UpToDate,
+    Kind.PROBE_REQUEST: ProbeRequest,
+    Kind.PROBE: Probe,
+    Kind.STATUS_REQUEST: StatusRequest,
+    Kind.STATUS_REPLY: StatusReply,
+    Kind.ERROR: ErrorMessage,
+}
+#: Header fields, which travel in the struct rather than in the JSON body.
+_HEADER_FIELDS: Final = frozenset({"model_id", "version", "epoch"})
+
+
+def digest(body: Buffer) -> bytes:
+    """The 16-byte schema digest carried in a weights header."""
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
+# --- encode -------------------------------------------------------------------------
+
+
+def encode_schema(schema: WeightsSchema) -> bytes:
+    """The canonical JSON of a schema (what :func:`encode` puts in the body frame)."""
+    doc = {
+        "strategy": schema.strategy,
+        "tensors": [
+            [list(e.key), e.dtype, list(e.shape), e.buffer, e.offset, e.nbytes]
+            for e in schema.entries
+        ],
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _header(
+    kind: Kind, model_id: str, version: int, epoch: int, nbufs: int, schema_digest: bytes
+) -> bytes:
+    mid = model_id.encode()
+    if len(mid) > MAX_MODEL_ID_BYTES:
+        raise ValueError(f"model_id is {len(mid)} bytes; the limit is {MAX_MODEL_ID_BYTES}")
+    if not (0 <= version <= _U64_MAX and 0 <= epoch <= _U64_MAX):
+        raise ValueError(f"version and epoch must fit in 64 unsigned bits: {version}, {epoch}")
+    return (
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, 0, version, epoch, nbufs, len(mid), schema_digest)
+        + mid
+    )
+
+
+def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffer]:
+    """Turn a message into ``[header, body, *buffers]``.
+
+    ``schema_bytes`` lets a sender that sends the same layout every version pass the
+    schema JSON it encoded once (:func:`encode_schema`) instead of re-encoding it.
+    Buffers of a :class:`Weights` message are passed through untouched (zero-copy).
+    """
+    if isinstance(message, Weights):
+        body = schema_bytes if schema_bytes is not None else encode_schema(message.schema)
+        head = _header(
+            Kind.WEIGHTS,
+            message.model_id,
+            message.version,
+            message.epoch,
+            len(message.buffers),
+            digest(body),
+        )
+        return [head, body, *message.buffers]
+    fields = {
+        f.name: getattr(message, f.name)
+        for f in dataclasses.fields(message)  # type: ignore[arg-type]
+        if f.name not in _HEADER_FIELDS
+    }
+    body = json.dumps(fields, separators=(",", ":")).encode()
+    head = _header(message.kind, message.model_id, message.version, message.epoch, 0, _NO_DIGEST)
+    return [head, body]
+
+
+# --- decode -------------------------------------------------------------------------
+
+
+def peek_kind(header: Buffer) -> Kind | None:
+    """The kind of a message from its first frame, or ``None`` if it is not ours.
+
+    Cheap (no validation beyond magic and kind); transports use it to route acks.
+    """
+    if len(header) < HEADER.size or bytes(header[:4]) != MAGIC:
+        return None
+    try:
+        return Kind(header[5])
+    except ValueError:
+        return None
+
+
+class _SchemaCache:
+    """Recently decoded schemas by their exact bytes: a sender sends one layout over and
+    over, and parsing 2,000 entries of JSON per version would dominate small-tensor syncs."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[bytes, WeightsSchema] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> WeightsSchema | None:
+        with self._lock:
+            schema = self._items.get(key)
+            if schema is not None:
+                self._items.move_to_end(key)
+            return schema
+
+    def put(self, key: bytes, schema: WeightsSchema) -> None:
+        with self._lock:
+            self._items[key] = schema
+            while len(self._items) > _SCHEMA_CACHE_SIZE:
+                self._items.popitem(last=False)
+
+
+_schema_cache = _SchemaCache()
+
+
+def decode(frames: Sequence[Buffer]) -> Message:
+    """Decode ``[header, body, *buffers]`` into a message.
+
+    Raises :class:`FrameError` for anything that is not a valid message, and nothing else.
+    """
+    try:
+        return _decode(frames)
+    except FrameError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+        # json and struct raise these on hostile input the checks above did not catch.
+        raise FrameError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode(frames: Sequence[Buffer]) -> Message:
+    if len(frames) < 2:
+        raise FrameError(f"a message has at least 2 frames (header, body); got {len(frames)}")
+    head = frames[0]
+    if len(head) < HEADER.size:
+        raise FrameError(f"header is {len(head)} bytes; at least {HEADER.size} expected")
+    magic, proto, kind_byte, _flags, version, epoch, nbufs, mid_len, schema_digest = (
+        HEADER.unpack_from(head)
+    )
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}: not a zmqsync message")
+    if proto != PROTOCOL_VERSION:
+        raise FrameError(
+            f"protocol version {proto} is not supported (this build speaks {PROTOCOL_VERSION}); "
+            "upgrade the older side"
+        )
+    try:
+        kind = Kind(kind_byte)
+    except ValueError:
+        raise FrameError(f"unknown message kind {kind_byte}") from None
+    if mid_len > MAX_MODEL_ID_BYTES or len(head) != HEADER.size + mid_len:
+        raise FrameError(f"header length {len(head)} does not match model_id length {mid_len}")
+    model_id = bytes(head[HEADER.size :]).decode("utf-8")
+    body = frames[1]
+    if kind is Kind.WEIGHTS:
+        return _decode_weights(frames, model_id, version, epoch, nbufs, schema_digest)
+    if len(frames) != 2 or nbufs != 0:
+        raise FrameError(f"a {kind.name} message has exactly 2 frames; got {len(frames)}")
+    if len(body) > MAX_BODY_BYTES:
+        raise FrameError(f"{kind.name} body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+    doc = json.loads(bytes(body))
+    if not isinstance(doc, dict):
+        raise FrameError(f"{kind.name} body must be a JSON object")
+    return _from_fields(_JSON_KINDS[kind], doc, model_id=model_id, version=version, epoch=epoch)
+
+
+def _from_fields(cls: type, doc: dict[str, Any], **header: Any) -> Message:
+    kwargs: dict[str, Any] = dict(header)
+    for f in dataclasses.fields(cls):
+        if f.name in _HEADER_FIELDS:
+            continue
+        if f.name not in doc:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise FrameError(f"{cls.__name__} lacks field {f.name!r}")
+            continue
+        kwargs[f.name] = _check_field(cls, f.name, f.type, doc[f.name])
+    return cls(**kwargs)  # type: ignore[no-any-return]
+
+
+def _check_field(cls: type, name: str, annotation: Any, value: Any) -> Any:
+    expected = str(annotation)
+    if expected == "int":
+        ok = type(value) is int and 0 <= value <= _U64_MAX
+    elif expected == "float":
+        ok = type(value) in (int, float) and math.isfinite(value)
+        value = float(value) if ok else value
+    elif expected == "bool":
+        ok = type(value) is bool
+    elif expected == "str":
+        ok = type(value) is str and len(value) <= MAX_TEXT_CHARS
+    else:  # dict[str, Any]: the status document
+        ok = type(value) is dict
+    if not ok:
+        raise FrameError(f"{cls.__name__}.{name} must be {expected}; got {value!r:.80}")
+    return value
+
+
+def _decode_weights(
+    frames: Sequence[Buffer],
+    model_id: str,
+    version: int,
+    epoch: int,
+    nbufs: int,
+    schema_digest: bytes,
+) -> Weights:
+    if nbufs > MAX_BUFFERS or nbufs != len(frames) - 2:
+        raise FrameError(f"header announces {nbufs} buffers; message carries {len(frames) - 2}")
+    body = frames[1]
+    if len(body) > MAX_SCHEMA_BYTES:
+        raise FrameError(f"schema is {len(body)} bytes; the limit is {MAX_SCHEMA_BYTES}")
+    body_bytes = bytes(body)
+    schema = _schema_cache.get(body_bytes)
+    if schema is None:
+        if digest(body_bytes) != schema_digest:
+            raise FrameError("schema digest does not match the schema: corrupted message")
+        schema = _parse_schema(body_bytes, nbufs)
+        _schema_cache.put(body_bytes, schema)
+    elif schema_digest != digest(body_bytes):
+        raise FrameError("schema digest does not match the schema: corrupted message")
+    buffers = tuple(frames[2:])
+    sizes = [len(b) for b in buffers]
+    for e in schema.entries:
+        if e.buffer >= nbufs or e.offset + e.nbytes > sizes[e.buffer]:
+            raise FrameError(
+                f"tensor {e.dotted_key!r} needs bytes {e.offset}..{e.offset + e.nbytes} of "
+                f"buffer {e.buffer}, which does not have them"
+            )
+    return Weights(model_id, version, epoch, schema, buffers)
+
+
+def _parse_schema(body: bytes, nbufs: int) -> WeightsSchema:
+    doc = json.loads(body)
+    if not isinstance(doc, dict) or set(doc) != {"strategy", "tensors"}:
+        raise FrameError("schema must be an object with 'strategy' and 'tensors'")
+    strategy, tensors = doc["strategy"], doc["tensors"]
+    if strategy not in STRATEGIES:
+        raise FrameError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
+        raise FrameError(f"schema 'tensors' must be a list of at most {MAX_TENSORS} entries")
+    entries = []
+    seen: set[tuple[str, ...]] = set()
+    for raw in tensors:
+        entry = _parse_entry(raw, nbufs)
+        if entry.key in seen:
+            raise FrameError(f"tensor {entry.dotted_key!r} appears twice in the schema")
+        seen.add(entry.key)
+        entries.append(entry)
+    return WeightsSchema(strategy, tuple(entries))
+
+
+def _parse_entry(raw: Any, nbufs: int) -> TensorEntry:
+    if not (isinstance(raw, list) and len(raw) == 6):
+        raise FrameError(f"schema entry must be [key, dtype, shape, buffer, offset, nbytes]: {raw!r:.80}")
+    key, dtype, shape, buffer, offset, nbytes = raw
+    if not (
+        isinstance(key, list)
+        and 0 < len(key) <= MAX_NDIM
+        and all(type(k) is str and 0 < len(k) <= MAX_TEXT_CHARS for k in key)
+    ):
+        raise FrameError(f"tensor key must be a non-empty list of names: {key!r:.80}")
+    if dtype not in DTYPE_ITEMSIZE:
+        raise FrameError(f"tensor {'.'.join(key)!r} has unknown dtype {dtype!r:.40}")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_NDIM
+        and all(type(d) is int and 0 <= d <= MAX_TENSOR_BYTES for d in shape)
+    ):
+        raise FrameError(f"tensor {'.'.join(key)!r} has an invalid shape {shape!r:.80}")
+    for name, value, bound in (("buffer", buffer, nbufs - 1), ("offset", offset, MAX_TENSOR_BYTES)):
+        if type(value) is not int or not 0 <= value <= bound:
+            raise FrameError(f"tensor {'.'.join(key)!r} has an invalid {name} {value!r:.40}")
+    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    if type(nbytes) is not int or nbytes != expected or nbytes > MAX_TENSOR_BYTES:
+        raise FrameError(
+            f"tensor {'.'.join(key)!r}: nbytes {nbytes!r:.40} does not match "
+            f"shape {shape} of {dtype} ({expected} bytes)"
+        )
+    return TensorEntry(tuple(key), dtype, tuple(shape), buffer, offset, nbytes)

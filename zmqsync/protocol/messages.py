@@ -1,0 +1,276 @@
+"""The messages of the zmqsync wire protocol, as frozen dataclasses.
+
+No I/O, no torch: these are plain values. :mod:`zmqsync.protocol.codec` turns them into
+lists of buffers and back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeAlias
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+#: First bytes of every header. A frame that does not start with them is not ours.
+MAGIC: Final = b"ZSY1"
+#: Bumped on any incompatible change of the header or a body.
+PROTOCOL_VERSION: Final = 1
+
+# --- limits: each is checked before anything is allocated for it ----------------------
+#: model_ids are short names ("policy"); a longer one is garbage, not a name.
+MAX_MODEL_ID_BYTES: Final = 256
+#: One tensor per entry; 100k covers the largest state_dicts seen in practice (LLMs have
+#: a few thousand) while keeping a hostile schema from describing billions of entries.
+MAX_TENSORS: Final = 100_000
+#: A schema entry is ~60 bytes of JSON, so 100k tensors fit in well under 16 MiB.
+MAX_SCHEMA_BYTES: Final = 16 * 1024 * 1024
+#: Tensor buffers per message: at most one per tensor, plus the packed small-tensor buffer.
+MAX_BUFFERS: Final = MAX_TENSORS + 1
+#: Control bodies (acks, requests, status) are small JSON; status of a 10k-worker fleet
+#: is the largest and stays far below this.
+MAX_BODY_BYTES: Final = 8 * 1024 * 1024
+#: torch supports at most 64 dimensions; real weights have fewer than 8.
+MAX_NDIM: Final = 64
+#: One tensor's bytes; guards the shape product from overflowing into nonsense.
+MAX_TENSOR_BYTES: Final = 1 << 40
+#: Free-text fields (reasons, hosts, endpoints) in control bodies.
+MAX_TEXT_CHARS: Final = 4096
+
+#: Element size of every dtype name the protocol accepts. The protocol does not import
+#: torch; zmqsync.tensors maps these names to torch dtypes (and checks the table agrees).
+DTYPE_ITEMSIZE: Final[dict[str, int]] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "uint16": 2,
+    "int16": 2,
+    "uint32": 4,
+    "int32": 4,
+    "uint64": 8,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex32": 4,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+
+STRATEGIES: Final = ("state_dict", "tensordict")
+
+
+class Kind(enum.IntEnum):
+    """What a message is. The value is its byte in the header."""
+
+    WEIGHTS = 1
+    ACK = 2
+    HELLO = 3
+    WELCOME = 4
+    SNAPSHOT_REQUEST = 5
+    UP_TO_DATE = 6
+    PROBE_REQUEST = 7
+    PROBE = 8
+    STATUS_REQUEST = 9
+    STATUS_REPLY = 10
+    ERROR = 11
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor's bytes are: ``buffers[buffer][offset : offset + nbytes]``."""
+
+    key: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    buffer: int
+    offset: int
+    nbytes: int
+
+    @property
+    def dotted_key(self) -> str:
+        return ".".join(self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsSchema:
+    """The layout of a weights message: strategy and one entry per tensor."""
+
+    strategy: str
+    entries: tuple[TensorEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """A versioned set of tensors: header fields, schema and raw buffers.
+
+    ``buffers`` are whatever the transport gave (``bytes``, ``memoryview``); the codec
+    never copies them.
+    """
+
+    model_id: str
+    version: int
+    epoch: int
+    schema: WeightsSchema
+    buffers: tuple[Buffer, ...] = field(repr=False)
+
+    kind = Kind.WEIGHTS
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """A worker's report on a version: ``applied`` (it now holds ``version``) or not.
+
+    ``version``/``epoch`` are what the worker holds after handling the message; a
+    rejected ack carries the version it refused and ``reason``.
+    """
+
+    model_id: str
+    version: int
+    epoch: int
+    worker: int
+    applied: bool
+    reason: str = ""
+    received_bytes: int = 0
+    apply_seconds: float = 0.0
+    rejected_frames: int = 0
+    pid: int = 0
+    host: str = ""
+
+    kind = Kind.ACK
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """A worker introduces itself; ``version``/``epoch`` are what it already holds."""
+
+    model_id: str
+    version: int
+    epoch: int
+    worker: int
+    pid: int = 0
+    host: str = ""
+
+    kind = Kind.HELLO
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The sender's answer to :class:`Hello`: where to listen and where to ack."""
+
+    model_id: str
+    version: int
+    epoch: int
+    mode: str
+    strategy: str
+    data_endpoint: str = ""
+    ack_endpoint: str = ""
+    heartbeat_seconds: float = 1.0
+
+    kind = Kind.WELCOME
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRequest:
+    """A worker asks for the latest version; it holds ``version`` of ``epoch``."""
+
+    model_id: str
+    version: int
+    epoch: int
+    worker: int
+
+    kind = Kind.SNAPSHOT_REQUEST
+
+
+@dataclass(frozen=True, slots=True)
+class UpToDate:
+    """The sender's answer to a snapshot request when there is nothing newer to send."""
+
+    model_id: str
+    version: int
+    epoch: int
+
+    kind = Kind.UP_TO_DATE
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRequest:
+    """A worker asks the sender to echo ``nonce`` down the data path (fan-out handshake)."""
+
+    model_id: str
+    worker: int
+    nonce: str
+    version: int = 0
+    epoch: int = 0
+
+    kind = Kind.PROBE_REQUEST
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Sent down the data path: proves to ``worker`` that its subscription is live."""
+
+    model_id: str
+    worker: int
+    nonce: str
+    version: int = 0
+    epoch: int = 0
+
+    kind = Kind.PROBE
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    """Anyone (the CLI) asks a sender for its sync state."""
+
+    model_id: str = ""
+    version: int = 0
+    epoch: int = 0
+
+    kind = Kind.STATUS_REQUEST
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    """A sender's sync state: a JSON object (see :meth:`WeightSender.status`)."""
+
+    model_id: str
+    version: int
+    epoch: int
+    status: dict[str, Any] = field(default_factory=dict)
+
+    kind = Kind.STATUS_REPLY
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMessage:
+    """The sender's answer to a request it could not serve (malformed, wrong model)."""
+
+    model_id: str
+    code: str
+    message: str
+    version: int = 0
+    epoch: int = 0
+
+    kind = Kind.ERROR
+
+
+Message: TypeAlias = (
+    Weights
+    | Ack
+    | Hello
+    | Welcome
+    | SnapshotRequest
+    | UpToDate
+    | ProbeRequest
+    | Probe
+    | StatusRequest
+    | StatusReply
+    | ErrorMessage
+)

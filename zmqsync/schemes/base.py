@@ -1,0 +1,412 @@
+"""WeightSyncScheme: torchrl's weight-sync API, on zmqsync's transports.
+
+The scheme is what users hold. On the learner it builds a :class:`WeightSender` over a
+hub transport (``init_on_sender``); in each worker it builds a :class:`WeightReceiver`
+over a spoke (``init_on_receiver``, or its older name ``init_on_worker``). A scheme
+initialised on the sender pickles (cloudpickle or pickle, for ``spawn``) into a worker
+with its endpoint and settings, but not its sockets, threads or model::
+
+    scheme = ZMQWeightSyncScheme()                      # learner
+    scheme.init_on_sender("policy", model=policy, num_workers=4)
+    ...spawn workers, passing `scheme`...
+    scheme.receive()  /  scheme.init_on_receiver(model_id="policy", model=local_policy,
+                                                  worker_idx=i); scheme.connect()
+    scheme.send()                                       # learner: every worker updated
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from zmqsync.errors import SyncTimeout
+from zmqsync.receiver import WeightReceiver
+from zmqsync.sender import WeightSender
+from zmqsync.tensors import check_fits, extract
+from zmqsync.transport import resolve
+from zmqsync.transport.base import HubTransport, SpokeTransport
+
+__all__ = ["WeightStrategy", "WeightSyncScheme"]
+
+
+class WeightStrategy:
+    """How weights are taken from a model: ``"state_dict"`` or ``"tensordict"``.
+
+    torchrl passes one of these to ``prepare_weights``; zmqsync only needs its name.
+    """
+
+    def __init__(self, extract_as: str = "tensordict") -> None:
+        self.extract_as = extract_as
+
+    def extract_weights(self, source: Any) -> Any:
+        tensors = extract(source, self.extract_as)
+        if self.extract_as == "state_dict":
+            return {".".join(k): v for k, v in tensors.items()}
+        return TensorDict(dict(tensors.items()), batch_size=[])
+
+
+def _model_from_context(context: Any, model_id: str) -> Any:
+    if context is None:
+        return None
+    getter = getattr(context, "get_model", None)
+    if callable(getter):
+        return getter(model_id)
+    return getattr(context, model_id, None)
+
+
+class WeightSyncScheme:
+    """Base of every scheme: the seeds' surface, over a transport chosen by alias.
+
+    Args:
+        strategy: ``"state_dict"`` or ``"tensordict"``; both ends must agree.
+        transport: alias of the transport (see :mod:`zmqsync.transport`).
+        endpoint: where the sender binds and workers connect; ``None`` picks a free one.
+        timeout: seconds ``send()`` waits for acks (and ``connect()`` for the sender).
+        sender_options: passed on to :class:`WeightSender` (``retain_snapshot``, ...).
+    """
+
+    _transport_alias = "memory"
+
+    def __init__(
+        self,
+        strategy: str = "tensordict",
+        *,
+        transport: str | None = None,
+        endpoint: str | None = None,
+        timeout: float = 10.0,
+        **sender_options: Any,
+    ) -> None:
+        if strategy not in ("state_dict", "tensordict"):
+            raise ValueError(f"strategy must be 'state_dict' or 'tensordict'; got {strategy!r}")
+        self.strategy = strategy
+        if transport is not None:
+            self._transport_alias = transport
+        self.endpoint = endpoint
+        self.timeout = float(timeout)
+        self.sender_options = sender_options
+        self._model_id: str | None = None
+        self._context: Any = None
+        self._model: Any = None
+        self._worker_idx: int | None = None
+        self._num_workers: int | None = None
+        self._sender: WeightSender | None = None
+        self._receiver: WeightReceiver | None = None
+
+    # --- pickling into spawned workers -----------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for runtime in ("_sender", "_receiver", "_context", "_model"):
+            state[runtime] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # --- properties (seeds) ----------------------------------------------------------
+
+    @property
+    def context(self) -> Any | None:
+        """The context object (e.g. a collector), if one was given."""
+        return self._context
+
+    @property
+    def model(self) -> Any | None:
+        """The model this side synchronizes, if known."""
+        return self._model
+
+    @property
+    def model_id(self) -> str | None:
+        """Which model this scheme synchronizes."""
+        return self._model_id
+
+    @property
+    def worker_idx(self) -> int | None:
+        """This worker's index (receiver side), else ``None``."""
+        return self._worker_idx
+
+    @property
+    def weights(self) -> Any | None:
+        """The current weights as a TensorDict (or dict, for ``state_dict``), if any."""
+        if self._receiver is not None and self._model is None:
+            return self._receiver.weights
+        if self._model is None:
+            return None
+        return WeightStrategy(self.strategy).extract_weights(self._model)
+
+    @property
+    def sender_transports(self) -> dict[int, HubTransport]:
+        """Per-worker transports; ZeroMQ schemes share one (see :attr:`shared_transport`)."""
+        return {}
+
+    @property
+    def shared_transport(self) -> HubTransport | None:
+        """The one hub every worker connects to (sender side)."""
+        return self._sender.transport if self._sender is not None else None
+
+    @property
+    def receiver_transport(self) -> SpokeTransport | None:
+        """This worker's transport (receiver side)."""
+        return self._receiver.transport if self._receiver is not None else None
+
+    # --- transports ------------------------------------------------------------------
+
+    def _alias_for(self, endpoint: str | None) -> str:
+        if endpoint is not None and endpoint.startswith("memory://"):
+            return "memory"
+        return self._transport_alias
+
+    def create_transport(self, *, role: str = "hub", endpoint: str | None = None,
+                         **options: Any) -> HubTransport | SpokeTransport:
+        """A new transport end: the sender's ``"hub"`` or a worker's ``"spoke"``."""
+        endpoint = endpoint if endpoint is not None else self.endpoint
+        hub_cls, spoke_cls = resolve(self._alias_for(endpoint))
+        if role == "hub":
+            return hub_cls(endpoint, **options)  # type: ignore[call-arg]
+        if role == "spoke":
+            if endpoint is None:
+                raise ValueError("a spoke needs the sender's endpoint: init the sender first")
+            return spoke_cls(endpoint, **options)  # type: ignore[call-arg]
+        raise ValueError(f"role must be 'hub' or 'spoke'; got {role!r}")
+
+    # --- sender side -----------------------------------------------------------------
+
+    def init_on_sender(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        """Set up the sender: bind the transport and start serving workers.
+
+        Args:
+            model_id: which model (``"policy"``).
+            context: optional object providing ``get_model(model_id)`` (or an attribute
+                named ``model_id``) and ``num_workers``.
+            **kwargs: ``model=``, ``num_workers=``, and any :class:`WeightSender` option.
+        """
+        if self._sender is not None:
+            raise RuntimeError("init_on_sender() was already called on this scheme")
+        self._model_id = model_id
+        self._context = context
+        model = kwargs.pop("model", None)
+        self._model = model if model is not None else _model_from_context(context, model_id)
+        num_workers = kwargs.pop("num_workers", getattr(context, "num_workers", None))
+        self._num_workers = num_workers
+        hub = self.create_transport(role="hub")
+        options = {**self.sender_options, **kwargs}
+        try:
+            self._sender = WeightSender(
+                hub,  # type: ignore[arg-type]
+                model_id=model_id,
+                model=self._model,
+                strategy=self.strategy,
+                num_workers=num_workers,
+                timeout=self.timeout,
+                mode=self._mode_name(),
+                **options,
+            )
+        except BaseException:
+            hub.close()
+            raise
+        self.endpoint = hub.endpoint
+
+    def _mode_name(self) -> str:
+        return self._transport_alias
+
+    def get_sender(self) -> WeightSender:
+        """The sender. Raises ``RuntimeError`` before :meth:`init_on_sender`."""
+        if self._sender is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: init_on_sender() has not been called yet on this scheme"
+            )
+        return self._sender
+
+    def create_sender(self) -> WeightSender:
+        """The sender, initialising it with defaults if needed (legacy)."""
+        if self._sender is None:
+            self.init_on_sender(self._model_id or "policy", self._context, model=self._model)
+        return self.get_sender()
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Send weights; returns once every targeted worker applied them."""
+        self.get_sender().send(weights, worker_ids)
+
+    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Start a send; :meth:`wait_async` completes it."""
+        self.get_sender().send_async(weights, worker_ids)
+
+    def wait_async(self) -> None:
+        """Wait for the pending :meth:`send_async`."""
+        self.get_sender().wait_async()
+
+    def update_weights(self, weights: Any = None) -> None:
+        """Send to all workers (legacy)."""
+        self.get_sender().update_weights(weights)
+
+    def status(self) -> dict[str, Any]:
+        """The sender's sync state (see :meth:`WeightSender.status`)."""
+        return self.get_sender().status()
+
+    # --- receiver side ---------------------------------------------------------------
+
+    def init_on_receiver(self, *, model_id: str = "policy", context: Any = None,
+                         **kwargs: Any) -> None:
+        """Set up a worker: build its receiver (``connect()`` then joins the fleet).
+
+        Args:
+            model_id: which model.
+            context: optional object providing the model (``get_model(model_id)``).
+            **kwargs: ``model=``, ``worker_idx=``.
+        """
+        if self._receiver is not None:
+            raise RuntimeError("init_on_receiver() was already called on this scheme")
+        if self.endpoint is None:
+            raise RuntimeError(
+                "this scheme has no endpoint: call init_on_sender() first (and pass the scheme "
+                "to the worker), or give the scheme endpoint=..."
+            )
+        self._model_id = model_id
+        self._context = context
+        model = kwargs.pop("model", None)
+        self._model = model if model is not None else _model_from_context(context, model_id)
+        self._worker_idx = int(kwargs.pop("worker_idx", self._worker_idx or 0))
+        if kwargs:
+            raise TypeError(f"unexpected arguments for init_on_receiver: {sorted(kwargs)}")
+        spoke = self.create_transport(role="spoke", identity=str(self._worker_idx))
+        self._receiver = WeightReceiver(
+            spoke,  # type: ignore[arg-type]
+            model_id=model_id,
+            model=self._model,
+            strategy=self.strategy,
+            worker_idx=self._worker_idx,
+            timeout=self.timeout,
+        )
+
+    def init_on_worker(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        """Older name of :meth:`init_on_receiver` (``model_id`` may be positional)."""
+        self.init_on_receiver(model_id=model_id, context=context, **kwargs)
+
+    def get_receiver(self) -> WeightReceiver:
+        """The receiver. Raises ``RuntimeError`` before :meth:`init_on_receiver`."""
+        if self._receiver is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: init_on_receiver()/init_on_worker() has not been "
+                "called yet on this scheme"
+            )
+        return self._receiver
+
+    def create_receiver(self) -> WeightReceiver:
+        """The receiver, initialising it with defaults if needed (legacy)."""
+        if self._receiver is None:
+            self.init_on_receiver(model_id=self._model_id or "policy", context=self._context,
+                                  model=self._model, worker_idx=self._worker_idx or 0)
+        return self.get_receiver()
+
+    def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
+        """Join up. A worker returns with the latest weights applied; a sender returns
+        once its ``num_workers`` workers have connected (else raises SyncTimeout)."""
+        if self._receiver is not None:
+            if worker_idx is not None and worker_idx != self._worker_idx:
+                raise ValueError(
+                    f"this receiver was initialised as worker {self._worker_idx}, not {worker_idx}"
+                )
+            self._receiver.connect(timeout)
+            return
+        if self._sender is not None:
+            self._wait_for_workers(self.timeout if timeout is None else timeout)
+            return
+        raise RuntimeError("connect() needs init_on_sender() or init_on_receiver() first")
+
+    def _wait_for_workers(self, timeout: float) -> None:
+        import time
+
+        sender = self.get_sender()
+        expected = set(range(sender.num_workers or 0))
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = {w["worker"] for w in sender.status()["workers"] if w.get("connected")}
+            missing = expected - seen
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise SyncTimeout(
+                    f"workers {sorted(missing)} did not connect within {timeout:g}s",
+                    missing_workers=missing,
+                )
+            time.sleep(0.01)
+
+    def receive(self, timeout: float | None = None) -> Any:
+        """Wait for a new version, apply it, return it (``None`` on timeout)."""
+        return self.get_receiver().receive(timeout)
+
+    def start_receiver_thread(self) -> None:
+        """Apply new versions in a background thread, under :attr:`lock`."""
+        self.get_receiver().start()
+
+    @property
+    def lock(self) -> Any:
+        """Hold during a forward pass: no version is applied meanwhile."""
+        return self.get_receiver().lock
+
+    # --- local helpers (seeds) -------------------------------------------------------
+
+    def prepare_weights(self, weights: Any, model_id: str, strategy: WeightStrategy | str,
+                        context: Any = None) -> Any:
+        """Resolve ``weights`` (None -> the context's or scheme's model) to a TensorDict
+        or state_dict, ready to send."""
+        name = strategy if isinstance(strategy, str) else strategy.extract_as
+        if weights is None:
+            weights = _model_from_context(context, model_id) if context is not None else self._model
+        if isinstance(weights, str):
+            weights = _model_from_context(context if context is not None else self._context, weights)
+        return WeightStrategy(name).extract_weights(weights)
+
+    def apply_weights(self, weights: TensorDictBase | dict[str, Any], inplace: bool = True) -> None:
+        """Apply ``weights`` to this side's model (all-or-nothing)."""
+        if self._model is None:
+            raise RuntimeError("this scheme has no model to apply weights to")
+        target = extract(self._model, self.strategy)
+        source = extract(weights, self.strategy)
+        missing = target.keys() - source.keys()
+        if missing:
+            key = ".".join(sorted(missing)[0])
+            from zmqsync.errors import SchemaMismatchError
+
+            raise SchemaMismatchError(f"weights lack {key!r} that the model has", key=key)
+        from zmqsync.tensors import Flattener
+
+        check_fits(Flattener(self.strategy).flatten(source).schema, target, self.strategy)
+        with torch.no_grad():
+            if inplace:
+                for key, dest in target.items():
+                    dest.copy_(source[key])
+            elif isinstance(self._model, torch.nn.Module):
+                clones = {".".join(k): v.clone() for k, v in source.items()}
+                if self.strategy == "state_dict":
+                    self._model.load_state_dict(clones, assign=True)
+                else:
+                    TensorDict(dict(source.items()), batch_size=[]).clone().to_module(self._model)
+            else:
+                raise ValueError("inplace=False needs an nn.Module model")
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close the sender or receiver and their transports. Safe to call twice."""
+        sender, self._sender = self._sender, None
+        receiver, self._receiver = self._receiver, None
+        if sender is not None:
+            sender.close()
+        if receiver is not None:
+            receiver.close()
+
+    def __enter__(self) -> WeightSyncScheme:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        side = "sender" if self._sender else "receiver" if self._receiver else "idle"
+        return (
+            f"{type(self).__name__}(strategy={self.strategy!r}, endpoint={self.endpoint!r}, "
+            f"model_id={self._model_id!r}, {side})"
+        )

@@ -1,0 +1,577 @@
+"""WeightSender: versions one model's weights and gets them to workers, acked.
+
+Threads: the hub transport is owned by whoever holds the *baton* (a lock). A background
+pump holds it almost always, reading acks and requests; ``send()`` asks for it (waking
+the pump), hands the frames to the transport, gives it back, and waits for acks on a
+condition the pump signals.
+
+Late joiners and lost messages (ZeroMQ's Clone pattern): every worker asks for a
+snapshot when it connects and again on each heartbeat, saying which version it holds.
+A worker that is behind gets the latest version addressed to it, from a copy the sender
+keeps (``retain_snapshot=True``), so it catches up without a resend to everyone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
+from zmqsync.protocol import (
+    Ack,
+    Buffer,
+    ErrorMessage,
+    Hello,
+    Message,
+    Probe,
+    ProbeRequest,
+    SnapshotRequest,
+    StatusReply,
+    StatusRequest,
+    UpToDate,
+    Weights,
+    Welcome,
+    decode,
+    encode,
+)
+from zmqsync.tensors import DEFAULT_PACK_THRESHOLD, Flat, Flattener, extract
+from zmqsync.transport.base import HubTransport, Incoming, PeerId
+
+__all__ = ["WeightSender", "WorkerInfo"]
+
+log = logging.getLogger("zmqsync.sender")
+
+#: How long the pump waits for a message before looking at its timers.
+PUMP_TICK: Final = 0.05
+#: Latencies kept for the percentiles in status().
+LATENCY_WINDOW: Final = 1000
+#: Rejection reasons kept per worker and for the sender itself.
+REASONS_KEPT: Final = 8
+
+
+def new_epoch() -> int:
+    """A random, non-zero 63-bit id for one life of a sender."""
+    return secrets.randbits(63) | 1
+
+
+@dataclass
+class WorkerInfo:
+    """What the sender knows of one worker (what ``status()`` reports)."""
+
+    worker: int
+    transport: str
+    peer: PeerId | None = None
+    pid: int = 0
+    host: str = ""
+    version: int = 0
+    epoch: int = 0
+    first_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    last_ack: float | None = None
+    last_latency: float | None = None
+    received_bytes: int = 0
+    rejected_frames: int = 0
+    rejections: deque[str] = field(default_factory=lambda: deque(maxlen=REASONS_KEPT))
+    last_repair: float = 0.0
+
+
+@dataclass
+class _Pending:
+    version: int
+    targets: frozenset[int]
+    started: float
+    deadline: float
+    frames: list[Buffer] = field(repr=False)
+    flat: Flat = field(repr=False)
+    acked: set[int] = field(default_factory=set)
+    rejected: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.targets <= (self.acked | self.rejected.keys())
+
+    @property
+    def missing(self) -> set[int]:
+        return set(self.targets - self.acked - self.rejected.keys())
+
+
+class WeightSender:
+    """Sends weights for ONE model to workers, and knows where each worker stands.
+
+    Usually built by a scheme (``scheme.init_on_sender(...)``), not by hand.
+
+    Args:
+        hub: the transport's sender end; the sender owns and closes it.
+        model_id: which model this sender synchronizes.
+        model: what ``send(weights=None)`` extracts weights from.
+        strategy: ``"state_dict"`` or ``"tensordict"``.
+        num_workers: workers ``0..num_workers-1`` that ``send()`` targets by default;
+            ``None`` targets every worker that has connected.
+        timeout: seconds ``send()`` waits for acks before raising :class:`SyncTimeout`.
+        retain_snapshot: keep a copy of the latest version for late joiners and repairs
+            (costs one model's worth of memory; without it a late joiner waits for the
+            next send).
+        heartbeat: seconds between workers' heartbeats (told to them in the Welcome).
+        repair_after: a worker still behind this long after a version was sent to it
+            gets it again, addressed.
+    """
+
+    def __init__(
+        self,
+        hub: HubTransport,
+        *,
+        model_id: str = "policy",
+        model: Any = None,
+        strategy: str = "tensordict",
+        num_workers: int | None = None,
+        timeout: float = 10.0,
+        retain_snapshot: bool = True,
+        heartbeat: float = 1.0,
+        repair_after: float = 1.0,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        mode: str = "",
+        epoch: int | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds; got {timeout}")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0; got {num_workers}")
+        self._hub = hub
+        self.model_id = model_id
+        self.model = model
+        self.strategy = strategy
+        self.num_workers = num_workers
+        self.timeout = float(timeout)
+        self.retain_snapshot = retain_snapshot
+        self.heartbeat = heartbeat
+        self.repair_after = repair_after
+        self.mode = mode or hub.name
+        self.epoch = epoch if epoch is not None else new_epoch()
+        self.version = 0
+        self._flattener = Flattener(strategy, pack_threshold=pack_threshold)
+        self._snapshot: tuple[int, list[Buffer], Flat] | None = None
+        self._pending: _Pending | None = None
+        self._async_pending = False
+        self._workers: dict[int, WorkerInfo] = {}
+        self._started = time.monotonic()
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._totals = {"versions_sent": 0, "bytes_sent": 0, "timeouts": 0, "rejected_frames": 0}
+        self._reasons: deque[str] = deque(maxlen=REASONS_KEPT)
+        self._cond = threading.Condition()
+        self._baton = threading.Lock()
+        self._baton_wanted = 0
+        self._baton_free = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._pump_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_pump, name=f"zmqsync-sender-{model_id}", daemon=True)
+        self._thread.start()
+
+    # --- public API (seeds) ----------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The address workers (and ``zmqsync status``) connect to."""
+        return self._hub.endpoint
+
+    @property
+    def transport(self) -> HubTransport:
+        return self._hub
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Send weights and return once every targeted worker has applied them.
+
+        ``weights``: ``None`` (extract from the model), an ``nn.Module``, a ``TensorDict``
+        or a ``dict`` of tensors. ``worker_ids``: ``None`` (all), an ``int`` or a list.
+
+        Raises :class:`SyncTimeout` (a ``TimeoutError``) naming the workers that did not
+        ack within ``timeout``, or :class:`WeightsRejected` if some refused the version.
+        The sender stays usable after either.
+        """
+        with self._send_lock:
+            if self._async_pending:
+                raise RuntimeError("a send_async() is still pending: call wait_async() first")
+            pending = self._start(weights, worker_ids)
+        self._finish(pending)
+
+    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Start a send and return at once; :meth:`wait_async` completes it.
+
+        Until then, do not change the weights in place: they are sent from their own
+        memory (zero-copy). Raises ``RuntimeError`` if a previous send_async is pending.
+        """
+        with self._send_lock:
+            if self._async_pending:
+                raise RuntimeError(
+                    "a send_async() is still pending: call wait_async() before the next send"
+                )
+            self._start(weights, worker_ids)
+            self._async_pending = True
+
+    def wait_async(self) -> None:
+        """Wait for the pending :meth:`send_async` to be acked (same errors as send).
+
+        Raises ``RuntimeError`` if no send_async is pending.
+        """
+        with self._send_lock:
+            if not self._async_pending or self._pending is None:
+                raise RuntimeError("no send_async() is pending: nothing to wait for")
+            pending = self._pending
+            self._async_pending = False
+        self._finish(pending)
+
+    def update_weights(self, weights: Any) -> None:
+        """Send weights to ALL workers (legacy name of ``send(weights)``)."""
+        self.send(weights)
+
+    # --- the send path ---------------------------------------------------------------
+
+    def _targets(self, worker_ids: int | list[int] | None) -> frozenset[int]:
+        if worker_ids is None:
+            if self.num_workers is not None:
+                return frozenset(range(self.num_workers))
+            with self._cond:
+                return frozenset(self._workers)
+        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        for w in ids:
+            if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+                raise ValueError(f"worker_ids must be non-negative ints; got {w!r}")
+            if self.num_workers is not None and w >= self.num_workers:
+                raise ValueError(
+                    f"worker {w} does not exist: this sender has workers 0..{self.num_workers - 1}"
+                )
+        return frozenset(ids)
+
+    def _start(self, weights: Any, worker_ids: int | list[int] | None) -> _Pending:
+        self._check_open()
+        targets = self._targets(worker_ids)
+        flat = self._flattener.flatten(extract(weights, self.strategy, model=self.model))
+        version = self.version + 1
+        message = Weights(self.model_id, version, self.epoch, flat.schema, tuple(flat.buffers))
+        frames = encode(message, schema_bytes=flat.schema_bytes)
+        now = time.monotonic()
+        pending = _Pending(version, targets, now, now + self.timeout, frames, flat)
+        with self._cond:
+            self.version = version
+            self._pending = pending
+            peers = [w.peer for i, w in self._workers.items() if i in targets and w.peer]
+            for i in targets & self._workers.keys():
+                self._workers[i].last_repair = now
+        with self._holding_baton():
+            if worker_ids is None:
+                self._hub.send_frames(frames)
+            elif peers:
+                self._hub.send_frames(frames, to=peers)
+        self._totals["versions_sent"] += 1
+        self._totals["bytes_sent"] += flat.nbytes * max(1, len(targets))
+        if self.retain_snapshot:
+            # Overlaps with the transfer: the transport sends from the model's memory
+            # while we copy it. The copy is what late joiners and repairs get later.
+            self._snapshot = None
+            copy = flat.owned_copy()
+            snap = Weights(self.model_id, version, self.epoch, copy.schema, tuple(copy.buffers))
+            self._snapshot = (version, encode(snap, schema_bytes=copy.schema_bytes), copy)
+        return pending
+
+    def _finish(self, pending: _Pending) -> None:
+        with self._cond:
+            while not pending.done and not self._closed and self._pump_error is None:
+                remaining = pending.deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if self._pending is pending:
+                self._pending = None
+            missing = pending.missing
+            rejected = dict(pending.rejected)
+        if self._pump_error is not None:
+            raise TransportError(f"the sender's transport failed: {self._pump_error}") from self._pump_error
+        if missing:
+            self._totals["timeouts"] += 1
+            # Messages still queued for the missing workers point into weights the caller
+            # may now change: drop them, so nobody ever applies a torn version. They catch
+            # up from the snapshot on their next heartbeat.
+            with self._holding_baton():
+                self._hub.purge()
+            raise SyncTimeout(self._timeout_message(pending, missing), missing_workers=missing,
+                              version=pending.version, transports=self._transport_names(missing))
+        if rejected:
+            details = "; ".join(f"worker {w}: {r}" for w, r in sorted(rejected.items()))
+            raise WeightsRejected(
+                f"version {pending.version} was rejected by {len(rejected)} worker(s): {details}",
+                rejections=rejected,
+                version=pending.version,
+            )
+        self._latencies.append(time.monotonic() - pending.started)
+
+    def _transport_names(self, workers: Iterable[int]) -> dict[int, str]:
+        with self._cond:
+            return {w: (self._workers[w].transport if w in self._workers else self.mode) for w in workers}
+
+    def _timeout_message(self, pending: _Pending, missing: set[int]) -> str:
+        now = time.monotonic()
+        parts = []
+        with self._cond:
+            for w in sorted(missing):
+                info = self._workers.get(w)
+                if info is None:
+                    parts.append(f"worker {w} never connected")
+                else:
+                    parts.append(
+                        f"worker {w} ({info.transport}, pid {info.pid or '?'}) holds version "
+                        f"{info.version}, last heard {now - info.last_seen:.1f}s ago"
+                    )
+        return (
+            f"{len(missing)} worker(s) did not ack version {pending.version} of "
+            f"{self.model_id!r} within {self.timeout:g}s: " + "; ".join(parts)
+        )
+
+    # --- the pump --------------------------------------------------------------------
+
+    class _Baton:
+        def __init__(self, sender: WeightSender) -> None:
+            self.sender = sender
+
+        def __enter__(self) -> None:
+            s = self.sender
+            with s._baton_free:
+                s._baton_wanted += 1
+            s._hub.wake()
+            s._baton.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            s = self.sender
+            s._baton.release()
+            with s._baton_free:
+                s._baton_wanted -= 1
+                s._baton_free.notify_all()
+
+    def _holding_baton(self) -> WeightSender._Baton:
+        return WeightSender._Baton(self)
+
+    def _run_pump(self) -> None:
+        try:
+            while not self._closed:
+                with self._baton_free:
+                    while self._baton_wanted and not self._closed:
+                        self._baton_free.wait(PUMP_TICK)
+                with self._baton:
+                    if self._closed:
+                        break
+                    incoming = self._hub.recv_frames(PUMP_TICK)
+                    while incoming is not None:
+                        self._handle(incoming)
+                        if self._baton_wanted:
+                            break
+                        incoming = self._hub.recv_frames(0)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to send() and status()
+            if not self._closed:
+                log.exception("zmqsync sender pump stopped")
+                self._pump_error = exc
+                with self._cond:
+                    self._cond.notify_all()
+
+    def _reject(self, reason: str, worker: int | None = None) -> None:
+        self._totals["rejected_frames"] += 1
+        self._reasons.append(reason)
+        if worker is not None and worker in self._workers:
+            self._workers[worker].rejected_frames += 1
+            self._workers[worker].rejections.append(reason)
+        log.warning("rejected a message: %s", reason)
+
+    def _reply(self, peer: PeerId | None, message: Message) -> None:
+        if peer is not None:
+            self._hub.send_frames(encode(message), to=[peer])
+
+    def _handle(self, incoming: Incoming) -> None:
+        try:
+            message = decode(incoming.frames)
+        except FrameError as exc:
+            self._reject(f"malformed message: {exc}")
+            self._reply(incoming.peer, ErrorMessage(self.model_id, "malformed", str(exc)[:500]))
+            return
+        if isinstance(message, StatusRequest):
+            self._reply(incoming.peer, StatusReply(self.model_id, self.version, self.epoch, self.status()))
+            return
+        if message.model_id != self.model_id:
+            reason = f"message for model {message.model_id!r} reached the sender of {self.model_id!r}"
+            self._reject(reason)
+            self._reply(incoming.peer, ErrorMessage(self.model_id, "wrong-model", reason))
+            return
+        if isinstance(message, Ack):
+            self._on_ack(message)
+        elif isinstance(message, Hello):
+            self._on_hello(message, incoming.peer)
+        elif isinstance(message, SnapshotRequest):
+            self._on_snapshot_request(message, incoming.peer)
+        elif isinstance(message, ProbeRequest):
+            self._seen(message.worker, incoming.peer)
+            # Down the fan-out path: arriving proves the worker's subscription is live.
+            self._hub.send_frames(encode(Probe(self.model_id, message.worker, message.nonce)))
+        else:
+            reason = f"unexpected {type(message).__name__} message at the sender"
+            self._reject(reason)
+            self._reply(incoming.peer, ErrorMessage(self.model_id, "unexpected", reason))
+
+    def _seen(self, worker: int, peer: PeerId | None) -> WorkerInfo:
+        with self._cond:
+            info = self._workers.get(worker)
+            if info is None:
+                info = self._workers[worker] = WorkerInfo(worker, self._hub.name)
+            info.last_seen = time.monotonic()
+            if peer is not None:
+                info.peer = peer
+            return info
+
+    def _on_hello(self, hello: Hello, peer: PeerId | None) -> None:
+        info = self._seen(hello.worker, peer)
+        info.pid, info.host = hello.pid, hello.host
+        if hello.epoch == self.epoch:
+            info.version = hello.version
+        announced = self._hub.announce()
+        self._reply(
+            peer,
+            Welcome(
+                self.model_id,
+                self.version,
+                self.epoch,
+                mode=self.mode,
+                strategy=self.strategy,
+                data_endpoint=str(announced.get("data_endpoint", "")),
+                ack_endpoint=str(announced.get("ack_endpoint", "")),
+                heartbeat_seconds=self.heartbeat,
+            ),
+        )
+
+    def _on_snapshot_request(self, request: SnapshotRequest, peer: PeerId | None) -> None:
+        info = self._seen(request.worker, peer)
+        behind = request.epoch != self.epoch or request.version < self.version
+        if request.epoch == self.epoch:
+            info.version = max(info.version, request.version)
+        now = time.monotonic()
+        if behind and self.version > 0 and now - info.last_repair >= self.repair_after:
+            frames = self._latest_frames()
+            if frames is not None:
+                info.last_repair = now
+                self._hub.send_frames(frames, to=[peer] if peer else None)
+                return
+        self._reply(peer, UpToDate(self.model_id, self.version, self.epoch))
+
+    def _latest_frames(self) -> list[Buffer] | None:
+        snapshot = self._snapshot
+        if snapshot is not None and snapshot[0] == self.version:
+            return snapshot[1]
+        pending = self._pending
+        if pending is not None and pending.version == self.version:
+            return pending.frames  # still owned by the sender until this send completes
+        return None
+
+    def _on_ack(self, ack: Ack) -> None:
+        now = time.monotonic()
+        info = self._seen(ack.worker, None)
+        with self._cond:
+            info.pid, info.host = ack.pid or info.pid, ack.host or info.host
+            info.received_bytes = ack.received_bytes
+            info.rejected_frames = max(info.rejected_frames, ack.rejected_frames)
+            if ack.epoch == self.epoch and ack.applied:
+                info.version = max(info.version, ack.version)
+                info.epoch = ack.epoch
+                info.last_ack = now
+            if not ack.applied:
+                info.rejections.append(ack.reason)
+            pending = self._pending
+            if pending is not None and ack.worker in pending.targets and ack.epoch == self.epoch:
+                if ack.applied and ack.version >= pending.version:
+                    if ack.worker not in pending.acked:
+                        info.last_latency = now - pending.started
+                    pending.acked.add(ack.worker)
+                    pending.rejected.pop(ack.worker, None)
+                elif not ack.applied and ack.version == pending.version:
+                    pending.rejected[ack.worker] = ack.reason
+                if pending.done:
+                    self._cond.notify_all()
+
+    # --- status & lifecycle ----------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The sync state as a JSON-ready dict (what ``zmqsync status`` shows)."""
+        now = time.monotonic()
+        lat = sorted(self._latencies)
+
+        def pct(p: float) -> float | None:
+            return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else None
+
+        with self._cond:
+            expected = set(range(self.num_workers)) if self.num_workers is not None else set()
+            workers = []
+            for w in sorted(expected | self._workers.keys()):
+                info = self._workers.get(w)
+                if info is None:
+                    workers.append({"worker": w, "connected": False, "version": 0, "lag": self.version})
+                    continue
+                version = info.version if info.epoch in (self.epoch, 0) else 0
+                workers.append(
+                    {
+                        "worker": w,
+                        "connected": True,
+                        "transport": info.transport,
+                        "host": info.host,
+                        "pid": info.pid,
+                        "version": version,
+                        "lag": max(0, self.version - version),
+                        "since_last_ack_s": None if info.last_ack is None else now - info.last_ack,
+                        "since_last_seen_s": now - info.last_seen,
+                        "last_latency_s": info.last_latency,
+                        "received_bytes": info.received_bytes,
+                        "rejected_frames": info.rejected_frames,
+                        "rejections": list(info.rejections),
+                    }
+                )
+        return {
+            "model_id": self.model_id,
+            "version": self.version,
+            "epoch": self.epoch,
+            "mode": self.mode,
+            "endpoint": self.endpoint,
+            "strategy": self.strategy,
+            "uptime_s": now - self._started,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "workers": workers,
+            "totals": {
+                **self._totals,
+                "latency_p50_s": pct(0.5),
+                "latency_p90_s": pct(0.9),
+                "latency_p99_s": pct(0.99),
+                "rejections": list(self._reasons),
+                **self._hub.counters(),
+            },
+        }
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this sender is shut down")
+
+    def close(self) -> None:
+        """Stop the pump and close the transport. Idempotent; never waits on a peer."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._cond.notify_all()
+        self._hub.wake()
+        self._thread.join(timeout=5)
+        self._hub.close()
+        self._snapshot = None

@@ -1,0 +1,350 @@
+"""Weights as tensors: extract them, flatten them to buffers, apply buffers in place.
+
+The only module that imports torch and tensordict.
+
+- :func:`extract` turns ``None`` (the scheme's model), an ``nn.Module``, a ``TensorDict``
+  or a ``dict`` of tensors into ``{key_path: tensor}`` for a strategy: ``"state_dict"``
+  (flat dotted names, as ``module.state_dict()``) or ``"tensordict"`` (nested keys, as
+  ``TensorDict.from_module``; includes non-persistent buffers).
+- :class:`Flattener` lays them out as buffers without copying: large tensors are sent
+  straight from their own memory; tensors under ``pack_threshold`` bytes are packed into
+  one buffer (one copy of a few bytes beats thousands of frames).
+- :func:`apply_weights` copies a received message into a model's tensors in place,
+  all-or-nothing: every key, dtype and shape is checked before the first byte moves.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeAlias
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from zmqsync.errors import SchemaMismatchError
+from zmqsync.protocol import (
+    DTYPE_ITEMSIZE,
+    STRATEGIES,
+    Buffer,
+    TensorEntry,
+    Weights,
+    WeightsSchema,
+    encode_schema,
+)
+
+__all__ = [
+    "DEFAULT_PACK_THRESHOLD",
+    "Flat",
+    "Flattener",
+    "KeyPath",
+    "apply_weights",
+    "checksum",
+    "dtype_name",
+    "extract",
+    "materialize",
+    "torch_dtype",
+]
+
+KeyPath: TypeAlias = tuple[str, ...]
+#: Tensors smaller than this travel packed together in one buffer. Below ~64 KiB the cost
+#: of a frame (a syscall's share, a Python object, a zero-copy release callback) exceeds
+#: the cost of copying the bytes once.
+DEFAULT_PACK_THRESHOLD: Final = 64 * 1024
+#: Each dtype group in the packed buffer starts on this boundary, so a receiver can view
+#: a group as its dtype (complex128 is the widest element).
+_PACK_ALIGN: Final = 16
+
+_DTYPES: Final[dict[str, torch.dtype]] = {
+    name: getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name)
+}
+_NAMES: Final[dict[torch.dtype, str]] = {dt: name for name, dt in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The protocol's name for a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise SchemaMismatchError(f"dtype {dtype} cannot be sent by zmqsync") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a protocol dtype name."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise SchemaMismatchError(
+            f"dtype {name!r} is not available in this torch ({torch.__version__})"
+        ) from None
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
+
+
+def extract(weights: Any, strategy: str, *, model: Any = None) -> dict[KeyPath, torch.Tensor]:
+    """``{key_path: tensor}`` of ``weights`` (or of ``model`` when ``weights`` is None).
+
+    Tensors are detached views of the originals: nothing is copied.
+    """
+    _check_strategy(strategy)
+    source = model if weights is None else weights
+    if source is None:
+        raise ValueError(
+            "no weights to send: pass weights=, or give the scheme a model "
+            "(init_on_sender(model_id, model=...))"
+        )
+    if isinstance(source, torch.nn.Module):
+        if strategy == "state_dict":
+            return {(k,): v.detach() for k, v in source.state_dict(keep_vars=True).items()}
+        source = TensorDict.from_module(source)
+    if isinstance(source, TensorDictBase):
+        if strategy == "state_dict":
+            source = source.flatten_keys(".")
+        out: dict[KeyPath, torch.Tensor] = {}
+        for key, value in source.items(include_nested=True, leaves_only=True):
+            path = (key,) if isinstance(key, str) else tuple(key)
+            out[path] = _as_tensor(path, value)
+        return out
+    if isinstance(source, Mapping):
+        return {
+            ((".".join(path),) if strategy == "state_dict" else path): _as_tensor(path, value)
+            for path, value in _walk(source, ())
+        }
+    raise TypeError(
+        f"cannot take weights from a {type(source).__name__}; pass an nn.Module, a TensorDict "
+        "or a dict of tensors"
+    )
+
+
+def _walk(mapping: Mapping[Any, Any], prefix: KeyPath) -> Iterable[tuple[KeyPath, Any]]:
+    for key, value in mapping.items():
+        path = (*prefix, str(key))
+        if isinstance(value, Mapping | TensorDictBase):
+            yield from _walk(value, path)
+        else:
+            yield path, value
+
+
+def _as_tensor(path: KeyPath, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"weights entry {'.'.join(path)!r} is a {type(value).__name__}, not a tensor")
+    return value.detach()
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class Flat:
+    """Weights laid out for the wire: a schema and buffers that view the tensors' memory.
+
+    ``keepalive`` holds the tensors the buffers point into. Until the send that uses
+    them has completed, changing those tensors changes what is sent.
+    """
+
+    schema: WeightsSchema
+    schema_bytes: bytes
+    buffers: list[Buffer]
+    nbytes: int
+    keepalive: list[torch.Tensor] = field(repr=False)
+
+    def owned_copy(self) -> Flat:
+        """A copy whose buffers own their bytes: what a sender keeps for late joiners."""
+        copies = [t.clone() for t in self.keepalive]
+        return Flat(
+            self.schema,
+            self.schema_bytes,
+            [memoryview(c.numpy()) for c in copies],
+            self.nbytes,
+            copies,
+        )
+
+
+class Flattener:
+    """Flattens tensors to (schema, buffers), remembering the layout between versions.
+
+    A sender sends the same layout every version; the schema and its JSON are built once
+    and reused while keys, dtypes and shapes stay the same.
+    """
+
+    def __init__(self, strategy: str, *, pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> None:
+        _check_strategy(strategy)
+        self.strategy = strategy
+        self.pack_threshold = pack_threshold
+        self._layout_key: tuple[Any, ...] | None = None
+        self._schema: WeightsSchema | None = None
+        self._schema_bytes = b""
+
+    def flatten(self, tensors: Mapping[KeyPath, torch.Tensor]) -> Flat:
+        big: list[tuple[KeyPath, torch.Tensor]] = []
+        small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
+        for path, tensor in tensors.items():
+            t = tensor
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            if t.nbytes < self.pack_threshold:
+                small.setdefault(t.dtype, []).append((path, t))
+            else:
+                big.append((path, t))
+        layout_key = (
+            tuple((p, t.dtype, t.shape) for p, t in big),
+            tuple((p, t.dtype, t.shape) for group in small.values() for p, t in group),
+        )
+        keepalive = [_byte_view(t) for _, t in big]
+        if small:
+            # One cat per dtype, then one byte view per group: a dtype-changing view per
+            # tensor would cost more than the copy for thousands of small tensors.
+            parts: list[torch.Tensor] = []
+            offset = 0
+            for group in small.values():
+                pad = -offset % _PACK_ALIGN
+                if pad:
+                    parts.append(torch.zeros(pad, dtype=torch.uint8))
+                    offset += pad
+                packed = _byte_view(torch.cat([t.reshape(-1) for _, t in group]))
+                parts.append(packed)
+                offset += packed.numel()
+            keepalive.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        if layout_key != self._layout_key:
+            self._schema = self._layout(big, small)
+            self._schema_bytes = encode_schema(self._schema)
+            self._layout_key = layout_key
+        assert self._schema is not None
+        buffers: list[Buffer] = [memoryview(v.numpy()) for v in keepalive]
+        nbytes = sum(v.numel() for v in keepalive)
+        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive)
+
+    def _layout(
+        self,
+        big: list[tuple[KeyPath, torch.Tensor]],
+        small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]],
+    ) -> WeightsSchema:
+        entries = [
+            TensorEntry(p, dtype_name(t.dtype), tuple(t.shape), i, 0, t.nbytes)
+            for i, (p, t) in enumerate(big)
+        ]
+        offset = 0
+        for group in small.values():
+            offset += -offset % _PACK_ALIGN
+            for p, t in group:
+                entries.append(
+                    TensorEntry(p, dtype_name(t.dtype), tuple(t.shape), len(big), offset, t.nbytes)
+                )
+                offset += t.nbytes
+        return WeightsSchema(self.strategy, tuple(entries))
+
+
+def _source_views(message: Weights) -> list[torch.Tensor | None]:
+    views: list[torch.Tensor | None] = []
+    with warnings.catch_warnings():
+        # Received frames may be read-only; we only ever read from these views.
+        warnings.simplefilter("ignore", UserWarning)
+        for buf in message.buffers:
+            views.append(torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else None)
+    return views
+
+
+def _entry_bytes(views: list[torch.Tensor | None], entry: TensorEntry) -> torch.Tensor:
+    view = views[entry.buffer]
+    assert view is not None
+    return view[entry.offset : entry.offset + entry.nbytes]
+
+
+def check_fits(schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], strategy: str) -> None:
+    """Raise :class:`SchemaMismatchError` unless ``schema`` fits ``target`` exactly."""
+    if schema.strategy != strategy:
+        raise SchemaMismatchError(
+            f"weights were sent with strategy {schema.strategy!r} but this receiver uses "
+            f"{strategy!r}; give both sides the same strategy"
+        )
+    sent = {e.key for e in schema.entries}
+    missing = [k for k in target if k not in sent]
+    if missing:
+        key = ".".join(missing[0])
+        raise SchemaMismatchError(
+            f"weights lack {key!r} (and {len(missing) - 1} more) that the model has", key=key
+        )
+    for e in schema.entries:
+        dest = target.get(e.key)
+        if dest is None:
+            raise SchemaMismatchError(f"weights carry {e.dotted_key!r}, which the model lacks", key=e.dotted_key)
+        if dtype_name(dest.dtype) != e.dtype:
+            raise SchemaMismatchError(
+                f"{e.dotted_key!r} is {e.dtype} in the weights but {dtype_name(dest.dtype)} "
+                "in the model",
+                key=e.dotted_key,
+            )
+        if tuple(dest.shape) != e.shape:
+            raise SchemaMismatchError(
+                f"{e.dotted_key!r} has shape {list(e.shape)} in the weights but "
+                f"{list(dest.shape)} in the model",
+                key=e.dotted_key,
+            )
+
+
+def apply_weights(message: Weights, target: Mapping[KeyPath, torch.Tensor], strategy: str) -> None:
+    """Copy ``message`` into ``target``'s tensors in place, all or nothing.
+
+    Every key, dtype and shape is checked first; :class:`SchemaMismatchError` names the
+    first that does not fit, and then nothing has been copied.
+    """
+    check_fits(message.schema, target, strategy)
+    views = _source_views(message)
+    fast_dst: list[torch.Tensor] = []
+    fast_src: list[torch.Tensor] = []
+    with torch.no_grad():
+        for e in message.schema.entries:
+            if e.nbytes == 0:
+                continue
+            dest = target[e.key]
+            src = _entry_bytes(views, e)
+            if dest.is_contiguous() and dest.device.type == "cpu":
+                fast_dst.append(_byte_view(dest))
+                fast_src.append(src)
+            elif dest.is_contiguous():
+                _byte_view(dest).copy_(src, non_blocking=False)
+            else:
+                dest.copy_(src.clone().view(dest.dtype).reshape(dest.shape))
+        if fast_dst:
+            torch._foreach_copy_(fast_dst, fast_src)
+
+
+def materialize(message: Weights) -> dict[KeyPath, torch.Tensor]:
+    """Fresh tensors holding a message's weights (they alias nothing)."""
+    views = _source_views(message)
+    out: dict[KeyPath, torch.Tensor] = {}
+    for e in message.schema.entries:
+        tensor = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
+        if e.nbytes:
+            _byte_view(tensor).copy_(_entry_bytes(views, e))
+        out[e.key] = tensor
+    return out
+
+
+def as_weights_object(tensors: Mapping[KeyPath, torch.Tensor], strategy: str) -> Any:
+    """What ``receive()`` returns: a state_dict-like ``dict`` or a nested ``TensorDict``."""
+    if strategy == "state_dict":
+        return {".".join(k): v for k, v in tensors.items()}
+    return TensorDict({k: v for k, v in tensors.items()}, batch_size=[])
+
+
+def checksum(weights: Any, strategy: str = "state_dict") -> str:
+    """A hex digest of weights' keys, dtypes, shapes and bytes (for tests and status)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for path, tensor in sorted(extract(weights, strategy).items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(repr((path, dtype_name(t.dtype), tuple(t.shape))).encode())
+        if t.numel():
+            h.update(np.ascontiguousarray(_byte_view(t).numpy()).tobytes())
+    return h.hexdigest()

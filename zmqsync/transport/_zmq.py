@@ -1,0 +1,481 @@
+"""What the ZeroMQ adapters share: endpoints, sockets, polling, error translation.
+
+Every hub binds a ROUTER on the endpoint the user gave (requests in, addressed messages
+out) and a PULL for acks; the pub/sub hub adds a PUB for fan-out. Every spoke connects a
+DEALER to the ROUTER, a PUSH to the PULL and, for pub/sub, a SUB to the PUB. Spokes learn
+the data and ack addresses from the hub's Welcome, so a user names one endpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any, Final
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from zmqsync.errors import EndpointError, TransportClosed, TransportError
+from zmqsync.protocol import Buffer, Kind, peek_kind
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
+
+__all__ = [
+    "ZMQHub",
+    "ZMQSpoke",
+    "default_endpoint",
+    "derive_endpoint",
+    "parse_endpoint",
+]
+
+#: Prefix of every spoke's routing id: lets a router hub tell workers from CLI clients.
+SPOKE_PREFIX: Final = b"zmqsync-spoke:"
+#: Queued messages per peer before ZeroMQ drops new ones. Weights messages are large and
+#: a worker only ever wants the newest, so a deep queue would only hold memory.
+DATA_HWM: Final = 8
+#: Requests and acks are small; a sender falling behind on them is the problem to see.
+CONTROL_HWM: Final = 10_000
+#: How long bind() retries an address a just-closed socket may still hold.
+REBIND_SECONDS: Final = 2.0
+_HANDSHAKE_FAILED: Final = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/\[\]]+):(?P<port>\d+|\*)$")
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, str]:
+    """Split ``scheme://address`` and check it is one ZeroMQ can use.
+
+    >>> parse_endpoint("tcp://127.0.0.1:5555")
+    ('tcp', '127.0.0.1:5555')
+    """
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        raise EndpointError(
+            f"endpoint {endpoint!r} is not an address; use tcp://HOST:PORT, ipc:///PATH "
+            "or inproc://NAME"
+        )
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "tcp":
+        m = _TCP.match(endpoint)
+        if not m or (m["port"] != "*" and not 0 <= int(m["port"]) <= 65535):
+            raise EndpointError(
+                f"tcp endpoint {endpoint!r} needs a host and a port: tcp://127.0.0.1:5555, "
+                "or tcp://127.0.0.1:* for any free port"
+            )
+    elif scheme == "ipc":
+        if not rest or len(rest.encode()) > 100:
+            raise EndpointError(
+                f"ipc endpoint {endpoint!r} needs a path of at most 100 bytes "
+                "(the kernel's limit for unix sockets)"
+            )
+    elif scheme == "inproc":
+        if not rest:
+            raise EndpointError(f"inproc endpoint {endpoint!r} needs a name: inproc://NAME")
+    else:
+        raise EndpointError(
+            f"endpoint scheme {scheme!r} is not supported by ZeroMQ transports; "
+            "use tcp://, ipc:// or inproc://"
+        )
+    return scheme, rest
+
+
+def derive_endpoint(endpoint: str, suffix: str, port_offset: int) -> str:
+    """The address of a hub's second or third socket, next to its main endpoint.
+
+    ipc and inproc get a suffix; tcp gets the next ports, or any free port when the main
+    one was chosen freely (the real address then travels in the Welcome).
+    """
+    scheme, rest = parse_endpoint(endpoint)
+    if scheme == "tcp":
+        m = _TCP.match(endpoint)
+        assert m is not None
+        port = m["port"]
+        new_port = "*" if port in ("*", "0") else str(int(port) + port_offset)
+        return f"tcp://{m['host']}:{new_port}"
+    return f"{endpoint}-{suffix}"
+
+
+def default_endpoint() -> tuple[str, str]:
+    """A fresh ipc endpoint in a private temp dir: ``(endpoint, dir_to_remove)``."""
+    tmp = tempfile.mkdtemp(prefix="zmqsync-")
+    os.chmod(tmp, 0o700)
+    return f"ipc://{tmp}/hub", tmp
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ipc/inproc and tcp on 127.x / ::1 / localhost."""
+    scheme, rest = parse_endpoint(endpoint)
+    if scheme != "tcp":
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def connect_address(announced: str, main_endpoint: str) -> str:
+    """Where a spoke connects for an address its hub announced.
+
+    A hub bound on a wildcard host (``0.0.0.0``, ``*``) announces that; the spoke
+    connects to the host it already reached the hub on instead.
+    """
+    m = _TCP.match(announced)
+    if not m or m["host"] not in ("0.0.0.0", "*", "[::]", "[::0]"):
+        return announced
+    main = _TCP.match(main_endpoint)
+    if main is None:
+        return announced
+    return f"tcp://{main['host']}:{m['port']}"
+
+
+@contextlib.contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Raise ZeroMQ's errors as TransportError, chained, at the adapter edge."""
+    try:
+        yield
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.ETERM:
+            raise TransportClosed(f"{what}: the ZeroMQ context was terminated") from exc
+        raise TransportError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
+
+
+def _buffers(frames: list[zmq.Frame]) -> list[Buffer]:
+    return [f.buffer for f in frames]
+
+
+class _Sockets:
+    """A set of sockets, a poller over them, and one wake-up pair for other threads."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        self.context = context
+        self.poller = zmq.Poller()
+        self.sockets: list[zmq.Socket[Any]] = []
+        self._wake_addr = f"inproc://zmqsync-wake-{secrets.token_hex(8)}"
+        self.wake_rx = self.add(zmq.PAIR)
+        self.wake_rx.bind(self._wake_addr)
+        self._wake_tx = self.add(zmq.PAIR, poll=False)
+        self._wake_tx.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self.closed = False
+
+    def add(self, kind: int, *, poll: bool = True, hwm: int = CONTROL_HWM) -> zmq.Socket[Any]:
+        sock = self.context.socket(kind)
+        sock.linger = 0
+        sock.sndhwm = hwm
+        sock.rcvhwm = hwm
+        self.sockets.append(sock)
+        if poll:
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def discard(self, sock: zmq.Socket[Any]) -> None:
+        with contextlib.suppress(KeyError):
+            self.poller.unregister(sock)
+        with contextlib.suppress(ValueError):
+            self.sockets.remove(sock)
+        sock.close(linger=0)
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            if not self.closed:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    def poll(self, timeout: float | None) -> dict[zmq.Socket[Any], int]:
+        ms = None if timeout is None else max(0, int(timeout * 1000))
+        events = dict(self.poller.poll(ms))
+        if self.wake_rx in events:
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    self.wake_rx.recv(zmq.NOBLOCK)
+        return events
+
+    def close(self) -> None:
+        with self._wake_lock:
+            if self.closed:
+                return
+            self.closed = True
+            for sock in self.sockets:
+                sock.close(linger=0)
+            self.sockets.clear()
+
+
+def _bind(sock: zmq.Socket[Any], endpoint: str) -> str:
+    """Bind, retrying briefly while a just-closed socket still holds the address."""
+    deadline = time.monotonic() + REBIND_SECONDS
+    while True:
+        try:
+            if endpoint.endswith(":*") or endpoint.endswith(":0"):
+                port = sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+                return f"{endpoint.rsplit(':', 1)[0]}:{port}"
+            sock.bind(endpoint)
+            return str(sock.last_endpoint.decode())
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise TransportError(
+                    f"cannot bind {endpoint}: {exc.strerror}"
+                    + (
+                        "; another process holds it: pick another endpoint"
+                        if exc.errno == zmq.EADDRINUSE
+                        else ""
+                    )
+                ) from exc
+            time.sleep(0.02)
+
+
+class ZMQHub(HubTransport):
+    """Base of the ZeroMQ hubs: ROUTER for requests and addressed sends, PULL for acks.
+
+    Subclasses choose how ``send_frames(to=None)`` fans out.
+    """
+
+    name = "zmq"
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        ack_endpoint: str | None = None,
+        context: zmq.Context[Any] | None = None,
+        max_request_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self._tmpdir: str | None = None
+        if endpoint is None:
+            endpoint, self._tmpdir = default_endpoint()
+        parse_endpoint(endpoint)
+        self._context = context or zmq.Context.instance()
+        self._max_request_bytes = max_request_bytes
+        self._socks = _Sockets(self._context)
+        self._counters = {"handshake_failures": 0, "dropped_sends": 0, "oversized": 0}
+        self._peers: set[PeerId] = set()
+        self._closed = False
+        self._monitors: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
+        try:
+            with translated(f"binding {endpoint}"):
+                self._router = self._new_router()
+                self._endpoint = _bind(self._router, endpoint)
+                self._pull = self._socks.add(zmq.PULL)
+                self._pull.maxmsgsize = max_request_bytes
+                self._monitor(self._pull)
+                self._ack_endpoint = _bind(
+                    self._pull, ack_endpoint or derive_endpoint(endpoint, "acks", 2)
+                )
+                self._bind_data(endpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- subclass hooks --------------------------------------------------------------
+
+    def _bind_data(self, endpoint: str) -> None:
+        """Bind the fan-out socket, if the adapter has one."""
+
+    def _fan_out(self, frames: Sequence[Buffer]) -> None:
+        raise NotImplementedError
+
+    # --- sockets ---------------------------------------------------------------------
+
+    def _new_router(self) -> zmq.Socket[Any]:
+        router = self._socks.add(zmq.ROUTER, hwm=DATA_HWM)
+        router.router_mandatory = 1
+        router.router_handover = 1
+        router.maxmsgsize = self._max_request_bytes
+        router.sndtimeo = 0
+        self._monitor(router)
+        return router
+
+    def _monitor(self, sock: zmq.Socket[Any]) -> None:
+        mon = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self._monitors[sock] = mon
+        self._socks.poller.register(mon, zmq.POLLIN)
+
+    def _unmonitor(self, sock: zmq.Socket[Any]) -> None:
+        mon = self._monitors.pop(sock, None)
+        if mon is not None:
+            with contextlib.suppress(KeyError):
+                self._socks.poller.unregister(mon)
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            mon.close(linger=0)
+
+    def _drain_monitor(self, mon: zmq.Socket[Any]) -> None:
+        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+            while True:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)
+                if event["event"] & _HANDSHAKE_FAILED:
+                    self._counters["handshake_failures"] += 1
+
+    # --- HubTransport ----------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"hub at {self._endpoint} is closed")
+
+    def announce(self) -> dict[str, Any]:
+        return {"ack_endpoint": self._ack_endpoint}
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counters)
+
+    def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
+        self._check_open()
+        with translated(f"sending from {self._endpoint}"):
+            if to is None:
+                self._fan_out(frames)
+            else:
+                for peer in to:
+                    self._send_to(peer, frames)
+
+    def _send_to(self, peer: PeerId, frames: Sequence[Buffer]) -> None:
+        try:
+            self._router.send(peer, zmq.SNDMORE | zmq.NOBLOCK)
+            self._router.send_multipart(frames, copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            # Gone, or its queue is full: the sync layer sees the missing ack and repairs.
+            self._counters["dropped_sends"] += 1
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._peers.discard(peer)
+
+    def recv_frames(self, timeout: float | None) -> Incoming | None:
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with translated(f"receiving on {self._endpoint}"):
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                events = self._socks.poll(remaining)
+                for mon in self._monitors.values():
+                    if mon in events:
+                        self._drain_monitor(mon)
+                if self._router in events:
+                    with contextlib.suppress(zmq.Again):
+                        parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        peer = parts[0].bytes
+                        if peer.startswith(SPOKE_PREFIX):
+                            self._peers.add(peer)
+                        return Incoming(_buffers(parts[1:]), peer)
+                if self._pull in events:
+                    with contextlib.suppress(zmq.Again):
+                        return Incoming(_buffers(self._pull.recv_multipart(zmq.NOBLOCK, copy=False)))
+                woken = self._socks.wake_rx in events
+                if woken or remaining == 0 or (deadline is None and not events):
+                    return None
+
+    def wake(self) -> None:
+        self._socks.wake()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in list(self._monitors):
+            self._unmonitor(sock)
+        self._socks.close()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+class ZMQSpoke(SpokeTransport):
+    """A worker's ZeroMQ end: DEALER to the hub's ROUTER, PUSH for acks, SUB for fan-out."""
+
+    name = "zmq"
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        identity: str = "",
+        context: zmq.Context[Any] | None = None,
+        max_message_bytes: int = -1,
+    ) -> None:
+        parse_endpoint(endpoint)
+        self._endpoint = endpoint
+        self._context = context or zmq.Context.instance()
+        self._socks = _Sockets(self._context)
+        self._max_message_bytes = max_message_bytes
+        self._closed = False
+        self.peer_id: PeerId = SPOKE_PREFIX + f"{identity}:{secrets.token_hex(6)}".encode()
+        self._push: zmq.Socket[Any] | None = None
+        self._sub: zmq.Socket[Any] | None = None
+        self._ack_address = ""
+        self._data_address = ""
+        with translated(f"connecting to {endpoint}"):
+            self._dealer = self._socks.add(zmq.DEALER)
+            self._dealer.routing_id = self.peer_id
+            self._dealer.maxmsgsize = max_message_bytes
+            self._dealer.sndtimeo = 0
+            self._dealer.connect(endpoint)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def follow(self, announced: dict[str, Any]) -> None:
+        with translated(f"following {self._endpoint}"):
+            ack = connect_address(str(announced.get("ack_endpoint") or ""), self._endpoint)
+            if ack and ack != self._ack_address:
+                if self._push is not None:
+                    self._socks.discard(self._push)
+                self._push = self._socks.add(zmq.PUSH, poll=False)
+                self._push.sndtimeo = 0
+                self._push.connect(ack)
+                self._ack_address = ack
+            data = connect_address(str(announced.get("data_endpoint") or ""), self._endpoint)
+            if data and data != self._data_address:
+                if self._sub is not None:
+                    self._socks.discard(self._sub)
+                self._sub = self._socks.add(zmq.SUB, hwm=DATA_HWM)
+                self._sub.maxmsgsize = self._max_message_bytes
+                self._sub.subscribe(b"")
+                self._sub.connect(data)
+                self._data_address = data
+
+    def send_frames(self, frames: Sequence[Buffer]) -> None:
+        if self._closed:
+            raise TransportClosed(f"spoke of {self._endpoint} is closed")
+        # DESIGN: acks travel PUSH -> PULL; everything else is a request to the ROUTER.
+        sock = self._push if self._push is not None and peek_kind(frames[0]) is Kind.ACK else None
+        with translated(f"sending to {self._endpoint}"):
+            try:
+                (sock or self._dealer).send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # not connected yet, or the hub is not reading: a lost request is retried
+
+    def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
+        if self._closed:
+            raise TransportClosed(f"spoke of {self._endpoint} is closed")
+        with translated(f"receiving from {self._endpoint}"):
+            events = self._socks.poll(timeout)
+            for sock in (self._dealer, self._sub):
+                if sock is not None and sock in events:
+                    with contextlib.suppress(zmq.Again):
+                        return _buffers(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        return None
+
+    def wake(self) -> None:
+        self._socks.wake()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._socks.close()

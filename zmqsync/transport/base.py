@@ -1,0 +1,122 @@
+"""The transport contract: move ordered lists of byte buffers between a hub and spokes.
+
+A fleet has one **hub** (the sender's end) and many **spokes** (one per worker). A
+transport knows nothing of versions, models or acks: it moves ``list[Buffer]`` messages,
+whole and in order per peer, and says who sent what.
+
+Contract, for every adapter (``zmqsync.testing.check_transport`` tests it):
+
+- ``send_frames(frames)`` sends one message. It never blocks longer than the
+  transport's own short send timeout; a message a peer cannot take right now (gone, or
+  its queue full) is dropped for that peer, silently: the sync layer above notices the
+  missing ack and repairs it.
+- Hub ``send_frames(frames, to=None)`` fans out to every connected spoke;
+  ``to=[peer, ...]`` sends to exactly those peers, over the transport's reliable
+  addressed path.
+- ``recv_frames(timeout)`` returns the next message, or ``None`` when ``timeout``
+  seconds pass first (``0`` polls, ``None`` waits until ``wake()`` or a message). A
+  hub's messages come as :class:`Incoming` with the sender's ``peer`` id.
+- Received buffers belong to the caller; they never alias the sending side's memory
+  once the send has completed... except over ``inproc``, where they may, which is why
+  receivers always copy before keeping anything.
+- ``wake()`` is the only method that may be called from another thread: it makes a
+  blocked ``recv_frames`` return ``None`` promptly.
+- ``close()`` is idempotent and never waits on a dead peer (linger 0). Any other call
+  after it raises :class:`~zmqsync.errors.TransportClosed`.
+- Backend errors are raised as :class:`~zmqsync.errors.TransportError`, chained.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zmqsync.protocol import Buffer
+
+__all__ = ["HubTransport", "Incoming", "PeerId", "SpokeTransport"]
+
+#: Opaque id of a spoke as its hub sees it (a ZeroMQ routing id, a pipe index, ...).
+PeerId = bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A message a hub received, and the peer to address a reply to (if any)."""
+
+    frames: list[Buffer] = field(repr=False)
+    peer: PeerId | None = None
+
+
+class _Closable(abc.ABC):
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every resource. Closing twice silently succeeds."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    def __enter__(self) -> _Closable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HubTransport(_Closable):
+    """The sender's end: fans out to spokes, hears from each of them."""
+
+    #: Short name shown in status ("zmq-pubsub", "memory", ...).
+    name: str = "hub"
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """The address spokes connect to."""
+
+    @abc.abstractmethod
+    def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
+        """Send one message to every spoke (``to=None``) or exactly the given peers."""
+
+    @abc.abstractmethod
+    def recv_frames(self, timeout: float | None) -> Incoming | None:
+        """The next message from any spoke, or ``None`` after ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Thread-safe: make a blocked :meth:`recv_frames` return ``None`` now."""
+
+    def purge(self) -> None:
+        """Drop every queued outgoing message.
+
+        Called after a send timed out: queued messages may reference tensors that the
+        caller is about to change, and must not reach a worker later, torn. Adapters that
+        copy on send have nothing to drop.
+        """
+
+    def announce(self) -> dict[str, Any]:
+        """Extra addresses a spoke needs (the sender puts them in its Welcome)."""
+        return {}
+
+    def counters(self) -> dict[str, int]:
+        """Transport-level counts (rejected connections, dropped messages)."""
+        return {}
+
+
+class SpokeTransport(_Closable):
+    """A worker's end: hears the hub's fan-out and addressed messages, talks back."""
+
+    name: str = "spoke"
+
+    @abc.abstractmethod
+    def send_frames(self, frames: Sequence[Buffer]) -> None:
+        """Send one message to the hub."""
+
+    @abc.abstractmethod
+    def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
+        """The next message from the hub, or ``None`` after ``timeout`` seconds."""
+
+    def follow(self, announced: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Use the addresses a hub announced in its Welcome (connect the data path)."""

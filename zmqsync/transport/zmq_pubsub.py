@@ -1,0 +1,64 @@
+"""ZeroMQ fan-out: one PUB sends each version once per subscriber, zero-copy.
+
+Targeted sends (``to=[...]``) and replies go over the ROUTER instead, so they reach
+exactly their peers. PUB drops messages for a subscriber whose queue is full rather than
+block the sender; the worker's heartbeat then asks for the latest version (see
+``zmqsync.receiver``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from zmqsync.protocol import Buffer
+from zmqsync.transport._zmq import DATA_HWM, ZMQHub, ZMQSpoke, _bind, derive_endpoint
+
+__all__ = ["PubSubHub", "PubSubSpoke"]
+
+
+class PubSubHub(ZMQHub):
+    """Sender end of the ``pubsub`` mode: PUB for fan-out, ROUTER, PULL for acks."""
+
+    name = "zmq-pubsub"
+
+    def __init__(self, endpoint: str | None = None, *, data_endpoint: str | None = None, **kw: Any):
+        self._data_request = data_endpoint
+        super().__init__(endpoint, **kw)
+
+    def _bind_data(self, endpoint: str) -> None:
+        self._pub = self._socks.add(zmq.PUB, poll=False, hwm=DATA_HWM)
+        self._monitor(self._pub)
+        self._data_bound_as = self._data_request or derive_endpoint(endpoint, "data", 1)
+        self._data_endpoint = _bind(self._pub, self._data_bound_as)
+
+    def announce(self) -> dict[str, Any]:
+        return {**super().announce(), "data_endpoint": self._data_endpoint}
+
+    def _fan_out(self, frames: Sequence[Buffer]) -> None:
+        # PUB never blocks: a subscriber at its high-water mark simply misses this one.
+        self._pub.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+
+    def purge(self) -> None:
+        """Close and rebind the PUB: drops messages queued for slow or stuck workers.
+
+        Subscribers reconnect and resubscribe by themselves.
+        """
+        if self._closed:
+            return
+        self._unmonitor(self._pub)
+        self._socks.discard(self._pub)
+        self._bind_data_again()
+
+    def _bind_data_again(self) -> None:
+        self._pub = self._socks.add(zmq.PUB, poll=False, hwm=DATA_HWM)
+        self._monitor(self._pub)
+        self._data_endpoint = _bind(self._pub, self._data_endpoint)
+
+
+class PubSubSpoke(ZMQSpoke):
+    """Worker end of the ``pubsub`` mode."""
+
+    name = "zmq-pubsub"

@@ -1,0 +1,44 @@
+"""ZeroMQ addressed sends: the ROUTER sends each version to each worker by its id.
+
+Every message is addressed, so ``to=[...]`` costs nothing extra and a worker that is
+gone is known at once (``ROUTER_MANDATORY``). Fan-out (``to=None``) reaches every
+worker that has spoken to the hub.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zmqsync.protocol import Buffer
+from zmqsync.transport._zmq import ZMQHub, ZMQSpoke, _bind
+
+__all__ = ["RouterHub", "RouterSpoke"]
+
+
+class RouterHub(ZMQHub):
+    """Sender end of the ``router`` mode: ROUTER for everything, PULL for acks."""
+
+    name = "zmq-router"
+
+    def _fan_out(self, frames: Sequence[Buffer]) -> None:
+        for peer in list(self._peers):
+            self._send_to(peer, frames)
+
+    def purge(self) -> None:
+        """Close and rebind the ROUTER: drops messages queued for slow or stuck workers.
+
+        Workers' DEALERs reconnect by themselves and are heard again at their next request.
+        """
+        if self._closed:
+            return
+        self._unmonitor(self._router)
+        self._socks.discard(self._router)
+        self._router = self._new_router()
+        _bind(self._router, self._endpoint)
+        self._peers.clear()
+
+
+class RouterSpoke(ZMQSpoke):
+    """Worker end of the ``router`` mode."""
+
+    name = "zmq-router"
