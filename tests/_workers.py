@@ -1,0 +1,60 @@
+"""Worker-process entry points for the end-to-end tests (importable under spawn)."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+import zmqsync
+
+
+def make_model(kind: str = "mlp", seed: int | None = None) -> nn.Module:
+    """The test model: an MLP with a BatchNorm (so buffers travel too)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    if kind == "wide":
+        return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    raise ValueError(kind)
+
+
+def run_worker(scheme: Any, worker_idx: int, kind: str, conn: Any, connect_timeout: float) -> None:
+    """Join the fleet, apply versions in the background, answer the test's questions."""
+    try:
+        model = make_model(kind, seed=1000 + worker_idx)  # differs from the sender's
+        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        scheme.connect(timeout=connect_timeout)
+        receiver = scheme.get_receiver()
+        scheme.start_receiver_thread()
+        conn.send("ready")
+        while True:
+            if not conn.poll(0.05):
+                continue
+            command = conn.recv()
+            if command == "stop":
+                break
+            with scheme.lock:
+                if command == "checksum":
+                    conn.send(zmqsync.checksum(model, scheme.strategy))
+                elif command == "state":
+                    conn.send(
+                        {
+                            "version": receiver.version,
+                            "epoch": receiver.epoch,
+                            "checksum": zmqsync.checksum(model, scheme.strategy),
+                            "stats": dict(receiver.stats),
+                        }
+                    )
+                else:
+                    conn.send(("error", f"unknown command {command!r}"))
+    except BaseException:  # noqa: BLE001 - report to the test, then exit
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        scheme.shutdown()

@@ -1,0 +1,117 @@
+"""Shared fixtures: free endpoints, spawned worker processes, and leak checks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from zmqsync.testing import memory_fleet  # noqa: F401 - re-exported for tests
+
+SPAWN = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def ipc_endpoint(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    return f"ipc://{tmp_path}/sender"
+
+
+@pytest.fixture
+def tcp_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def endpoint(request, tmp_path) -> str:  # type: ignore[no-untyped-def]
+    if request.param == "ipc":
+        return f"ipc://{tmp_path}/sender"
+    return "tcp://127.0.0.1:*"
+
+
+class Fleet:
+    """Worker processes started with `spawn`, each driven over a local control pipe
+    (test harness only: the weights travel over zmqsync's own transports)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, mp.process.BaseProcess] = {}
+        self.conns: dict[int, object] = {}
+
+    def start(self, scheme, worker_idx: int, *, kind: str = "mlp", connect_timeout: float = 30.0):  # type: ignore[no-untyped-def]
+        from _workers import run_worker
+
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(
+            target=run_worker, args=(scheme, worker_idx, kind, child, connect_timeout), daemon=True
+        )
+        proc.start()
+        self.procs[worker_idx], self.conns[worker_idx] = proc, parent
+        return proc
+
+    def ask(self, worker_idx: int, command: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+        conn = self.conns[worker_idx]
+        conn.send(command)  # type: ignore[attr-defined]
+        if not conn.poll(timeout):  # type: ignore[attr-defined]
+            raise TimeoutError(f"worker {worker_idx} did not answer {command!r} in {timeout}s")
+        reply = conn.recv()  # type: ignore[attr-defined]
+        if isinstance(reply, tuple) and reply and reply[0] == "error":
+            raise AssertionError(f"worker {worker_idx} failed: {reply[1]}")
+        return reply
+
+    def wait_ready(self, worker_idx: int, timeout: float = 60.0) -> None:
+        conn = self.conns[worker_idx]
+        if not conn.poll(timeout):  # type: ignore[attr-defined]
+            raise TimeoutError(f"worker {worker_idx} did not start in {timeout}s")
+        reply = conn.recv()  # type: ignore[attr-defined]
+        assert reply == "ready", f"worker {worker_idx}: {reply}"
+
+    def kill(self, worker_idx: int) -> None:
+        proc = self.procs[worker_idx]
+        if proc.pid is not None and proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+
+    def close(self) -> None:
+        for idx, proc in self.procs.items():
+            if proc.is_alive():
+                try:
+                    self.conns[idx].send("stop")  # type: ignore[attr-defined]
+                except (OSError, BrokenPipeError):
+                    pass
+        for proc in self.procs.values():
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    f = Fleet()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Every sender pump and receiver thread a test starts is stopped by its end."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    leaked = [
+        t.name
+        for t in threading.enumerate()
+        if t.ident not in before and t.is_alive() and t.name.startswith("zmqsync-")
+    ]
+    assert not leaked, f"threads left running: {leaked}"

@@ -1,0 +1,215 @@
+"""DESIGN.md's promises, end to end: real worker processes, real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import zmq
+from _workers import make_model
+
+import zmqsync
+from zmqsync import SyncTimeout, ZMQWeightSyncScheme
+
+pytestmark = pytest.mark.slow
+
+
+def _bump(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(1.0)
+
+
+def _start_fleet(fleet, scheme, workers) -> None:  # type: ignore[no-untyped-def]
+    for i in workers:
+        fleet.start(scheme, i)
+    for i in workers:
+        fleet.wait_ready(i)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_four_workers_exact_after_every_send(fleet, endpoint, mode, strategy) -> None:  # type: ignore[no-untyped-def]
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme(strategy, mode=mode, endpoint=endpoint, timeout=20)
+    scheme.init_on_sender("policy", model=model, num_workers=4)
+    try:
+        _start_fleet(fleet, scheme, range(4))
+        for version in (1, 2, 3):
+            _bump(model)
+            scheme.send()
+            expected = zmqsync.checksum(model, strategy)
+            for i in range(4):
+                state = fleet.ask(i, "state")
+                assert state["version"] == version
+                assert state["checksum"] == expected, f"worker {i} differs at version {version}"
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_targeting_isolation_dead_worker_and_late_joiner(fleet, tcp_endpoint) -> None:  # type: ignore[no-untyped-def]
+    """One fleet, the promises in order: targeting, no aliasing, a SIGKILLed worker named
+    by the timeout, the living still served, and a late joiner catching up on connect."""
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", mode="pubsub", endpoint=tcp_endpoint, timeout=10)
+    scheme.init_on_sender("policy", model=model)  # targets every connected worker
+    try:
+        _start_fleet(fleet, scheme, range(4))
+        _bump(model)
+        scheme.send()
+        v1 = zmqsync.checksum(model)
+
+        # worker_ids=[0] changes worker 0 and no other.
+        _bump(model)
+        scheme.send(worker_ids=[0])
+        v2 = zmqsync.checksum(model)
+        assert fleet.ask(0, "checksum") == v2
+        assert [fleet.ask(i, "checksum") for i in (1, 2, 3)] == [v1] * 3
+
+        # The sender changing its own weights without sending changes no worker.
+        _bump(model)
+        time.sleep(0.3)  # give a (wrong) aliasing implementation time to show itself
+        assert fleet.ask(0, "checksum") == v2
+        assert [fleet.ask(i, "checksum") for i in (1, 2, 3)] == [v1] * 3
+
+        # A worker killed with SIGKILL: the next send names it within timeout + 1 s.
+        fleet.kill(3)
+        scheme.get_sender().timeout = 3.0
+        start = time.monotonic()
+        with pytest.raises(SyncTimeout) as info:
+            scheme.send()
+        took = time.monotonic() - start
+        assert info.value.missing_workers == [3]
+        assert isinstance(info.value, TimeoutError)
+        assert "worker 3" in str(info.value)
+        assert took < 3.0 + 1.0, f"the timeout took {took:.2f}s"
+
+        # The following send to the living workers succeeds.
+        _bump(model)
+        scheme.send(worker_ids=[0, 1, 2])
+        latest = zmqsync.checksum(model)
+        assert [fleet.ask(i, "checksum") for i in (0, 1, 2)] == [latest] * 3
+
+        # A worker started after those versions reaches the latest on connect.
+        fleet.start(scheme, 7)
+        fleet.wait_ready(7)
+        state = fleet.ask(7, "state")
+        assert state["checksum"] == latest
+        assert state["version"] == scheme.get_sender().version
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_restarted_sender_is_followed(fleet, tmp_path, mode) -> None:  # type: ignore[no-untyped-def]
+    endpoint = f"ipc://{tmp_path}/restart"
+    model = make_model(seed=0)
+    first = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint, timeout=15)
+    first.init_on_sender("policy", model=model, num_workers=2)
+    _start_fleet(fleet, first, range(2))
+    for _ in range(3):
+        _bump(model)
+        first.send()
+    old_epoch = first.get_sender().epoch
+    first.shutdown()
+
+    second = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint, timeout=15)
+    fresh = make_model(seed=5)
+    second.init_on_sender("policy", model=fresh, num_workers=2)
+    try:
+        assert second.get_sender().epoch != old_epoch
+        second.send()  # version 1 of the new epoch, below the 3 the workers hold
+        for i in range(2):
+            state = fleet.ask(i, "state")
+            assert state["epoch"] == second.get_sender().epoch
+            assert state["version"] == 1
+            assert state["checksum"] == zmqsync.checksum(fresh)
+    finally:
+        second.shutdown()
+
+
+#: A ZMTP 3.0 greeting asking for a security mechanism nobody speaks: what a peer with
+#: the wrong configuration sends. libzmq must refuse it (a counted handshake failure).
+_BAD_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"BOGUS".ljust(20, b"\0") + bytes(32)
+
+
+def _garbage_at(address: str) -> None:
+    """Raw bytes that are not a valid ZeroMQ peer at a tcp port."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    for payload in (os.urandom(256), _BAD_GREETING):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(payload)
+            s.settimeout(2)
+            try:
+                while s.recv(1024):
+                    pass
+            except OSError:
+                pass
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_garbage_at_every_socket_is_counted_and_harmless(fleet, mode) -> None:  # type: ignore[no-untyped-def]
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint="tcp://127.0.0.1:*", timeout=15)
+    scheme.init_on_sender("policy", model=model, num_workers=2)
+    sender = scheme.get_sender()
+    try:
+        _start_fleet(fleet, scheme, range(2))
+        scheme.send()
+        announced = sender.transport.announce()
+        bound = [sender.endpoint, *announced.values()]
+
+        # Raw non-ZeroMQ bytes at every bound port.
+        for address in bound:
+            _garbage_at(address)
+        # Well-formed ZeroMQ messages that are not zmqsync messages, at every socket
+        # that reads: the ROUTER (as a DEALER) and the ack PULL (as a PUSH).
+        ctx = zmq.Context.instance()
+        with ctx.socket(zmq.DEALER) as dealer, ctx.socket(zmq.PUSH) as push:
+            dealer.linger = push.linger = 0
+            dealer.connect(sender.endpoint)
+            push.connect(announced["ack_endpoint"])
+            for junk in ([b"junk"], [os.urandom(60), b"{}"], [b"ZSY1" + bytes(60)]):
+                dealer.send_multipart(junk)
+                push.send_multipart(junk)
+            # The sender answers malformed requests with an error, not silence.
+            assert dealer.poll(5000), "no error reply to a malformed request"
+            reply = zmqsync.protocol.decode(dealer.recv_multipart())
+            assert isinstance(reply, zmqsync.protocol.ErrorMessage)
+            assert reply.code == "malformed"
+
+        # Garbage the other way: the sender's own transport fans junk out to workers.
+        sender_hub = sender.transport
+        with sender._holding_baton():
+            sender_hub.send_frames([b"not a zmqsync message"])
+
+        deadline = time.monotonic() + 10
+        while True:
+            totals = sender.status()["totals"]
+            if totals["rejected_frames"] >= 6 and totals["handshake_failures"] >= len(bound):
+                break
+            assert time.monotonic() < deadline, f"garbage not counted: {totals}"
+            time.sleep(0.05)
+
+        # Both sides keep working: the next send succeeds everywhere.
+        _bump(model)
+        scheme.send()
+        for i in range(2):
+            state = fleet.ask(i, "state")
+            assert state["checksum"] == zmqsync.checksum(model)
+        rejected = [fleet.ask(i, "state")["stats"]["rejected_frames"] for i in range(2)]
+        assert all(r >= 1 for r in rejected), f"workers did not count the junk: {rejected}"
+        workers = {w["worker"]: w for w in sender.status()["workers"]}
+        assert all(workers[i]["rejected_frames"] >= 1 for i in range(2))
+    finally:
+        scheme.shutdown()

@@ -1,0 +1,159 @@
+"""The sans-IO codec: every message round-trips; any bytes decode or raise FrameError."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zmqsync.errors import FrameError
+from zmqsync.protocol import (
+    DTYPE_ITEMSIZE,
+    HEADER,
+    MAX_SCHEMA_BYTES,
+    Ack,
+    ErrorMessage,
+    Hello,
+    Kind,
+    Probe,
+    ProbeRequest,
+    SnapshotRequest,
+    StatusReply,
+    StatusRequest,
+    TensorEntry,
+    UpToDate,
+    Weights,
+    WeightsSchema,
+    Welcome,
+    decode,
+    encode,
+    peek_kind,
+)
+
+u64 = st.integers(min_value=0, max_value=(1 << 64) - 1)
+text = st.text(max_size=40)
+model_ids = st.text(min_size=0, max_size=30)
+names = st.text(min_size=1, max_size=12)
+
+
+@st.composite
+def weights_messages(draw) -> Weights:  # type: ignore[no-untyped-def]
+    n = draw(st.integers(0, 6))
+    keys = draw(st.lists(st.lists(names, min_size=1, max_size=3).map(tuple), min_size=n,
+                         max_size=n, unique=True))
+    entries, buffers = [], []
+    for key in keys:
+        dtype = draw(st.sampled_from(sorted(DTYPE_ITEMSIZE)))
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        pad = draw(st.integers(0, 8))
+        buffers.append(draw(st.binary(min_size=nbytes + pad, max_size=nbytes + pad)))
+        # Tensors sit at offset `pad` of their buffer, as packed small tensors do.
+        buffers[-1] = bytes(pad) + buffers[-1][: nbytes]
+        entries.append(TensorEntry(key, dtype, shape, len(buffers) - 1, pad, nbytes))
+    strategy = draw(st.sampled_from(["state_dict", "tensordict"]))
+    return Weights(draw(model_ids), draw(u64), draw(u64), WeightsSchema(strategy, tuple(entries)),
+                   tuple(buffers))
+
+
+control_messages = st.one_of(
+    st.builds(Ack, model_ids, u64, u64, worker=u64, applied=st.booleans(), reason=text,
+              received_bytes=u64, apply_seconds=st.floats(0, 1e6), rejected_frames=u64,
+              pid=u64, host=text),
+    st.builds(Hello, model_ids, u64, u64, worker=u64, pid=u64, host=text),
+    st.builds(Welcome, model_ids, u64, u64, mode=text, strategy=text, data_endpoint=text,
+              ack_endpoint=text, heartbeat_seconds=st.floats(0, 100)),
+    st.builds(SnapshotRequest, model_ids, u64, u64, worker=u64),
+    st.builds(UpToDate, model_ids, u64, u64),
+    st.builds(ProbeRequest, model_ids, worker=u64, nonce=text, version=u64, epoch=u64),
+    st.builds(Probe, model_ids, worker=u64, nonce=text, version=u64, epoch=u64),
+    st.builds(StatusRequest, model_ids, u64, u64),
+    st.builds(StatusReply, model_ids, u64, u64,
+              status=st.dictionaries(text, st.one_of(st.integers(), text, st.none()), max_size=4)),
+    st.builds(ErrorMessage, model_ids, code=text, message=text, version=u64, epoch=u64),
+)
+
+
+@given(control_messages)
+def test_control_messages_round_trip(message) -> None:  # type: ignore[no-untyped-def]
+    frames = encode(message)
+    assert peek_kind(frames[0]) is message.kind
+    assert decode(frames) == message
+
+
+@given(weights_messages())
+def test_weights_round_trip_without_copying_buffers(message: Weights) -> None:
+    frames = encode(message)
+    assert frames[2:] == list(message.buffers)
+    decoded = decode(frames)
+    assert isinstance(decoded, Weights)
+    assert decoded.schema == message.schema
+    assert (decoded.model_id, decoded.version, decoded.epoch) == (
+        message.model_id, message.version, message.epoch)
+    assert all(a is b for a, b in zip(decoded.buffers, frames[2:], strict=True))
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=200), max_size=6))
+def test_any_bytes_decode_or_raise_frame_error(frames: list[bytes]) -> None:
+    try:
+        decode(frames)
+    except FrameError:
+        pass
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(control_messages, weights_messages()), st.data())
+def test_corrupted_messages_decode_or_raise_frame_error(message, data) -> None:  # type: ignore[no-untyped-def]
+    frames = [bytearray(f) for f in encode(message)]
+    i = data.draw(st.integers(0, len(frames) - 1))
+    if frames[i]:
+        j = data.draw(st.integers(0, len(frames[i]) - 1))
+        frames[i][j] ^= data.draw(st.integers(1, 255))
+    cut = data.draw(st.integers(0, len(frames)))
+    for candidate in ([bytes(f) for f in frames], [bytes(f) for f in frames[:cut]]):
+        try:
+            decode(candidate)
+        except FrameError:
+            pass
+
+
+def _weights_frames() -> list[bytes]:
+    entry = TensorEntry(("w",), "float32", (2,), 0, 0, 8)
+    return [bytes(f) for f in encode(Weights("p", 1, 2, WeightsSchema("state_dict", (entry,)),
+                                             (b"\0" * 8,)))]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda f: [b"XXXX" + f[0][4:], *f[1:]], "bad magic"),
+        (lambda f: [f[0][:4] + b"\x09" + f[0][5:], *f[1:]], "protocol version 9"),
+        (lambda f: [f[0][:5] + b"\x77" + f[0][6:], *f[1:]], "unknown message kind"),
+        (lambda f: f[:2], "announces 1 buffers"),
+        (lambda f: [f[0], f[1], b"\0" * 4], "does not have them"),
+        (lambda f: [f[0], f[1].replace(b"float32", b"float99"), f[2]], "digest"),
+        (lambda f: f[:1], "at least 2 frames"),
+    ],
+)
+def test_malformed_weights_say_what_is_wrong(mutate, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(FrameError, match=match):
+        decode(mutate(_weights_frames()))
+
+
+def test_limits_are_checked_before_parsing() -> None:
+    frames = _weights_frames()
+    huge = b" " * (MAX_SCHEMA_BYTES + 1)
+    with pytest.raises(FrameError, match="limit"):
+        decode([frames[0], huge, frames[2]])
+    deep = b"[" * 100_000
+    with pytest.raises(FrameError):
+        decode([encode(StatusRequest("p"))[0], deep])
+
+
+def test_frame_error_is_a_value_error() -> None:
+    assert issubclass(FrameError, ValueError)
+    assert HEADER.size == 46
+    assert Kind.WEIGHTS == 1

@@ -1,0 +1,135 @@
+"""The seeds' scheme surface: names, aliases, errors, properties, pickling."""
+
+from __future__ import annotations
+
+import pickle
+
+import cloudpickle
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+import zmqsync
+from zmqsync import NoWeightSyncScheme, SchemaMismatchError, ZMQWeightSyncScheme, checksum
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(zmqsync.__all__) == zmqsync.__all__
+    assert {"WeightSyncScheme", "ZMQWeightSyncScheme", "NoWeightSyncScheme", "WeightSender",
+            "WeightReceiver", "SyncTimeout", "FrameError"} <= set(zmqsync.__all__)
+    for name in zmqsync.__all__:
+        assert hasattr(zmqsync, name), name
+
+
+def test_error_tree() -> None:
+    assert issubclass(zmqsync.SyncTimeout, TimeoutError)
+    assert issubclass(zmqsync.FrameError, ValueError)
+    assert issubclass(zmqsync.SchemaMismatchError, ValueError)
+    assert issubclass(zmqsync.TransportClosed, zmqsync.TransportError)
+    for err in (zmqsync.SyncTimeout, zmqsync.FrameError, zmqsync.TransportError,
+                zmqsync.WeightsRejected, zmqsync.EndpointError):
+        assert issubclass(err, zmqsync.ZMQSyncError)
+
+
+def test_getters_before_init_raise_runtime_error() -> None:
+    scheme = ZMQWeightSyncScheme()
+    with pytest.raises(RuntimeError, match="init_on_sender"):
+        scheme.get_sender()
+    with pytest.raises(RuntimeError, match="init_on_receiver"):
+        scheme.get_receiver()
+    with pytest.raises(RuntimeError, match="init_on_sender"):
+        scheme.send()
+    with pytest.raises(RuntimeError, match="no endpoint"):
+        scheme.init_on_receiver(model_id="policy")
+    with pytest.raises(RuntimeError, match="first"):
+        scheme.connect()
+    assert scheme.model_id is None and scheme.worker_idx is None and scheme.weights is None
+    assert scheme.shared_transport is None and scheme.receiver_transport is None
+    assert scheme.sender_transports == {}
+
+
+def test_bad_arguments_are_explained() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        ZMQWeightSyncScheme(mode="broadcast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="strategy"):
+        ZMQWeightSyncScheme("pickle")  # type: ignore[arg-type]
+    with pytest.raises(zmqsync.EndpointError, match="tcp://HOST:PORT"):
+        ZMQWeightSyncScheme(endpoint="localhost:5555").init_on_sender("policy", model=nn.Linear(1, 1))
+    with pytest.raises(zmqsync.EndpointError, match="needs a host and a port"):
+        ZMQWeightSyncScheme(endpoint="tcp://localhost").init_on_sender("policy", model=nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("dumps", [pickle.dumps, cloudpickle.dumps])
+def test_sender_scheme_pickles_into_a_worker_and_syncs(dumps) -> None:  # type: ignore[no-untyped-def]
+    model = nn.Linear(3, 2)
+    scheme = ZMQWeightSyncScheme("state_dict", mode="router", timeout=5)
+    scheme.init_on_sender("policy", context=None, model=model, num_workers=1)
+    worker = pickle.loads(dumps(scheme))
+    try:
+        assert worker.endpoint == scheme.endpoint and worker.model is None
+        local = nn.Linear(3, 2)
+        worker.init_on_worker("policy", model=local, worker_idx=0)  # older name
+        worker.connect(worker_idx=0)
+        assert scheme.shared_transport is not None and worker.receiver_transport is not None
+        scheme.connect(timeout=5)  # sender side: every expected worker has connected
+        scheme.send_async()
+        assert worker.receive(timeout=5) is local
+        scheme.wait_async()
+        assert checksum(local) == checksum(model)
+        assert worker.get_receiver().version == 1 and worker.worker_idx == 0
+        assert scheme.status()["workers"][0]["version"] == 1
+    finally:
+        worker.shutdown()
+        scheme.shutdown()
+        scheme.shutdown()  # idempotent
+
+
+def test_context_provides_model_and_num_workers() -> None:
+    class Collector:
+        num_workers = 1
+
+        def __init__(self) -> None:
+            self.policy = nn.Linear(2, 2)
+
+        def get_model(self, model_id: str) -> nn.Module:
+            return getattr(self, model_id)
+
+    collector = Collector()
+    with ZMQWeightSyncScheme(endpoint="memory://ctx") as scheme:
+        scheme.init_on_sender("policy", context=collector)
+        assert scheme.model is collector.policy and scheme.context is collector
+        assert scheme.get_sender().num_workers == 1
+        assert isinstance(scheme.weights, TensorDict)
+
+
+def test_prepare_and_apply_weights() -> None:
+    src, dst = nn.Linear(3, 2), nn.Linear(3, 2)
+    scheme = ZMQWeightSyncScheme("state_dict")
+    scheme._model = dst
+    prepared = scheme.prepare_weights(src, "policy", zmqsync.WeightStrategy("state_dict"))
+    assert set(prepared) == {"weight", "bias"}
+    ptr = dst.weight.data_ptr()
+    scheme.apply_weights(prepared)
+    assert checksum(dst) == checksum(src) and dst.weight.data_ptr() == ptr
+    with pytest.raises(SchemaMismatchError, match="bias"):
+        scheme.apply_weights({"weight": torch.zeros(2, 3)})
+    other = nn.Linear(3, 2)
+    scheme.apply_weights(other.state_dict(), inplace=False)
+    assert checksum(dst) == checksum(other)
+
+
+def test_no_weight_sync_scheme_does_nothing() -> None:
+    scheme = NoWeightSyncScheme()
+    assert scheme.strategy == "tensordict"
+    model = nn.Linear(2, 2)
+    scheme.init_on_sender("policy", model=model)
+    scheme.send()
+    scheme.send_async()
+    scheme.wait_async()
+    scheme.connect(worker_idx=0)
+    assert scheme.receive(timeout=0.1) is None
+    assert scheme.model_id == "policy" and scheme.model is model
+    assert scheme.create_transport().name == "none"
+    scheme.shutdown()
+    scheme.shutdown()

@@ -1,0 +1,296 @@
+"""WeightSender / WeightReceiver semantics, in one process (memory and inproc transports)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from zmqsync import SyncTimeout, WeightReceiver, WeightSender, WeightsRejected, checksum
+from zmqsync.protocol import Weights, encode
+from zmqsync.tensors import Flattener, extract
+from zmqsync.transport.memory import MemoryHub, MemorySpoke
+from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+
+
+class Rig:
+    """A sender and receivers over the memory transport; receivers run in background."""
+
+    def __init__(self, n: int = 2, *, num_workers: int | None = None, timeout: float = 3.0,
+                 **options) -> None:  # type: ignore[no-untyped-def]
+        self.model = _model(0)
+        self.sender = WeightSender(MemoryHub(), model=self.model, strategy="state_dict",
+                                   num_workers=num_workers, timeout=timeout, **options)
+        self.workers: list[tuple[WeightReceiver, nn.Module]] = []
+        for i in range(n):
+            self.add_worker(i)
+
+    def add_worker(self, i: int, *, start: bool = True) -> tuple[WeightReceiver, nn.Module]:
+        model = _model(100 + i)
+        receiver = WeightReceiver(MemorySpoke(self.sender.endpoint), model=model,
+                                  strategy="state_dict", worker_idx=i, timeout=5)
+        receiver.connect()
+        if start:
+            receiver.start()
+        self.workers.append((receiver, model))
+        return receiver, model
+
+    def bump(self) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(1.0)
+
+    def close(self) -> None:
+        for receiver, _ in self.workers:
+            receiver.close()
+        self.sender.close()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    yield r
+    r.close()
+
+
+def test_send_applies_everywhere_and_versions_count_up(rig: Rig) -> None:
+    for version in (1, 2, 3):
+        rig.bump()
+        rig.sender.send()
+        assert rig.sender.version == version
+        for receiver, model in rig.workers:
+            assert receiver.version == version
+            assert checksum(model) == checksum(rig.model)
+
+
+def test_send_async_and_wait_async_follow_the_seed(rig: Rig) -> None:
+    with pytest.raises(RuntimeError, match="no send_async"):
+        rig.sender.wait_async()
+    rig.sender.send_async()
+    with pytest.raises(RuntimeError, match="still pending"):
+        rig.sender.send_async()
+    with pytest.raises(RuntimeError, match="still pending"):
+        rig.sender.send()
+    rig.sender.wait_async()
+    assert all(r.version == 1 for r, _ in rig.workers)
+    rig.sender.update_weights(None)  # legacy name: send to all
+    assert all(r.version == 2 for r, _ in rig.workers)
+
+
+def test_timeout_names_missing_workers_and_sender_stays_usable() -> None:
+    rig = Rig(2, num_workers=3, timeout=0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(SyncTimeout) as info:
+            rig.sender.send()
+        assert time.monotonic() - start < 1.5
+        assert isinstance(info.value, TimeoutError)
+        assert info.value.missing_workers == [2]
+        assert "worker 2 never connected" in str(info.value)
+        rig.sender.send(worker_ids=[0, 1])
+        assert [r.version for r, _ in rig.workers] == [2, 2]
+        assert rig.sender.status()["totals"]["timeouts"] == 1
+    finally:
+        rig.close()
+
+
+def test_worker_ids_validation() -> None:
+    rig = Rig(1, num_workers=1)
+    try:
+        with pytest.raises(ValueError, match="does not exist"):
+            rig.sender.send(worker_ids=[5])
+        with pytest.raises(ValueError, match="non-negative"):
+            rig.sender.send(worker_ids=[-1])
+        rig.sender.send(worker_ids=0)
+    finally:
+        rig.close()
+
+
+def test_duplicates_and_stale_versions_are_ignored_and_counted(rig: Rig) -> None:
+    rig.bump()
+    rig.sender.send()
+    rig.bump()
+    rig.sender.send()
+    receiver, model = rig.workers[0]
+    before = checksum(model)
+    # Replay version 1 (stale) and version 2 (duplicate) straight down the transport.
+    flat = Flattener("state_dict").flatten(extract(_model(7), "state_dict"))
+    for version in (1, 2):
+        frames = encode(Weights("policy", version, rig.sender.epoch, flat.schema, tuple(flat.buffers)))
+        with rig.sender._holding_baton():
+            rig.sender.transport.send_frames(frames)
+    deadline = time.monotonic() + 5
+    def ignored() -> int:
+        return receiver.stats["duplicates"] + receiver.stats["stale"]
+
+    while ignored() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ignored() >= 2 and receiver.stats["duplicates"] >= 1
+    assert receiver.version == 2
+    assert checksum(model) == before
+
+
+def test_a_rejected_version_is_reported_with_its_reason() -> None:
+    rig = Rig(1)
+    try:
+        with pytest.raises(WeightsRejected) as info:
+            rig.sender.send({"not.in.the.model": torch.ones(3)})
+        assert 0 in info.value.rejections
+        assert "lack" in info.value.rejections[0] or "carry" in info.value.rejections[0]
+        worker = rig.sender.status()["workers"][0]
+        assert worker["rejections"], worker
+        rig.sender.send()  # still fine afterwards
+    finally:
+        rig.close()
+
+
+def test_new_epoch_is_followed_and_old_epoch_frames_dropped() -> None:
+    hub_name = "memory://epochs"
+    model = _model(0)
+    first = WeightSender(MemoryHub(hub_name), model=model, strategy="state_dict", num_workers=1)
+    worker_model = _model(9)
+    receiver = WeightReceiver(MemorySpoke(hub_name), model=worker_model, strategy="state_dict")
+    try:
+        receiver.connect()
+        receiver.start()
+        for _ in range(3):
+            first.send()
+        old_epoch = first.epoch
+        flat = Flattener("state_dict").flatten(extract(_model(3), "state_dict"))
+        stale = encode(Weights("policy", 99, old_epoch, flat.schema, tuple(flat.buffers)))
+        first.close()
+        second = WeightSender(MemoryHub(hub_name), model=_model(1), strategy="state_dict",
+                              num_workers=1, timeout=5)
+        try:
+            second.send()
+            assert (receiver.epoch, receiver.version) == (second.epoch, 1)
+            assert checksum(worker_model) == checksum(second.model)
+            applied = receiver.stats["applied"]
+            with second._holding_baton():
+                second.transport.send_frames(stale)  # a late frame of the old life
+            second.send()
+            assert receiver.version == 2 and receiver.stats["applied"] == applied + 1
+            assert checksum(worker_model) == checksum(second.model)
+        finally:
+            second.close()
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_late_joiner(retain: bool) -> None:
+    rig = Rig(1, retain_snapshot=retain)
+    try:
+        for _ in range(3):
+            rig.bump()
+            rig.sender.send()
+        late, late_model = rig.add_worker(5)
+        if retain:
+            assert late.version == 3
+            assert checksum(late_model) == checksum(rig.model)
+        else:
+            assert late.version == 0  # nothing kept: it waits for the next send
+            rig.bump()
+            rig.sender.send()
+            assert late.version == 4 and checksum(late_model) == checksum(rig.model)
+    finally:
+        rig.close()
+
+
+def test_forward_pass_under_the_lock_never_sees_half_a_version() -> None:
+    rig = Rig(1, timeout=10)
+    receiver, model = rig.workers[0]
+    seen: list[set[float]] = []
+    stop = threading.Event()
+
+    def forward() -> None:
+        while not stop.is_set():
+            with receiver.lock:
+                seen.append({float(p.detach().flatten()[0] - q.flatten()[0])
+                             for p, q in zip(model.parameters(), rig_params, strict=True)})
+
+    with torch.no_grad():
+        for p in rig.model.parameters():
+            p.zero_()
+    rig.sender.send()
+    rig_params = [p.detach().clone() for p in model.parameters()]
+    thread = threading.Thread(target=forward)
+    thread.start()
+    try:
+        for _ in range(20):
+            rig.bump()  # every parameter moves by the same amount per version
+            rig.sender.send()
+    finally:
+        stop.set()
+        thread.join(5)
+        rig.close()
+    assert seen and all(len(s) == 1 for s in seen), "a forward pass saw a mix of versions"
+
+
+def test_status_reports_the_fleet(rig: Rig) -> None:
+    rig.bump()
+    rig.sender.send()
+    status = rig.sender.status()
+    assert status["version"] == 1 and status["model_id"] == "policy"
+    assert [w["worker"] for w in status["workers"]] == [0, 1]
+    for w in status["workers"]:
+        assert w["version"] == 1 and w["lag"] == 0 and w["pid"] > 0
+        assert w["last_latency_s"] is not None and w["received_bytes"] > 0
+    totals = status["totals"]
+    assert totals["versions_sent"] == 1 and totals["latency_p50_s"] is not None
+
+
+def test_inproc_zmq_fleet_in_one_process() -> None:
+    hub = PubSubHub("inproc://zmqsync-one-process")
+    model = _model(0)
+    sender = WeightSender(hub, model=model, strategy="tensordict", num_workers=2, timeout=5)
+    receivers = []
+    try:
+        for i in range(2):
+            r = WeightReceiver(PubSubSpoke(hub.endpoint, identity=str(i)), model=_model(i + 1),
+                               strategy="tensordict", worker_idx=i)
+            r.connect()
+            r.start()
+            receivers.append(r)
+        sender.send()
+        assert all(checksum(r.model) == checksum(model) for r in receivers)
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
+
+
+def test_receive_without_a_model_returns_fresh_weights() -> None:
+    hub = MemoryHub()
+    model = _model(0)
+    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=1)
+    receiver = WeightReceiver(MemorySpoke(hub.endpoint), strategy="state_dict")
+    try:
+        receiver.connect()
+        sender.send_async()
+        weights = receiver.receive(timeout=5)
+        sender.wait_async()
+        assert isinstance(weights, dict) and checksum(weights) == checksum(model)
+        assert weights["0.weight"].data_ptr() != model[0].weight.data_ptr()
+        assert receiver.receive(timeout=0.05) is None
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_close_is_idempotent_and_prompt(rig: Rig) -> None:
+    start = time.monotonic()
+    rig.close()
+    rig.close()
+    assert time.monotonic() - start < 5
+    with pytest.raises(RuntimeError, match="shut down"):
+        rig.sender.send()

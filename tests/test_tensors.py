@@ -1,0 +1,149 @@
+"""Extract, flatten and apply: every dtype and layout; apply is all-or-nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from zmqsync.errors import SchemaMismatchError
+from zmqsync.protocol import Weights, decode, encode
+from zmqsync.tensors import (
+    Flattener,
+    apply_weights,
+    as_weights_object,
+    checksum,
+    extract,
+    materialize,
+)
+
+ALL_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2,
+]
+
+
+def _wire(tensors, strategy, **kw):  # type: ignore[no-untyped-def]
+    flat = Flattener(strategy, **kw).flatten(tensors)
+    frames = encode(Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes)
+    return decode([bytes(f) for f in frames])
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 2)))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def test_extract_from_every_source_kind() -> None:
+    model = _model()
+    sd = extract(model, "state_dict")
+    assert ("1.running_mean",) in sd and ("1.num_batches_tracked",) in sd  # buffers travel
+    td = extract(model, "tensordict")
+    assert ("2", "0", "weight") in td  # nested keys
+    assert extract(None, "state_dict", model=model).keys() == sd.keys()
+    assert extract(TensorDict.from_module(model), "tensordict").keys() == td.keys()
+    assert extract(TensorDict.from_module(model), "state_dict").keys() == {
+        (".".join(k),) for k in td}
+    nested = {"a": {"b": torch.ones(2)}, "c": torch.zeros(1)}
+    assert set(extract(nested, "tensordict")) == {("a", "b"), ("c",)}
+    assert set(extract(nested, "state_dict")) == {("a.b",), ("c",)}
+    # Extraction is a view, not a copy.
+    assert extract(model, "state_dict")[("0.weight",)].data_ptr() == model[0].weight.data_ptr()
+
+
+def test_extract_errors_say_what_to_pass() -> None:
+    with pytest.raises(ValueError, match="give the scheme a model"):
+        extract(None, "state_dict")
+    with pytest.raises(TypeError, match="pass an nn.Module"):
+        extract(42, "state_dict")
+    with pytest.raises(TypeError, match="'x' is a str"):
+        extract({"x": "nope"}, "state_dict")
+    with pytest.raises(ValueError, match="strategy"):
+        extract({}, "pickle")
+
+
+@pytest.mark.parametrize("pack_threshold", [0, 1 << 20])  # every tensor alone / all packed
+def test_every_dtype_and_layout_round_trips(pack_threshold: int) -> None:
+    tensors = {}
+    for i, dtype in enumerate(ALL_DTYPES):
+        base = torch.randn(5, 3) * 10
+        tensors[(f"t{i}",)] = base.to(dtype) if not dtype.is_complex else base.to(dtype) * 1j
+    tensors[("scalar",)] = torch.tensor(3.5)
+    tensors[("empty",)] = torch.empty(0, 7)
+    tensors[("noncontig",)] = torch.randn(6, 4).t()
+    tensors[("sliced",)] = torch.arange(20.0)[::3]
+    message = _wire(tensors, "state_dict", pack_threshold=pack_threshold)
+    out = materialize(message)
+    for key, tensor in tensors.items():
+        assert _same(out[key], tensor), key
+
+
+def test_apply_in_place_for_both_strategies() -> None:
+    for strategy in ("state_dict", "tensordict"):
+        src, dst = _model(), _model()
+        ptr = dst[0].weight.data_ptr()
+        apply_weights(_wire(extract(src, strategy), strategy), extract(dst, strategy), strategy)
+        assert checksum(src) == checksum(dst)
+        assert dst[0].weight.data_ptr() == ptr  # in place
+        assert dst[0].weight.requires_grad
+
+
+def test_received_weights_alias_nothing() -> None:
+    src = {("w",): torch.ones(1000)}
+    flat = Flattener("state_dict").flatten(src)
+    message = Weights("m", 1, 1, flat.schema, tuple(flat.buffers))  # buffers view src
+    out = materialize(message)
+    src[("w",)].add_(1)
+    assert torch.equal(out[("w",)], torch.ones(1000))
+
+
+@pytest.mark.parametrize(
+    ("change", "match", "key"),
+    [
+        (lambda sd: sd.pop("2.0.bias"), "lack '2.0.bias'", "2.0.bias"),
+        (lambda sd: sd.__setitem__("extra", torch.ones(1)), "carry 'extra'", "extra"),
+        (lambda sd: sd.__setitem__("0.weight", torch.ones(4, 3, dtype=torch.float64)),
+         "float64 in the weights but float32", "0.weight"),
+        (lambda sd: sd.__setitem__("0.weight", torch.ones(3, 4)), r"shape \[3, 4\]", "0.weight"),
+    ],
+)
+def test_apply_is_all_or_nothing(change, match, key) -> None:  # type: ignore[no-untyped-def]
+    src, dst = _model(), _model()
+    before = checksum(dst)
+    sd = {k: v.clone() + 1 for k, v in src.state_dict().items()}
+    change(sd)
+    message = _wire(extract(sd, "state_dict"), "state_dict")
+    with pytest.raises(SchemaMismatchError, match=match) as info:
+        apply_weights(message, extract(dst, "state_dict"), "state_dict")
+    assert info.value.key == key
+    assert checksum(dst) == before  # nothing was copied
+
+
+def test_strategy_mismatch_is_named() -> None:
+    src, dst = _model(), _model()
+    message = _wire(extract(src, "tensordict"), "tensordict")
+    with pytest.raises(SchemaMismatchError, match="same strategy"):
+        apply_weights(message, extract(dst, "state_dict"), "state_dict")
+
+
+def test_layout_is_reused_between_versions() -> None:
+    model = _model()
+    flattener = Flattener("state_dict")
+    first = flattener.flatten(extract(model, "state_dict"))
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    second = flattener.flatten(extract(model, "state_dict"))
+    assert second.schema is first.schema and second.schema_bytes is first.schema_bytes
+
+
+def test_as_weights_object_shapes() -> None:
+    tensors = {("a", "b"): torch.ones(2)}
+    assert isinstance(as_weights_object(tensors, "tensordict"), TensorDict)
+    assert set(as_weights_object({("a.b",): torch.ones(2)}, "state_dict")) == {"a.b"}
