@@ -147,3 +147,20 @@ def test_as_weights_object_shapes() -> None:
     tensors = {("a", "b"): torch.ones(2)}
     assert isinstance(as_weights_object(tensors, "tensordict"), TensorDict)
     assert set(as_weights_object({("a.b",): torch.ones(2)}, "state_dict")) == {"a.b"}
+
+
+def test_model_tensors_cache_follows_the_model() -> None:
+    from zmqsync.tensors import ModelTensors
+
+    model = _model()
+    cache = ModelTensors("state_dict")
+    first = cache.get(model)
+    assert cache.get(model) is first  # unchanged model: no re-walk
+    model[0].weight = nn.Parameter(torch.zeros(4, 3))  # parameter replaced
+    second = cache.get(model)
+    assert second is not first and second[("0.weight",)].data_ptr() == model[0].weight.data_ptr()
+    model[0].bias.data = torch.ones(4)  # new storage behind the same Parameter
+    third = cache.get(model)
+    assert third is not second and third[("0.bias",)].data_ptr() == model[0].bias.data_ptr()
+    model.append(nn.Linear(2, 2))  # module added
+    assert ("3.weight",) in cache.get(model)

@@ -38,7 +38,7 @@ from zmqsync.protocol import (
     decode,
     encode,
 )
-from zmqsync.tensors import apply_weights, as_weights_object, extract, materialize
+from zmqsync.tensors import ModelTensors, apply_weights, as_weights_object, materialize
 from zmqsync.transport.base import SpokeTransport
 
 __all__ = ["WeightReceiver"]
@@ -85,6 +85,7 @@ class WeightReceiver:
         self.version = 0
         self.epoch = 0
         self.weights: Any = None
+        self._model_tensors = ModelTensors(strategy)
         #: Held while a version is copied into the model. Hold it during a forward pass
         #: to never see half of one.
         self.lock = threading.RLock()
@@ -297,7 +298,7 @@ class WeightReceiver:
         try:
             with self.lock:
                 if self.model is not None:
-                    apply_weights(message, extract(self.model, self.strategy), self.strategy)
+                    apply_weights(message, self._model_tensors.get(self.model), self.strategy)
                 else:
                     self.weights = as_weights_object(materialize(message), self.strategy)
         except SchemaMismatchError as exc:

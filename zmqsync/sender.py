@@ -42,7 +42,7 @@ from zmqsync.protocol import (
     decode,
     encode,
 )
-from zmqsync.tensors import DEFAULT_PACK_THRESHOLD, Flat, Flattener, extract
+from zmqsync.tensors import DEFAULT_PACK_THRESHOLD, Flat, Flattener, ModelTensors, extract
 from zmqsync.transport.base import HubTransport, Incoming, PeerId
 
 __all__ = ["WeightSender", "WorkerInfo"]
@@ -157,6 +157,7 @@ class WeightSender:
         self.epoch = epoch if epoch is not None else new_epoch()
         self.version = 0
         self._flattener = Flattener(strategy, pack_threshold=pack_threshold)
+        self._model_tensors = ModelTensors(strategy)
         self._snapshot: tuple[int, list[Buffer], Flat] | None = None
         self._pending: _Pending | None = None
         self._async_pending = False
@@ -253,7 +254,13 @@ class WeightSender:
     def _start(self, weights: Any, worker_ids: int | list[int] | None) -> _Pending:
         self._check_open()
         targets = self._targets(worker_ids)
-        flat = self._flattener.flatten(extract(weights, self.strategy, model=self.model))
+        source = self.model if weights is None else weights
+        tensors = (
+            self._model_tensors.get(source)
+            if source is not None
+            else extract(None, self.strategy)  # raises: says what to pass
+        )
+        flat = self._flattener.flatten(tensors)
         version = self.version + 1
         message = Weights(self.model_id, version, self.epoch, flat.schema, tuple(flat.buffers))
         frames = encode(message, schema_bytes=flat.schema_bytes)

@@ -40,6 +40,7 @@ __all__ = [
     "Flat",
     "Flattener",
     "KeyPath",
+    "ModelTensors",
     "apply_weights",
     "checksum",
     "dtype_name",
@@ -119,6 +120,54 @@ def extract(weights: Any, strategy: str, *, model: Any = None) -> dict[KeyPath, 
         f"cannot take weights from a {type(source).__name__}; pass an nn.Module, a TensorDict "
         "or a dict of tensors"
     )
+
+
+class ModelTensors:
+    """``extract(model)`` remembered between versions, for the model a side syncs.
+
+    Walking a large module tree (``state_dict()``) costs milliseconds per version; this
+    keeps the result and re-walks only when it could be stale: a module added or removed,
+    a parameter or buffer replaced, or a tensor given new storage (``p.data = ...``).
+    Checking that is a dict lookup and a pointer compare per tensor.
+    """
+
+    def __init__(self, strategy: str) -> None:
+        _check_strategy(strategy)
+        self.strategy = strategy
+        self._model: Any = None
+        self._modules: list[torch.nn.Module] = []
+        self._owners: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        self._tensors: dict[KeyPath, torch.Tensor] = {}
+
+    def get(self, model: Any) -> dict[KeyPath, torch.Tensor]:
+        if not isinstance(model, torch.nn.Module):
+            return extract(model, self.strategy)
+        if model is not self._model or not self._still_valid(model):
+            self._tensors = extract(model, self.strategy)
+            self._modules = list(model.modules())
+            self._owners = [
+                (table, name, t, t.data_ptr())
+                for module in self._modules
+                for table in (module._parameters, module._buffers)
+                for name, t in table.items()
+                if t is not None
+            ]
+            self._model = model
+        return self._tensors
+
+    def _still_valid(self, model: torch.nn.Module) -> bool:
+        modules = list(model.modules())
+        if len(modules) != len(self._modules) or any(
+            a is not b for a, b in zip(modules, self._modules, strict=True)
+        ):
+            return False
+        count = sum(
+            t is not None for m in modules for table in (m._parameters, m._buffers)
+            for t in table.values()
+        )
+        return count == len(self._owners) and all(
+            table.get(name) is t and t.data_ptr() == ptr for table, name, t, ptr in self._owners
+        )
 
 
 def _walk(mapping: Mapping[Any, Any], prefix: KeyPath) -> Iterable[tuple[KeyPath, Any]]:
