@@ -89,8 +89,8 @@ def _fan_out_until_all(hub: HubTransport, spokes: Sequence[SpokeTransport], fram
             if got is not None:
                 assert got == frames, got
                 pending.discard(i)
-    for spoke in spokes:  # drop the repeats
-        while spoke.recv_frames(0.05) is not None:
+    for spoke in spokes:  # drop the repeats: until a spoke has been quiet for a while
+        while spoke.recv_frames(0.3) is not None:
             pass
 
 

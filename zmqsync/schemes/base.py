@@ -190,7 +190,7 @@ class WeightSyncScheme:
         self._model = model if model is not None else _model_from_context(context, model_id)
         num_workers = kwargs.pop("num_workers", getattr(context, "num_workers", None))
         self._num_workers = num_workers
-        hub = self.create_transport(role="hub")
+        hub = self.create_transport(role="hub", **self._hub_options())
         options = {**self.sender_options, **kwargs}
         try:
             self._sender = WeightSender(
@@ -207,6 +207,14 @@ class WeightSyncScheme:
             hub.close()
             raise
         self.endpoint = hub.endpoint
+
+    def _hub_options(self) -> dict[str, Any]:
+        """Extra constructor arguments for this scheme's hub transport."""
+        return {}
+
+    def _spoke_options(self) -> dict[str, Any]:
+        """Extra constructor arguments for a worker's spoke transport."""
+        return {}
 
     def _mode_name(self) -> str:
         return self._transport_alias
@@ -270,7 +278,7 @@ class WeightSyncScheme:
         self._worker_idx = int(kwargs.pop("worker_idx", self._worker_idx or 0))
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_receiver: {sorted(kwargs)}")
-        spoke = self.create_transport(role="spoke", identity=str(self._worker_idx))
+        spoke = self.create_transport(role="spoke", **self._spoke_options())
         self._receiver = WeightReceiver(
             spoke,  # type: ignore[arg-type]
             model_id=model_id,

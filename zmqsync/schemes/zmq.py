@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from zmqsync.schemes.base import WeightSyncScheme
+from zmqsync.security import CurveClient, CurveServer
+from zmqsync.tensors import ModelTensors
 
 __all__ = ["ZMQWeightSyncScheme"]
 
@@ -22,6 +24,10 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
             binds (the ack and data sockets take the next ports / suffixed paths);
             ``None`` picks a free ipc path in a private temp dir.
         timeout: seconds ``send()`` waits for every targeted worker's ack.
+        curve_server: the sender's CURVE keys (:class:`~zmqsync.security.CurveServer`):
+            every socket is encrypted, and only ``allowed_clients`` may connect.
+        curve_client: a worker's CURVE keys (:class:`~zmqsync.security.CurveClient`).
+        insecure: allow binding a non-loopback address without CURVE keys.
         **sender_options: ``retain_snapshot``, ``heartbeat``, ``repair_after``, ...
 
     Example::
@@ -42,11 +48,39 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
         mode: Literal["pubsub", "router"] = "pubsub",
         endpoint: str | None = None,
         timeout: float = 10.0,
+        curve_server: CurveServer | None = None,
+        curve_client: CurveClient | None = None,
+        insecure: bool = False,
         **sender_options: Any,
     ) -> None:
+        self.curve_server = curve_server
+        self.curve_client = curve_client
+        self.insecure = insecure
         if mode not in _MODES:
             raise ValueError(f"mode must be 'pubsub' or 'router'; got {mode!r}")
         self.mode = mode
         super().__init__(
             strategy, transport=_MODES[mode], endpoint=endpoint, timeout=timeout, **sender_options
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["curve_server"] = None  # the sender's secret key never leaves the sender
+        return state
+
+    def _hub_options(self) -> dict[str, Any]:
+        if self._alias_for(self.endpoint) == "memory":
+            return {}
+        return {"curve": self.curve_server, "insecure": self.insecure}
+
+    def _spoke_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"identity": str(self._worker_idx)}
+        if self._alias_for(self.endpoint) == "memory":
+            return options
+        options["curve"] = self.curve_client
+        if self._model is not None:
+            # The largest frame a worker accepts: its model's size, plus room for the
+            # schema. A peer cannot make it allocate more.
+            nbytes = sum(t.nbytes for t in ModelTensors(self.strategy).get(self._model).values())
+            options["max_message_bytes"] = 2 * nbytes + 64 * 1024 * 1024
+        return options

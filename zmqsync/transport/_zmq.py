@@ -19,10 +19,13 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Final
 
+import logging
+
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from zmqsync.errors import EndpointError, TransportClosed, TransportError
+from zmqsync.security import CurveClient, CurveServer
 from zmqsync.protocol import Buffer, Kind, peek_kind
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
@@ -34,6 +37,8 @@ __all__ = [
     "parse_endpoint",
 ]
 
+log = logging.getLogger("zmqsync.transport")
+
 #: Prefix of every spoke's routing id: lets a router hub tell workers from CLI clients.
 SPOKE_PREFIX: Final = b"zmqsync-spoke:"
 #: Queued messages per peer before ZeroMQ drops new ones. Weights messages are large and
@@ -41,6 +46,11 @@ SPOKE_PREFIX: Final = b"zmqsync-spoke:"
 DATA_HWM: Final = 8
 #: Requests and acks are small; a sender falling behind on them is the problem to see.
 CONTROL_HWM: Final = 10_000
+#: Largest frame a worker accepts unless told otherwise (a scheme with a model sets it
+#: from the model's size): a peer cannot make it allocate more than this.
+DEFAULT_MAX_MESSAGE: Final = 16 * 1024**3
+#: Largest message a socket that reads only small control traffic takes.
+CONTROL_MAX_MESSAGE: Final = 1024 * 1024
 #: How long bind() retries an address a just-closed socket may still hold.
 REBIND_SECONDS: Final = 2.0
 _HANDSHAKE_FAILED: Final = (
@@ -152,8 +162,9 @@ def _buffers(frames: list[zmq.Frame]) -> list[Buffer]:
 class _Sockets:
     """A set of sockets, a poller over them, and one wake-up pair for other threads."""
 
-    def __init__(self, context: zmq.Context[Any]) -> None:
+    def __init__(self, context: zmq.Context[Any], curve: CurveServer | CurveClient | None = None) -> None:
         self.context = context
+        self.curve = curve
         self.poller = zmq.Poller()
         self.sockets: list[zmq.Socket[Any]] = []
         self._wake_addr = f"inproc://zmqsync-wake-{secrets.token_hex(8)}"
@@ -169,6 +180,8 @@ class _Sockets:
         sock.linger = 0
         sock.sndhwm = hwm
         sock.rcvhwm = hwm
+        if self.curve is not None and kind != zmq.PAIR:
+            self.curve.apply(sock)  # before bind/connect, or it does not take
         self.sockets.append(sock)
         if poll:
             self.poller.register(sock, zmq.POLLIN)
@@ -244,14 +257,32 @@ class ZMQHub(HubTransport):
         ack_endpoint: str | None = None,
         context: zmq.Context[Any] | None = None,
         max_request_bytes: int = 64 * 1024 * 1024,
+        curve: CurveServer | None = None,
+        insecure: bool = False,
     ) -> None:
         self._tmpdir: str | None = None
         if endpoint is None:
             endpoint, self._tmpdir = default_endpoint()
         parse_endpoint(endpoint)
-        self._context = context or zmq.Context.instance()
+        if not is_loopback(endpoint) and curve is None:
+            if not insecure:
+                raise EndpointError(
+                    f"{endpoint} is reachable from other hosts and no CURVE keys were given: "
+                    "anyone on the network could read the weights or send acks. Pass "
+                    "curve=CurveServer.from_files(...) (keys from `zmqsync keys`), or "
+                    "insecure=True if this network is trusted"
+                )
+            log.warning("binding %s without CURVE keys: weights travel in clear", endpoint)
+        self._auth = None
+        self._own_context = curve is not None
+        if curve is not None:
+            # The ZAP handler is per context: a private one keeps fleets apart.
+            self._context = zmq.Context()
+            self._auth = curve.start_authenticator(self._context)
+        else:
+            self._context = context or zmq.Context.instance()
         self._max_request_bytes = max_request_bytes
-        self._socks = _Sockets(self._context)
+        self._socks = _Sockets(self._context, curve)
         self._counters = {"handshake_failures": 0, "dropped_sends": 0, "oversized": 0}
         self._peers: set[PeerId] = set()
         self._closed = False
@@ -386,6 +417,10 @@ class ZMQHub(HubTransport):
         for sock in list(self._monitors):
             self._unmonitor(sock)
         self._socks.close()
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_context:
+            self._context.term()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -401,12 +436,13 @@ class ZMQSpoke(SpokeTransport):
         *,
         identity: str = "",
         context: zmq.Context[Any] | None = None,
-        max_message_bytes: int = -1,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+        curve: CurveClient | None = None,
     ) -> None:
         parse_endpoint(endpoint)
         self._endpoint = endpoint
         self._context = context or zmq.Context.instance()
-        self._socks = _Sockets(self._context)
+        self._socks = _Sockets(self._context, curve)
         self._max_message_bytes = max_message_bytes
         self._closed = False
         self.peer_id: PeerId = SPOKE_PREFIX + f"{identity}:{secrets.token_hex(6)}".encode()
@@ -436,6 +472,7 @@ class ZMQSpoke(SpokeTransport):
                 if self._push is not None:
                     self._socks.discard(self._push)
                 self._push = self._socks.add(zmq.PUSH, poll=False)
+                self._push.maxmsgsize = CONTROL_MAX_MESSAGE  # it never reads: nothing to take
                 self._push.sndtimeo = 0
                 self._push.connect(ack)
                 self._ack_address = ack

@@ -115,9 +115,9 @@ class MemorySpoke(SpokeTransport):
 
     name = "memory"
 
-    def __init__(self, endpoint: str, *, peer_id: PeerId | None = None) -> None:
+    def __init__(self, endpoint: str, *, identity: str = "", peer_id: PeerId | None = None) -> None:
         self._endpoint = endpoint
-        self.peer_id = peer_id or f"memory-spoke-{next(_ids)}".encode()
+        self.peer_id = peer_id or f"memory-spoke-{identity}-{next(_ids)}".encode()
         self._inbox: queue.Queue[object] = queue.Queue()
         self._hub: MemoryHub | None = None
         self._closed = False

@@ -14,7 +14,14 @@ from typing import Any
 import zmq
 
 from zmqsync.protocol import Buffer
-from zmqsync.transport._zmq import DATA_HWM, ZMQHub, ZMQSpoke, _bind, derive_endpoint
+from zmqsync.transport._zmq import (
+    CONTROL_MAX_MESSAGE,
+    DATA_HWM,
+    ZMQHub,
+    ZMQSpoke,
+    _bind,
+    derive_endpoint,
+)
 
 __all__ = ["PubSubHub", "PubSubSpoke"]
 
@@ -28,9 +35,14 @@ class PubSubHub(ZMQHub):
         self._data_request = data_endpoint
         super().__init__(endpoint, **kw)
 
+    def _new_pub(self) -> zmq.Socket[Any]:
+        pub = self._socks.add(zmq.PUB, poll=False, hwm=DATA_HWM)
+        pub.maxmsgsize = CONTROL_MAX_MESSAGE  # a PUB reads only subscriptions
+        self._monitor(pub)
+        return pub
+
     def _bind_data(self, endpoint: str) -> None:
-        self._pub = self._socks.add(zmq.PUB, poll=False, hwm=DATA_HWM)
-        self._monitor(self._pub)
+        self._pub = self._new_pub()
         self._data_bound_as = self._data_request or derive_endpoint(endpoint, "data", 1)
         self._data_endpoint = _bind(self._pub, self._data_bound_as)
 
@@ -53,8 +65,7 @@ class PubSubHub(ZMQHub):
         self._bind_data_again()
 
     def _bind_data_again(self) -> None:
-        self._pub = self._socks.add(zmq.PUB, poll=False, hwm=DATA_HWM)
-        self._monitor(self._pub)
+        self._pub = self._new_pub()
         self._data_endpoint = _bind(self._pub, self._data_endpoint)
 
 

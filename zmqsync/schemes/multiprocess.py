@@ -1,0 +1,192 @@
+"""MultiProcessWeightSyncScheme: weight sync with worker processes over pipes.
+
+torchrl's scheme of the same name (seed ``001``), on zmqsync's pipe transport: the same
+versioned frames as the ZeroMQ schemes (tensor bytes, never pickled tensors), acks back
+through the same pipe. Unlike torchrl's, a worker never aliases the sender's memory (it
+holds its own copy, changed only by a send) and ``worker_ids`` reaches only the named
+workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+from zmqsync.receiver import WeightReceiver
+from zmqsync.schemes.base import WeightSyncScheme, _model_from_context
+from zmqsync.transport.pipe import PipeHub, PipeSpoke
+
+__all__ = ["MultiProcessWeightSyncScheme"]
+
+Pipes = Sequence[Connection] | Mapping[int, Connection]
+
+
+class MultiProcessWeightSyncScheme(WeightSyncScheme):
+    """Weight synchronization for worker processes, over one duplex pipe per worker.
+
+    Args:
+        strategy: ``"state_dict"`` (default, as torchrl's) or ``"tensordict"``.
+        timeout: seconds ``send()`` waits for every targeted worker's ack (and a worker's
+            ``connect()`` for the sender).
+        **sender_options: passed to :class:`~zmqsync.WeightSender` (``retain_snapshot``,
+            ``heartbeat``, ``repair_after``, ...).
+
+    Example::
+
+        ctx = multiprocessing.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(2)]
+        scheme = MultiProcessWeightSyncScheme()
+        procs = [ctx.Process(target=worker, args=(scheme, child)) for _, child in pipes]
+        for p in procs:
+            p.start()
+        for _, child in pipes:
+            child.close()      # the worker holds it now; a dead worker is then seen at once
+        scheme.init_on_sender("policy", pipes=[parent for parent, _ in pipes], model=policy)
+        scheme.send()          # returns when both workers hold the new version
+
+        def worker(scheme, pipe):                          # in each worker process
+            scheme.init_on_worker("policy", pipe=pipe, model=local_policy)
+            scheme.connect()                               # latest weights applied
+            scheme.start_receiver_thread()                 # new versions applied as they come
+
+    Each pipe must carry nothing but this scheme's messages. A worker learns its index
+    from its pipe, so ``worker_idx`` is optional on the worker side.
+    """
+
+    _transport_alias = "pipe"
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        *,
+        timeout: float = 10.0,
+        **sender_options: Any,
+    ) -> None:
+        super().__init__(strategy, timeout=timeout, **sender_options)
+        self._pending_pipes: Pipes | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_pending_pipes"] = None  # pipe ends travel to a worker as its own argument
+        return state
+
+    # --- transports ------------------------------------------------------------------
+
+    def create_transport(  # type: ignore[override]
+        self,
+        pipe: Connection | None = None,
+        *,
+        role: str = "hub",
+        worker_idx: int = 0,
+        **options: Any,
+    ) -> PipeHub | PipeSpoke:
+        """A pipe transport end (legacy): the sender's end of ``pipe`` by default, or the
+        worker's with ``role="spoke"``.
+
+        ``create_transport(pipe)`` gives a hub serving the one worker ``worker_idx`` at
+        the other end of ``pipe``. Without a pipe, during ``init_on_sender``, the hub
+        serves every pipe given there.
+        """
+        options.pop("endpoint", None)  # pipes have no address
+        if role == "hub":
+            if pipe is not None:
+                return PipeHub({worker_idx: pipe}, **options)
+            if self._pending_pipes is None:
+                raise ValueError(
+                    "create_transport() needs a pipe: pass the sender's end of a worker's "
+                    "multiprocessing.Pipe()"
+                )
+            return PipeHub(self._pending_pipes, **options)
+        if role == "spoke":
+            if pipe is None:
+                raise ValueError("a worker's transport needs its end of the pipe: create_transport(pipe, role='spoke')")
+            return PipeSpoke(pipe)
+        raise ValueError(f"role must be 'hub' or 'spoke'; got {role!r}")
+
+    # --- sender side -----------------------------------------------------------------
+
+    def init_on_sender(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        """Set up the sender over the workers' pipes.
+
+        Args:
+            model_id: which model (``"policy"``).
+            context: optional object providing ``pipes``, ``num_workers`` and the model
+                (``get_model(model_id)`` or an attribute named ``model_id``).
+            **kwargs: instead of a context: ``pipes=`` (the sender's end of each worker's
+                duplex pipe, a list or ``{worker_idx: pipe}``), ``num_workers=``,
+                ``model=``; and any :class:`~zmqsync.WeightSender` option.
+        """
+        pipes = kwargs.pop("pipes", None)
+        if pipes is None:
+            pipes = getattr(context, "pipes", None)
+        if pipes is None:
+            raise ValueError(
+                "MultiProcessWeightSyncScheme.init_on_sender needs the workers' pipes: pass "
+                "pipes=[...] (the sender's end of one multiprocessing.Pipe() per worker) or a "
+                "context with a .pipes attribute"
+            )
+        indices = sorted(pipes) if isinstance(pipes, Mapping) else list(range(len(pipes)))
+        contiguous = indices == list(range(len(indices)))
+        num_workers = kwargs.get("num_workers", getattr(context, "num_workers", None))
+        if num_workers is None:
+            # Workers 0..n-1 are send()'s default targets; other indices: whoever connected.
+            kwargs["num_workers"] = len(indices) if contiguous else None
+        elif not contiguous or num_workers != len(indices):
+            raise ValueError(
+                f"num_workers={num_workers} does not match the pipes given (workers "
+                f"{indices}): give one pipe per worker, for workers 0..num_workers-1"
+            )
+        else:
+            kwargs["num_workers"] = num_workers
+        self._pending_pipes = pipes
+        try:
+            super().init_on_sender(model_id, context, **kwargs)
+        finally:
+            self._pending_pipes = None
+
+    # --- worker side -----------------------------------------------------------------
+
+    def init_on_receiver(self, *, model_id: str = "policy", context: Any = None,
+                         **kwargs: Any) -> None:
+        """Set up a worker on its end of the pipe (``connect()`` then joins).
+
+        Args:
+            model_id: which model.
+            context: optional object providing ``pipe``, ``worker_idx`` and the model.
+            **kwargs: ``pipe=`` (this worker's end), ``model=``, and optionally
+                ``worker_idx=`` (by default the index the sender's pipe assigns).
+        """
+        if self._receiver is not None:
+            raise RuntimeError("init_on_receiver() was already called on this scheme")
+        pipe = kwargs.pop("pipe", None)
+        if pipe is None:
+            pipe = getattr(context, "pipe", None)
+        if pipe is None:
+            raise ValueError(
+                "init_on_worker needs this worker's end of its pipe: pass pipe=... or a "
+                "context with a .pipe attribute"
+            )
+        model = kwargs.pop("model", None)
+        worker_idx = kwargs.pop("worker_idx", getattr(context, "worker_idx", None))
+        if kwargs:
+            raise TypeError(f"unexpected arguments for init_on_worker: {sorted(kwargs)}")
+        self._model_id = model_id
+        self._context = context
+        self._model = model if model is not None else _model_from_context(context, model_id)
+        spoke = PipeSpoke(pipe)
+        try:
+            if worker_idx is None:
+                worker_idx = spoke.wait_index(self.timeout)
+            self._worker_idx = int(worker_idx)
+            self._receiver = WeightReceiver(
+                spoke,
+                model_id=model_id,
+                model=self._model,
+                strategy=self.strategy,
+                worker_idx=self._worker_idx,
+                timeout=self.timeout,
+            )
+        except BaseException:
+            spoke.close()
+            raise

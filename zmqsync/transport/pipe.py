@@ -1,0 +1,523 @@
+"""Transport over multiprocessing pipes: one duplex pipe per worker, no sockets to bind.
+
+The hub holds one end of each worker's ``multiprocessing.Pipe()`` (``duplex=True``); the
+worker holds the other. A message travels as records written with
+``Connection.send_bytes``: a small header (magic and frame count), then one record per
+frame. ``Connection.send``/``recv`` are never used: they pickle, and no pickle travels on
+zmqsync's data path.
+
+Writes happen on a thread per connection, so ``send_frames`` never blocks on a worker that
+is busy, or dead with its end of the pipe still held open by some other process. A
+version waiting to be written is replaced by a newer one (a receiver only wants the
+newest). ``send_frames`` copies what it is given once (shared by every worker's queue), so
+the caller may change its tensors as soon as it returns, and a purge never leaves a
+message half-written from changing memory.
+
+A worker learns its index from the hub: the first record on each pipe assigns it
+(:attr:`PipeSpoke.peer_index`), so ``init_on_worker(pipe=..., model=...)`` needs no
+``worker_idx``.
+
+Example::
+
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    hub = PipeHub([parent])                 # learner
+    spoke = PipeSpoke(child)                # worker process (child end passed at spawn)
+
+Close the learner's copy of each child end once the worker has started: then a worker
+that dies is seen at once (end of file) instead of at the next send's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Final
+
+from zmqsync.errors import TransportClosed, TransportError
+from zmqsync.protocol import MAX_BUFFERS, Buffer, Kind, peek_kind
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
+
+__all__ = ["PipeHub", "PipeSpoke", "peer_id"]
+
+log = logging.getLogger("zmqsync.transport.pipe")
+
+#: A message's first record: magic, then the number of frame records that follow.
+_HEADER: Final = struct.Struct("<4sI")
+_MESSAGE: Final = b"ZSP1"
+#: The record that tells a worker its index (the count field carries the index).
+_ASSIGN: Final = b"ZSPI"
+#: Frames per message: the protocol's buffer limit plus the header and schema frames.
+MAX_FRAMES: Final = MAX_BUFFERS + 2
+#: What a hub accepts in one frame from a worker. Workers send acks and requests (a few
+#: KiB); a bigger frame is a confused peer, refused before it is allocated.
+DEFAULT_MAX_FRAME_BYTES: Final = 64 * 1024 * 1024
+#: Control messages queued for one peer before new ones are dropped. Weights never
+#: pile up (a newer version replaces a queued one); this bounds everything else.
+MAX_QUEUED: Final = 1024
+#: The frames of one message follow its header at once. A peer silent for this long in
+#: the middle of a message is stuck (stopped, or confused) and its pipe is given up: the
+#: stream cannot be resynchronised, and the hub's reader must not wait on it forever.
+STALL_SECONDS: Final = 10.0
+#: How long close() waits for a writer thread after shutting its socket down.
+WRITER_JOIN_SECONDS: Final = 2.0
+
+
+def peer_id(index: int) -> PeerId:
+    """The hub's peer id of the worker at ``index``: ``b"pipe:3"``."""
+    return b"pipe:%d" % index
+
+
+def _owned(frames: Sequence[Buffer]) -> list[bytes]:
+    # bytes are immutable and safe to share; anything else may be the caller's tensors.
+    return [f if isinstance(f, bytes) else bytes(f) for f in frames]
+
+
+def _socket_of(conn: Connection, what: str) -> socket.socket:
+    """A second handle on the pipe's socket, to shut it down from another thread.
+
+    Shutting a socket down wakes a thread blocked writing to it; closing a file
+    descriptor another thread may still use would not (and risks hitting a reused fd).
+    """
+    if not isinstance(conn, Connection) or not (conn.readable and conn.writable):
+        raise ValueError(
+            f"{what} must be one end of multiprocessing.Pipe(duplex=True); got {conn!r}"
+        )
+    try:
+        fd = conn.fileno()
+    except OSError as exc:
+        raise ValueError(f"{what} is closed: pass an open pipe end") from exc
+    dup = os.dup(fd)
+    try:
+        return socket.socket(fileno=dup)
+    except OSError as exc:
+        os.close(dup)
+        raise ValueError(
+            f"{what} is not a socket pair: use multiprocessing.Pipe(duplex=True) on a POSIX system"
+        ) from exc
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _recv_record(conn: Connection, max_bytes: int | None, *, stall: bool) -> bytes:
+    """One record; EOFError/OSError when the pipe broke or the peer is stuck mid-message."""
+    if stall and not conn.poll(STALL_SECONDS):
+        raise OSError(f"the peer stopped in the middle of a message for {STALL_SECONDS:g}s")
+    return conn.recv_bytes(max_bytes)
+
+
+def _read_message(conn: Connection, max_frame_bytes: int | None) -> tuple[bytes, int, list[bytes]]:
+    """``(kind, count, frames)`` of the next message; the header must be readable now.
+
+    Raises EOFError or OSError when the pipe broke, or its bytes are not ours (after which
+    the stream cannot be trusted).
+    """
+    head = _recv_record(conn, _HEADER.size, stall=False)
+    if len(head) != _HEADER.size:
+        raise OSError(f"a pipe header is {_HEADER.size} bytes; got {len(head)}")
+    magic, count = _HEADER.unpack(head)
+    if magic == _ASSIGN:
+        return magic, count, []
+    if magic != _MESSAGE:
+        raise OSError(f"bad pipe record magic {magic!r}: is someone else writing on this pipe?")
+    if count > MAX_FRAMES:
+        raise OSError(f"a message of {count} frames exceeds the limit of {MAX_FRAMES}")
+    return magic, count, [_recv_record(conn, max_frame_bytes, stall=True) for _ in range(count)]
+
+
+@dataclass
+class _Outgoing:
+    frames: list[bytes] | None  # None: an index assignment
+    kind: Kind | None = None
+    index: int = 0
+
+
+class _Writer:
+    """Writes one connection's outgoing messages, in order, on a thread of its own.
+
+    The caller never waits on the peer: a peer that does not read leaves messages queued
+    (weights replaced by newer ones, the rest bounded by MAX_QUEUED).
+    """
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self._conn = conn
+        self._queue: deque[_Outgoing] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        #: Why writing failed (the pipe broke), or None while it works.
+        self.broken: str | None = None
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"zmqsync-pipe-{name}", daemon=True)
+        self._thread.start()
+
+    def put(self, item: _Outgoing) -> bool:
+        with self._cond:
+            if self._stopping or self.broken is not None:
+                self.dropped += 1
+                return False
+            if item.kind is Kind.WEIGHTS:
+                # A receiver applies only the newest version: older ones still waiting are
+                # dead weight (and each may be a model's worth of memory).
+                kept = deque(m for m in self._queue if m.kind is not Kind.WEIGHTS)
+                self.dropped += len(self._queue) - len(kept)
+                self._queue = kept
+            elif len(self._queue) >= MAX_QUEUED:
+                self.dropped += 1
+                return False
+            self._queue.append(item)
+            self._cond.notify()
+        return True
+
+    def purge(self) -> None:
+        with self._cond:
+            self.dropped += len(self._queue)
+            self._queue.clear()
+
+    def _next(self) -> _Outgoing | None:
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            return None if self._stopping else self._queue.popleft()
+
+    def _run(self) -> None:
+        try:
+            while (item := self._next()) is not None:
+                if item.frames is None:
+                    self._conn.send_bytes(_HEADER.pack(_ASSIGN, item.index))
+                    continue
+                self._conn.send_bytes(_HEADER.pack(_MESSAGE, len(item.frames)))
+                for frame in item.frames:
+                    if self._stopping:
+                        return  # closing: the peer sees the pipe end, not half a message
+                    self._conn.send_bytes(frame)
+        except (OSError, EOFError, ValueError) as exc:
+            # EPIPE/ECONNRESET: the peer is gone; ValueError/OSError(EBADF): closed by us.
+            with self._cond:
+                self.broken = f"{type(exc).__name__}: {exc}"
+                self._queue.clear()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._queue.clear()
+            self._cond.notify_all()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _close_end(conn: Connection, sock: socket.socket, writer: _Writer) -> None:
+    """Close one pipe end without ever waiting on its peer."""
+    writer.stop()
+    _shutdown(sock)  # wakes a writer blocked on a peer that does not read
+    if writer.join(WRITER_JOIN_SECONDS):
+        conn.close()
+    else:  # pragma: no cover - a socket shutdown always ends a blocked write on Linux
+        log.warning("a pipe writer did not stop within %ss; leaving its pipe open", WRITER_JOIN_SECONDS)
+
+
+@dataclass
+class _Peer:
+    index: int
+    conn: Connection = field(repr=False)
+    sock: socket.socket = field(repr=False)
+    writer: _Writer = field(repr=False)
+    lost: str | None = None
+
+
+class PipeHub(HubTransport):
+    """The learner's end: one duplex pipe per worker.
+
+    Args:
+        pipes: the learner's end of each worker's ``multiprocessing.Pipe()``; a sequence
+            (worker ``i`` is ``pipes[i]``) or a mapping ``{worker_index: pipe_end}``.
+            Each pipe must carry nothing but this hub's messages.
+        max_frame_bytes: the largest frame accepted from a worker.
+
+    Peer ids are ``b"pipe:<index>"`` (:func:`peer_id`). A worker whose pipe breaks (it
+    exited or was killed) is counted in ``counters()["peers_lost"]``; sends to it are
+    dropped, never raised.
+    """
+
+    name = "pipe"
+
+    def __init__(
+        self,
+        pipes: Sequence[Connection] | Mapping[int, Connection],
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        items: Iterable[tuple[int, Connection]] = (
+            pipes.items() if isinstance(pipes, Mapping) else enumerate(pipes)
+        )
+        self._max_frame_bytes = max_frame_bytes
+        self._peers: dict[PeerId, _Peer] = {}
+        self._by_conn: dict[Connection, _Peer] = {}
+        self._closed = False
+        self._dropped = 0
+        # Guards the peer table (add_pipe may run beside recv_frames) and the wake pipe
+        # against close().
+        self._lock = threading.Lock()
+        self._endpoint = f"pipe://{os.getpid()}"
+        self._rotate = 0
+        try:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
+            for index, conn in items:
+                self.add_pipe(conn, index)
+        except BaseException:
+            self.close()
+            raise
+
+    def add_pipe(self, pipe: Connection, index: int) -> PeerId:
+        """Serve one more worker at ``index`` (a late joiner), or replace the pipe of a
+        worker whose pipe broke (a restarted worker). Returns its peer id."""
+        self._check_open()
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"worker indices must be non-negative ints; got {index!r}")
+        with self._lock:
+            old = self._peers.get(peer_id(index))
+            if old is not None and old.lost is None:
+                raise ValueError(f"worker {index} already has a working pipe")
+            sock = _socket_of(pipe, f"pipe of worker {index}")
+            writer = _Writer(pipe, f"hub-{index}")
+            # Before anything else on this pipe: tell the worker who it is.
+            writer.put(_Outgoing(None, index=index))
+            peer = _Peer(index, pipe, sock, writer)
+            self._peers[peer_id(index)] = peer
+            self._by_conn[pipe] = peer
+            if old is not None:
+                del self._by_conn[old.conn]
+        if old is not None:
+            _close_end(old.conn, old.sock, old.writer)
+        self.wake()  # a blocked recv_frames starts listening to the new pipe
+        return peer_id(index)
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def peers(self) -> list[PeerId]:
+        """Every worker's peer id, lost or not."""
+        return list(self._peers)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"pipe hub {self._endpoint} is closed")
+
+    def _lose(self, peer: _Peer, why: str) -> None:
+        if peer.lost is None:
+            peer.lost = why
+            peer.writer.stop()
+            log.warning("pipe of worker %d broke (%s): the worker is gone", peer.index, why)
+
+    def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
+        self._check_open()
+        with self._lock:
+            if to is None:
+                targets: list[_Peer | None] = list(self._peers.values())
+            else:
+                targets = [self._peers.get(p) for p in to]
+        if not targets:
+            return
+        item = _Outgoing(_owned(frames), peek_kind(frames[0]) if frames else None)
+        for peer in targets:
+            if peer is None or peer.lost is not None:
+                self._dropped += 1
+                continue
+            if peer.writer.broken is not None:
+                self._lose(peer, peer.writer.broken)
+            peer.writer.put(item)
+
+    def recv_frames(self, timeout: float | None) -> Incoming | None:
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                live = [p.conn for p in self._peers.values() if p.lost is None]
+                by_conn = dict(self._by_conn)
+            if live:  # take turns, so one chatty worker cannot starve the others
+                self._rotate = (self._rotate + 1) % len(live)
+                live = live[self._rotate :] + live[: self._rotate]
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = wait([*live, self._wake_r], remaining)
+            except (OSError, ValueError) as exc:
+                raise TransportError(f"waiting on worker pipes failed: {exc}") from exc
+            if self._wake_r in ready:
+                self._drain_wake()
+                return None
+            for conn in ready:
+                peer = by_conn[conn]  # type: ignore[index]
+                try:
+                    magic, _, frames = _read_message(peer.conn, self._max_frame_bytes)
+                except (EOFError, OSError) as exc:
+                    self._lose(peer, f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
+                    continue
+                if magic == _MESSAGE:
+                    return Incoming(list(frames), peer_id(peer.index))
+            if not ready and (remaining is not None and remaining <= 0):
+                return None
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            # Non-blocking: a full wake pipe already holds a wake-up.
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"\0")
+
+    def purge(self) -> None:
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            peer.writer.purge()
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            peers = list(self._peers.values())
+        return {
+            "dropped_sends": self._dropped + sum(p.writer.dropped for p in peers),
+            "peers_lost": sum(p.lost is not None for p in peers),
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+        for peer in peers:
+            _close_end(peer.conn, peer.sock, peer.writer)
+        for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+class PipeSpoke(SpokeTransport):
+    """A worker's end: the child end of its ``multiprocessing.Pipe()``.
+
+    If the hub closes or its process dies, the spoke says so once in the log, drops what
+    it is asked to send and receives nothing; it does not raise (the receiver's own
+    timeouts report a missing sender).
+    """
+
+    name = "pipe"
+
+    def __init__(self, pipe: Connection) -> None:
+        self._sock = _socket_of(pipe, "the worker's pipe")
+        self._conn = pipe
+        self._writer = _Writer(pipe, "spoke")
+        self._closed = False
+        self._closed_event = threading.Event()
+        self._hub_gone: str | None = None
+        self._early: deque[list[bytes]] = deque()  # read while waiting for our index
+        #: This worker's index, as the hub assigned it (``None`` until it has arrived).
+        self.peer_index: int | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def endpoint(self) -> str:
+        """A name for messages: the pipe has no address."""
+        return "pipe://worker" if self.peer_index is None else f"pipe://worker-{self.peer_index}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed("this worker's pipe spoke is closed")
+
+    def send_frames(self, frames: Sequence[Buffer]) -> None:
+        self._check_open()
+        if self._hub_gone is None and self._writer.broken is not None:
+            self._gone(self._writer.broken)
+        self._writer.put(_Outgoing(_owned(frames), peek_kind(frames[0]) if frames else None))
+
+    def _gone(self, why: str) -> None:
+        if self._hub_gone is None:
+            self._hub_gone = why
+            log.warning("the sender's end of the pipe is gone (%s)", why)
+
+    def _read(self, deadline: float | None) -> list[bytes] | None:
+        """The next message, reading index assignments on the way; None on timeout."""
+        while True:
+            if self._hub_gone is not None:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._closed_event.wait(remaining)  # nothing will ever come: just time out
+                return None
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                if not self._conn.poll(remaining):
+                    return None
+                magic, index, frames = _read_message(self._conn, None)
+            except (EOFError, OSError) as exc:
+                self._gone(f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
+                continue
+            if magic == _ASSIGN:
+                self.peer_index = index
+                continue
+            return frames
+
+    def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
+        self._check_open()
+        if self._early:
+            return list(self._early.popleft())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        frames = self._read(deadline)
+        return None if frames is None else list(frames)
+
+    def wait_index(self, timeout: float) -> int:
+        """Wait for the hub to assign this worker's index and return it.
+
+        Raises :class:`TransportError` if none arrives within ``timeout`` seconds.
+        """
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        while self.peer_index is None:
+            if time.monotonic() >= deadline or self._hub_gone is not None:
+                why = f" (the pipe broke: {self._hub_gone})" if self._hub_gone else ""
+                raise TransportError(
+                    f"no worker index arrived on the pipe within {timeout:g}s{why}: create the "
+                    "sender (init_on_sender with these pipes) first, or pass worker_idx="
+                )
+            frames = self._read(deadline)
+            if frames is not None:
+                self._early.append(frames)
+        return self.peer_index
+
+    def counters(self) -> dict[str, int]:
+        """Messages this spoke dropped (the hub gone, or not reading)."""
+        return {"dropped_sends": self._writer.dropped}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._closed_event.set()
+        _close_end(self._conn, self._sock, self._writer)

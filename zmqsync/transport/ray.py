@@ -1,0 +1,499 @@
+"""Transport over Ray: the hub calls a method on each worker actor; replies come back as
+the calls' results.
+
+A Ray actor cannot be written to like a socket, and cannot easily call its driver back, so
+the hub drives every exchange:
+
+- ``send_frames`` calls ``actor.zmqsync_deliver(channel, peer_index, frames)`` on each
+  targeted actor. A large message is put into Ray's object store **once**
+  (``ray.put`` of a list of ``uint8`` numpy arrays) and every actor on the node reads it
+  through zero-copy, read-only views; the receiver then copies it once into its model.
+- What the actor's side sends (acks, hellos, heartbeats) waits in its spoke's outbox and
+  is the **result** of the next call. When nothing else is under way, the hub *polls*
+  each actor (a call with no frames) every ``poll_interval`` seconds at most, sooner
+  right after an actor had something to say.
+- Calls complete through Ray's futures, so nothing here blocks on an actor: a killed
+  actor (``ray.kill``) fails its calls with ``ActorDiedError`` and is counted as lost;
+  one that hangs just never answers, and the sync layer's timeout names it.
+
+The actor's class provides the method by inheriting :class:`WeightSyncActorMixin` (or by
+defining a method that calls :func:`deliver`)::
+
+    @ray.remote
+    class Collector(WeightSyncActorMixin):
+        def __init__(self, scheme):
+            self.policy = make_policy()
+            scheme.init_on_worker("policy", model=self.policy)   # registers a RaySpoke
+
+The actor side (:class:`RaySpoke`, :func:`deliver`) never imports Ray. Ray serializes
+the calls; what zmqsync puts in them is bytes and numpy byte arrays, nothing executable of
+its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from zmqsync.errors import EndpointError, TransportClosed, TransportError
+from zmqsync.protocol import Buffer
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
+
+__all__ = [
+    "DELIVER_METHOD",
+    "RayHub",
+    "RaySpoke",
+    "WeightSyncActorMixin",
+    "deliver",
+    "peer_id",
+]
+
+log = logging.getLogger("zmqsync.transport.ray")
+
+#: The actor method a hub calls (what :class:`WeightSyncActorMixin` defines).
+DELIVER_METHOD: Final = "zmqsync_deliver"
+#: Messages at least this big go through the object store (put once, read zero-copy by
+#: every actor on the node); smaller ones travel inline in the call, which is cheaper.
+INLINE_BYTES: Final = 64 * 1024
+#: Calls under way to one actor before new messages to it are dropped: an actor that does
+#: not run its calls (busy in a long method, or hung) must not grow an unbounded queue of
+#: model-sized messages. The sync layer repairs it once it answers again.
+MAX_IN_FLIGHT: Final = 16
+#: Default longest gap between polls of an idle actor; it bounds how late a new worker
+#: is noticed and how late its heartbeat arrives.
+POLL_INTERVAL: Final = 0.25
+#: Gap before the next poll of an actor whose last reply carried messages (it is in the
+#: middle of something, such as joining).
+FAST_POLL: Final = 0.005
+#: Messages an actor's spoke keeps for the hub before dropping new ones.
+MAX_OUTBOX: Final = 1024
+
+
+def peer_id(index: int) -> PeerId:
+    """The hub's peer id of the actor at ``index``: ``b"ray:3"``."""
+    return b"ray:%d" % index
+
+
+def _owned(frames: Sequence[Buffer]) -> list[bytes]:
+    return [f if isinstance(f, bytes) else bytes(f) for f in frames]
+
+
+# --- the actor's side ------------------------------------------------------------------
+
+_spokes: dict[str, RaySpoke] = {}
+_spokes_lock = threading.Lock()
+
+
+class RaySpoke(SpokeTransport):
+    """A worker actor's end, registered in its process under ``channel`` (the model_id).
+
+    The hub's calls reach it through :func:`deliver`: delivered messages queue for
+    :meth:`recv_frames`; what :meth:`send_frames` is given is returned to the hub as the
+    result of the call. :attr:`on_delivery`, if set, runs on every call between the two
+    (the Ray scheme applies versions and acks there, so the ack rides on the same call).
+    """
+
+    name = "ray"
+
+    def __init__(self, channel: str = "policy") -> None:
+        self.channel = channel
+        self._inbox: queue.Queue[list[Buffer] | None] = queue.Queue()
+        self._outbox: list[list[bytes]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.dropped = 0
+        #: This actor's index at its hub (``None`` until the hub's first call).
+        self.peer_index: int | None = None
+        #: Called on each of the hub's calls, after its frames are queued and before the
+        #: reply is taken: a place to process them at once.
+        self.on_delivery: Callable[[], None] | None = None
+        with _spokes_lock:
+            other = _spokes.get(channel)
+            if other is not None and not other.closed:
+                raise EndpointError(
+                    f"this process already has an open Ray spoke for {channel!r}: close it "
+                    "(scheme.shutdown()) before creating another"
+                )
+            _spokes[channel] = self
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def endpoint(self) -> str:
+        """A name for messages: the spoke has no address of its own."""
+        return f"ray://{self.channel}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"the Ray spoke for {self.channel!r} is closed")
+
+    def send_frames(self, frames: Sequence[Buffer]) -> None:
+        self._check_open()
+        with self._cond:
+            if len(self._outbox) >= MAX_OUTBOX:
+                self.dropped += 1  # the hub stopped calling; it will ask again
+                return
+            self._outbox.append(_owned(frames))
+            self._cond.notify_all()
+
+    def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
+        self._check_open()
+        try:
+            if timeout is not None and timeout <= 0:
+                return self._inbox.get_nowait()
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait_outbox(self, timeout: float) -> bool:
+        """Wait until something is ready to go back to the hub; True if it is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._outbox) or self._closed, timeout)
+
+    def exchange(self, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
+        """One call from the hub: queue ``frames`` (if any) and return the outbox."""
+        if self._closed:
+            return []
+        self.peer_index = peer_index
+        if frames is not None:
+            # Views, not copies: numpy arrays from the object store stay where they are
+            # until the receiver copies them into its model.
+            self._inbox.put([f if isinstance(f, bytes) else memoryview(f) for f in frames])
+        hook = self.on_delivery
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - the reply must still go back
+                log.exception("processing a delivery on %s", self.endpoint)
+        with self._cond:
+            out, self._outbox = self._outbox, []
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _spokes_lock:
+            if _spokes.get(self.channel) is self:
+                del _spokes[self.channel]
+        self._inbox.put(None)  # ends a blocked recv_frames
+        with self._cond:
+            self._cond.notify_all()
+
+
+def deliver(channel: str, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
+    """Hand one hub call to this process's spoke for ``channel``; return its replies.
+
+    Call it from the actor method a :class:`RayHub` invokes (see
+    :class:`WeightSyncActorMixin`). With no spoke registered (the actor has not called
+    ``init_on_worker`` yet) the frames are dropped and nothing is returned; the hub asks
+    again later.
+    """
+    with _spokes_lock:
+        spoke = _spokes.get(channel)
+    if spoke is None:
+        return []
+    return spoke.exchange(peer_index, frames)
+
+
+class WeightSyncActorMixin:
+    """Gives a Ray actor class the method its :class:`RayHub` calls.
+
+    Example::
+
+        @ray.remote
+        class Collector(WeightSyncActorMixin):
+            ...
+
+    Calls are ordinary actor calls: a plain actor runs them between its other methods
+    (a long method delays its updates; the sender's timeout covers that). A threaded
+    actor (``max_concurrency > 1``) runs them alongside.
+    """
+
+    def zmqsync_deliver(
+        self, channel: str, peer_index: int, frames: list[Any] | None
+    ) -> list[list[bytes]]:
+        """Receive one message from the hub (or a poll) and return this actor's replies."""
+        return deliver(channel, peer_index, frames)
+
+
+# --- the driver's side -----------------------------------------------------------------
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - CI installs ray
+        raise ImportError(
+            "the Ray transport needs Ray: pip install 'zmqsync[ray]'"
+        ) from exc
+    return ray
+
+
+@dataclass
+class _Actor:
+    index: int
+    handle: Any = field(repr=False)
+    method: Any = field(repr=False)
+    next_seq: int = 0  # sequence number of the next call
+    done_seq: int = 0  # next call whose result is handed on (results keep call order)
+    finished: dict[int, Any] = field(default_factory=dict, repr=False)
+    in_flight: int = 0
+    next_poll: float = 0.0
+    poll_gap: float = FAST_POLL
+    dead: str | None = None
+
+
+class RayHub(HubTransport):
+    """The driver's end: one Ray actor per worker.
+
+    Args:
+        actors: the worker actors' handles, a sequence (worker ``i`` is ``actors[i]``)
+            or a mapping ``{worker_index: handle}``. Their class must have the method
+            ``method`` (inherit :class:`WeightSyncActorMixin`).
+        channel: the name both ends use (the scheme passes its model_id), so one actor
+            can receive several models.
+        method: the actor method to call.
+        poll_interval: longest gap between polls of an idle actor (seconds).
+        inline_bytes: messages smaller than this travel inside the call instead of
+            through the object store.
+
+    Peer ids are ``b"ray:<index>"`` (:func:`peer_id`). Ray must be initialised
+    (``ray.init()``) by the caller.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        actors: Sequence[Any] | Mapping[int, Any],
+        *,
+        channel: str = "policy",
+        method: str = DELIVER_METHOD,
+        poll_interval: float = POLL_INTERVAL,
+        inline_bytes: int = INLINE_BYTES,
+    ) -> None:
+        self._ray = _ray()
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be positive seconds; got {poll_interval}")
+        self._channel = channel
+        self._method = method
+        self._poll_interval = poll_interval
+        self._inline_bytes = inline_bytes
+        self._actors: dict[PeerId, _Actor] = {}
+        self._lock = threading.Lock()  # actor records: send_frames vs recv_frames
+        self._events: queue.Queue[tuple[_Actor, int, Any] | None] = queue.Queue()
+        self._ready: list[Incoming] = []
+        self._closed = False
+        self._counters = {"dropped_sends": 0, "peers_lost": 0, "remote_errors": 0, "polls": 0}
+        self.last_error: str | None = None
+        items = actors.items() if isinstance(actors, Mapping) else enumerate(actors)
+        for index, handle in items:
+            self.add_actor(handle, index=index)
+
+    # --- actors ----------------------------------------------------------------------
+
+    def add_actor(self, handle: Any, *, index: int | None = None) -> PeerId:
+        """Serve one more actor (a late joiner); returns its peer id."""
+        self._check_open()
+        with self._lock:
+            if index is None:
+                index = 1 + max((a.index for a in self._actors.values()), default=-1)
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ValueError(f"worker indices must be non-negative ints; got {index!r}")
+            peer = peer_id(index)
+            if peer in self._actors:
+                raise ValueError(f"worker index {index} already has an actor")
+            try:
+                method = getattr(handle, self._method)
+            except AttributeError:
+                raise TypeError(
+                    f"actor {handle!r} has no method {self._method!r}: make its class inherit "
+                    "zmqsync.transport.ray.WeightSyncActorMixin (or define that method to call "
+                    "zmqsync.transport.ray.deliver)"
+                ) from None
+            self._actors[peer] = _Actor(index, handle, method)
+        return peer
+
+    @property
+    def peers(self) -> list[PeerId]:
+        """Every actor's peer id, dead or not."""
+        return list(self._actors)
+
+    # --- HubTransport ----------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return f"ray://{self._channel}"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"Ray hub {self.endpoint} is closed")
+
+    def _payload(self, frames: Sequence[Buffer]) -> Any:
+        if sum(len(f) for f in frames) < self._inline_bytes:
+            return _owned(frames)
+        import numpy as np
+
+        # One copy, into the object store; each actor then maps it read-only.
+        arrays = [f if isinstance(f, bytes) else np.frombuffer(f, dtype=np.uint8) for f in frames]
+        try:
+            return self._ray.put(arrays)
+        except Exception as exc:
+            raise TransportError(f"putting a message into Ray's object store failed: {exc}") from exc
+
+    def _call(self, actor: _Actor, payload: Any) -> None:
+        """Start one call (caller holds the lock); its result arrives as an event."""
+        seq = actor.next_seq
+        actor.next_seq += 1
+        actor.in_flight += 1
+        try:
+            future = actor.method.remote(self._channel, actor.index, payload).future()
+        except Exception as exc:  # noqa: BLE001 - a failed submission is a failed call
+            failed: Any = _Failed(exc)
+            self._events.put((actor, seq, failed))
+            return
+        future.add_done_callback(lambda f, a=actor, s=seq: self._events.put((a, s, f)))
+
+    def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
+        self._check_open()
+        with self._lock:
+            targets = list(self._actors.values()) if to is None else [self._actors.get(p) for p in to]
+            live = [a for a in targets if a is not None and a.dead is None and a.in_flight < MAX_IN_FLIGHT]
+            self._counters["dropped_sends"] += len(targets) - len(live)
+            if not live:
+                return
+        payload = self._payload(frames)
+        with self._lock:
+            for actor in live:
+                self._call(actor, payload)
+
+    def _poll_due(self, now: float) -> float | None:
+        """Poll every idle actor that is due; return when the next one will be."""
+        soonest: float | None = None
+        with self._lock:
+            for actor in self._actors.values():
+                if actor.dead is not None or actor.in_flight:
+                    continue
+                if actor.next_poll <= now:
+                    self._counters["polls"] += 1
+                    self._call(actor, None)
+                elif soonest is None or actor.next_poll < soonest:
+                    soonest = actor.next_poll
+        return soonest
+
+    def _complete(self, actor: _Actor, seq: int, future: Any) -> None:
+        with self._lock:
+            actor.finished[seq] = future
+            while actor.done_seq in actor.finished:
+                done = actor.finished.pop(actor.done_seq)
+                actor.done_seq += 1
+                actor.in_flight -= 1
+                replies = self._result(actor, done)
+                self._ready.extend(Incoming(frames, peer_id(actor.index)) for frames in replies)
+                # An actor with something to say is busy with something (joining): ask
+                # again soon. An idle one is asked less and less often.
+                actor.poll_gap = FAST_POLL if replies else min(self._poll_interval, actor.poll_gap * 2)
+                actor.next_poll = time.monotonic() + actor.poll_gap
+
+    def _result(self, actor: _Actor, future: Any) -> list[list[Buffer]]:
+        exceptions = self._ray.exceptions
+        try:
+            result = future.result(timeout=0)
+        except exceptions.ActorDiedError as exc:
+            if actor.dead is None:
+                actor.dead = str(exc).splitlines()[0] if str(exc) else "actor died"
+                self._counters["peers_lost"] += 1
+                log.warning("Ray actor of worker %d died: %s", actor.index, actor.dead)
+            return []
+        except Exception as exc:  # noqa: BLE001 - counted; the actor stays in the fleet
+            self._counters["remote_errors"] += 1
+            self.last_error = f"worker {actor.index}: {type(exc).__name__}: {exc}"[:2000]
+            log.warning("a call to the Ray actor of worker %d failed: %s", actor.index, self.last_error)
+            return []
+        if not isinstance(result, list) or not all(
+            isinstance(m, list) and all(isinstance(b, bytes | bytearray | memoryview) for b in m)
+            for m in result
+        ):
+            self._counters["remote_errors"] += 1
+            self.last_error = (
+                f"worker {actor.index}: {self._method} returned {type(result).__name__}, not a "
+                "list of messages"
+            )
+            log.warning("%s", self.last_error)
+            return []
+        return result
+
+    def recv_frames(self, timeout: float | None) -> Incoming | None:
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._ready:
+                    return self._ready.pop(0)
+            now = time.monotonic()
+            next_poll = self._poll_due(now)
+            remaining = None if deadline is None else deadline - now
+            if remaining is not None and remaining <= 0:
+                event = self._take(0)
+                if event is None:
+                    return None
+            else:
+                wait = remaining
+                if next_poll is not None:
+                    wait = max(0.0, next_poll - now) if wait is None else min(wait, max(0.0, next_poll - now))
+                event = self._take(wait)
+            if event is _WOKEN:
+                return None
+            if event is not None:
+                self._complete(*event)  # type: ignore[misc]
+            if self._closed:
+                raise TransportClosed(f"Ray hub {self.endpoint} is closed")
+
+    def _take(self, timeout: float | None) -> object:
+        try:
+            if timeout is not None and timeout <= 0:
+                item = self._events.get_nowait()
+            else:
+                item = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return _WOKEN if item is None else item
+
+    def wake(self) -> None:
+        self._events.put(None)
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        # Calls under way are left to finish or fail on their own: nothing waits on them.
+        if self._closed:
+            return
+        self._closed = True
+        self._events.put(None)
+
+
+_WOKEN: Final = object()
+
+
+class _Failed:
+    """A call that could not even be submitted, shaped like a failed future."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self._exc = exc
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self._exc
