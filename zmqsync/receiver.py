@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Final
 
 from zmqsync.errors import FrameError, SchemaMismatchError, SyncTimeout
@@ -98,6 +99,9 @@ class WeightReceiver:
             "last_apply_s": 0.0,
         }
         self.rejections: deque[str] = deque(maxlen=8)
+        #: Called as ``fn(epoch, version)`` after each version is applied, still under
+        #: :attr:`lock` (so the model holds exactly that version while it runs).
+        self.on_applied: list[Callable[[int, int], None]] = []
         self._sender_epoch = 0
         self._heartbeat = 1.0
         self._last_heartbeat = 0.0
@@ -295,22 +299,25 @@ class WeightReceiver:
             self._ack(applied=True)  # we hold it (or newer): that settles a waiting send
             return
         start = time.monotonic()
-        try:
-            with self.lock:
+        with self.lock:
+            try:
                 if self.model is not None:
                     apply_weights(message, self._model_tensors.get(self.model), self.strategy)
                 else:
                     self.weights = as_weights_object(materialize(message), self.strategy)
-        except SchemaMismatchError as exc:
-            self._rejected(f"version {message.version}: {exc}")
-            self._ack(applied=False, reason=str(exc), version=message.version, epoch=message.epoch)
-            return
-        if message.epoch != self.epoch:
-            if self.epoch:
-                self._retired.append(self.epoch)
-            self.epoch = message.epoch
-            self._sender_epoch = message.epoch
-        self.version = message.version
+            except SchemaMismatchError as exc:
+                self._rejected(f"version {message.version}: {exc}")
+                self._ack(applied=False, reason=str(exc), version=message.version,
+                          epoch=message.epoch)
+                return
+            if message.epoch != self.epoch:
+                if self.epoch:
+                    self._retired.append(self.epoch)
+                self.epoch = message.epoch
+                self._sender_epoch = message.epoch
+            self.version = message.version
+            for listener in self.on_applied:
+                listener(self.epoch, self.version)
         self.stats["applied"] += 1
         self.stats["last_apply_s"] = time.monotonic() - start
         self._caught_up = True

@@ -205,12 +205,16 @@ class Flat:
     keepalive: list[torch.Tensor] = field(repr=False)
 
     def owned_copy(self) -> Flat:
-        """A copy whose buffers own their bytes: what a sender keeps for late joiners."""
+        """A copy whose buffers own their bytes: what a sender keeps for late joiners.
+
+        Its buffers are read-only views: nothing changes them, and transports may rely
+        on that (no need to track when ZeroMQ lets go of them).
+        """
         copies = [t.clone() for t in self.keepalive]
         return Flat(
             self.schema,
             self.schema_bytes,
-            [memoryview(c.numpy()) for c in copies],
+            [memoryview(c.numpy()).toreadonly() for c in copies],
             self.nbytes,
             copies,
         )

@@ -51,6 +51,8 @@ CONTROL_HWM: Final = 10_000
 DEFAULT_MAX_MESSAGE: Final = 16 * 1024**3
 #: Largest message a socket that reads only small control traffic takes.
 CONTROL_MAX_MESSAGE: Final = 1024 * 1024
+#: Buffers at least this large are sent zero-copy and tracked (pyzmq copies smaller ones).
+ZERO_COPY_MIN: Final = 64 * 1024
 #: How long bind() retries an address a just-closed socket may still hold.
 REBIND_SECONDS: Final = 2.0
 _HANDSHAKE_FAILED: Final = (
@@ -283,7 +285,8 @@ class ZMQHub(HubTransport):
             self._context = context or zmq.Context.instance()
         self._max_request_bytes = max_request_bytes
         self._socks = _Sockets(self._context, curve)
-        self._counters = {"handshake_failures": 0, "dropped_sends": 0, "oversized": 0}
+        self._counters = {"handshake_failures": 0, "dropped_sends": 0, "purges": 0}
+        self._in_flight: list[zmq.MessageTracker] = []
         self._peers: set[PeerId] = set()
         self._closed = False
         self._monitors: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
@@ -364,12 +367,55 @@ class ZMQHub(HubTransport):
 
     def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
         self._check_open()
+        tracked = self._tracked(frames)
         with translated(f"sending from {self._endpoint}"):
             if to is None:
-                self._fan_out(frames)
+                self._fan_out(tracked)
             else:
                 for peer in to:
-                    self._send_to(peer, frames)
+                    self._send_to(peer, tracked)
+
+    def _tracked(self, frames: Sequence[Buffer]) -> list[Any]:
+        """Large buffers as zero-copy frames whose release ZeroMQ reports.
+
+        Small ones are copied by pyzmq anyway (below its copy threshold); large ones
+        are sent from the caller's memory, so :meth:`purge` must know whether ZeroMQ
+        still holds any of them. Read-only buffers (and ``bytes``) are immutable: they
+        are sent zero-copy and need no tracking.
+        """
+        self._in_flight = [t for t in self._in_flight if not t.done]
+        out: list[Any] = []
+        for buf in frames:
+            if len(buf) < ZERO_COPY_MIN or isinstance(buf, bytes):
+                out.append(buf)
+            elif isinstance(buf, memoryview) and buf.readonly:
+                out.append(zmq.Frame(buf, copy=False))
+            else:
+                frame = zmq.Frame(buf, copy=False, track=True)
+                assert frame.tracker is not None
+                self._in_flight.append(frame.tracker)
+                out.append(frame)
+        return out
+
+    def holds_caller_memory(self) -> bool:
+        """True while ZeroMQ still holds a large buffer a caller sent."""
+        self._in_flight = [t for t in self._in_flight if not t.done]
+        return bool(self._in_flight)
+
+    def purge(self) -> None:
+        """Drop queued messages that still point into caller memory; a no-op if none do.
+
+        Rebinding a socket is the only way ZeroMQ offers to drop queued messages, and it
+        makes every peer reconnect, so it is done only when needed.
+        """
+        if self._closed or not self.holds_caller_memory():
+            return
+        self._counters["purges"] += 1
+        self._rebind_data()
+        self._in_flight.clear()
+
+    def _rebind_data(self) -> None:
+        raise NotImplementedError
 
     def _send_to(self, peer: PeerId, frames: Sequence[Buffer]) -> None:
         try:

@@ -8,8 +8,9 @@ block the sender; the worker's heartbeat then asks for the latest version (see
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import zmq
 
@@ -25,6 +26,10 @@ from zmqsync.transport._zmq import (
 
 __all__ = ["PubSubHub", "PubSubSpoke"]
 
+#: After the PUB is rebound, fan-out goes over the ROUTER this long: subscribers reconnect
+#: after ZeroMQ's reconnect interval (100 ms) and resubscribe.
+RESUBSCRIBE_GRACE: Final = 1.0
+
 
 class PubSubHub(ZMQHub):
     """Sender end of the ``pubsub`` mode: PUB for fan-out, ROUTER, PULL for acks."""
@@ -33,6 +38,7 @@ class PubSubHub(ZMQHub):
 
     def __init__(self, endpoint: str | None = None, *, data_endpoint: str | None = None, **kw: Any):
         self._data_request = data_endpoint
+        self._resubscribe_until = 0.0
         super().__init__(endpoint, **kw)
 
     def _new_pub(self) -> zmq.Socket[Any]:
@@ -50,19 +56,24 @@ class PubSubHub(ZMQHub):
         return {**super().announce(), "data_endpoint": self._data_endpoint}
 
     def _fan_out(self, frames: Sequence[Buffer]) -> None:
+        if time.monotonic() < self._resubscribe_until:
+            # The PUB was just rebound and subscribers are still reconnecting: reach every
+            # known worker over the ROUTER instead, which stayed connected.
+            for peer in list(self._peers):
+                self._send_to(peer, frames)
+            return
         # PUB never blocks: a subscriber at its high-water mark simply misses this one.
         self._pub.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
 
-    def purge(self) -> None:
+    def _rebind_data(self) -> None:
         """Close and rebind the PUB: drops messages queued for slow or stuck workers.
 
         Subscribers reconnect and resubscribe by themselves.
         """
-        if self._closed:
-            return
         self._unmonitor(self._pub)
         self._socks.discard(self._pub)
         self._bind_data_again()
+        self._resubscribe_until = time.monotonic() + RESUBSCRIBE_GRACE
 
     def _bind_data_again(self) -> None:
         self._pub = self._new_pub()

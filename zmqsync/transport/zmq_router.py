@@ -24,13 +24,11 @@ class RouterHub(ZMQHub):
         for peer in list(self._peers):
             self._send_to(peer, frames)
 
-    def purge(self) -> None:
+    def _rebind_data(self) -> None:
         """Close and rebind the ROUTER: drops messages queued for slow or stuck workers.
 
         Workers' DEALERs reconnect by themselves and are heard again at their next request.
         """
-        if self._closed:
-            return
         self._unmonitor(self._router)
         self._socks.discard(self._router)
         self._router = self._new_router()

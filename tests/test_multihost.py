@@ -1,0 +1,222 @@
+"""Multi-host fleets on real network stacks (namespaces), with the faults networks have.
+
+Every case ends with: every live worker at the latest version, versions never went
+backwards on any worker, no worker ever applied a mixed version (each applied version's
+checksum equals the one the sender sent under that epoch and version), and no send
+blocked past its timeout.
+"""
+
+from __future__ import annotations
+
+import copy
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _hosts import Proc, SenderProc, host_sender, host_worker
+from netns import Topology, why_unavailable
+
+from zmqsync.security import CurveClient, CurveServer, generate_keypair
+
+pytestmark = [pytest.mark.slow]
+
+if (reason := why_unavailable()) is not None:
+    pytest.fail(reason, pytrace=False)  # CI has both: missing them is an error, not a skip
+
+PORT = 5555
+
+
+class Net:
+    """A learner host and worker hosts, with the records needed to check every promise."""
+
+    def __init__(self, topo: Topology, workers: int) -> None:
+        self.topo = topo
+        self.names = [f"w{i}" for i in range(workers)]
+        self.sender: SenderProc | None = None
+        self.workers: dict[int, Proc] = {}
+        self.sent: dict[tuple[int, int], str] = {}
+
+    def start_sender(self, mb: float, **options: Any) -> Any:
+        options.setdefault("endpoint", f"tcp://{self.topo.address('learner')}:{PORT}")
+        options.setdefault("mode", "pubsub")
+        if "curve_server" not in options:
+            options.setdefault("insecure", True)
+        self.sender = SenderProc(host_sender, self.topo.namespace("learner"), options, mb,
+                                 len(self.names))
+        reply = self.sender.recv()
+        assert reply[0] == "ready"
+        return reply[1]
+
+    def start_worker(self, i: int, scheme: Any, mb: float, slow_apply: float = 0.0) -> None:
+        self.workers[i] = Proc(host_worker, self.topo.namespace(self.names[i]), copy.copy(scheme), i,
+                               mb, slow_apply)
+
+    def ready(self, *ids: int) -> None:
+        for i in ids:
+            assert self.workers[i].recv() == "ready"
+
+    def send(self, worker_ids: list[int] | None = None, timeout: float = 10.0) -> tuple[str, list[int]]:
+        assert self.sender is not None
+        self.start_send(worker_ids, timeout)
+        result, sent, took, missing = self.sender.recv(timeout + 30)
+        assert took < timeout + 1.0, f"send blocked {took:.2f}s past its {timeout}s timeout"
+        return result, missing
+
+    def start_send(self, worker_ids: list[int] | None, timeout: float) -> None:
+        """Ask the sender for a new version; record its checksum before it goes out."""
+        assert self.sender is not None
+        self.sender.conn.send(("send", worker_ids, timeout))
+        kind, sent = self.sender.recv(30)
+        assert kind == "sending"
+        self.sent[(sent[0], sent[1])] = sent[2]
+
+    def state(self, i: int) -> dict[str, Any]:
+        return self.workers[i].ask("state")  # type: ignore[no-any-return]
+
+    def wait_for_latest(self, ids: list[int], within: float = 30.0) -> None:
+        epoch, version = list(self.sent)[-1][:2]
+        deadline = time.monotonic() + within
+        for i in ids:
+            while True:
+                state = self.state(i)
+                if (state["epoch"], state["version"]) == (epoch, version):
+                    break
+                assert time.monotonic() < deadline, (
+                    f"worker {i} stuck at {state['version']} (epoch {state['epoch']}); "
+                    f"latest is {version} (epoch {epoch})")
+                time.sleep(0.1)
+
+    def check_histories(self, ids: list[int]) -> None:
+        for i in ids:
+            history = self.state(i)["history"]
+            assert history, f"worker {i} applied nothing"
+            per_epoch: dict[int, int] = {}
+            for epoch, version, checksum in history:
+                assert per_epoch.get(epoch, 0) < version, f"worker {i} went backwards: {history}"
+                per_epoch[epoch] = version
+                assert (epoch, version) in self.sent, f"worker {i} applied an unsent version"
+                assert self.sent[(epoch, version)] == checksum, (
+                    f"worker {i} applied a mixed version {version} of epoch {epoch}")
+
+    def close(self) -> None:
+        for proc in self.workers.values():
+            proc.close()
+        if self.sender is not None:
+            self.sender.close()
+
+
+@pytest.fixture
+def net(request) -> Iterator[Net]:  # type: ignore[no-untyped-def]
+    workers = getattr(request, "param", 2)
+    with Topology(["learner"] + [f"w{i}" for i in range(workers)]) as topo:
+        n = Net(topo, workers)
+        try:
+            yield n
+        finally:
+            n.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_hosts_sync_over_tcp_with_curve(net: Net, mode: str) -> None:
+    server_pub, server_sec = generate_keypair()
+    client_pub, client_sec = generate_keypair()
+    scheme = net.start_sender(1.0, mode=mode,
+                              curve_server=CurveServer(server_pub, server_sec, frozenset({client_pub})))
+    assert scheme.endpoint.startswith("tcp://198.18.77.1:")
+    scheme.curve_client = CurveClient(client_pub, client_sec, server_pub)
+    for i in range(2):
+        net.start_worker(i, scheme, 1.0)
+    net.ready(0, 1)
+    for _ in range(3):
+        assert net.send() == ("ok", [])
+    net.wait_for_latest([0, 1], within=5)
+    net.check_histories([0, 1])
+
+
+@pytest.mark.timeout(180)
+def test_cut_link_is_named_and_catches_up_when_restored(net: Net) -> None:
+    scheme = net.start_sender(2.0)
+    for i in range(2):
+        net.start_worker(i, scheme, 2.0)
+    net.ready(0, 1)
+    assert net.send() == ("ok", [])
+    net.topo.link("w1", up=False)
+    result, missing = net.send(timeout=3.0)
+    assert (result, missing) == ("timeout", [1])
+    assert net.send(worker_ids=[0], timeout=5.0) == ("ok", [])
+    net.topo.link("w1", up=True)
+    net.wait_for_latest([0, 1], within=30)  # by itself: heartbeats ask for the snapshot
+    assert net.send() == ("ok", [])
+    net.check_histories([0, 1])
+
+
+@pytest.mark.timeout(240)
+def test_delay_and_loss_do_not_break_correctness(net: Net) -> None:
+    scheme = net.start_sender(4.0, mode="router")
+    # Token-bucket shaping: 40 Mbit/s with a short queue -> queueing delay and drops.
+    net.topo.shape("w0", rate="40mbit", burst="32kb", latency="20ms")
+    net.topo.shape("w1", rate="80mbit", burst="16kb", latency="5ms")
+    for i in range(2):
+        net.start_worker(i, scheme, 4.0)
+    net.ready(0, 1)
+    for _ in range(3):
+        assert net.send(timeout=30.0) == ("ok", [])
+    net.check_histories([0, 1])
+
+
+@pytest.mark.timeout(240)
+def test_worker_stopped_mid_transfer(net: Net) -> None:
+    scheme = net.start_sender(16.0)
+    net.topo.shape("w1", rate="40mbit", burst="64kb", latency="50ms")  # ~3 s per version
+    for i in range(2):
+        net.start_worker(i, scheme, 16.0)
+    net.ready(0, 1)
+    assert net.send(timeout=30.0) == ("ok", [])
+    sender = net.sender
+    assert sender is not None
+    net.start_send(None, 4.0)
+    time.sleep(0.8)  # let the transfer to w1 get under way
+    net.workers[1].signal(signal.SIGSTOP)
+    result, _, took, missing = sender.recv(60)
+    assert (result, missing) == ("timeout", [1]) and took < 5.0
+    # The learner moves on while w1 is frozen; then w1 wakes up.
+    assert net.send(worker_ids=[0], timeout=10.0) == ("ok", [])
+    net.workers[1].signal(signal.SIGCONT)
+    net.wait_for_latest([0, 1], within=60)
+    net.check_histories([0, 1])
+
+
+@pytest.mark.timeout(240)
+def test_sender_killed_mid_broadcast_and_restarted(net: Net) -> None:
+    scheme = net.start_sender(16.0)
+    net.topo.shape("w1", rate="40mbit", burst="64kb", latency="50ms")
+    for i in range(2):
+        net.start_worker(i, scheme, 16.0)
+    net.ready(0, 1)
+    assert net.send(timeout=30.0) == ("ok", [])
+    sender = net.sender
+    assert sender is not None
+    net.start_send(None, 30.0)
+    time.sleep(0.8)
+    sender.signal(signal.SIGKILL)  # mid-broadcast
+    sender.proc.join(10)
+    net.start_sender(16.0)  # same endpoint, new epoch
+    assert net.send(timeout=30.0) == ("ok", [])
+    net.wait_for_latest([0, 1], within=30)
+    net.check_histories([0, 1])
+
+
+@pytest.mark.timeout(240)
+def test_slow_worker_lets_the_queue_fill(net: Net) -> None:
+    scheme = net.start_sender(1.0)
+    net.start_worker(0, scheme, 1.0)
+    net.start_worker(1, scheme, 1.0, slow_apply=1.0)  # acks a second late, every version
+    net.ready(0, 1)
+    outcomes = [net.send(timeout=0.3)[1] for _ in range(12)]
+    assert any(missing == [1] for missing in outcomes)
+    assert all(missing in ([], [1]) for missing in outcomes)
+    net.wait_for_latest([0, 1], within=60)
+    net.check_histories([0, 1])
