@@ -294,3 +294,53 @@ def test_close_is_idempotent_and_prompt(rig: Rig) -> None:
     assert time.monotonic() - start < 5
     with pytest.raises(RuntimeError, match="shut down"):
         rig.sender.send()
+
+
+def test_one_sender_serves_a_mixed_fleet(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Memory and ZeroMQ workers behind one sender: one version counter, one encode,
+    unique worker ids, and a timeout that names missing workers with their transport."""
+    from zmqsync import ZMQSyncError
+
+    memory, zmq_hub = MemoryHub(), PubSubHub(f"ipc://{tmp_path}/mixed")
+    model = _model(0)
+    sender = WeightSender([memory, zmq_hub], model=model, strategy="state_dict",
+                          num_workers=5, timeout=2.0)
+    receivers: list[WeightReceiver] = []
+    try:
+        for i, spoke in enumerate([MemorySpoke(memory.endpoint), MemorySpoke(memory.endpoint),
+                                   PubSubSpoke(zmq_hub.endpoint, identity="2"),
+                                   PubSubSpoke(zmq_hub.endpoint, identity="3")]):
+            r = WeightReceiver(spoke, model=_model(10 + i), strategy="state_dict", worker_idx=i)
+            r.connect()
+            r.start()
+            receivers.append(r)
+        # Worker ids are unique across the fleet: a second worker 1 on the other hub is refused.
+        clash = WeightReceiver(PubSubSpoke(zmq_hub.endpoint, identity="1"), model=_model(9),
+                               strategy="state_dict", worker_idx=1)
+        with pytest.raises(ZMQSyncError, match="worker ids must be unique"):
+            clash.connect(timeout=5)
+        clash.close()
+
+        with pytest.raises(SyncTimeout) as info:  # worker 4 never joined
+            sender.send()
+        assert info.value.missing_workers == [4]
+        sender.num_workers = 4
+        for _ in range(2):
+            with torch.no_grad():
+                model[0].weight.add_(1)
+            sender.send()
+            assert all(checksum(r.model) == checksum(model) for r in receivers)
+        sender.send(worker_ids=[1, 2])  # targeting crosses transports
+        assert [r.version for r in receivers] == [3, 4, 4, 3]
+        transports = {w["worker"]: w["transport"] for w in sender.status()["workers"]}
+        assert transports == {0: "memory", 1: "memory", 2: "zmq-pubsub", 3: "zmq-pubsub"}
+        receivers[3].close()
+        with pytest.raises(SyncTimeout) as info:
+            sender.send()
+        assert info.value.missing_workers == [3]
+        assert info.value.transports == {3: "zmq-pubsub"}
+        assert "zmq-pubsub" in str(info.value)
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()

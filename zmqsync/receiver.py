@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
-from zmqsync.errors import FrameError, SchemaMismatchError, SyncTimeout
+from zmqsync.errors import FrameError, SchemaMismatchError, SyncTimeout, ZMQSyncError
 from zmqsync.protocol import (
     Ack,
     ErrorMessage,
@@ -115,6 +115,7 @@ class WeightReceiver:
         self._stop = threading.Event()
         self._closed = False
         self._caught_up = False
+        self._refused = ""
         # The spoke's sockets are used by one thread at a time: connect(), receive() or
         # the background thread.
         self._io_lock = threading.RLock()
@@ -154,6 +155,9 @@ class WeightReceiver:
         next_ask = 0.0
         interval = FIRST_RETRY
         while not done():
+            if self._refused:
+                refused, self._refused = self._refused, ""
+                raise ZMQSyncError(f"the sender refused worker {self.worker_idx}: {refused}")
             now = time.monotonic()
             if now >= deadline:
                 raise SyncTimeout(message)
@@ -285,6 +289,8 @@ class WeightReceiver:
             self._caught_up = True
         elif isinstance(message, ErrorMessage):
             self._rejected(f"sender said {message.code}: {message.message}")
+            if message.code == "duplicate-worker":
+                self._refused = message.message
         else:
             self._rejected(f"unexpected {type(message).__name__} at a worker")
 

@@ -13,6 +13,7 @@ keeps (``retain_snapshot=True``), so it catches up without a resend to everyone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -20,7 +21,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -81,6 +82,7 @@ class WorkerInfo:
     rejected_frames: int = 0
     rejections: deque[str] = field(default_factory=lambda: deque(maxlen=REASONS_KEPT))
     last_repair: float = 0.0
+    hub: int = 0
 
 
 @dataclass
@@ -126,7 +128,7 @@ class WeightSender:
 
     def __init__(
         self,
-        hub: HubTransport,
+        hub: HubTransport | Sequence[HubTransport],
         *,
         model_id: str = "policy",
         model: Any = None,
@@ -144,7 +146,9 @@ class WeightSender:
             raise ValueError(f"timeout must be positive seconds; got {timeout}")
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
-        self._hub = hub
+        hubs = [hub] if isinstance(hub, HubTransport) else list(hub)
+        if not hubs:
+            raise ValueError("a sender needs at least one hub transport")
         self.model_id = model_id
         self.model = model
         self.strategy = strategy
@@ -153,7 +157,7 @@ class WeightSender:
         self.retain_snapshot = retain_snapshot
         self.heartbeat = heartbeat
         self.repair_after = repair_after
-        self.mode = mode or hub.name
+        self.mode = mode or "+".join(h.name for h in hubs)
         self.epoch = epoch if epoch is not None else new_epoch()
         self.version = 0
         self._flattener = Flattener(strategy, pack_threshold=pack_threshold)
@@ -167,25 +171,29 @@ class WeightSender:
         self._totals = {"versions_sent": 0, "bytes_sent": 0, "timeouts": 0, "rejected_frames": 0}
         self._reasons: deque[str] = deque(maxlen=REASONS_KEPT)
         self._cond = threading.Condition()
-        self._baton = threading.Lock()
-        self._baton_wanted = 0
-        self._baton_free = threading.Condition()
         self._send_lock = threading.Lock()
         self._closed = False
         self._pump_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run_pump, name=f"zmqsync-sender-{model_id}", daemon=True)
-        self._thread.start()
+        self._runners = [_HubRunner(self, h, i) for i, h in enumerate(hubs)]
+        for runner in self._runners:
+            runner.start()
 
     # --- public API (seeds) ----------------------------------------------------------
 
     @property
     def endpoint(self) -> str:
-        """The address workers (and ``zmqsync status``) connect to."""
-        return self._hub.endpoint
+        """The address workers (and ``zmqsync status``) connect to (the first hub's)."""
+        return self._runners[0].hub.endpoint
 
     @property
     def transport(self) -> HubTransport:
-        return self._hub
+        """The first hub transport."""
+        return self._runners[0].hub
+
+    @property
+    def transports(self) -> list[HubTransport]:
+        """Every hub this sender serves through (a mixed fleet has several)."""
+        return [r.hub for r in self._runners]
 
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
         """Send weights and return once every targeted worker has applied them.
@@ -269,14 +277,19 @@ class WeightSender:
         with self._cond:
             self.version = version
             self._pending = pending
-            peers = [w.peer for i, w in self._workers.items() if i in targets and w.peer]
+            peers: dict[int, list[PeerId]] = {}
+            for i, w in self._workers.items():
+                if i in targets and w.peer is not None:
+                    peers.setdefault(w.hub, []).append(w.peer)
             for i in targets & self._workers.keys():
                 self._workers[i].last_repair = now
-        with self._holding_baton():
-            if worker_ids is None:
-                self._hub.send_frames(frames)
-            elif peers:
-                self._hub.send_frames(frames, to=peers)
+        # Encoded once above; every hub sends the same buffers.
+        for runner in self._runners:
+            with runner.holding():
+                if worker_ids is None:
+                    runner.hub.send_frames(frames)
+                elif peers.get(runner.index):
+                    runner.hub.send_frames(frames, to=peers[runner.index])
         self._totals["versions_sent"] += 1
         self._totals["bytes_sent"] += flat.nbytes * max(1, len(targets))
         if self.retain_snapshot:
@@ -306,8 +319,9 @@ class WeightSender:
             # Messages still queued for the missing workers point into weights the caller
             # may now change: drop them, so nobody ever applies a torn version. They catch
             # up from the snapshot on their next heartbeat.
-            with self._holding_baton():
-                self._hub.purge()
+            for runner in self._runners:
+                with runner.holding():
+                    runner.hub.purge()
             raise SyncTimeout(self._timeout_message(pending, missing), missing_workers=missing,
                               version=pending.version, transports=self._transport_names(missing))
         if rejected:
@@ -341,50 +355,18 @@ class WeightSender:
             f"{self.model_id!r} within {self.timeout:g}s: " + "; ".join(parts)
         )
 
-    # --- the pump --------------------------------------------------------------------
+    # --- the pumps ------------------------------------------------------------------
 
-    class _Baton:
-        def __init__(self, sender: WeightSender) -> None:
-            self.sender = sender
+    def _holding_baton(self, hub: int = 0) -> Any:
+        """Hold hub ``hub``'s baton: its transport may be used by this thread meanwhile."""
+        return self._runners[hub].holding()
 
-        def __enter__(self) -> None:
-            s = self.sender
-            with s._baton_free:
-                s._baton_wanted += 1
-            s._hub.wake()
-            s._baton.acquire()
-
-        def __exit__(self, *exc: object) -> None:
-            s = self.sender
-            s._baton.release()
-            with s._baton_free:
-                s._baton_wanted -= 1
-                s._baton_free.notify_all()
-
-    def _holding_baton(self) -> WeightSender._Baton:
-        return WeightSender._Baton(self)
-
-    def _run_pump(self) -> None:
-        try:
-            while not self._closed:
-                with self._baton_free:
-                    while self._baton_wanted and not self._closed:
-                        self._baton_free.wait(PUMP_TICK)
-                with self._baton:
-                    if self._closed:
-                        break
-                    incoming = self._hub.recv_frames(PUMP_TICK)
-                    while incoming is not None:
-                        self._handle(incoming)
-                        if self._baton_wanted:
-                            break
-                        incoming = self._hub.recv_frames(0)
-        except BaseException as exc:  # noqa: BLE001 - surfaced to send() and status()
-            if not self._closed:
-                log.exception("zmqsync sender pump stopped")
-                self._pump_error = exc
-                with self._cond:
-                    self._cond.notify_all()
+    def _pump_failed(self, exc: BaseException) -> None:
+        if not self._closed:
+            log.exception("zmqsync sender pump stopped", exc_info=exc)
+            self._pump_error = exc
+            with self._cond:
+                self._cond.notify_all()
 
     def _reject(self, reason: str, worker: int | None = None) -> None:
         self._totals["rejected_frames"] += 1
@@ -394,57 +376,79 @@ class WeightSender:
             self._workers[worker].rejections.append(reason)
         log.warning("rejected a message: %s", reason)
 
-    def _reply(self, peer: PeerId | None, message: Message) -> None:
+    def _reply(self, hub: HubTransport, peer: PeerId | None, message: Message) -> None:
         if peer is not None:
-            self._hub.send_frames(encode(message), to=[peer])
+            hub.send_frames(encode(message), to=[peer])
 
-    def _handle(self, incoming: Incoming) -> None:
+    def _handle(self, incoming: Incoming, runner: _HubRunner) -> None:
+        hub = runner.hub
         try:
             message = decode(incoming.frames)
         except FrameError as exc:
             self._reject(f"malformed message: {exc}")
-            self._reply(incoming.peer, ErrorMessage(self.model_id, "malformed", str(exc)[:500]))
+            self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "malformed", str(exc)[:500]))
             return
         if isinstance(message, StatusRequest):
-            self._reply(incoming.peer, StatusReply(self.model_id, self.version, self.epoch, self.status()))
+            self._reply(hub, incoming.peer,
+                        StatusReply(self.model_id, self.version, self.epoch, self.status()))
             return
         if message.model_id != self.model_id:
             reason = f"message for model {message.model_id!r} reached the sender of {self.model_id!r}"
             self._reject(reason)
-            self._reply(incoming.peer, ErrorMessage(self.model_id, "wrong-model", reason))
+            self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "wrong-model", reason))
+            return
+        worker = getattr(message, "worker", None)
+        if worker is not None and not self._claim(worker, runner, incoming.peer):
+            reason = (
+                f"worker id {worker} is already taken by a worker on "
+                f"{self._workers[worker].transport}: worker ids must be unique in a fleet"
+            )
+            self._reject(reason)
+            self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "duplicate-worker", reason))
             return
         if isinstance(message, Ack):
             self._on_ack(message)
         elif isinstance(message, Hello):
-            self._on_hello(message, incoming.peer)
+            self._on_hello(message, runner, incoming.peer)
         elif isinstance(message, SnapshotRequest):
-            self._on_snapshot_request(message, incoming.peer)
+            self._on_snapshot_request(message, runner, incoming.peer)
         elif isinstance(message, ProbeRequest):
-            self._seen(message.worker, incoming.peer)
             # Down the fan-out path: arriving proves the worker's subscription is live.
-            self._hub.send_frames(encode(Probe(self.model_id, message.worker, message.nonce)))
+            hub.send_frames(encode(Probe(self.model_id, message.worker, message.nonce)))
         else:
             reason = f"unexpected {type(message).__name__} message at the sender"
             self._reject(reason)
-            self._reply(incoming.peer, ErrorMessage(self.model_id, "unexpected", reason))
+            self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "unexpected", reason))
 
-    def _seen(self, worker: int, peer: PeerId | None) -> WorkerInfo:
+    def _claim(self, worker: int, runner: _HubRunner, peer: PeerId | None) -> bool:
+        """Record that ``worker`` speaks through this hub; False if another hub's worker
+        still holds that id (heard from within three heartbeats)."""
+        now = time.monotonic()
         with self._cond:
             info = self._workers.get(worker)
             if info is None:
-                info = self._workers[worker] = WorkerInfo(worker, self._hub.name)
-            info.last_seen = time.monotonic()
+                info = self._workers[worker] = WorkerInfo(worker, runner.hub.name, hub=runner.index)
+            elif info.hub != runner.index:
+                if now - info.last_seen < 3 * max(self.heartbeat, 0.5):
+                    return False
+                info.hub, info.transport, info.peer = runner.index, runner.hub.name, None
+            info.last_seen = now
             if peer is not None:
                 info.peer = peer
-            return info
+            return True
 
-    def _on_hello(self, hello: Hello, peer: PeerId | None) -> None:
-        info = self._seen(hello.worker, peer)
+    def _seen(self, worker: int) -> WorkerInfo:
+        with self._cond:
+            return self._workers[worker]
+
+    def _on_hello(self, hello: Hello, runner: _HubRunner, peer: PeerId | None) -> None:
+        info = self._seen(hello.worker)
         info.pid, info.host = hello.pid, hello.host
         if hello.epoch == self.epoch:
             info.version = hello.version
-        announced = self._hub.announce()
+        announced = runner.hub.announce()
         self._reply(
+            runner.hub,
             peer,
             Welcome(
                 self.model_id,
@@ -458,8 +462,10 @@ class WeightSender:
             ),
         )
 
-    def _on_snapshot_request(self, request: SnapshotRequest, peer: PeerId | None) -> None:
-        info = self._seen(request.worker, peer)
+    def _on_snapshot_request(
+        self, request: SnapshotRequest, runner: _HubRunner, peer: PeerId | None
+    ) -> None:
+        info = self._seen(request.worker)
         behind = request.epoch != self.epoch or request.version < self.version
         if request.epoch == self.epoch:
             info.version = max(info.version, request.version)
@@ -468,9 +474,9 @@ class WeightSender:
             frames = self._latest_frames()
             if frames is not None:
                 info.last_repair = now
-                self._hub.send_frames(frames, to=[peer] if peer else None)
+                runner.hub.send_frames(frames, to=[peer] if peer else None)
                 return
-        self._reply(peer, UpToDate(self.model_id, self.version, self.epoch))
+        self._reply(runner.hub, peer, UpToDate(self.model_id, self.version, self.epoch))
 
     def _latest_frames(self) -> list[Buffer] | None:
         snapshot = self._snapshot
@@ -483,7 +489,7 @@ class WeightSender:
 
     def _on_ack(self, ack: Ack) -> None:
         now = time.monotonic()
-        info = self._seen(ack.worker, None)
+        info = self._seen(ack.worker)
         with self._cond:
             info.pid, info.host = ack.pid or info.pid, ack.host or info.host
             info.received_bytes = ack.received_bytes
@@ -559,7 +565,7 @@ class WeightSender:
                 "latency_p90_s": pct(0.9),
                 "latency_p99_s": pct(0.99),
                 "rejections": list(self._reasons),
-                **self._hub.counters(),
+                **_sum_counters(r.hub.counters() for r in self._runners),
             },
         }
 
@@ -578,7 +584,80 @@ class WeightSender:
         self._closed = True
         with self._cond:
             self._cond.notify_all()
-        self._hub.wake()
-        self._thread.join(timeout=5)
-        self._hub.close()
+        for runner in self._runners:
+            runner.stop()
+        for runner in self._runners:
+            runner.hub.close()
         self._snapshot = None
+
+
+def _sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counters:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+class _HubRunner:
+    """One hub, its baton and the pump thread that serves it.
+
+    The hub's sockets are used by one thread at a time: the pump holds the baton almost
+    always; a sender thread that needs the hub asks for it (``holding()``), which wakes
+    the pump so it lets go at once.
+    """
+
+    def __init__(self, sender: WeightSender, hub: HubTransport, index: int) -> None:
+        self.sender = sender
+        self.hub = hub
+        self.index = index
+        self._baton = threading.Lock()
+        self._wanted = 0
+        self._free = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"zmqsync-sender-{sender.model_id}-{hub.name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        with self._free:
+            self._wanted += 1
+        self.hub.wake()
+        self._baton.acquire()
+        try:
+            yield
+        finally:
+            self._baton.release()
+            with self._free:
+                self._wanted -= 1
+                self._free.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                with self._free:
+                    while self._wanted and not self._stopping:
+                        self._free.wait(PUMP_TICK)
+                with self._baton:
+                    if self._stopping:
+                        break
+                    incoming = self.hub.recv_frames(PUMP_TICK)
+                    while incoming is not None:
+                        self.sender._handle(incoming, self)
+                        if self._wanted:
+                            break
+                        incoming = self.hub.recv_frames(0)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to send() and status()
+            if not self._stopping:
+                self.sender._pump_failed(exc)
+
+    def stop(self) -> None:
+        self._stopping = True
+        with self._free:
+            self._free.notify_all()
+        self.hub.wake()
+        self._thread.join(timeout=5)
