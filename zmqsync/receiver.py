@@ -39,7 +39,7 @@ from zmqsync.protocol import (
     decode,
     encode,
 )
-from zmqsync.tensors import ModelTensors, apply_weights, as_weights_object, materialize
+from zmqsync.tensors import ApplyPlan, ModelTensors, as_weights_object, materialize
 from zmqsync.transport.base import SpokeTransport
 
 __all__ = ["WeightReceiver"]
@@ -87,6 +87,7 @@ class WeightReceiver:
         self.epoch = 0
         self.weights: Any = None
         self._model_tensors = ModelTensors(strategy)
+        self._plan: ApplyPlan | None = None
         #: Held while a version is copied into the model. Hold it during a forward pass
         #: to never see half of one.
         self.lock = threading.RLock()
@@ -308,7 +309,10 @@ class WeightReceiver:
         with self.lock:
             try:
                 if self.model is not None:
-                    apply_weights(message, self._model_tensors.get(self.model), self.strategy)
+                    target = self._model_tensors.get(self.model)
+                    if self._plan is None or not self._plan.fits(message.schema, target):
+                        self._plan = ApplyPlan(message.schema, target, self.strategy)
+                    self._plan.apply(message)
                 else:
                     self.weights = as_weights_object(materialize(message), self.strategy)
             except SchemaMismatchError as exc:

@@ -13,6 +13,7 @@ keeps (``retain_snapshot=True``), so it catches up without a resend to everyone.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -95,6 +96,7 @@ class _Pending:
     flat: Flat = field(repr=False)
     acked: set[int] = field(default_factory=set)
     rejected: dict[int, str] = field(default_factory=dict)
+    snapshot: concurrent.futures.Future[None] | None = None
 
     @property
     def done(self) -> bool:
@@ -174,6 +176,7 @@ class WeightSender:
         self._send_lock = threading.Lock()
         self._closed = False
         self._pump_error: BaseException | None = None
+        self._snapshot_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._runners = [_HubRunner(self, h, i) for i, h in enumerate(hubs)]
         for runner in self._runners:
             runner.start()
@@ -293,21 +296,56 @@ class WeightSender:
         self._totals["versions_sent"] += 1
         self._totals["bytes_sent"] += flat.nbytes * max(1, len(targets))
         if self.retain_snapshot:
-            # Overlaps with the transfer: the transport sends from the model's memory
-            # while we copy it. The copy is what late joiners and repairs get later.
-            self._snapshot = None
-            copy = flat.owned_copy()
-            snap = Weights(self.model_id, version, self.epoch, copy.schema, tuple(copy.buffers))
-            self._snapshot = (version, encode(snap, schema_bytes=copy.schema_bytes), copy)
+            # The copy that late joiners and repairs get runs beside the transfer, which
+            # reads the model's memory at the same time; send() waits for it only before
+            # returning, when the caller may change its tensors again.
+            pending.snapshot = self._snapshotter().submit(self._take_snapshot, version, flat)
         return pending
 
-    def _finish(self, pending: _Pending) -> None:
+    def _snapshotter(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._snapshot_pool is None:
+            self._snapshot_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"zmqsync-snapshot-{self.model_id}"
+            )
+        return self._snapshot_pool
+
+    def _take_snapshot(self, version: int, flat: Flat) -> None:
+        self._snapshot = None  # at most one copy alive at a time
+        copy = flat.owned_copy()
+        message = Weights(self.model_id, version, self.epoch, copy.schema, tuple(copy.buffers))
+        self._snapshot = (version, encode(message, schema_bytes=copy.schema_bytes), copy)
+
+    def _await_acks(self, pending: _Pending) -> None:
+        if len(self._runners) == 1:
+            # One hub: read the acks on this thread rather than be woken by the pump,
+            # which saves two thread switches per send.
+            runner = self._runners[0]
+            while not pending.done and not self._closed:
+                remaining = pending.deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                with runner.holding():
+                    incoming = runner.hub.recv_frames(min(remaining, PUMP_TICK))
+                    while incoming is not None:
+                        self._handle(incoming, runner)
+                        if pending.done:
+                            return
+                        incoming = runner.hub.recv_frames(0)
+            return
         with self._cond:
             while not pending.done and not self._closed and self._pump_error is None:
                 remaining = pending.deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
+
+    def _finish(self, pending: _Pending) -> None:
+        try:
+            self._await_acks(pending)
+        finally:
+            if pending.snapshot is not None:
+                pending.snapshot.result()
+        with self._cond:
             if self._pending is pending:
                 self._pending = None
             missing = pending.missing
@@ -588,6 +626,8 @@ class WeightSender:
             runner.stop()
         for runner in self._runners:
             runner.hub.close()
+        if self._snapshot_pool is not None:
+            self._snapshot_pool.shutdown(wait=True)
         self._snapshot = None
 
 

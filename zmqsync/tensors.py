@@ -37,6 +37,7 @@ from zmqsync.protocol import (
 
 __all__ = [
     "DEFAULT_PACK_THRESHOLD",
+    "ApplyPlan",
     "Flat",
     "Flattener",
     "KeyPath",
@@ -210,7 +211,11 @@ class Flat:
         Its buffers are read-only views: nothing changes them, and transports may rely
         on that (no need to track when ZeroMQ lets go of them).
         """
-        copies = [t.clone() for t in self.keepalive]
+        copies = [torch.empty_like(t) for t in self.keepalive]
+        for dst, src in zip(copies, self.keepalive, strict=True):
+            # numpy's copy is one memcpy on this thread, with the GIL released; torch's
+            # clone() fans out to its intra-op pool, which stalls on a busy machine.
+            np.copyto(dst.numpy(), src.numpy())
         return Flat(
             self.schema,
             self.schema_bytes,
@@ -344,31 +349,85 @@ def check_fits(schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], st
             )
 
 
+@dataclass
+class _BufferPlan:
+    sizes: list[int]  # consecutive chunk sizes covering bytes [0, total) of the buffer
+    take: list[int]  # which chunks land in a tensor (the others are padding)
+    dests: list[torch.Tensor]  # byte views of those tensors, in the same order
+    total: int
+
+
+class ApplyPlan:
+    """How one schema's bytes land in one target's tensors, worked out once.
+
+    Building it checks that the schema fits (all-or-nothing: nothing is copied when it
+    does not). Applying is then one ``split`` per buffer and one ``_foreach_copy_``: a
+    worker receiving 2,000 small tensors per version does no per-tensor Python work.
+    """
+
+    def __init__(self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor],
+                 strategy: str) -> None:
+        check_fits(schema, target, strategy)
+        self.schema = schema
+        self.target = target
+        self._buffers: dict[int, _BufferPlan] = {}
+        self._slow: list[tuple[TensorEntry, torch.Tensor]] = []
+        by_buffer: dict[int, list[TensorEntry]] = {}
+        for e in schema.entries:
+            if e.nbytes == 0:
+                continue
+            dest = target[e.key]
+            if dest.is_contiguous() and dest.device.type == "cpu":
+                by_buffer.setdefault(e.buffer, []).append(e)
+            else:
+                self._slow.append((e, dest))
+        for index, entries in by_buffer.items():
+            entries.sort(key=lambda e: e.offset)
+            plan = _BufferPlan([], [], [], 0)
+            for e in entries:
+                if e.offset < plan.total:  # overlapping entries: copy those one by one
+                    self._slow.append((e, target[e.key]))
+                    continue
+                if e.offset > plan.total:
+                    plan.sizes.append(e.offset - plan.total)  # padding
+                plan.take.append(len(plan.sizes))
+                plan.sizes.append(e.nbytes)
+                plan.dests.append(_byte_view(target[e.key]))
+                plan.total = e.offset + e.nbytes
+            self._buffers[index] = plan
+
+    def fits(self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor]) -> bool:
+        return schema is self.schema and target is self.target
+
+    def apply(self, message: Weights) -> None:
+        views = _source_views(message)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        with torch.no_grad():
+            for index, plan in self._buffers.items():
+                view = views[index]
+                assert view is not None
+                chunks = torch.split(view[: plan.total], plan.sizes)
+                src.extend(chunks[i] for i in plan.take)
+                dst.extend(plan.dests)
+            if dst:
+                torch._foreach_copy_(dst, src)
+            for e, dest in self._slow:
+                data = _entry_bytes(views, e)
+                if dest.is_contiguous():
+                    _byte_view(dest).copy_(data)
+                else:
+                    dest.copy_(data.clone().view(dest.dtype).reshape(dest.shape))
+
+
 def apply_weights(message: Weights, target: Mapping[KeyPath, torch.Tensor], strategy: str) -> None:
     """Copy ``message`` into ``target``'s tensors in place, all or nothing.
 
     Every key, dtype and shape is checked first; :class:`SchemaMismatchError` names the
-    first that does not fit, and then nothing has been copied.
+    first that does not fit, and then nothing has been copied. (Receivers keep an
+    :class:`ApplyPlan` instead, to check a layout once.)
     """
-    check_fits(message.schema, target, strategy)
-    views = _source_views(message)
-    fast_dst: list[torch.Tensor] = []
-    fast_src: list[torch.Tensor] = []
-    with torch.no_grad():
-        for e in message.schema.entries:
-            if e.nbytes == 0:
-                continue
-            dest = target[e.key]
-            src = _entry_bytes(views, e)
-            if dest.is_contiguous() and dest.device.type == "cpu":
-                fast_dst.append(_byte_view(dest))
-                fast_src.append(src)
-            elif dest.is_contiguous():
-                _byte_view(dest).copy_(src, non_blocking=False)
-            else:
-                dest.copy_(src.clone().view(dest.dtype).reshape(dest.shape))
-        if fast_dst:
-            torch._foreach_copy_(fast_dst, fast_src)
+    ApplyPlan(message.schema, target, strategy).apply(message)
 
 
 def materialize(message: Weights) -> dict[KeyPath, torch.Tensor]:
