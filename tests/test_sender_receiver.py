@@ -344,3 +344,29 @@ def test_one_sender_serves_a_mixed_fleet(tmp_path) -> None:  # type: ignore[no-u
         for r in receivers:
             r.close()
         sender.close()
+
+
+def test_workers_without_ids_are_assigned_the_lowest_free_ones() -> None:
+    hub = MemoryHub()
+    # Heartbeats every 0.1 s: a worker unheard for 3 of them has left, and its id is free.
+    sender = WeightSender(hub, model=_model(0), strategy="state_dict", timeout=5, heartbeat=0.1)
+    receivers = [WeightReceiver(MemorySpoke(hub.endpoint), model=_model(i), strategy="state_dict",
+                                worker_idx=None) for i in range(3)]
+    try:
+        for r in receivers:
+            r.connect()
+            r.start()
+        assert sorted(r.worker_idx for r in receivers) == [0, 1, 2]  # type: ignore[type-var]
+        sender.send()
+        assert all(r.version == 1 for r in receivers)
+        receivers[1].close()
+        time.sleep(0.5)  # outlive the closed worker's liveness window (3 heartbeats)
+        late = WeightReceiver(MemorySpoke(hub.endpoint), model=_model(7), strategy="state_dict",
+                              worker_idx=None)
+        receivers.append(late)
+        late.connect()
+        assert late.worker_idx == receivers[1].worker_idx and late.version == 1
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()

@@ -26,6 +26,7 @@ from typing import Any, Final
 
 from zmqsync.errors import FrameError, SchemaMismatchError, SyncTimeout, ZMQSyncError
 from zmqsync.protocol import (
+    AUTO_WORKER,
     Ack,
     ErrorMessage,
     Hello,
@@ -63,7 +64,8 @@ class WeightReceiver:
         model: what received weights are applied to (``nn.Module``, ``TensorDict`` or
             ``dict`` of tensors); ``None`` keeps the latest weights in :attr:`weights`.
         strategy: must match the sender's.
-        worker_idx: this worker's id, unique in the fleet.
+        worker_idx: this worker's id, unique in the fleet; ``None`` asks the sender to
+            assign one when connecting (a fleet scaled by replicas has no ids to hand out).
         timeout: default seconds for :meth:`connect`.
     """
 
@@ -74,7 +76,7 @@ class WeightReceiver:
         model_id: str = "policy",
         model: Any = None,
         strategy: str = "tensordict",
-        worker_idx: int = 0,
+        worker_idx: int | None = 0,
         timeout: float = 10.0,
     ) -> None:
         self._spoke = spoke
@@ -172,7 +174,8 @@ class WeightReceiver:
         self._spoke.send_frames(encode(message))
 
     def _send_hello(self) -> None:
-        self._send(Hello(self.model_id, self.version, self.epoch, self.worker_idx, self._pid, self._host))
+        worker = AUTO_WORKER if self.worker_idx is None else self.worker_idx
+        self._send(Hello(self.model_id, self.version, self.epoch, worker, self._pid, self._host))
 
     def _send_probe(self) -> None:
         self._send(ProbeRequest(self.model_id, self.worker_idx, self._probe_nonce))
@@ -265,10 +268,12 @@ class WeightReceiver:
     def _rejected(self, reason: str) -> None:
         self.stats["rejected_frames"] += 1
         self.rejections.append(reason)
-        log.warning("worker %d rejected a message: %s", self.worker_idx, reason)
+        log.warning("worker %s rejected a message: %s", self.worker_idx, reason)
 
     def _on_control(self, message: Message) -> None:
         if isinstance(message, Welcome):
+            if self.worker_idx is None:
+                self.worker_idx = message.worker  # assigned by the sender
             if message.strategy != self.strategy:
                 self._rejected(
                     f"sender uses strategy {message.strategy!r}, this worker {self.strategy!r}"
@@ -370,7 +375,7 @@ class WeightReceiver:
             except Exception:  # noqa: BLE001 - keep receiving; the error is logged
                 if self._closed:
                     return
-                log.exception("background receiver of worker %d", self.worker_idx)
+                log.exception("background receiver of worker %s", self.worker_idx)
                 time.sleep(0.05)
 
     def stop(self, timeout: float = 5.0) -> None:

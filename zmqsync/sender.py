@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import itertools
 import logging
 import os
 import secrets
@@ -28,6 +30,7 @@ from typing import Any, Final
 
 from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
 from zmqsync.protocol import (
+    AUTO_WORKER,
     Ack,
     Buffer,
     ErrorMessage,
@@ -435,6 +438,8 @@ class WeightSender:
             self._reject(reason)
             self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "wrong-model", reason))
             return
+        if isinstance(message, Hello) and message.worker == AUTO_WORKER:
+            message = dataclasses.replace(message, worker=self._assign(incoming.peer))
         worker = getattr(message, "worker", None)
         if worker is not None and not self._claim(worker, runner, incoming.peer):
             reason = (
@@ -458,6 +463,18 @@ class WeightSender:
             self._reject(reason)
             self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "unexpected", reason))
 
+    def _assign(self, peer: PeerId | None) -> int:
+        """An id for a worker that asked for one: its own again if it says hello twice,
+        else the lowest id no live worker holds."""
+        now = time.monotonic()
+        with self._cond:
+            for info in self._workers.values():
+                if peer is not None and info.peer == peer:
+                    return info.worker
+            live = {w for w, info in self._workers.items()
+                    if now - info.last_seen < 3 * max(self.heartbeat, 0.1)}
+        return next(i for i in itertools.count() if i not in live)
+
     def _claim(self, worker: int, runner: _HubRunner, peer: PeerId | None) -> bool:
         """Record that ``worker`` speaks through this hub; False if another hub's worker
         still holds that id (heard from within three heartbeats)."""
@@ -467,7 +484,7 @@ class WeightSender:
             if info is None:
                 info = self._workers[worker] = WorkerInfo(worker, runner.hub.name, hub=runner.index)
             elif info.hub != runner.index:
-                if now - info.last_seen < 3 * max(self.heartbeat, 0.5):
+                if now - info.last_seen < 3 * max(self.heartbeat, 0.1):
                     return False
                 info.hub, info.transport, info.peer = runner.index, runner.hub.name, None
             info.last_seen = now
@@ -482,6 +499,7 @@ class WeightSender:
     def _on_hello(self, hello: Hello, runner: _HubRunner, peer: PeerId | None) -> None:
         info = self._seen(hello.worker)
         info.pid, info.host = hello.pid, hello.host
+        info.last_repair = 0.0  # a (re)connecting worker may have its snapshot at once
         if hello.epoch == self.epoch:
             info.version = hello.version
         announced = runner.hub.announce()
@@ -497,6 +515,7 @@ class WeightSender:
                 data_endpoint=str(announced.get("data_endpoint", "")),
                 ack_endpoint=str(announced.get("ack_endpoint", "")),
                 heartbeat_seconds=self.heartbeat,
+                worker=hello.worker,
             ),
         )
 

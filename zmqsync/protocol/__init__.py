@@ -5,6 +5,7 @@ Nothing here touches sockets, threads or torch (like h11), so it can be fuzzed a
 
 from zmqsync.protocol.codec import HEADER, decode, digest, encode, encode_schema, peek_kind
 from zmqsync.protocol.messages import (
+    AUTO_WORKER,
     DTYPE_ITEMSIZE,
     MAGIC,
     MAX_BODY_BYTES,
@@ -36,6 +37,7 @@ from zmqsync.protocol.messages import (
 )
 
 __all__ = [
+    "AUTO_WORKER",
     "DTYPE_ITEMSIZE",
     "HEADER",
     "MAGIC",

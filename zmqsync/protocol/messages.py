@@ -64,6 +64,8 @@ DTYPE_ITEMSIZE: Final[dict[str, int]] = {
 }
 
 STRATEGIES: Final = ("state_dict", "tensordict")
+#: A Hello from a worker that has no id yet: the sender assigns one in its Welcome.
+AUTO_WORKER: Final = (1 << 64) - 1
 
 
 class Kind(enum.IntEnum):
@@ -172,6 +174,7 @@ class Welcome:
     data_endpoint: str = ""
     ack_endpoint: str = ""
     heartbeat_seconds: float = 1.0
+    worker: int = 0  # the id of the worker welcomed (assigned, if it asked for one)
 
     kind = Kind.WELCOME
 

@@ -124,7 +124,9 @@ class WeightSyncScheme:
 
     @property
     def worker_idx(self) -> int | None:
-        """This worker's index (receiver side), else ``None``."""
+        """This worker's index (receiver side; assigned by the sender if none was given)."""
+        if self._receiver is not None:
+            return self._receiver.worker_idx
         return self._worker_idx
 
     @property
@@ -262,7 +264,8 @@ class WeightSyncScheme:
         Args:
             model_id: which model.
             context: optional object providing the model (``get_model(model_id)``).
-            **kwargs: ``model=``, ``worker_idx=``.
+            **kwargs: ``model=``, ``worker_idx=`` (omit it, or pass ``None``, and the
+                sender assigns the lowest free id when the worker connects).
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")
@@ -275,7 +278,8 @@ class WeightSyncScheme:
         self._context = context
         model = kwargs.pop("model", None)
         self._model = model if model is not None else _model_from_context(context, model_id)
-        self._worker_idx = int(kwargs.pop("worker_idx", self._worker_idx or 0))
+        worker_idx = kwargs.pop("worker_idx", self._worker_idx)
+        self._worker_idx = None if worker_idx is None else int(worker_idx)
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_receiver: {sorted(kwargs)}")
         spoke = self.create_transport(role="spoke", **self._spoke_options())
@@ -312,9 +316,12 @@ class WeightSyncScheme:
         """Join up. A worker returns with the latest weights applied; a sender returns
         once its ``num_workers`` workers have connected (else raises SyncTimeout)."""
         if self._receiver is not None:
-            if worker_idx is not None and worker_idx != self._worker_idx:
+            if worker_idx is not None and self._receiver.worker_idx is None:
+                self._receiver.worker_idx = worker_idx
+            elif worker_idx is not None and worker_idx != self._receiver.worker_idx:
                 raise ValueError(
-                    f"this receiver was initialised as worker {self._worker_idx}, not {worker_idx}"
+                    f"this receiver was initialised as worker {self._receiver.worker_idx}, "
+                    f"not {worker_idx}"
                 )
             self._receiver.connect(timeout)
             return

@@ -74,7 +74,9 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
         return {"curve": self.curve_server, "insecure": self.insecure}
 
     def _spoke_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"identity": str(self._worker_idx)}
+        options: dict[str, Any] = {
+            "identity": "auto" if self._worker_idx is None else str(self._worker_idx)
+        }
         if self._alias_for(self.endpoint) == "memory":
             return options
         options["curve"] = self.curve_client
