@@ -214,8 +214,10 @@ class WeightSender:
         with self._send_lock:
             if self._async_pending:
                 raise RuntimeError("a send_async() is still pending: call wait_async() first")
-            pending = self._start(weights, worker_ids)
-        self._finish(pending)
+            # One hub: keep it from the first frame to the last ack (one thread handoff).
+            with self._runners[0].holding() if len(self._runners) == 1 else contextlib.nullcontext():
+                pending = self._start(weights, worker_ids)
+                self._finish(pending)
 
     def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
         """Start a send and return at once; :meth:`wait_async` completes it.
@@ -671,6 +673,7 @@ class _HubRunner:
         self.hub = hub
         self.index = index
         self._baton = threading.Lock()
+        self._owner: int | None = None
         self._wanted = 0
         self._free = threading.Condition()
         self._stopping = False
@@ -683,13 +686,18 @@ class _HubRunner:
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
+        if self._owner == threading.get_ident():
+            yield  # re-entrant: send() holds it from the first frame to the last ack
+            return
         with self._free:
             self._wanted += 1
         self.hub.wake()
         self._baton.acquire()
+        self._owner = threading.get_ident()
         try:
             yield
         finally:
+            self._owner = None
             self._baton.release()
             with self._free:
                 self._wanted -= 1

@@ -157,6 +157,13 @@ def translated(what: str) -> Iterator[None]:
         raise TransportError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
 
 
+def _caller_owned(buf: Buffer) -> bool:
+    """A large buffer the caller may change later (read-only views and bytes cannot)."""
+    if len(buf) < ZERO_COPY_MIN or isinstance(buf, bytes):
+        return False
+    return not (isinstance(buf, memoryview) and buf.readonly)
+
+
 def _buffers(frames: list[zmq.Frame]) -> list[Buffer]:
     return [f.buffer for f in frames]
 
@@ -384,17 +391,20 @@ class ZMQHub(HubTransport):
         are sent zero-copy and need no tracking.
         """
         self._in_flight = [t for t in self._in_flight if not t.done]
+        # ZeroMQ writes a message's parts in order: once its last large part is released,
+        # so are the others. Tracking one frame per message is enough (and cheaper).
+        last = max((i for i, b in enumerate(frames) if _caller_owned(b)), default=-1)
         out: list[Any] = []
-        for buf in frames:
-            if len(buf) < ZERO_COPY_MIN or isinstance(buf, bytes):
-                out.append(buf)
-            elif isinstance(buf, memoryview) and buf.readonly:
-                out.append(zmq.Frame(buf, copy=False))
-            else:
+        for i, buf in enumerate(frames):
+            if i == last:
                 frame = zmq.Frame(buf, copy=False, track=True)
                 assert frame.tracker is not None
                 self._in_flight.append(frame.tracker)
                 out.append(frame)
+            elif len(buf) >= ZERO_COPY_MIN and not isinstance(buf, bytes):
+                out.append(zmq.Frame(buf, copy=False))
+            else:
+                out.append(buf)
         return out
 
     def holds_caller_memory(self) -> bool:
