@@ -7,45 +7,78 @@ over a ZeroMQ message bus::
     scheme = zmqsync.ZMQWeightSyncScheme()
     scheme.init_on_sender("policy", model=policy, num_workers=4)
     scheme.send()   # returns when all 4 workers hold the new version
+
+Names load lazily (PEP 562): ``import zmqsync`` costs nothing until a name that needs
+torch is used, so the CLI's ``zmqsync status`` starts in a fraction of a second.
 """
 
-from zmqsync.errors import (
-    EndpointError,
-    FrameError,
-    SchemaMismatchError,
-    SyncTimeout,
-    TransportClosed,
-    TransportError,
-    WeightsRejected,
-    ZMQSyncError,
-)
-from zmqsync.receiver import WeightReceiver
-from zmqsync.schemes import (
-    NoWeightSyncScheme,
-    WeightStrategy,
-    WeightSyncScheme,
-    ZMQWeightSyncScheme,
-)
-from zmqsync.sender import WeightSender
-from zmqsync.tensors import checksum
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "EndpointError",
-    "FrameError",
-    "NoWeightSyncScheme",
-    "SchemaMismatchError",
-    "SyncTimeout",
-    "TransportClosed",
-    "TransportError",
-    "WeightReceiver",
-    "WeightSender",
-    "WeightStrategy",
-    "WeightSyncScheme",
-    "WeightsRejected",
-    "ZMQSyncError",
-    "ZMQWeightSyncScheme",
-    "__version__",
-    "checksum",
-]
+#: public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "CheckpointError": "zmqsync.errors",
+    "EndpointError": "zmqsync.errors",
+    "FactoryError": "zmqsync.errors",
+    "FrameError": "zmqsync.errors",
+    "MultiProcessWeightSyncScheme": "zmqsync.schemes.multiprocess",
+    "MultiProcessedRemoteWeightUpdate": "zmqsync.schemes.legacy",
+    "NoWeightSyncScheme": "zmqsync.schemes.noop",
+    "RayWeightSyncScheme": "zmqsync.schemes.ray",
+    "SchemaMismatchError": "zmqsync.errors",
+    "SyncTimeout": "zmqsync.errors",
+    "TransportClosed": "zmqsync.errors",
+    "TransportError": "zmqsync.errors",
+    "WeightReceiver": "zmqsync.receiver",
+    "WeightSender": "zmqsync.sender",
+    "WeightStrategy": "zmqsync.schemes.base",
+    "WeightSyncActorMixin": "zmqsync.schemes.ray",
+    "WeightSyncScheme": "zmqsync.schemes.base",
+    "WeightsRejected": "zmqsync.errors",
+    "ZMQSyncError": "zmqsync.errors",
+    "ZMQWeightSyncScheme": "zmqsync.schemes.zmq",
+    "checksum": "zmqsync.tensors",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zmqsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # next time, no lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:
+    from zmqsync.errors import (
+        CheckpointError,
+        EndpointError,
+        FactoryError,
+        FrameError,
+        SchemaMismatchError,
+        SyncTimeout,
+        TransportClosed,
+        TransportError,
+        WeightsRejected,
+        ZMQSyncError,
+    )
+    from zmqsync.receiver import WeightReceiver
+    from zmqsync.schemes.base import WeightStrategy, WeightSyncScheme
+    from zmqsync.schemes.legacy import MultiProcessedRemoteWeightUpdate
+    from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
+    from zmqsync.schemes.noop import NoWeightSyncScheme
+    from zmqsync.schemes.ray import RayWeightSyncScheme, WeightSyncActorMixin
+    from zmqsync.schemes.zmq import ZMQWeightSyncScheme
+    from zmqsync.sender import WeightSender
+    from zmqsync.tensors import checksum

@@ -6,6 +6,8 @@
     ├── FrameError (ValueError)          a peer sent bytes that are not a valid message
     ├── SchemaMismatchError (ValueError) weights that do not fit a model (key, dtype, shape)
     ├── EndpointError (ValueError)       an endpoint string we cannot use
+    ├── CheckpointError (ValueError)     a checkpoint file missing, unreadable, not tensors
+    ├── FactoryError (ValueError)        a module:factory that does not build a model
     ├── SyncTimeout (TimeoutError)       targeted workers did not ack in time
     ├── WeightsRejected                  workers received a version and refused it
     └── TransportError                   the backend (ZeroMQ, a pipe, Ray) failed
@@ -24,7 +26,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 __all__ = [
+    "CheckpointError",
     "EndpointError",
+    "FactoryError",
     "FrameError",
     "SchemaMismatchError",
     "SyncTimeout",
@@ -62,6 +66,14 @@ class SchemaMismatchError(ZMQSyncError, ValueError):
 
 class EndpointError(ZMQSyncError, ValueError):
     """An endpoint string that zmqsync cannot bind or connect."""
+
+
+class CheckpointError(ZMQSyncError, ValueError):
+    """A checkpoint file that is missing, unreadable, or holds something other than tensors."""
+
+
+class FactoryError(ZMQSyncError, ValueError):
+    """A ``module:factory`` spec that does not import, or does not build a model."""
 
 
 class SyncTimeout(ZMQSyncError, TimeoutError):

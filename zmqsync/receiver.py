@@ -291,8 +291,10 @@ class WeightReceiver:
                 # A restarted sender: say hello again (its data address may be new).
                 self._sender_epoch = message.epoch
                 self._send_hello()
-            # Nothing newer to send us (or the sender keeps no snapshot): caught up.
-            self._caught_up = True
+            # Nothing is coming (or the sender keeps no snapshot): caught up. If the latest
+            # is already on its way, wait for it instead.
+            if not message.in_flight:
+                self._caught_up = True
         elif isinstance(message, ErrorMessage):
             self._rejected(f"sender said {message.code}: {message.message}")
             if message.code == "duplicate-worker":

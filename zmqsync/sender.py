@@ -87,6 +87,9 @@ class WorkerInfo:
     rejections: deque[str] = field(default_factory=lambda: deque(maxlen=REASONS_KEPT))
     last_repair: float = 0.0
     hub: int = 0
+    entitled: int = 0  # the newest version a targeted send meant for this worker
+    refused: tuple[int, int] = (0, 0)  # (epoch, version) it last rejected
+    joining_to: int = 0  # said hello when this was the latest: it gets (at least) that
 
 
 @dataclass
@@ -170,6 +173,7 @@ class WeightSender:
         self._snapshot: tuple[int, list[Buffer], Flat] | None = None
         self._pending: _Pending | None = None
         self._async_pending = False
+        self._broadcast_version = 0  # the newest version sent to every worker
         self._workers: dict[int, WorkerInfo] = {}
         self._started = time.monotonic()
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
@@ -289,8 +293,11 @@ class WeightSender:
             for i, w in self._workers.items():
                 if i in targets and w.peer is not None:
                     peers.setdefault(w.hub, []).append(w.peer)
+            if worker_ids is None:
+                self._broadcast_version = version
             for i in targets & self._workers.keys():
                 self._workers[i].last_repair = now
+                self._workers[i].entitled = version
         # Encoded once above; every hub sends the same buffers.
         for runner in self._runners:
             with runner.holding():
@@ -502,6 +509,7 @@ class WeightSender:
         info = self._seen(hello.worker)
         info.pid, info.host = hello.pid, hello.host
         info.last_repair = 0.0  # a (re)connecting worker may have its snapshot at once
+        info.joining_to = self.version
         if hello.epoch == self.epoch:
             info.version = hello.version
         announced = runner.hub.announce()
@@ -525,17 +533,27 @@ class WeightSender:
         self, request: SnapshotRequest, runner: _HubRunner, peer: PeerId | None
     ) -> None:
         info = self._seen(request.worker)
-        behind = request.epoch != self.epoch or request.version < self.version
+        fresh = (
+            request.epoch != self.epoch
+            or request.version == 0
+            or request.version < info.joining_to
+        )
+        behind = fresh or request.version < self.version
+        # A worker left out of a targeted send stays behind (worker_ids means exactly
+        # those workers); one that is joining (connect) gets the latest version.
+        meant = fresh or max(info.entitled, self._broadcast_version) >= self.version
         if request.epoch == self.epoch:
             info.version = max(info.version, request.version)
+        # A worker that refused this very version would only refuse it again.
+        refused = info.refused == (self.epoch, self.version)
         now = time.monotonic()
-        if behind and self.version > 0 and now - info.last_repair >= self.repair_after:
-            frames = self._latest_frames()
-            if frames is not None:
-                info.last_repair = now
-                runner.hub.send_frames(frames, to=[peer] if peer else None)
-                return
-        self._reply(runner.hub, peer, UpToDate(self.model_id, self.version, self.epoch))
+        frames = self._latest_frames() if behind and meant and not refused else None
+        if frames is not None and now - info.last_repair >= self.repair_after:
+            info.last_repair = now
+            runner.hub.send_frames(frames, to=[peer] if peer else None)
+            return
+        in_flight = frames is not None  # sent to it within repair_after: on its way
+        self._reply(runner.hub, peer, UpToDate(self.model_id, self.version, self.epoch, in_flight))
 
     def _latest_frames(self) -> list[Buffer] | None:
         snapshot = self._snapshot
@@ -555,10 +573,13 @@ class WeightSender:
             info.rejected_frames = max(info.rejected_frames, ack.rejected_frames)
             if ack.epoch == self.epoch and ack.applied:
                 info.version = max(info.version, ack.version)
+                if info.version >= info.joining_to:
+                    info.joining_to = 0
                 info.epoch = ack.epoch
                 info.last_ack = now
             if not ack.applied:
                 info.rejections.append(ack.reason)
+                info.refused = (ack.epoch, ack.version)
             pending = self._pending
             if pending is not None and ack.worker in pending.targets and ack.epoch == self.epoch:
                 if ack.applied and ack.version >= pending.version:

@@ -193,11 +193,16 @@ class SnapshotRequest:
 
 @dataclass(frozen=True, slots=True)
 class UpToDate:
-    """The sender's answer to a snapshot request when there is nothing newer to send."""
+    """The sender's answer to a snapshot request when it sends nothing now.
+
+    ``in_flight``: the latest version is already on its way to this worker (sent less
+    than the repair interval ago): keep waiting for it rather than count as caught up.
+    """
 
     model_id: str
     version: int
     epoch: int
+    in_flight: bool = False
 
     kind = Kind.UP_TO_DATE
 

@@ -1,7 +1,19 @@
 """The user-facing schemes, with torchrl's names."""
 
 from zmqsync.schemes.base import WeightStrategy, WeightSyncScheme
+from zmqsync.schemes.legacy import MultiProcessedRemoteWeightUpdate
+from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
 from zmqsync.schemes.noop import NoWeightSyncScheme
+from zmqsync.schemes.ray import RayWeightSyncScheme, WeightSyncActorMixin
 from zmqsync.schemes.zmq import ZMQWeightSyncScheme
 
-__all__ = ["NoWeightSyncScheme", "WeightStrategy", "WeightSyncScheme", "ZMQWeightSyncScheme"]
+__all__ = [
+    "MultiProcessWeightSyncScheme",
+    "MultiProcessedRemoteWeightUpdate",
+    "NoWeightSyncScheme",
+    "RayWeightSyncScheme",
+    "WeightStrategy",
+    "WeightSyncActorMixin",
+    "WeightSyncScheme",
+    "ZMQWeightSyncScheme",
+]

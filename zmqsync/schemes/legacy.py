@@ -133,8 +133,9 @@ class MultiProcessedRemoteWeightUpdate:
         subclasses)."""
         return server_weights
 
-    def _sync_weights_with_worker(self, worker_id: Hashable | None = None,
-                                  server_weights: Any = None) -> None:
+    def _sync_weights_with_worker(
+        self, worker_id: Hashable | None = None, server_weights: Any = None
+    ) -> None:
         """Copy ``server_weights`` into one worker's weights (all workers if ``None``).
 
         Returns once the worker holds them; raises :class:`~zmqsync.WeightsRejected` if
@@ -145,8 +146,9 @@ class MultiProcessedRemoteWeightUpdate:
             return
         self._send(server_weights, None if worker_id is None else [worker_id])
 
-    def push_weights(self, policy_or_weights: Any = None,
-                     worker_ids: Hashable | Iterable[Hashable] | None = None) -> None:
+    def push_weights(
+        self, policy_or_weights: Any = None, worker_ids: Hashable | Iterable[Hashable] | None = None
+    ) -> None:
         """Update the targeted workers (all by default) from ``policy_or_weights``, or
         from ``get_server_weights()`` when it is ``None``; then run the post hooks."""
         weights = self._get_server_weights() if policy_or_weights is None else policy_or_weights
@@ -154,7 +156,10 @@ class MultiProcessedRemoteWeightUpdate:
         if weights is None:
             return
         targets = self._targets(worker_ids)
-        if type(self)._sync_weights_with_worker is MultiProcessedRemoteWeightUpdate._sync_weights_with_worker:
+        if (
+            type(self)._sync_weights_with_worker
+            is MultiProcessedRemoteWeightUpdate._sync_weights_with_worker
+        ):
             self._send(weights, targets)  # one version for all: flattened once
         else:  # a subclass decides per worker, as with torchrl's updaters
             for worker in targets:
@@ -191,7 +196,9 @@ class MultiProcessedRemoteWeightUpdate:
         targets = self.all_worker_ids() if workers is None else workers
         unknown = [w for w in targets if w not in self._index]
         if unknown:
-            raise ValueError(f"unknown worker(s) {unknown}; this updater serves {self.all_worker_ids()}")
+            raise ValueError(
+                f"unknown worker(s) {unknown}; this updater serves {self.all_worker_ids()}"
+            )
         indices = sorted({self._index[w] for w in targets})
         # Sender and receivers share this thread: queue the version to every target, let
         # each apply and ack it, then collect the acks.

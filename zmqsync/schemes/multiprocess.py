@@ -73,7 +73,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
 
     # --- transports ------------------------------------------------------------------
 
-    def create_transport(  # type: ignore[override]
+    def create_transport(
         self,
         pipe: Connection | None = None,
         *,
@@ -100,7 +100,10 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
             return PipeHub(self._pending_pipes, **options)
         if role == "spoke":
             if pipe is None:
-                raise ValueError("a worker's transport needs its end of the pipe: create_transport(pipe, role='spoke')")
+                raise ValueError(
+                    "a worker's transport needs its end of the pipe: "
+                    "create_transport(pipe, role='spoke')"
+                )
             return PipeSpoke(pipe)
         raise ValueError(f"role must be 'hub' or 'spoke'; got {role!r}")
 
@@ -127,28 +130,38 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
                 "context with a .pipes attribute"
             )
         indices = sorted(pipes) if isinstance(pipes, Mapping) else list(range(len(pipes)))
-        contiguous = indices == list(range(len(indices)))
-        num_workers = kwargs.get("num_workers", getattr(context, "num_workers", None))
-        if num_workers is None:
-            # Workers 0..n-1 are send()'s default targets; other indices: whoever connected.
+        if "num_workers" not in kwargs and getattr(context, "num_workers", None) is not None:
+            kwargs["num_workers"] = context.num_workers
+        if "num_workers" not in kwargs:
+            # Workers 0..n-1 are send()'s default targets; with other indices, whoever
+            # has connected.
+            contiguous = indices == list(range(len(indices)))
             kwargs["num_workers"] = len(indices) if contiguous else None
-        elif not contiguous or num_workers != len(indices):
+        num_workers = kwargs["num_workers"]
+        if num_workers is not None and not set(range(num_workers)) <= set(indices):
             raise ValueError(
-                f"num_workers={num_workers} does not match the pipes given (workers "
-                f"{indices}): give one pipe per worker, for workers 0..num_workers-1"
+                f"num_workers={num_workers} but pipes were given for workers {indices}: give "
+                "one pipe per worker 0..num_workers-1 (or num_workers=None to target whichever "
+                "workers have connected)"
             )
-        else:
-            kwargs["num_workers"] = num_workers
         self._pending_pipes = pipes
         try:
             super().init_on_sender(model_id, context, **kwargs)
         finally:
             self._pending_pipes = None
 
+    def add_pipe(self, pipe: Connection, worker_idx: int) -> None:
+        """Serve one more worker on ``pipe`` (the sender's end), or a restarted worker in
+        place of one whose pipe broke. It joins at the latest version."""
+        hub = self.get_sender().transport
+        assert isinstance(hub, PipeHub)
+        hub.add_pipe(pipe, worker_idx)
+
     # --- worker side -----------------------------------------------------------------
 
-    def init_on_receiver(self, *, model_id: str = "policy", context: Any = None,
-                         **kwargs: Any) -> None:
+    def init_on_receiver(
+        self, *, model_id: str = "policy", context: Any = None, **kwargs: Any
+    ) -> None:
         """Set up a worker on its end of the pipe (``connect()`` then joins).
 
         Args:

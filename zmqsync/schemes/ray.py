@@ -6,8 +6,9 @@ actor on a node reads it without a copy of its own, then copies it once into its
 acks are the results of the calls. An actor that dies makes ``send()`` raise
 :class:`~zmqsync.SyncTimeout` naming it.
 
-The actor side needs no thread of its own and no waiting: the sender's calls apply each
-version as they arrive (between the actor's other methods), and ack in the call's result.
+On the actor's side, ``init_on_worker`` only registers a receiver: the sender's calls
+apply each version as it arrives (between the actor's other methods) and carry the ack
+back as the call's result. Only joining runs on a thread of its own, briefly.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ __all__ = ["RayWeightSyncScheme", "WeightSyncActorMixin"]
 
 log = logging.getLogger("zmqsync.schemes.ray")
 
-#: How long one of the sender's calls waits, while the actor is joining, for the actor's
-#: next handshake message, so that it rides back on this call's result instead of the
-#: next poll's.
+#: Longest one of the sender's calls waits, while the actor is joining, for the joining
+#: thread to handle what it delivered, so that the answer rides back on this call's
+#: result instead of the next poll's (it normally takes a millisecond).
 HANDSHAKE_STEP_SECONDS: Final = 1.0
 
 
@@ -60,7 +61,7 @@ class _ActorReceiver:
             self._join()
             # The joining thread answers what was just delivered; wait for that answer so
             # it goes back with this call.
-            self.spoke.wait_outbox(HANDSHAKE_STEP_SECONDS)
+            self.spoke.wait_reply(HANDSHAKE_STEP_SECONDS)
             if not self.connected.is_set():
                 return
         if not self.receiver.closed:
@@ -82,7 +83,7 @@ class _ActorReceiver:
     def _connect(self) -> None:
         try:
             self.receiver.connect()
-        except Exception as exc:  # noqa: BLE001 - the next call from the sender retries
+        except Exception as exc:  # the next call from the sender retries
             if not self.receiver.closed:
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("joining the sender failed (retried on its next call): %s", self.error)
@@ -151,7 +152,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     # --- transports ------------------------------------------------------------------
 
-    def create_transport(  # type: ignore[override]
+    def create_transport(
         self,
         pipe_or_context: Any = None,
         *,
@@ -169,11 +170,19 @@ class RayWeightSyncScheme(WeightSyncScheme):
         options.pop("endpoint", None)
         channel = self._model_id or "policy"
         if role == "hub":
-            actors = {worker_idx: pipe_or_context} if pipe_or_context is not None else self._pending_actors
+            actors = (
+                {worker_idx: pipe_or_context}
+                if pipe_or_context is not None
+                else self._pending_actors
+            )
             if actors is None:
                 raise ValueError("create_transport() needs the remote actor's handle")
             return RayHub(
-                actors, channel=channel, method=self.method, poll_interval=self.poll_interval, **options
+                actors,
+                channel=channel,
+                method=self.method,
+                poll_interval=self.poll_interval,
+                **options,
             )
         if role == "spoke":
             return RaySpoke(channel)
@@ -228,8 +237,9 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     # --- actor side ------------------------------------------------------------------
 
-    def init_on_receiver(self, *, model_id: str = "policy", context: Any = None,
-                         **kwargs: Any) -> None:
+    def init_on_receiver(
+        self, *, model_id: str = "policy", context: Any = None, **kwargs: Any
+    ) -> None:
         """Set up this actor's receiver; returns at once.
 
         The actor joins when the sender next calls it (on its own, within

@@ -19,6 +19,8 @@ __all__ = ["ALIASES", "HubTransport", "Incoming", "PeerId", "SpokeTransport", "r
 #: alias -> "module:HubClass,SpokeClass"
 ALIASES: Final[dict[str, str]] = {
     "memory": "zmqsync.transport.memory:MemoryHub,MemorySpoke",
+    "pipe": "zmqsync.transport.pipe:PipeHub,PipeSpoke",
+    "ray": "zmqsync.transport.ray:RayHub,RaySpoke",
     "zmq-pubsub": "zmqsync.transport.zmq_pubsub:PubSubHub,PubSubSpoke",
     "zmq-router": "zmqsync.transport.zmq_router:RouterHub,RouterSpoke",
 }

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from zmqsync.errors import EndpointError, TransportClosed, TransportError
-from zmqsync.protocol import Buffer
+from zmqsync.protocol import Buffer, Kind, peek_kind
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
 __all__ = [
@@ -105,8 +105,11 @@ class RaySpoke(SpokeTransport):
         self._inbox: queue.Queue[list[Buffer] | None] = queue.Queue()
         self._outbox: list[list[bytes]] = []
         self._cond = threading.Condition()
+        self._delivered = 0  # messages the hub delivered
+        self._taken = 0  # ... and recv_frames took
+        self._reader_idle = False  # a reader waits in recv_frames on an empty inbox
         self._closed = False
-        self.dropped = 0
+        self._counters = {"dropped_sends": 0, "read_only_views": 0}
         #: This actor's index at its hub (``None`` until the hub's first call).
         self.peer_index: int | None = None
         #: Called on each of the hub's calls, after its frames are queued and before the
@@ -138,24 +141,43 @@ class RaySpoke(SpokeTransport):
         self._check_open()
         with self._cond:
             if len(self._outbox) >= MAX_OUTBOX:
-                self.dropped += 1  # the hub stopped calling; it will ask again
+                self._counters["dropped_sends"] += 1  # the hub stopped calling; it will ask again
                 return
             self._outbox.append(_owned(frames))
             self._cond.notify_all()
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         self._check_open()
+        blocking = timeout is None or timeout > 0
+        if blocking:
+            with self._cond:
+                # Everything delivered was taken and handled: tell wait_reply().
+                self._reader_idle = self._inbox.empty()
+                self._cond.notify_all()
         try:
-            if timeout is not None and timeout <= 0:
-                return self._inbox.get_nowait()
-            return self._inbox.get(timeout=timeout)
+            item = self._inbox.get(timeout=timeout) if blocking else self._inbox.get_nowait()
         except queue.Empty:
-            return None
-
-    def wait_outbox(self, timeout: float) -> bool:
-        """Wait until something is ready to go back to the hub; True if it is."""
+            item = None
         with self._cond:
-            return self._cond.wait_for(lambda: bool(self._outbox) or self._closed, timeout)
+            self._reader_idle = False
+            if item is not None:
+                self._taken += 1
+        return item
+
+    def wait_reply(self, timeout: float) -> bool:
+        """Wait until the messages delivered so far have been answered, or handled by a
+        reader (in another thread) that then went back to waiting, or ``timeout``
+        seconds passed. True if there is something to send back."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (
+                    bool(self._outbox)
+                    or self._closed
+                    or (self._reader_idle and self._taken >= self._delivered)
+                ),
+                timeout,
+            )
+            return bool(self._outbox)
 
     def exchange(self, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
         """One call from the hub: queue ``frames`` (if any) and return the outbox."""
@@ -165,16 +187,27 @@ class RaySpoke(SpokeTransport):
         if frames is not None:
             # Views, not copies: numpy arrays from the object store stay where they are
             # until the receiver copies them into its model.
-            self._inbox.put([f if isinstance(f, bytes) else memoryview(f) for f in frames])
+            views: list[Buffer] = [f if isinstance(f, bytes) else memoryview(f) for f in frames]
+            with self._cond:
+                self._counters["read_only_views"] += sum(
+                    isinstance(v, memoryview) and v.readonly for v in views
+                )
+                self._delivered += 1
+                self._inbox.put(views)
         hook = self.on_delivery
         if hook is not None:
             try:
                 hook()
-            except Exception:  # noqa: BLE001 - the reply must still go back
+            except Exception:  # the reply must still go back
                 log.exception("processing a delivery on %s", self.endpoint)
         with self._cond:
             out, self._outbox = self._outbox, []
         return out
+
+    def counters(self) -> dict[str, int]:
+        """``dropped_sends`` (the hub stopped calling) and ``read_only_views`` (frames
+        read in place from Ray's object store, without a copy)."""
+        return dict(self._counters)
 
     def close(self) -> None:
         if self._closed:
@@ -231,9 +264,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as exc:  # pragma: no cover - CI installs ray
-        raise ImportError(
-            "the Ray transport needs Ray: pip install 'zmqsync[ray]'"
-        ) from exc
+        raise ImportError("the Ray transport needs Ray: pip install 'zmqsync[ray]'") from exc
     return ray
 
 
@@ -246,6 +277,8 @@ class _Actor:
     done_seq: int = 0  # next call whose result is handed on (results keep call order)
     finished: dict[int, Any] = field(default_factory=dict, repr=False)
     in_flight: int = 0
+    weights_seq: int | None = None  # the weights call under way, if any
+    pending_weights: Any = field(default=None, repr=False)  # the newest one waiting for it
     next_poll: float = 0.0
     poll_gap: float = FAST_POLL
     dead: str | None = None
@@ -292,7 +325,13 @@ class RayHub(HubTransport):
         self._events: queue.Queue[tuple[_Actor, int, Any] | None] = queue.Queue()
         self._ready: list[Incoming] = []
         self._closed = False
-        self._counters = {"dropped_sends": 0, "peers_lost": 0, "remote_errors": 0, "polls": 0}
+        self._counters = {
+            "dropped_sends": 0,
+            "peers_lost": 0,
+            "remote_errors": 0,
+            "polls": 0,
+            "object_store_puts": 0,
+        }
         self.last_error: str | None = None
         items = actors.items() if isinstance(actors, Mapping) else enumerate(actors)
         for index, handle in items:
@@ -349,35 +388,66 @@ class RayHub(HubTransport):
         # One copy, into the object store; each actor then maps it read-only.
         arrays = [f if isinstance(f, bytes) else np.frombuffer(f, dtype=np.uint8) for f in frames]
         try:
-            return self._ray.put(arrays)
+            ref = self._ray.put(arrays)
         except Exception as exc:
-            raise TransportError(f"putting a message into Ray's object store failed: {exc}") from exc
+            raise TransportError(
+                f"putting a message into Ray's object store failed: {exc}"
+            ) from exc
+        with self._lock:
+            self._counters["object_store_puts"] += 1
+        return ref
 
-    def _call(self, actor: _Actor, payload: Any) -> None:
+    def _call(self, actor: _Actor, payload: Any, *, weights: bool = False) -> None:
         """Start one call (caller holds the lock); its result arrives as an event."""
         seq = actor.next_seq
+        if weights:
+            actor.weights_seq = seq
         actor.next_seq += 1
         actor.in_flight += 1
         try:
             future = actor.method.remote(self._channel, actor.index, payload).future()
-        except Exception as exc:  # noqa: BLE001 - a failed submission is a failed call
+        except Exception as exc:  # a failed submission is a failed call
             failed: Any = _Failed(exc)
             self._events.put((actor, seq, failed))
             return
         future.add_done_callback(lambda f, a=actor, s=seq: self._events.put((a, s, f)))
 
-    def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
+    def send_frames(
+        self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None
+    ) -> None:
         self._check_open()
+        weights = bool(frames) and peek_kind(frames[0]) is Kind.WEIGHTS
         with self._lock:
-            targets = list(self._actors.values()) if to is None else [self._actors.get(p) for p in to]
-            live = [a for a in targets if a is not None and a.dead is None and a.in_flight < MAX_IN_FLIGHT]
+            targets = (
+                list(self._actors.values()) if to is None else [self._actors.get(p) for p in to]
+            )
+            live = [
+                a
+                for a in targets
+                if a is not None and a.dead is None and a.in_flight < MAX_IN_FLIGHT
+            ]
             self._counters["dropped_sends"] += len(targets) - len(live)
             if not live:
                 return
         payload = self._payload(frames)
         with self._lock:
             for actor in live:
-                self._call(actor, payload)
+                if weights and actor.weights_seq is not None:
+                    # An actor busy with one version gets only the newest of those sent
+                    # meanwhile: at most two versions per actor are held in the store.
+                    if actor.pending_weights is not None:
+                        self._counters["dropped_sends"] += 1
+                    actor.pending_weights = payload
+                else:
+                    self._call(actor, payload, weights=weights)
+
+    def purge(self) -> None:
+        """Drop versions waiting for a busy actor (calls under way cannot be recalled)."""
+        with self._lock:
+            for actor in self._actors.values():
+                if actor.pending_weights is not None:
+                    actor.pending_weights = None
+                    self._counters["dropped_sends"] += 1
 
     def _poll_due(self, now: float) -> float | None:
         """Poll every idle actor that is due; return when the next one will be."""
@@ -398,13 +468,20 @@ class RayHub(HubTransport):
             actor.finished[seq] = future
             while actor.done_seq in actor.finished:
                 done = actor.finished.pop(actor.done_seq)
+                if actor.weights_seq == actor.done_seq:
+                    actor.weights_seq = None
+                    pending, actor.pending_weights = actor.pending_weights, None
+                    if pending is not None and actor.dead is None:
+                        self._call(actor, pending, weights=True)
                 actor.done_seq += 1
                 actor.in_flight -= 1
                 replies = self._result(actor, done)
                 self._ready.extend(Incoming(frames, peer_id(actor.index)) for frames in replies)
                 # An actor with something to say is busy with something (joining): ask
                 # again soon. An idle one is asked less and less often.
-                actor.poll_gap = FAST_POLL if replies else min(self._poll_interval, actor.poll_gap * 2)
+                actor.poll_gap = (
+                    FAST_POLL if replies else min(self._poll_interval, actor.poll_gap * 2)
+                )
                 actor.next_poll = time.monotonic() + actor.poll_gap
 
     def _result(self, actor: _Actor, future: Any) -> list[list[Buffer]]:
@@ -417,10 +494,12 @@ class RayHub(HubTransport):
                 self._counters["peers_lost"] += 1
                 log.warning("Ray actor of worker %d died: %s", actor.index, actor.dead)
             return []
-        except Exception as exc:  # noqa: BLE001 - counted; the actor stays in the fleet
+        except Exception as exc:  # counted; the actor stays in the fleet
             self._counters["remote_errors"] += 1
             self.last_error = f"worker {actor.index}: {type(exc).__name__}: {exc}"[:2000]
-            log.warning("a call to the Ray actor of worker %d failed: %s", actor.index, self.last_error)
+            log.warning(
+                "a call to the Ray actor of worker %d failed: %s", actor.index, self.last_error
+            )
             return []
         if not isinstance(result, list) or not all(
             isinstance(m, list) and all(isinstance(b, bytes | bytearray | memoryview) for b in m)
@@ -444,22 +523,28 @@ class RayHub(HubTransport):
                     return self._ready.pop(0)
             now = time.monotonic()
             next_poll = self._poll_due(now)
-            remaining = None if deadline is None else deadline - now
-            if remaining is not None and remaining <= 0:
+            remaining = None if deadline is None else max(0.0, deadline - now)
+            wait = remaining
+            if next_poll is not None:
+                until_poll = max(0.0, next_poll - now)
+                wait = until_poll if wait is None else min(wait, until_poll)
+            woken = False
+            event = self._take(wait)
+            while event is not None:  # everything that has completed meanwhile, too
+                if event is _WOKEN:
+                    woken = True
+                else:
+                    self._complete(*event)  # type: ignore[misc]
                 event = self._take(0)
-                if event is None:
-                    return None
-            else:
-                wait = remaining
-                if next_poll is not None:
-                    wait = max(0.0, next_poll - now) if wait is None else min(wait, max(0.0, next_poll - now))
-                event = self._take(wait)
-            if event is _WOKEN:
-                return None
-            if event is not None:
-                self._complete(*event)  # type: ignore[misc]
             if self._closed:
                 raise TransportClosed(f"Ray hub {self.endpoint} is closed")
+            with self._lock:
+                if self._ready:
+                    # A reply beats a wake-up: whoever woke us gets the hub back at once
+                    # either way.
+                    return self._ready.pop(0)
+            if woken or remaining == 0:
+                return None
 
     def _take(self, timeout: float | None) -> object:
         try:

@@ -1,0 +1,453 @@
+"""The pipe transport and MultiProcessWeightSyncScheme: the contract, then the promises
+end to end with real worker processes (spawn) on real pipes."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import struct
+import time
+import traceback
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zmqsync
+from zmqsync import SyncTimeout
+from zmqsync.errors import TransportError
+from zmqsync.protocol import Weights, WeightsSchema, decode, encode
+from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
+from zmqsync.tensors import Flattener
+from zmqsync.testing import check_transport
+from zmqsync.transport.pipe import PipeHub, PipeSpoke, peer_id
+
+SPAWN = mp.get_context("spawn")
+
+
+# --- the transport -----------------------------------------------------------------------
+
+
+def _pipe_fleet(n: int) -> tuple[PipeHub, list[PipeSpoke]]:
+    pairs = [mp.Pipe() for _ in range(n)]
+    return PipeHub([parent for parent, _ in pairs]), [PipeSpoke(child) for _, child in pairs]
+
+
+def test_pipe_transport_conformance() -> None:
+    check_transport(_pipe_fleet)
+
+
+def _weights_frames(version: int, nbytes: int) -> list[Any]:
+    flat = Flattener("state_dict").flatten({("w",): torch.full((nbytes // 4,), float(version))})
+    schema: WeightsSchema = flat.schema
+    return encode(
+        Weights("policy", version, 7, schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_does_not_read_never_blocks_the_hub() -> None:
+    """Three 8 MiB versions to a worker that reads nothing: send_frames returns at once,
+    a newer queued version replaces an older one, and close() does not wait."""
+    hub, (spoke,) = _pipe_fleet(1)
+    try:
+        start = time.monotonic()
+        for version in (1, 2, 3):
+            hub.send_frames(_weights_frames(version, 8 << 20))
+        assert time.monotonic() - start < 1.0, "send_frames waited on a worker that does not read"
+        versions = []
+        while (frames := spoke.recv_frames(2.0)) is not None:
+            message = decode(frames)
+            assert isinstance(message, Weights)
+            versions.append(message.version)
+        assert versions[-1] == 3, versions
+        assert versions == sorted(versions) and len(versions) <= 2, versions
+        assert hub.counters()["dropped_sends"] >= 1
+        # Queue another big one the worker will never read, then close: no waiting.
+        hub.send_frames(_weights_frames(4, 8 << 20))
+        start = time.monotonic()
+        hub.close()
+        assert time.monotonic() - start < 1.0
+    finally:
+        hub.close()
+        spoke.close()
+
+
+def test_the_pipe_tells_a_worker_its_index() -> None:
+    pairs = [mp.Pipe() for _ in range(3)]
+    hub = PipeHub({5: pairs[0][0], 6: pairs[1][0], 7: pairs[2][0]})
+    spokes = [PipeSpoke(child) for _, child in pairs]
+    try:
+        assert [s.wait_index(5.0) for s in spokes] == [5, 6, 7]
+        assert sorted(hub.peers) == [peer_id(5), peer_id(6), peer_id(7)]
+        # Messages that arrive while a worker waits for its index are kept, in order.
+        hub.send_frames([b"first"], to=[peer_id(6)])
+        assert spokes[1].recv_frames(5.0) == [b"first"]
+    finally:
+        hub.close()
+        for s in spokes:
+            s.close()
+
+
+def test_a_worker_waiting_for_an_index_without_a_hub_gets_a_clear_error() -> None:
+    _, child = mp.Pipe()
+    spoke = PipeSpoke(child)
+    try:
+        with pytest.raises(TransportError, match="no worker index arrived"):
+            spoke.wait_index(0.2)
+    finally:
+        spoke.close()
+
+
+def test_a_broken_pipe_is_counted_not_raised() -> None:
+    hub, spokes = _pipe_fleet(2)
+    try:
+        spokes[1].close()
+        hub.send_frames([b"x"], to=[peer_id(1)])  # never raises
+        deadline = time.monotonic() + 5
+        while hub.counters()["peers_lost"] == 0:
+            assert time.monotonic() < deadline, "the hub never noticed the closed pipe"
+            hub.recv_frames(0.05)
+        hub.send_frames([b"still-here"])
+        assert spokes[0].recv_frames(5.0) == [b"still-here"]
+        # The worker's side: the hub gone, sends are dropped and receives time out.
+        hub.close()
+        spokes[0].send_frames([b"into the void"])
+        start = time.monotonic()
+        assert spokes[0].recv_frames(0.2) is None
+        assert spokes[0].recv_frames(0.2) is None
+        assert time.monotonic() - start < 2.0
+    finally:
+        hub.close()
+        for s in spokes:
+            s.close()
+
+
+def test_bytes_that_are_not_ours_cost_only_that_pipe() -> None:
+    """A worker writing garbage, or announcing a message over the hub's limit, loses its
+    own pipe (counted, refused before anything is allocated); the others are served."""
+    pairs = [mp.Pipe() for _ in range(3)]
+    hub = PipeHub([parent for parent, _ in pairs], max_message_bytes=1 << 20)
+    good = PipeSpoke(pairs[0][1])
+    try:
+        pairs[1][1].send_bytes(b"not a zmqsync pipe header")
+        pairs[2][1].send_bytes(struct.pack("<4sI", b"ZSP2", 1))
+        pairs[2][1].send_bytes(struct.pack("<Q", 1 << 40))  # a 1 TiB frame, never sent
+        good.send_frames([b"hello"])
+        got = None
+        deadline = time.monotonic() + 5
+        while hub.counters()["peers_lost"] < 2 or got is None:
+            assert time.monotonic() < deadline, hub.counters()
+            incoming = hub.recv_frames(0.1)
+            if incoming is not None:
+                got = incoming
+        assert got.peer == peer_id(0) and [bytes(f) for f in got.frames] == [b"hello"]
+        hub.send_frames([b"still served"])
+        assert good.recv_frames(5.0) == [b"still served"]
+    finally:
+        hub.close()
+        good.close()
+        for _, child in pairs[1:]:
+            child.close()
+
+
+def test_only_duplex_pipe_ends_are_accepted() -> None:
+    reader, writer = mp.Pipe(duplex=False)
+    try:
+        with pytest.raises(ValueError, match="duplex"):
+            PipeHub([reader])
+        with pytest.raises(ValueError, match="duplex"):
+            PipeSpoke(writer)
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_left_out_of_a_targeted_send_stays_behind() -> None:
+    """DESIGN: ``worker_ids`` changes exactly those workers, also after a few heartbeats."""
+    hub, spokes = _pipe_fleet(2)
+    sender = zmqsync.WeightSender(
+        hub,
+        model=nn.Linear(4, 4),
+        strategy="state_dict",
+        num_workers=2,
+        timeout=10,
+        heartbeat=0.1,
+        repair_after=0.1,
+    )
+    receivers = [
+        zmqsync.WeightReceiver(spoke, model=nn.Linear(4, 4), strategy="state_dict", worker_idx=i)
+        for i, spoke in enumerate(spokes)
+    ]
+    try:
+        for receiver in receivers:
+            receiver.connect()
+            receiver.start()
+        sender.send()
+        sender.send(worker_ids=[0])
+        deadline = time.monotonic() + 1.0  # ten heartbeats
+        while time.monotonic() < deadline:
+            assert [r.version for r in receivers] == [2, 1]
+            time.sleep(0.05)
+    finally:
+        for receiver in receivers:
+            receiver.close()
+        sender.close()
+
+
+# --- the scheme's surface ------------------------------------------------------------------
+
+
+def test_scheme_surface_before_and_after_init() -> None:
+    scheme = MultiProcessWeightSyncScheme()
+    assert scheme.strategy == "state_dict"
+    with pytest.raises(RuntimeError, match="init_on_sender"):
+        scheme.get_sender()
+    with pytest.raises(RuntimeError, match="init_on_worker"):
+        scheme.get_receiver()
+    with pytest.raises(ValueError, match="pipes"):
+        scheme.init_on_sender("policy", model=nn.Linear(2, 2))
+    parent, child = mp.Pipe()
+    with pytest.raises(ValueError, match="num_workers=2"):
+        scheme.init_on_sender("policy", pipes=[parent], num_workers=2, model=nn.Linear(2, 2))
+    weights = scheme.prepare_weights(nn.Linear(2, 3), "policy", "state_dict")
+    assert set(weights) == {"weight", "bias"}
+    hub = scheme.create_transport(parent)
+    spoke = scheme.create_transport(child, role="spoke")
+    try:
+        assert isinstance(hub, PipeHub) and isinstance(spoke, PipeSpoke)
+        assert spoke.wait_index(5.0) == 0
+    finally:
+        hub.close()
+        spoke.close()
+
+
+# --- end to end: worker processes ------------------------------------------------------------
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _bump(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(1.0)
+
+
+def pipe_worker(
+    scheme: MultiProcessWeightSyncScheme, pipe: Any, control: Any, seed: int, use_context: bool
+) -> None:
+    """A worker process: join over its pipe, apply versions in the background, and answer
+    the test's questions on a separate control pipe (test harness only)."""
+    try:
+        model = make_model(seed)  # differs from the sender's
+        if use_context:
+            scheme.init_on_worker("policy", SimpleNamespace(pipe=pipe, policy=model))
+        else:
+            scheme.init_on_worker("policy", pipe=pipe, model=model)
+        scheme.connect(timeout=60)
+        scheme.start_receiver_thread()
+        receiver = scheme.get_receiver()
+        control.send(("ready", scheme.worker_idx))
+        while True:
+            if not control.poll(0.05):
+                continue
+            if control.recv() == "stop":
+                break
+            with scheme.lock:
+                control.send((receiver.version, zmqsync.checksum(model, scheme.strategy)))
+    except BaseException:  # report to the test, then exit
+        control.send(("error", traceback.format_exc()))
+    finally:
+        scheme.shutdown()
+
+
+class PipeFleet:
+    """Worker processes, each with its weights pipe and a control pipe."""
+
+    def __init__(self, n: int) -> None:
+        self.pipes = [SPAWN.Pipe() for _ in range(n)]
+        self.procs: dict[int, Any] = {}
+        self.controls: dict[int, Any] = {}
+
+    @property
+    def sender_ends(self) -> list[Any]:
+        return [parent for parent, _ in self.pipes]
+
+    def start(
+        self, scheme: MultiProcessWeightSyncScheme, i: int, *, use_context: bool = False
+    ) -> None:
+        control, child_control = SPAWN.Pipe()
+        child = self.pipes[i][1]
+        proc = SPAWN.Process(
+            target=pipe_worker,
+            args=(scheme, child, child_control, 100 + i, use_context),
+            daemon=True,
+        )
+        proc.start()
+        # The worker holds its end now: closing ours lets the sender see it die at once.
+        child.close()
+        child_control.close()
+        self.procs[i], self.controls[i] = proc, control
+
+    def ready(self, i: int, timeout: float = 90.0) -> int:
+        reply = self._reply(i, timeout)
+        assert reply[0] == "ready", reply
+        return int(reply[1])
+
+    def _reply(self, i: int, timeout: float) -> Any:
+        if not self.controls[i].poll(timeout):
+            raise TimeoutError(f"worker {i} did not answer in {timeout}s")
+        reply = self.controls[i].recv()
+        if reply[0] == "error":
+            raise AssertionError(f"worker {i} failed:\n{reply[1]}")
+        return reply
+
+    def state(self, i: int) -> tuple[int, str]:
+        self.controls[i].send("state")
+        return self._reply(i, 30.0)  # type: ignore[no-any-return]
+
+    def kill(self, i: int) -> None:
+        os.kill(self.procs[i].pid, signal.SIGKILL)
+        self.procs[i].join(10)
+
+    def close(self) -> None:
+        for i, proc in self.procs.items():
+            if proc.is_alive():
+                with contextlib.suppress(OSError):  # it may be dying right now
+                    self.controls[i].send("stop")
+        for proc in self.procs.values():
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+@pytest.fixture
+def pipe_fleet() -> Iterator[Any]:
+    fleets: list[PipeFleet] = []
+
+    def make(n: int) -> PipeFleet:
+        fleets.append(PipeFleet(n))
+        return fleets[-1]
+
+    yield make
+    for fleet in fleets:
+        fleet.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipe_workers_exact_targeted_isolated_dead_named_late_and_restarted(pipe_fleet) -> None:  # type: ignore[no-untyped-def]
+    """Pipes for four workers; three start (before the sender exists), one later. The
+    promises in order, ending with a SIGKILLed worker restarted on a new pipe."""
+    fleet = pipe_fleet(4)
+    model = make_model(0)
+    scheme = MultiProcessWeightSyncScheme(timeout=5)
+    for i in range(3):
+        fleet.start(scheme, i)
+    # num_workers=None: send() targets the workers that have joined (3 is not there yet).
+    scheme.init_on_sender("policy", pipes=fleet.sender_ends, model=model, num_workers=None)
+    try:
+        assert sorted(fleet.ready(i) for i in range(3)) == [0, 1, 2]  # indices came down the pipes
+
+        # Every worker exact after send(), version after version.
+        for version in (1, 2):
+            _bump(model)
+            scheme.send()
+            expected = zmqsync.checksum(model)
+            assert [fleet.state(i) for i in range(3)] == [(version, expected)] * 3
+
+        # worker_ids=[0] changes worker 0 and no other.
+        v2 = zmqsync.checksum(model)
+        _bump(model)
+        scheme.send(worker_ids=[0])
+        v3 = zmqsync.checksum(model)
+        assert fleet.state(0) == (3, v3)
+        assert [fleet.state(i)[1] for i in (1, 2)] == [v2, v2]
+
+        # The sender changing its weights without sending changes no worker.
+        _bump(model)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # look for a (wrong) change for a while
+            assert fleet.state(0)[1] == v3
+            assert fleet.state(1)[1] == v2
+
+        # A SIGKILLed worker is named by the timeout, within timeout + 1 s.
+        fleet.kill(2)
+        start = time.monotonic()
+        with pytest.raises(SyncTimeout) as info:
+            scheme.send()
+        took = time.monotonic() - start
+        assert info.value.missing_workers == [2]
+        assert info.value.transports == {2: "pipe"}
+        assert "worker 2" in str(info.value)
+        assert took <= scheme.timeout + 1.0, took
+        assert scheme.status()["totals"]["peers_lost"] == 1
+
+        # The next send to the living succeeds.
+        _bump(model)
+        scheme.send(worker_ids=[0, 1])
+        latest = (scheme.get_sender().version, zmqsync.checksum(model))
+        assert [fleet.state(i) for i in (0, 1)] == [latest, latest]
+
+        # A late joiner reaches the latest version on connect, without a resend to all.
+        sent = scheme.status()["totals"]["versions_sent"]
+        fleet.start(scheme, 3)
+        assert fleet.ready(3) == 3
+        assert fleet.state(3) == latest
+        assert scheme.status()["totals"]["versions_sent"] == sent
+
+        # The killed worker restarts on a new pipe and catches up the same way.
+        parent, child = SPAWN.Pipe()
+        fleet.pipes[2] = (parent, child)
+        scheme.add_pipe(parent, 2)
+        fleet.start(scheme, 2)
+        assert fleet.ready(2) == 2
+        assert fleet.state(2) == latest
+
+        # And the whole fleet is served again.
+        _bump(model)
+        scheme.send()
+        latest = (scheme.get_sender().version, zmqsync.checksum(model))
+        assert [fleet.state(i) for i in range(4)] == [latest] * 4
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pipe_scheme_from_context_objects_tensordict(pipe_fleet) -> None:  # type: ignore[no-untyped-def]
+    """The seed's other way in: a context providing pipes / num_workers / the model on the
+    sender, and pipe / the model on each worker."""
+    fleet = pipe_fleet(2)
+    model = make_model(0)
+    scheme = MultiProcessWeightSyncScheme("tensordict", timeout=20)
+    scheme.init_on_sender(
+        "policy", SimpleNamespace(pipes=fleet.sender_ends, num_workers=2, policy=model)
+    )
+    try:
+        for i in range(2):
+            fleet.start(scheme, i, use_context=True)
+        assert sorted(fleet.ready(i) for i in range(2)) == [0, 1]
+        # Joined with the sender's current weights (version 0: nothing sent yet).
+        assert [fleet.state(i)[0] for i in range(2)] == [0, 0]
+        for version in (1, 2, 3):
+            _bump(model)
+            scheme.send()
+            expected = zmqsync.checksum(model, "tensordict")
+            assert [fleet.state(i) for i in range(2)] == [(version, expected)] * 2
+        assert scheme.get_sender().transport.counters()["peers_lost"] == 0
+    finally:
+        scheme.shutdown()

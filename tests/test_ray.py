@@ -1,0 +1,356 @@
+"""The Ray transport and RayWeightSyncScheme on a real local Ray cluster: the transport
+contract, then the promises end to end with real actors."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import ray
+import torch
+from torch import nn
+
+import zmqsync
+from zmqsync import SyncTimeout
+from zmqsync.errors import TransportClosed
+from zmqsync.protocol import Buffer
+from zmqsync.schemes.ray import RayWeightSyncScheme
+from zmqsync.testing import check_transport
+from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.ray import RayHub, RaySpoke, WeightSyncActorMixin
+
+pytestmark = pytest.mark.slow
+
+#: Generous bound for one Ray call on a loaded 2-core machine.
+CALL_TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for the test session (starting one takes seconds); one that
+    another test module started is reused, and left to it to shut down."""
+    # This module is not importable in Ray's worker processes: ship its actor classes
+    # by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def make_model(seed: int) -> nn.Module:
+    """~280 KB of weights: big enough to travel through the object store."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 4)
+    )
+
+
+def _bump(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(1.0)
+
+
+# --- the transport contract ---------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class SpokeHost(WeightSyncActorMixin):
+    """An actor holding a real RaySpoke; the suite drives it through :class:`SpokeProxy`."""
+
+    def __init__(self, channel: str) -> None:
+        self.spoke = RaySpoke(channel)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.spoke.send_frames(frames)
+
+    def recv(self, timeout: float) -> list[bytes] | None:
+        frames = self.spoke.recv_frames(timeout)
+        return None if frames is None else [bytes(f) for f in frames]
+
+    def close(self) -> None:
+        self.spoke.close()
+
+
+class SpokeProxy(SpokeTransport):
+    """The suite's remote control for a spoke that lives in an actor: each call runs there.
+
+    (A threaded actor does not keep its calls in order, so each call here waits for the
+    previous one.)
+    """
+
+    name = "ray"
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def send_frames(self, frames: Sequence[Buffer]) -> None:
+        if self._closed:
+            raise TransportClosed("proxy closed")
+        ray.get(self.actor.send.remote([bytes(f) for f in frames]), timeout=CALL_TIMEOUT)
+
+    def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
+        if self._closed:
+            raise TransportClosed("proxy closed")
+        reply = ray.get(self.actor.recv.remote(timeout), timeout=(timeout or 0) + CALL_TIMEOUT)
+        return None if reply is None else list(reply)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            ray.get(self.actor.close.remote(), timeout=CALL_TIMEOUT)
+
+
+@pytest.fixture
+def actors() -> Iterator[list[Any]]:
+    """Actors a test starts, killed at its end whatever happened."""
+    started: list[Any] = []
+    yield started
+    for actor in started:
+        ray.kill(actor, no_restart=True)
+
+
+@pytest.mark.timeout(240)
+def test_ray_transport_conformance(actors) -> None:  # type: ignore[no-untyped-def]
+    def make_fleet(n: int) -> tuple[RayHub, list[SpokeProxy]]:
+        hosts = [SpokeHost.remote("conformance") for _ in range(n)]
+        actors.extend(hosts)
+        ray.get([h.__ray_ready__.remote() for h in hosts], timeout=CALL_TIMEOUT)
+        return RayHub(hosts, channel="conformance"), [SpokeProxy(h) for h in hosts]
+
+    check_transport(make_fleet)
+
+
+def test_an_actor_without_the_method_is_refused_clearly(actors) -> None:  # type: ignore[no-untyped-def]
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def ping(self) -> int:
+            return 1
+
+    plain = Plain.remote()
+    actors.append(plain)
+    with pytest.raises(TypeError, match="WeightSyncActorMixin"):
+        RayHub([plain])
+
+
+@ray.remote(num_cpus=0)
+class Confused:
+    """Has the method, answers nonsense."""
+
+    def zmqsync_deliver(self, channel: str, peer_index: int, frames: Any) -> Any:
+        return "not a list of messages"
+
+
+def test_an_actor_answering_nonsense_is_counted_not_trusted(actors) -> None:  # type: ignore[no-untyped-def]
+    confused = Confused.remote()
+    actors.append(confused)
+    hub = RayHub([confused], channel="confused")
+    try:
+        hub.send_frames([b"anyone there?"])
+        deadline = time.monotonic() + CALL_TIMEOUT
+        while hub.counters()["remote_errors"] < 2:  # the send's answer and a poll's
+            assert time.monotonic() < deadline, hub.counters()
+            assert hub.recv_frames(0.1) is None
+        assert "not a list of messages" in (hub.last_error or "")
+    finally:
+        hub.close()
+
+
+# --- end to end: real actors with real models ------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class PolicyActor(WeightSyncActorMixin):
+    """A plain (non-threaded) actor with its own model, as a collector would be."""
+
+    def __init__(self, seed: int) -> None:
+        self.model = make_model(seed)  # differs from the sender's
+        self.scheme: RayWeightSyncScheme | None = None
+
+    def setup(self, scheme: RayWeightSyncScheme) -> None:
+        self.scheme = scheme
+        scheme.init_on_worker("policy", model=self.model)  # returns at once
+
+    def state(self) -> tuple[int, str]:
+        assert self.scheme is not None
+        with self.scheme.lock:
+            receiver = self.scheme.get_receiver()
+            return receiver.version, zmqsync.checksum(self.model, self.scheme.strategy)
+
+    def zero_copy_views(self) -> int:
+        """Frames this actor read straight from the object store, without a copy."""
+        assert self.scheme is not None
+        transport = self.scheme.receiver_transport
+        assert isinstance(transport, RaySpoke)
+        return transport.counters()["read_only_views"]
+
+
+def _kill(actor: Any) -> None:
+    """ray.kill, then wait until the actor is really gone (the kill is asynchronous)."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + CALL_TIMEOUT
+    while True:
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=CALL_TIMEOUT)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+
+
+def _wait_for(predicate: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(300)
+def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> None:  # type: ignore[no-untyped-def]
+    model = make_model(0)
+    scheme = RayWeightSyncScheme(timeout=5)
+    fleet = [PolicyActor.remote(100 + i) for i in range(3)]
+    actors.extend(fleet)
+    ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
+    scheme.init_on_sender("policy", remote_collectors=fleet, source_model=model)
+    try:
+        scheme.connect(timeout=CALL_TIMEOUT)  # every actor joined
+
+        def states(which: Sequence[int]) -> list[tuple[int, str]]:
+            return ray.get([fleet[i].state.remote() for i in which], timeout=CALL_TIMEOUT)
+
+        def puts() -> int:
+            return int(scheme.status()["totals"]["object_store_puts"])
+
+        # Every actor exact after send(), version after version.
+        for version in (1, 2):
+            # (Version 1 may also go to an actor still finishing its join, as a repair.)
+            before = puts()
+            _bump(model)
+            scheme.send()
+            assert states(range(3)) == [(version, zmqsync.checksum(model))] * 3
+
+        # Version 2 went into the object store once for the three actors, and they read
+        # it in place.
+        assert puts() - before == 1
+        assert all(n > 0 for n in ray.get([a.zero_copy_views.remote() for a in fleet]))
+
+        # worker_ids=[0] changes actor 0 and no other.
+        v2 = zmqsync.checksum(model)
+        _bump(model)
+        scheme.send(worker_ids=[0])
+        v3 = zmqsync.checksum(model)
+        assert states([0, 1, 2]) == [(3, v3), (2, v2), (2, v2)]
+
+        # The sender changing its weights without sending changes no actor.
+        _bump(model)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # look for a (wrong) change for a while
+            assert [s for _, s in states([0, 1])] == [v3, v2]
+
+        # A killed actor is named by the timeout, within timeout + 1 s.
+        _kill(fleet[2])
+        start = time.monotonic()
+        with pytest.raises(SyncTimeout) as info:
+            scheme.send()
+        took = time.monotonic() - start
+        assert info.value.missing_workers == [2]
+        assert info.value.transports == {2: "ray"}
+        assert "worker 2" in str(info.value)
+        assert took <= scheme.timeout + 1.0, took
+        _wait_for(lambda: scheme.status()["totals"]["peers_lost"] == 1, "counting the dead actor")
+
+        # The next send to the living succeeds.
+        _bump(model)
+        scheme.send(worker_ids=[0, 1])
+        latest = (scheme.get_sender().version, zmqsync.checksum(model))
+        assert states([0, 1]) == [latest, latest]
+
+        # A late joiner reaches the latest version on joining, without a resend to all.
+        sent = scheme.status()["totals"]["versions_sent"]
+        late = PolicyActor.remote(200)
+        actors.append(late)
+        ray.get(late.setup.remote(scheme), timeout=CALL_TIMEOUT)
+        assert scheme.add_remote_collector(late) == 3
+        _wait_for(
+            lambda: ray.get(late.state.remote(), timeout=CALL_TIMEOUT) == latest,
+            "the late joiner catching up",
+        )
+        assert scheme.status()["totals"]["versions_sent"] == sent
+
+        # From then on it is one of the fleet.
+        _bump(model)
+        scheme.send(worker_ids=[0, 1, 3])
+        latest = (scheme.get_sender().version, zmqsync.checksum(model))
+        late_state = ray.get(late.state.remote(), timeout=CALL_TIMEOUT)
+        assert [*states([0, 1]), late_state] == [latest] * 3
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_an_actor_that_calls_init_on_worker_late_joins_at_the_latest_version(actors) -> None:  # type: ignore[no-untyped-def]
+    """The sender knows both actors from the start; actor 1 sets up its receiver only
+    after two versions went to actor 0. It joins at version 2 on its own (the sender's
+    polls find it), from the context-style init."""
+
+    class Context:
+        def __init__(self, remote_collectors: list[Any], policy: nn.Module) -> None:
+            self.remote_collectors = remote_collectors
+            self.policy = policy
+
+    model = make_model(0)
+    scheme = RayWeightSyncScheme("tensordict", timeout=10)
+    fleet = [PolicyActor.remote(100 + i) for i in range(2)]
+    actors.extend(fleet)
+    ray.get(fleet[0].setup.remote(scheme), timeout=CALL_TIMEOUT)
+    scheme.init_on_sender("policy", Context(fleet, model))
+    try:
+        _wait_for(
+            lambda: any(w["worker"] == 0 and w["connected"] for w in scheme.status()["workers"]),
+            "actor 0 joining",
+        )
+        for _ in range(2):
+            _bump(model)
+            scheme.send(worker_ids=[0])
+        latest = (2, zmqsync.checksum(model, "tensordict"))
+        ray.get(fleet[1].setup.remote(scheme), timeout=CALL_TIMEOUT)
+        scheme.connect(timeout=CALL_TIMEOUT)
+        _wait_for(
+            lambda: ray.get(fleet[1].state.remote(), timeout=CALL_TIMEOUT) == latest,
+            "actor 1 catching up",
+        )
+        assert ray.get(fleet[0].state.remote(), timeout=CALL_TIMEOUT) == latest
+        assert scheme.status()["totals"]["versions_sent"] == 2
+    finally:
+        scheme.shutdown()
+
+
+def test_scheme_surface_before_init() -> None:
+    scheme = RayWeightSyncScheme()
+    assert scheme.strategy == "state_dict"
+    with pytest.raises(RuntimeError, match="init_on_sender"):
+        scheme.get_sender()
+    with pytest.raises(RuntimeError, match="init_on_worker"):
+        scheme.get_receiver()
+    with pytest.raises(ValueError, match="remote_collectors"):
+        scheme.init_on_sender("policy", model=nn.Linear(2, 2))
+    weights = scheme.prepare_weights(nn.Linear(2, 3), "policy", "state_dict")
+    assert set(weights) == {"weight", "bias"}
