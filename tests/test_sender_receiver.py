@@ -370,3 +370,21 @@ def test_workers_without_ids_are_assigned_the_lowest_free_ones() -> None:
         for r in receivers:
             r.close()
         sender.close()
+
+
+def test_send_to_no_worker_publishes_for_late_joiners() -> None:
+    """send(worker_ids=[]) versions the weights and waits for nobody (`zmqsync serve`
+    publishes its first version this way); late joiners get it on connect."""
+    hub = MemoryHub()
+    model = _model(0)
+    sender = WeightSender(hub, model=model, strategy="state_dict", timeout=5)
+    try:
+        start = time.monotonic()
+        sender.send(worker_ids=[])
+        assert sender.version == 1 and time.monotonic() - start < 1.0
+        late = WeightReceiver(MemorySpoke(hub.endpoint), model=_model(3), strategy="state_dict")
+        late.connect()
+        assert late.version == 1 and checksum(late.model) == checksum(model)
+        late.close()
+    finally:
+        sender.close()

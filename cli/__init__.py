@@ -1,0 +1,1 @@
+"""The zmqsync command line (installed as ``zmqsync_cli``)."""

@@ -1,0 +1,275 @@
+"""What the commands share: consoles, error reporting, and the status table.
+
+No sync logic lives here: the table only lays out what :func:`zmqsync.client.query_status`
+(or ``scheme.status()``) returned, and :func:`zmqsync.client.assess` judged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Final, NoReturn
+
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from zmqsync.client import worker_problem
+from zmqsync.errors import ZMQSyncError
+
+#: Width of output that goes to a file or a pipe (rich would pick 80 columns, which
+#: folds the status table); a terminal's own width wins.
+PIPE_WIDTH: Final = 120
+SILENT_HELP: Final = "Report a worker unheard for this many seconds as silent."
+
+
+#: CURVE options, shared by the commands that connect (status, watch, worker) and serve.
+CurveSecret = Annotated[
+    Path | None,
+    typer.Option(
+        "--curve-secret",
+        envvar="ZMQSYNC_CURVE_SECRET",
+        dir_okay=False,
+        help="This side's CURVE secret key file (NAME.key_secret from `zmqsync "
+        "keys`), for a sender that other hosts can reach.",
+    ),
+]
+CurveServerKey = Annotated[
+    Path | None,
+    typer.Option(
+        "--curve-server-key",
+        envvar="ZMQSYNC_CURVE_SERVER_KEY",
+        dir_okay=False,
+        help="The sender's CURVE public key file (NAME.key); goes with --curve-secret.",
+    ),
+]
+
+
+@dataclass
+class State:
+    """Options of the top-level ``zmqsync`` command, seen by every subcommand."""
+
+    debug: bool = False
+
+
+#: Set by the root command for the subcommand it runs (one command per process, or one
+#: at a time under CliRunner).
+_STATE = State()
+
+
+def set_state(new: State) -> None:
+    """Record the root command's options (called by ``zmqsync_cli.main``)."""
+    global _STATE
+    _STATE = new
+
+
+def state() -> State:
+    """The root command's options."""
+    return _STATE
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr), made per command so tests can capture it."""
+    width = None
+    if not (sys.stderr if stderr else sys.stdout).isatty() and "COLUMNS" not in os.environ:
+        width = PIPE_WIDTH
+    return Console(stderr=stderr, width=width, highlight=False)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``error: message`` on one line of stderr and exit with ``code``."""
+    console(stderr=True).print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def user_errors(code: int = 1) -> Iterator[None]:
+    """Turn any exception into one line on stderr and exit ``code`` (the traceback with
+    ``--debug``). Errors zmqsync raises on purpose already say what to do; anything else
+    is a bug, and says how to see the traceback."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, typer.TyperException):
+        raise
+    except Exception as exc:
+        if state().debug:
+            console(stderr=True).print_exception(show_locals=False)
+        if isinstance(exc, ZMQSyncError | OSError | ValueError | TimeoutError):
+            fail(str(exc) or type(exc).__name__, code)
+        hint = "" if state().debug else " (run with --debug for the traceback)"
+        fail(f"unexpected {type(exc).__name__}: {exc}{hint}", code)
+
+
+def setup_logging(debug: bool) -> None:
+    """Library log records on stderr, one line each; everything with ``--debug``."""
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """Silence a library logger below ERROR while a command reports the same events
+    itself (unless ``--debug``)."""
+    logger = logging.getLogger(name)
+    previous = logger.level
+    if not state().debug:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Let SIGTERM (``kill``, ``docker stop``) end a command the way Ctrl-C does, so its
+    ``finally`` blocks close sockets and stop child processes."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# --- formatting --------------------------------------------------------------------
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1536`` -> ``"1.5 KB"`` (binary units, short names)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"  # pragma: no cover - unreachable
+
+
+def fmt_seconds(s: float | None) -> str:
+    """A duration for people: ``"4.2 ms"``, ``"3.1 s"``, ``"2m05s"``, ``"1h02m"``."""
+    if s is None:
+        return "-"
+    if s < 1:
+        return f"{s * 1000:.1f} ms"
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def fmt_ago(s: float | None) -> str:
+    """``12.0`` -> ``"12.0 s ago"``; ``None`` -> ``"never"``."""
+    return "never" if s is None else f"{fmt_seconds(s)} ago"
+
+
+# --- the status view ---------------------------------------------------------------
+
+
+def worker_state(worker: Mapping[str, Any], version: int, silent_after: float | None) -> Text:
+    """The state cell: ok, behind by N, not connected, or silent."""
+    if not worker.get("connected"):
+        return Text("not connected", style="red")
+    problem = worker_problem(worker, version, silent_after)
+    if problem is None:
+        return Text("ok", style="green")
+    lag = int(worker.get("lag", 0))
+    if lag:
+        return Text(f"behind {lag}", style="yellow")
+    return Text(f"silent {fmt_seconds(worker.get('since_last_seen_s'))}", style="red")
+
+
+def status_header(status: Mapping[str, Any]) -> Text:
+    """Three lines about the sender itself: what, where, which version, totals."""
+    t = status.get("totals", {})
+    epoch = int(status.get("epoch", 0))
+    lines = [
+        f"model {status.get('model_id')!r}  version {status.get('version')}  "
+        f"epoch {epoch:016x}  {status.get('mode')} ({status.get('strategy')})",
+        f"endpoint {status.get('endpoint')}  sender {status.get('host')} pid "
+        f"{status.get('pid')}  up {fmt_seconds(status.get('uptime_s'))}",
+        f"sent {t.get('versions_sent', 0)} versions, {fmt_bytes(t.get('bytes_sent', 0))}  "
+        f"sync latency p50 {fmt_seconds(t.get('latency_p50_s'))}  "
+        f"p90 {fmt_seconds(t.get('latency_p90_s'))}  "
+        f"p99 {fmt_seconds(t.get('latency_p99_s'))}  "
+        f"timeouts {t.get('timeouts', 0)}  rejected frames {t.get('rejected_frames', 0)}",
+    ]
+    return Text("\n".join(lines))
+
+
+def status_table(status: Mapping[str, Any], *, silent_after: float | None) -> Table:
+    """One row per worker: the version it holds and how it got there."""
+    version = int(status.get("version", 0))
+    table = Table(show_edge=True, pad_edge=True, expand=False)
+    for name, justify in (
+        ("worker", "right"),
+        ("version", "right"),
+        ("lag", "right"),
+        ("state", "left"),
+        ("last ack", "right"),
+        ("last seen", "right"),
+        ("latency", "right"),
+        ("received", "right"),
+        ("rejected", "right"),
+        ("host:pid", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for w in status.get("workers", []):
+        connected = bool(w.get("connected"))
+        rejected = int(w.get("rejected_frames", 0))
+        table.add_row(
+            str(w["worker"]),
+            str(w.get("version", 0)),
+            str(w.get("lag", 0)),
+            worker_state(w, version, silent_after),
+            fmt_ago(w.get("since_last_ack_s")) if connected else "-",
+            fmt_ago(w.get("since_last_seen_s")) if connected else "-",
+            fmt_seconds(w.get("last_latency_s")) if connected else "-",
+            fmt_bytes(w.get("received_bytes")) if connected else "-",
+            Text(str(rejected), style="red" if rejected else ""),
+            f"{w.get('host')}:{w.get('pid')}" if connected else "-",
+        )
+    return table
+
+
+def verdict(status: Mapping[str, Any], problems: Mapping[int, str]) -> Text:
+    """The last line: all good, or what is wrong with whom."""
+    workers = status.get("workers", [])
+    version = status.get("version", 0)
+    if not workers:
+        return Text(f"no workers yet (version {version} is ready for them)", style="yellow")
+    if not problems:
+        return Text(f"all {len(workers)} workers hold version {version}", style="green")
+    return Text(
+        f"{len(problems)} of {len(workers)} workers need attention: "
+        + "; ".join(problems[w] for w in sorted(problems)),
+        style="red",
+    )
+
+
+def status_view(
+    status: Mapping[str, Any], problems: Mapping[int, str], *, silent_after: float | None
+) -> Group:
+    """Header, worker table and verdict: what ``status``, ``watch`` and ``demo`` show."""
+    return Group(
+        status_header(status),
+        status_table(status, silent_after=silent_after),
+        verdict(status, problems),
+    )

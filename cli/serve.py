@@ -1,0 +1,214 @@
+"""``zmqsync serve CHECKPOINT``: a learner that publishes a checkpoint file's weights."""
+
+from __future__ import annotations
+
+import enum
+import time
+from pathlib import Path
+from typing import Annotated, Final
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from zmqsync.client import (
+    CheckpointError,
+    CheckpointPublisher,
+    PublishResult,
+    curve_server_from_files,
+    reachable_from_other_hosts,
+)
+
+from ._common import (
+    CurveSecret,
+    console,
+    fail,
+    fmt_bytes,
+    fmt_seconds,
+    sigterm_as_interrupt,
+    user_errors,
+)
+
+#: Sends of at least this many bytes show a progress bar (acks so far) on a terminal.
+LARGE_SEND: Final = 64 * 1024 * 1024
+DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5555"
+
+
+class Mode(str, enum.Enum):
+    """How the learner reaches its workers."""
+
+    pubsub = "pubsub"
+    router = "router"
+
+
+def serve(
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            help="A .pt/.pth file (read with torch.load(weights_only=True)) or a .safetensors file."
+        ),
+    ],
+    endpoint: Annotated[
+        str,
+        typer.Option(
+            help="Where to listen: tcp://HOST:PORT (the next "
+            "two ports are used too), tcp://HOST:* for free "
+            "ports, or ipc:///PATH."
+        ),
+    ] = DEFAULT_ENDPOINT,
+    mode: Annotated[
+        Mode,
+        typer.Option(
+            help="pubsub: one send fans out to every worker; router: one addressed send per worker."
+        ),
+    ] = Mode.pubsub,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Expect workers 0..N-1: every "
+            "new version waits for them, and status "
+            "reports any missing. Default: the workers "
+            "that have connected.",
+        ),
+    ] = None,
+    poll: Annotated[
+        float,
+        typer.Option(min=0.05, help="Seconds between checks of the checkpoint file for changes."),
+    ] = 1.0,
+    key: Annotated[
+        str | None,
+        typer.Option(
+            help="Publish one entry of the checkpoint, e.g. 'model' of {'model': ..., 'step': ...}."
+        ),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds each new version waits for workers' acks.")
+    ] = 30.0,
+    curve_secret: CurveSecret = None,
+    curve_clients: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="ZMQSYNC_CURVE_CLIENTS",
+            file_okay=False,
+            help="Accept only the clients whose "
+            "public keys (*.key) are in this directory; needs --curve-secret.",
+        ),
+    ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Listen on an address other hosts can reach without CURVE keys "
+            "(a trusted network only: anyone there can read the weights).",
+        ),
+    ] = False,
+) -> None:
+    """Publish the weights of a checkpoint file, and republish them whenever it changes.
+
+    Prints 'zmqsync serve: listening on ENDPOINT' once it listens; start workers with
+    `zmqsync worker ENDPOINT --model module:factory`. Write new checkpoints to a
+    temporary name and rename them into place, so a half-written file is never read.
+    Runs until Ctrl-C.
+    """
+    out = console()
+    with user_errors(), sigterm_as_interrupt():
+        curve = curve_server_from_files(curve_secret, curve_clients)
+        if curve is None and not insecure and reachable_from_other_hosts(endpoint):
+            fail(
+                f"{endpoint} is reachable from other hosts: give the learner CURVE keys "
+                "(--curve-secret, made with `zmqsync keys`), or --insecure on a trusted "
+                "network"
+            )
+        publisher = CheckpointPublisher(
+            checkpoint,
+            endpoint=endpoint,
+            mode=mode.value,
+            num_workers=workers,
+            key=key,
+            timeout=timeout,
+            curve=curve,
+            insecure=insecure,
+        )
+        try:
+            first = publisher.start()
+            secured = ", CURVE" if curve is not None else ""
+            out.print(
+                f"zmqsync serve: listening on {publisher.endpoint} "
+                f"({mode.value}, state_dict, model 'policy'{secured})",
+                soft_wrap=True,
+            )
+            out.print(
+                f"version {first.version}: {checkpoint} ({fmt_bytes(first.nbytes)}) is "
+                "ready; workers get it when they connect",
+                soft_wrap=True,
+            )
+            out.print(f"watching {checkpoint} every {poll:g}s; Ctrl-C to stop", soft_wrap=True)
+            while True:
+                time.sleep(poll)
+                if not publisher.changed():
+                    continue
+                try:
+                    result = _publish(publisher, out)
+                except CheckpointError as exc:
+                    # Keep serving the last good version; the next change is read again.
+                    console(stderr=True).print(
+                        f"warning: {exc}; still serving version {publisher.version}", soft_wrap=True
+                    )
+                    continue
+                _report(result, out)
+        except KeyboardInterrupt:
+            out.print("zmqsync serve: stopped")
+        finally:
+            publisher.close()
+
+
+def _publish(publisher: CheckpointPublisher, out: Console) -> PublishResult:
+    """Publish the changed file; a large one shows a progress bar of acks on a terminal,
+    and a line before it starts elsewhere (logs)."""
+    size = publisher.path.stat().st_size if publisher.path.exists() else 0
+    if size < LARGE_SEND:
+        return publisher.publish()
+    if not out.is_terminal:
+        out.print(f"version {publisher.version + 1}: sending {fmt_bytes(size)}...")
+        return publisher.publish()
+    with Progress(
+        TextColumn("sending {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("workers acked"),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(f"version {publisher.version + 1}", total=None)
+
+        def update(acked: int, total: int) -> None:
+            progress.update(task, completed=acked, total=total)
+
+        return publisher.publish(progress=update)
+
+
+def _report(result: PublishResult, out: Console) -> None:
+    """One line per version: who has it, how long it took, and who did not take it."""
+    n = len(result.targets)
+    size = fmt_bytes(result.nbytes)
+    took = fmt_seconds(result.seconds)
+    if result.ok:
+        who = f"{n} workers" if n else "no workers yet"
+        out.print(f"version {result.version}: {size} synced to {who} in {took}", soft_wrap=True)
+        return
+    reached = n - len(result.missing) - len(result.rejected)
+    line = f"version {result.version}: {size} reached {reached} of {n} workers in {took}"
+    if result.missing:
+        ids = ", ".join(map(str, result.missing))
+        line += (
+            f"; no ack from worker {ids} (it gets this version when it is back)"
+            if len(result.missing) == 1
+            else f"; no ack from workers {ids} (they get this version when they are back)"
+        )
+    if result.rejected:
+        line += "; refused by " + "; ".join(
+            f"worker {w}: {r}" for w, r in sorted(result.rejected.items())
+        )
+    out.print(line, style="yellow", soft_wrap=True)

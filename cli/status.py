@@ -1,0 +1,58 @@
+"""``zmqsync status ENDPOINT``: one look at a running sender's sync state."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from zmqsync.client import (
+    DEFAULT_SILENT_AFTER,
+    DEFAULT_STATUS_TIMEOUT,
+    assess,
+    curve_client_from_files,
+    query_status,
+)
+
+from ._common import SILENT_HELP, CurveSecret, CurveServerKey, console, status_view, user_errors
+
+#: Exit codes, documented in the help text: scripts branch on them.
+EXIT_OK, EXIT_LAGGING, EXIT_NO_SENDER = 0, 1, 2
+
+
+def status(
+    endpoint: Annotated[
+        str,
+        typer.Argument(
+            help="The sender's endpoint, as it printed it (tcp://HOST:PORT or ipc:///PATH)."
+        ),
+    ],
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Print the state as JSON (the sender's status() plus 'problems')."
+        ),
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(min=0.01, help="Seconds to wait for the sender to answer.")
+    ] = DEFAULT_STATUS_TIMEOUT,
+    silent_after: Annotated[float, typer.Option(min=0, help=SILENT_HELP)] = DEFAULT_SILENT_AFTER,
+    curve_secret: CurveSecret = None,
+    curve_server_key: CurveServerKey = None,
+) -> None:
+    """Show which version every worker holds, and how syncing has gone.
+
+    Exit code: 0 when every worker holds the sender's current version, 1 when any is
+    behind, has not connected or went silent, 2 when no sender answered.
+    """
+    with user_errors(code=EXIT_NO_SENDER):
+        curve = curve_client_from_files(curve_secret, curve_server_key)
+        state = query_status(endpoint, timeout, curve=curve)
+    problems = assess(state, silent_after=silent_after)
+    if as_json:
+        doc = {**state, "problems": {str(w): p for w, p in sorted(problems.items())}}
+        typer.echo(json.dumps(doc, indent=2, sort_keys=False))
+    else:
+        console().print(status_view(state, problems, silent_after=silent_after))
+    raise typer.Exit(EXIT_LAGGING if problems else EXIT_OK)
