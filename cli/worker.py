@@ -40,9 +40,16 @@ def worker(
         ),
     ],
     worker_idx: Annotated[
-        int,
-        typer.Option("--worker-idx", "-i", min=0, help="This worker's id, unique in the fleet."),
-    ] = 0,
+        int | None,
+        typer.Option(
+            "--worker-idx",
+            "-i",
+            min=0,
+            envvar="ZMQSYNC_WORKER_IDX",
+            help="This worker's id, unique in the fleet. Omit it and the learner assigns the "
+            "lowest free id (replicas of one container image have no ids of their own).",
+        ),
+    ] = None,
     strategy: Annotated[
         Strategy, typer.Option(help="Must match the learner's; `zmqsync serve` sends state_dict.")
     ] = Strategy.state_dict,
@@ -92,7 +99,7 @@ def worker(
         try:
             version = follower.connect()
             out.print(
-                f"worker {worker_idx}  version {version}  applied on connect to "
+                f"worker {follower.worker_idx}  version {version}  applied on connect to "
                 f"{endpoint}{digest()}",
                 soft_wrap=True,
             )
@@ -103,7 +110,7 @@ def worker(
                     # The learner resends a refused version on every heartbeat: say it once.
                     if reason != last_reason:
                         err.print(
-                            f"warning: worker {worker_idx} refused a message: {reason}; "
+                            f"warning: worker {follower.worker_idx} refused a message: {reason}; "
                             "it keeps its current weights",
                             soft_wrap=True,
                         )
@@ -111,11 +118,11 @@ def worker(
                 if applied is not None:
                     stats = follower.stats
                     out.print(
-                        f"worker {worker_idx}  version {applied}  applied in "
+                        f"worker {follower.worker_idx}  version {applied}  applied in "
                         f"{fmt_seconds(stats['last_apply_s'])}{digest()}",
                         soft_wrap=True,
                     )
         except KeyboardInterrupt:
-            out.print(f"worker {worker_idx}: stopped at version {follower.version}")
+            out.print(f"worker {follower.worker_idx}: stopped at version {follower.version}")
         finally:
             follower.close()

@@ -609,7 +609,7 @@ class ModelWorker:
         endpoint: str,
         model: Any,
         *,
-        worker_idx: int = 0,
+        worker_idx: int | None = 0,
         strategy: str = "state_dict",
         timeout: float = 30.0,
         model_id: str = "policy",
@@ -618,7 +618,7 @@ class ModelWorker:
         from zmqsync.schemes import ZMQWeightSyncScheme
 
         check_connectable(endpoint)
-        if worker_idx < 0:
+        if worker_idx is not None and worker_idx < 0:
             raise ValueError(f"worker_idx must be >= 0; got {worker_idx}")
         self.endpoint = endpoint
         self.model = model
@@ -637,6 +637,11 @@ class ModelWorker:
     def version(self) -> int:
         """The version this worker holds (0 before the first)."""
         return self._receiver.version
+
+    @property
+    def worker_idx(self) -> int | None:
+        """This worker's id (assigned by the learner on connect when none was given)."""
+        return self._receiver.worker_idx
 
     @property
     def lock(self) -> Any:
