@@ -1,0 +1,353 @@
+"""zmqsync.torchrl in real torchrl collectors (spawned workers, real ZeroMQ sockets).
+
+The environment and the policy are tiny and deterministic, so every action a worker
+produced can be checked against the weights it should have held:
+``action = observation @ W.T + b``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+# CI installs the torchrl extra (`.ci/setup`): a missing torchrl is an error, not a skip.
+import torchrl  # noqa: E402
+
+import torch  # noqa: E402
+from tensordict import TensorDict, TensorDictBase  # noqa: E402
+from tensordict.nn import TensorDictModule  # noqa: E402
+from torch import nn  # noqa: E402
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector  # noqa: E402
+from torchrl.data import Composite, Unbounded  # noqa: E402
+from torchrl.envs import EnvBase  # noqa: E402
+
+import zmqsync  # noqa: E402
+import zmqsync.torchrl  # noqa: E402
+
+NUM_WORKERS = 2
+FRAMES_PER_BATCH = 16  # over both workers
+EPISODE_STEPS = 4
+
+
+class CounterEnv(EnvBase):
+    """A 2-d observation ``[t, 1 - t/4]`` that counts steps; a 1-d action; 4-step episodes.
+
+    Deterministic and independent of the action, so the action at every step is a known
+    function of the policy's weights. ``worker`` (not seen by the policy) tells which
+    collector worker produced a step.
+    """
+
+    def __init__(self, worker: int = 0) -> None:
+        super().__init__(batch_size=torch.Size([]))
+        self.observation_spec = Composite(
+            observation=Unbounded(shape=(2,)),
+            worker=Unbounded(shape=(1,), dtype=torch.int64),
+            shape=(),
+        )
+        self.worker = worker
+        self.action_spec = Unbounded(shape=(1,))
+        self.reward_spec = Unbounded(shape=(1,))
+        self._t = 0
+
+    def _observation(self) -> torch.Tensor:
+        return torch.tensor([float(self._t), 1.0 - self._t / EPISODE_STEPS])
+
+    def _reset(self, tensordict: TensorDictBase | None, **kwargs: Any) -> TensorDictBase:
+        self._t = 0
+        return TensorDict(
+            {
+                "observation": self._observation(),
+                "worker": torch.tensor([self.worker]),
+                "done": torch.zeros(1, dtype=torch.bool),
+                "terminated": torch.zeros(1, dtype=torch.bool),
+            },
+            batch_size=[],
+        )
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        self._t += 1
+        done = torch.tensor([self._t >= EPISODE_STEPS])
+        return TensorDict(
+            {
+                "observation": self._observation(),
+                "worker": torch.tensor([self.worker]),
+                "reward": tensordict["action"].detach().clone(),
+                "done": done,
+                "terminated": done.clone(),
+            },
+            batch_size=[],
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        return None
+
+
+def make_env(worker: int = 0) -> EnvBase:
+    """Env factory (module level: spawned workers import it by name)."""
+    return CounterEnv(worker)
+
+
+def make_policy() -> TensorDictModule:
+    torch.manual_seed(0)
+    return TensorDictModule(nn.Linear(2, 1), in_keys=["observation"], out_keys=["action"])
+
+
+def set_weights(policy: TensorDictModule, weight: tuple[float, float], bias: float) -> None:
+    linear = policy.module
+    with torch.no_grad():
+        linear.weight.copy_(torch.tensor([weight]))
+        linear.bias.fill_(bias)
+
+
+def expected_actions(
+    batch: TensorDictBase, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    return batch["observation"] @ weight.T + bias
+
+
+def from_weights(batch: TensorDictBase, policy_or_wb: Any) -> bool:
+    """True if every action in ``batch`` is what these weights give."""
+    if isinstance(policy_or_wb, nn.Module):
+        weight, bias = policy_or_wb.module.weight.detach(), policy_or_wb.module.bias.detach()
+    else:
+        weight, bias = policy_or_wb
+    return torch.allclose(batch["action"], expected_actions(batch, weight, bias), atol=1e-5)
+
+
+def per_worker(batch: TensorDictBase) -> dict[int, TensorDictBase]:
+    """Split a stacked MultiSyncCollector batch by the worker that produced each row."""
+    assert batch.ndim == 2 and batch.shape[0] == NUM_WORKERS, batch.shape
+    rows = {}
+    for row in batch.unbind(0):
+        rows[worker_of(row)] = row
+    assert sorted(rows) == list(range(NUM_WORKERS))
+    return rows
+
+
+def worker_of(batch: TensorDictBase) -> int:
+    """Which worker produced a batch (its env stamps every step)."""
+    workers = batch["worker"].unique()
+    assert workers.numel() == 1, f"a batch mixes workers {workers.tolist()}"
+    return int(workers.item())
+
+
+def close(
+    collector: Any, scheme: zmqsync.torchrl.ZMQWeightSyncScheme, *, raise_on_error: bool = True
+) -> None:
+    """Stop the workers, then the scheme (torchrl's shutdown leaves schemes open)."""
+    try:
+        collector.shutdown(raise_on_error=raise_on_error)
+    finally:
+        scheme.shutdown()
+
+
+def snapshot(policy: TensorDictModule) -> tuple[torch.Tensor, torch.Tensor]:
+    return policy.module.weight.detach().clone(), policy.module.bias.detach().clone()
+
+
+@pytest.fixture
+def policy() -> TensorDictModule:
+    return make_policy()
+
+
+def sync_collector(policy: nn.Module, scheme: Any) -> MultiSyncCollector:
+    return MultiSyncCollector(
+        [make_env] * NUM_WORKERS,
+        policy,
+        frames_per_batch=FRAMES_PER_BATCH,
+        total_frames=-1,
+        cat_results="stack",
+        create_env_kwargs=[{"worker": i} for i in range(NUM_WORKERS)],
+        weight_sync_schemes={"policy": scheme},
+    )
+
+
+def versions(scheme: zmqsync.torchrl.ZMQWeightSyncScheme) -> dict[int, int]:
+    return {w["worker"]: w["version"] for w in scheme.status()["workers"]}
+
+
+@pytest.mark.timeout(120)
+def test_multisync_initial_weights_update_targeting_isolation(policy: TensorDictModule) -> None:
+    scheme = zmqsync.torchrl.ZMQWeightSyncScheme(timeout=10)
+    collector = sync_collector(policy, scheme)
+    try:
+        batches = iter(collector)
+        # Workers got the policy on the meta device: their first actions already come
+        # from the learner's real initial weights.
+        initial = snapshot(policy)
+        first = next(batches)
+        assert first.shape[0] == NUM_WORKERS
+        assert from_weights(first, initial)
+        # The zmqsync worker ids are torchrl's worker indices.
+        pids = {w["worker"]: w["pid"] for w in scheme.status()["workers"]}
+        assert pids == {i: proc.pid for i, proc in enumerate(collector.procs)}
+
+        set_weights(policy, (0.5, -2.0), 3.0)
+        new = snapshot(policy)
+        assert not torch.allclose(new[0], initial[0])
+        collector.update_policy_weights_()
+        # Acked by every worker when the call returns.
+        assert versions(scheme) == {0: 2, 1: 2}
+        batch = next(batches)
+        assert from_weights(batch, new)
+
+        # Targeting: worker 0 only.
+        set_weights(policy, (-1.0, 4.0), -0.25)
+        newest = snapshot(policy)
+        collector.update_policy_weights_(worker_ids=[0])
+        assert versions(scheme) == {0: 3, 1: 2}
+        rows = per_worker(next(batches))
+        assert from_weights(rows[0], newest)
+        assert from_weights(rows[1], new)
+
+        # Isolation: changing the learner's weights without sending changes no worker.
+        set_weights(policy, (7.0, 7.0), 7.0)
+        rows = per_worker(next(batches))
+        assert from_weights(rows[0], newest)
+        assert from_weights(rows[1], new)
+    finally:
+        close(collector, scheme)
+
+
+@pytest.mark.timeout(120)
+def test_multiasync_update_reaches_every_worker(policy: TensorDictModule) -> None:
+    scheme = zmqsync.torchrl.ZMQWeightSyncScheme(mode="router", timeout=10)
+    collector = MultiAsyncCollector(
+        [make_env] * NUM_WORKERS,
+        policy,
+        frames_per_batch=FRAMES_PER_BATCH // NUM_WORKERS,
+        total_frames=-1,
+        create_env_kwargs=[{"worker": i} for i in range(NUM_WORKERS)],
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        batches = iter(collector)
+        initial = snapshot(policy)
+        first = next(batches)
+        assert from_weights(first, initial)
+
+        set_weights(policy, (0.5, -2.0), 3.0)
+        new = snapshot(policy)
+        collector.update_policy_weights_()
+        assert versions(scheme) == {0: 2, 1: 2}
+        # Async workers run ahead: a batch each may have been (partly) collected before
+        # the update landed. After that, every batch comes from the new weights.
+        seen_new: dict[int, bool] = {}
+        for _ in range(12):
+            batch = next(batches)
+            worker = worker_of(batch)
+            # Step by step (frames are in time order): each action comes whole from the
+            # old or the new version, and once a worker acts on the new one it never
+            # goes back.
+            for step in batch.unbind(0):
+                if from_weights(step, new):
+                    seen_new[worker] = True
+                else:
+                    assert from_weights(step, initial), "an action from neither version"
+                    assert not seen_new.get(worker), f"worker {worker} went back to old weights"
+            if len(seen_new) == NUM_WORKERS:
+                break
+        assert sorted(seen_new) == list(range(NUM_WORKERS))
+    finally:
+        close(collector, scheme)
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_makes_the_update_raise(policy: TensorDictModule) -> None:
+    scheme = zmqsync.torchrl.ZMQWeightSyncScheme(timeout=3)
+    collector = sync_collector(policy, scheme)
+    try:
+        batches = iter(collector)
+        next(batches)
+        victim = collector.procs[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        assert not victim.is_alive()
+
+        set_weights(policy, (0.5, -2.0), 3.0)
+        start = time.monotonic()
+        with pytest.raises(zmqsync.SyncTimeout) as info:
+            collector.update_policy_weights_()
+        took = time.monotonic() - start
+        assert set(info.value.missing_workers) == {1}
+        assert "worker 1" in str(info.value)
+        assert took <= scheme.timeout + 2.0, took
+        # The live worker did get it, and can still be updated alone.
+        assert versions(scheme)[0] == 2
+        set_weights(policy, (1.0, 1.0), 1.0)
+        collector.update_policy_weights_(worker_ids=[0])
+        assert versions(scheme)[0] == 3
+    finally:
+        close(collector, scheme, raise_on_error=False)  # a worker is dead: expected
+
+
+@pytest.mark.timeout(60)
+def test_import_without_torchrl_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torchrl'] = None\n"
+        "try:\n    import zmqsync.torchrl\n"
+        "except ImportError as exc:\n    print('IMPORT-ERROR:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert "IMPORT-ERROR:" in out.stdout
+    assert "pip install" in out.stdout and "torchrl" in out.stdout
+
+
+@pytest.mark.timeout(30)
+def test_scheme_is_a_torchrl_scheme_with_zmqsync_arguments() -> None:
+    from torchrl.weight_update import WeightSyncScheme
+
+    scheme = zmqsync.torchrl.ZMQWeightSyncScheme("tensordict", mode="router", timeout=4)
+    assert isinstance(scheme, WeightSyncScheme)
+    assert (scheme.mode, scheme.timeout, scheme.endpoint) == ("router", 4.0, None)
+    with pytest.raises(ValueError, match="retain_snapshot"):
+        zmqsync.torchrl.ZMQWeightSyncScheme(retain_snapshot=False)
+    with pytest.raises(RuntimeError, match="init_on_sender"):
+        scheme.get_sender()
+
+
+@pytest.mark.timeout(60)
+def test_worker_side_in_process_meta_policy_lock_and_model_swap(policy: TensorDictModule) -> None:
+    """The worker's steps without a collector: a pickled scheme, a meta policy, the
+    forward lock, and torchrl re-pointing the scheme at a copied policy."""
+    import copy
+    import pickle
+
+    sender = zmqsync.torchrl.ZMQWeightSyncScheme(timeout=10, connect_timeout=20)
+    sender.init_on_sender(model_id="policy", model=policy, num_workers=1)
+    worker = pickle.loads(pickle.dumps(sender))  # what spawn does
+    try:
+        assert worker.endpoint == sender.endpoint and not worker.initialized_on_sender
+        local = make_policy()
+        local.module.to("meta")  # what torchrl ships to workers
+        worker.init_on_receiver(model_id="policy", model=local, worker_idx=0)
+        worker.connect(worker_idx=0)
+        assert not local.module.weight.is_meta
+        assert torch.equal(local.module.weight, policy.module.weight)
+
+        receiver = worker.get_receiver()
+        held: list[bool] = []
+        local.register_forward_pre_hook(lambda m, a: held.append(receiver.lock._is_owned()))
+        local(TensorDict({"observation": torch.zeros(2)}, batch_size=[]))
+        assert held == [True]  # a forward pass holds the lock: no half-applied version
+        assert worker.receive() is None  # the background thread receives
+
+        # torchrl's worker swaps in the collector's (copied) policy after connect.
+        swapped = copy.deepcopy(local)
+        worker.model = swapped
+        set_weights(policy, (0.5, -2.0), 3.0)
+        sender.connect()
+        sender.send()
+        assert torch.equal(swapped.module.weight, policy.module.weight)
+        assert not torch.equal(local.module.weight, policy.module.weight)
+    finally:
+        worker.shutdown()
+        sender.shutdown()
