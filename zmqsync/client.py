@@ -164,7 +164,7 @@ def query_status(
                     f"no zmqsync sender answered at {endpoint} within {timeout:g}s: is the "
                     "learner running, and is this the endpoint it printed?"
                 )
-            frames = sock.recv_multipart()
+            frames = sock.recv_multipart(zmq.NOBLOCK)  # poll said it is there
     finally:
         sock.close(linger=0)
     try:

@@ -145,7 +145,7 @@ def check_transport(make_fleet: FleetFactory) -> None:
         timer.start()
         assert hub.recv_frames(10.0) is None
         assert time.monotonic() - start < 5.0, "wake() did not end a blocked recv_frames"
-        timer.join()
+        timer.join(5.0)
 
         # Sending to a peer that is gone neither raises nor blocks.
         spokes[2].close()

@@ -225,7 +225,7 @@ class _Writer:
     def _next(self) -> _Outgoing | None:
         with self._cond:
             while not self._queue and not self._stopping:
-                self._cond.wait()
+                self._cond.wait(1.0)  # idle; stop() notifies, this bounds a missed one
             return None if self._stopping else self._queue.popleft()
 
     def _run(self) -> None:
