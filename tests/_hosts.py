@@ -59,7 +59,7 @@ def host_worker(ns: str, scheme: Any, worker_idx: int, mb: float, slow_apply: fl
             with scheme.lock:
                 conn.send({"epoch": receiver.epoch, "version": receiver.version,
                            "history": list(history), "stats": dict(receiver.stats)})
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
         scheme.shutdown()
@@ -95,7 +95,7 @@ def host_sender(ns: str, options: dict[str, Any], mb: float, num_workers: int, c
                     conn.send(("timeout", sent, time.monotonic() - start, exc.missing_workers))
             elif command == "status":
                 conn.send(scheme.status())
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
         scheme.shutdown()

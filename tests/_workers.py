@@ -51,10 +51,10 @@ def run_worker(scheme: Any, worker_idx: int, kind: str, conn: Any, connect_timeo
                     )
                 else:
                     conn.send(("error", f"unknown command {command!r}"))
-    except BaseException:  # noqa: BLE001 - report to the test, then exit
+    except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     finally:
         scheme.shutdown()

@@ -24,7 +24,6 @@ import pytest
 import torch
 import zmq.auth
 from typer.testing import CliRunner
-from zmqsync_cli.main import app
 
 from zmqsync import ZMQWeightSyncScheme, checksum
 from zmqsync.client import (
@@ -41,6 +40,7 @@ from zmqsync.client import (
     query_status,
 )
 from zmqsync.errors import EndpointError, SchemaMismatchError, SyncTimeout
+from zmqsync_cli.main import app
 
 ROW = re.compile(r"^\s*[│|]\s*(\d+)\s*[│|]\s*(\d+)\s*[│|]\s*(\d+)\s*[│|]", re.MULTILINE)
 COMMANDS = ["demo", "status", "watch", "serve", "worker", "keys"]

@@ -13,20 +13,18 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 # CI installs the torchrl extra (`.ci/setup`): a missing torchrl is an error, not a skip.
-import torchrl  # noqa: E402
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import EnvBase
 
-import torch  # noqa: E402
-from tensordict import TensorDict, TensorDictBase  # noqa: E402
-from tensordict.nn import TensorDictModule  # noqa: E402
-from torch import nn  # noqa: E402
-from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector  # noqa: E402
-from torchrl.data import Composite, Unbounded  # noqa: E402
-from torchrl.envs import EnvBase  # noqa: E402
-
-import zmqsync  # noqa: E402
-import zmqsync.torchrl  # noqa: E402
+import zmqsync
+import zmqsync.torchrl
 
 NUM_WORKERS = 2
 FRAMES_PER_BATCH = 16  # over both workers

@@ -374,7 +374,7 @@ class WeightReceiver:
         while not self._stop.is_set():
             try:
                 self._process(0.05)
-            except Exception:  # noqa: BLE001 - keep receiving; the error is logged
+            except Exception:
                 if self._closed:
                     return
                 log.exception("background receiver of worker %s", self.worker_idx)

@@ -739,7 +739,7 @@ class _HubRunner:
                         if self._wanted:
                             break
                         incoming = self.hub.recv_frames(0)
-        except BaseException as exc:  # noqa: BLE001 - surfaced to send() and status()
+        except BaseException as exc:
             if not self._stopping:
                 self.sender._pump_failed(exc)
 

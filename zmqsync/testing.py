@@ -126,7 +126,7 @@ def check_transport(make_fleet: FleetFactory) -> None:
 
         # The sender may change its buffer once send_frames returned and the peer has it.
         scratch = bytearray(b"A" * 1024)
-        hub.send_frames([bytes(b"x"), memoryview(scratch)], to=[peers[0]])
+        hub.send_frames([b"x", memoryview(scratch)], to=[peers[0]])
         got = _spoke_recv(spokes[0])
         scratch[:] = b"B" * 1024
         assert got == [b"x", b"A" * 1024], "a received message changed with the sender's memory"

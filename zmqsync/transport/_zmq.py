@@ -9,6 +9,7 @@ the data and ack addresses from the hub's Welcome, so a user names one endpoint.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -19,14 +20,12 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Final
 
-import logging
-
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from zmqsync.errors import EndpointError, TransportClosed, TransportError
-from zmqsync.security import CurveClient, CurveServer
 from zmqsync.protocol import Buffer, Kind, peek_kind
+from zmqsync.security import CurveClient, CurveServer
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
 __all__ = [

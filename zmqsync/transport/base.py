@@ -118,5 +118,5 @@ class SpokeTransport(_Closable):
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         """The next message from the hub, or ``None`` after ``timeout`` seconds."""
 
-    def follow(self, announced: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+    def follow(self, announced: dict[str, Any]) -> None:
         """Use the addresses a hub announced in its Welcome (connect the data path)."""
