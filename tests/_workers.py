@@ -22,11 +22,23 @@ def make_model(kind: str = "mlp", seed: int | None = None) -> nn.Module:
     raise ValueError(kind)
 
 
-def run_worker(scheme: Any, worker_idx: int, kind: str, conn: Any, connect_timeout: float) -> None:
-    """Join the fleet, apply versions in the background, answer the test's questions."""
+def run_worker(
+    scheme: Any,
+    worker_idx: int,
+    kind: str,
+    conn: Any,
+    connect_timeout: float,
+    init_kwargs: dict[str, Any] | None = None,
+) -> None:
+    """Join the fleet, apply versions in the background, answer the test's questions.
+
+    ``init_kwargs`` adds to (or overrides) what ``init_on_receiver`` gets: a pipe
+    worker's ``pipe=``, or ``worker_idx=None`` for a worker the sender numbers.
+    """
     try:
         model = make_model(kind, seed=1000 + worker_idx)  # differs from the sender's
-        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        options = {"model": model, "worker_idx": worker_idx, **(init_kwargs or {})}
+        scheme.init_on_receiver(model_id="policy", **options)
         scheme.connect(timeout=connect_timeout)
         receiver = scheme.get_receiver()
         scheme.start_receiver_thread()
@@ -43,6 +55,7 @@ def run_worker(scheme: Any, worker_idx: int, kind: str, conn: Any, connect_timeo
                 elif command == "state":
                     conn.send(
                         {
+                            "worker_idx": scheme.worker_idx,
                             "version": receiver.version,
                             "epoch": receiver.epoch,
                             "checksum": zmqsync.checksum(model, scheme.strategy),

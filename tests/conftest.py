@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -47,14 +48,20 @@ class Fleet:
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.conns: dict[int, object] = {}
 
-    def start(self, scheme, worker_idx: int, *, kind: str = "mlp", connect_timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    def start(self, scheme, worker_idx: int, *, kind: str = "mlp", connect_timeout: float = 30.0,  # type: ignore[no-untyped-def]
+              init_kwargs: dict | None = None):
+        """Start worker ``worker_idx`` (the harness's key for it); ``init_kwargs`` go to
+        its ``init_on_receiver`` (a pipe worker's ``pipe=``, ``worker_idx=None``...)."""
         from _workers import run_worker
 
         parent, child = SPAWN.Pipe()
         proc = SPAWN.Process(
-            target=run_worker, args=(scheme, worker_idx, kind, child, connect_timeout), daemon=True
+            target=run_worker,
+            args=(scheme, worker_idx, kind, child, connect_timeout, init_kwargs),
+            daemon=True,
         )
         proc.start()
+        child.close()  # the worker holds it: if the worker dies, ask() fails at once
         self.procs[worker_idx], self.conns[worker_idx] = proc, parent
         return proc
 
@@ -102,6 +109,25 @@ def fleet() -> Iterator[Fleet]:
         yield f
     finally:
         f.close()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for the whole test session (starting one takes seconds).
+
+    Test modules that define actor classes register themselves with
+    ``ray.cloudpickle.register_pickle_by_value``: Ray's workers cannot import them.
+    """
+    import ray
+
+    if ray.is_initialized():  # started by the code under test: leave it to its owner
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,6 @@ contract, then the promises end to end with real actors."""
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -23,27 +22,13 @@ from zmqsync.testing import check_transport
 from zmqsync.transport.base import SpokeTransport
 from zmqsync.transport.ray import RayHub, RaySpoke, WeightSyncActorMixin
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+# This module is not importable in Ray's worker processes: ship its actor classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 #: Generous bound for one Ray call on a loaded 2-core machine.
 CALL_TIMEOUT = 60.0
-
-
-@pytest.fixture(scope="session", autouse=True)
-def ray_cluster() -> Iterator[None]:
-    """One local Ray cluster for the test session (starting one takes seconds); one that
-    another test module started is reused, and left to it to shut down."""
-    # This module is not importable in Ray's worker processes: ship its actor classes
-    # by value.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def make_model(seed: int) -> nn.Module:

@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "EndpointError": "zmqsync.errors",
     "FactoryError": "zmqsync.errors",
     "FrameError": "zmqsync.errors",
+    "MixedWeightSyncScheme": "zmqsync.schemes.mixed",
     "MultiProcessWeightSyncScheme": "zmqsync.schemes.multiprocess",
     "MultiProcessedRemoteWeightUpdate": "zmqsync.schemes.legacy",
     "NoWeightSyncScheme": "zmqsync.schemes.noop",
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
     from zmqsync.receiver import WeightReceiver
     from zmqsync.schemes.base import WeightStrategy, WeightSyncScheme
     from zmqsync.schemes.legacy import MultiProcessedRemoteWeightUpdate
+    from zmqsync.schemes.mixed import MixedWeightSyncScheme
     from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
     from zmqsync.schemes.noop import NoWeightSyncScheme
     from zmqsync.schemes.ray import RayWeightSyncScheme, WeightSyncActorMixin

@@ -452,8 +452,8 @@ class WeightSender:
         worker = getattr(message, "worker", None)
         if worker is not None and not self._claim(worker, runner, incoming.peer):
             reason = (
-                f"worker id {worker} is already taken by a worker on "
-                f"{self._workers[worker].transport}: worker ids must be unique in a fleet"
+                f"worker id {worker} is already taken by a worker on {self._holder(worker)}: "
+                "worker ids must be unique in a fleet"
             )
             self._reject(reason)
             self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "duplicate-worker", reason))
@@ -472,22 +472,34 @@ class WeightSender:
             self._reject(reason)
             self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "unexpected", reason))
 
+    def free_worker_id(self) -> int:
+        """The lowest worker id that no live worker holds and no hub reserves (a pipe's
+        or an actor's index): what a worker that asks for an id gets."""
+        now = time.monotonic()
+        with self._cond:
+            taken = {w for w, info in self._workers.items()
+                     if now - info.last_seen < 3 * max(self.heartbeat, 0.1)}
+        for runner in self._runners:
+            taken |= runner.hub.reserved_workers()
+        return next(i for i in itertools.count() if i not in taken)
+
     def _assign(self, peer: PeerId | None) -> int:
         """An id for a worker that asked for one: its own again if it says hello twice,
-        else the lowest id no live worker holds."""
-        now = time.monotonic()
+        else :meth:`free_worker_id`."""
         with self._cond:
             for info in self._workers.values():
                 if peer is not None and info.peer == peer:
                     return info.worker
-            live = {w for w, info in self._workers.items()
-                    if now - info.last_seen < 3 * max(self.heartbeat, 0.1)}
-        return next(i for i in itertools.count() if i not in live)
+        return self.free_worker_id()
 
     def _claim(self, worker: int, runner: _HubRunner, peer: PeerId | None) -> bool:
-        """Record that ``worker`` speaks through this hub; False if another hub's worker
-        still holds that id (heard from within three heartbeats)."""
+        """Record that ``worker`` speaks through this hub; False if another hub reserves
+        that id, or another hub's worker still holds it (heard from within three
+        heartbeats)."""
         now = time.monotonic()
+        if any(worker in other.hub.reserved_workers()
+               for other in self._runners if other is not runner):
+            return False
         with self._cond:
             info = self._workers.get(worker)
             if info is None:
@@ -500,6 +512,15 @@ class WeightSender:
             if peer is not None:
                 info.peer = peer
             return True
+
+    def _holder(self, worker: int) -> str:
+        """The transport that holds ``worker``'s id (for error messages)."""
+        for runner in self._runners:
+            if worker in runner.hub.reserved_workers():
+                return runner.hub.name
+        with self._cond:
+            info = self._workers.get(worker)
+        return info.transport if info is not None else "another transport"
 
     def _seen(self, worker: int) -> WorkerInfo:
         with self._cond:

@@ -192,7 +192,7 @@ class WeightSyncScheme:
         self._model = model if model is not None else _model_from_context(context, model_id)
         num_workers = kwargs.pop("num_workers", getattr(context, "num_workers", None))
         self._num_workers = num_workers
-        hub = self.create_transport(role="hub", **self._hub_options())
+        hub = self._open_hub(context, kwargs)
         options = {**self.sender_options, **kwargs}
         try:
             self._sender = WeightSender(
@@ -209,6 +209,22 @@ class WeightSyncScheme:
             hub.close()
             raise
         self.endpoint = hub.endpoint
+
+    def _open_hub(self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0) -> HubTransport:
+        """This scheme's hub for :meth:`init_on_sender`.
+
+        Pops from ``kwargs`` what only the hub needs (a pipe scheme's ``pipes=``, a Ray
+        scheme's ``remote_collectors=``). Workers handed over as a list are numbered from
+        ``first_index`` (a fleet numbers each transport's workers after the previous').
+        """
+        return self.create_transport(role="hub", **self._hub_options())  # type: ignore[return-value]
+
+    def _adopt(self, sender: WeightSender, hub: HubTransport, model_id: str, model: Any) -> None:
+        """Record that ``hub``, opened by :meth:`_open_hub`, is served by a fleet's
+        ``sender`` (so this scheme pickles into its workers with the right address)."""
+        self._model_id = model_id
+        self._model = model
+        self.endpoint = hub.endpoint  # as init_on_sender does
 
     def _hub_options(self) -> dict[str, Any]:
         """Extra constructor arguments for this scheme's hub transport."""

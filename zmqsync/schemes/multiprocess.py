@@ -22,6 +22,20 @@ __all__ = ["MultiProcessWeightSyncScheme"]
 Pipes = Sequence[Connection] | Mapping[int, Connection]
 
 
+def _pipes(context: Any, kwargs: dict[str, Any]) -> Pipes:
+    """The workers' pipes, from ``pipes=`` (popped) or ``context.pipes``."""
+    pipes = kwargs.pop("pipes", None)
+    if pipes is None:
+        pipes = getattr(context, "pipes", None)
+    if pipes is None:
+        raise ValueError(
+            "MultiProcessWeightSyncScheme.init_on_sender needs the workers' pipes: pass "
+            "pipes=[...] (the sender's end of one multiprocessing.Pipe() per worker) or a "
+            "context with a .pipes attribute"
+        )
+    return pipes  # type: ignore[no-any-return]
+
+
 class MultiProcessWeightSyncScheme(WeightSyncScheme):
     """Weight synchronization for worker processes, over one duplex pipe per worker.
 
@@ -64,12 +78,6 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         **sender_options: Any,
     ) -> None:
         super().__init__(strategy, timeout=timeout, **sender_options)
-        self._pending_pipes: Pipes | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_pending_pipes"] = None  # pipe ends travel to a worker as its own argument
-        return state
 
     # --- transports ------------------------------------------------------------------
 
@@ -85,27 +93,19 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         worker's with ``role="spoke"``.
 
         ``create_transport(pipe)`` gives a hub serving the one worker ``worker_idx`` at
-        the other end of ``pipe``. Without a pipe, during ``init_on_sender``, the hub
-        serves every pipe given there.
+        the other end of ``pipe``.
         """
         options.pop("endpoint", None)  # pipes have no address
+        if role not in ("hub", "spoke"):
+            raise ValueError(f"role must be 'hub' or 'spoke'; got {role!r}")
+        if pipe is None:
+            raise ValueError(
+                "create_transport() needs a pipe: the sender's end of a worker's "
+                "multiprocessing.Pipe() (or, with role='spoke', the worker's end)"
+            )
         if role == "hub":
-            if pipe is not None:
-                return PipeHub({worker_idx: pipe}, **options)
-            if self._pending_pipes is None:
-                raise ValueError(
-                    "create_transport() needs a pipe: pass the sender's end of a worker's "
-                    "multiprocessing.Pipe()"
-                )
-            return PipeHub(self._pending_pipes, **options)
-        if role == "spoke":
-            if pipe is None:
-                raise ValueError(
-                    "a worker's transport needs its end of the pipe: "
-                    "create_transport(pipe, role='spoke')"
-                )
-            return PipeSpoke(pipe)
-        raise ValueError(f"role must be 'hub' or 'spoke'; got {role!r}")
+            return PipeHub({worker_idx: pipe}, **options)
+        return PipeSpoke(pipe)
 
     # --- sender side -----------------------------------------------------------------
 
@@ -120,15 +120,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
                 duplex pipe, a list or ``{worker_idx: pipe}``), ``num_workers=``,
                 ``model=``; and any :class:`~zmqsync.WeightSender` option.
         """
-        pipes = kwargs.pop("pipes", None)
-        if pipes is None:
-            pipes = getattr(context, "pipes", None)
-        if pipes is None:
-            raise ValueError(
-                "MultiProcessWeightSyncScheme.init_on_sender needs the workers' pipes: pass "
-                "pipes=[...] (the sender's end of one multiprocessing.Pipe() per worker) or a "
-                "context with a .pipes attribute"
-            )
+        pipes = _pipes(context, kwargs)
         indices = sorted(pipes) if isinstance(pipes, Mapping) else list(range(len(pipes)))
         if "num_workers" not in kwargs and getattr(context, "num_workers", None) is not None:
             kwargs["num_workers"] = context.num_workers
@@ -144,11 +136,13 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
                 "one pipe per worker 0..num_workers-1 (or num_workers=None to target whichever "
                 "workers have connected)"
             )
-        self._pending_pipes = pipes
-        try:
-            super().init_on_sender(model_id, context, **kwargs)
-        finally:
-            self._pending_pipes = None
+        super().init_on_sender(model_id, context, pipes=pipes, **kwargs)
+
+    def _open_hub(self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0) -> PipeHub:
+        pipes = _pipes(context, kwargs)
+        if not isinstance(pipes, Mapping):
+            pipes = {first_index + i: pipe for i, pipe in enumerate(pipes)}
+        return PipeHub(pipes)
 
     def add_pipe(self, pipe: Connection, worker_idx: int) -> None:
         """Serve one more worker on ``pipe`` (the sender's end), or a restarted worker in

@@ -97,6 +97,19 @@ class _ActorReceiver:
             joining.join(timeout)
 
 
+def _actors(context: Any, kwargs: dict[str, Any]) -> Sequence[Any] | Mapping[int, Any]:
+    """The actor handles, from ``remote_collectors=`` (popped) or the context's."""
+    actors = kwargs.pop("remote_collectors", None)
+    if actors is None:
+        actors = getattr(context, "remote_collectors", None)
+    if actors is None:
+        raise ValueError(
+            "RayWeightSyncScheme.init_on_sender needs the actors: pass "
+            "remote_collectors=[handle, ...] or a context with .remote_collectors"
+        )
+    return actors  # type: ignore[no-any-return]
+
+
 class RayWeightSyncScheme(WeightSyncScheme):
     """Weight synchronization with Ray actors (``remote_collectors``).
 
@@ -141,12 +154,10 @@ class RayWeightSyncScheme(WeightSyncScheme):
         super().__init__(strategy, timeout=timeout, **sender_options)
         self.method = method
         self.poll_interval = poll_interval
-        self._pending_actors: Sequence[Any] | Mapping[int, Any] | None = None
         self._actor_side: _ActorReceiver | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_pending_actors"] = None
         state["_actor_side"] = None
         return state
 
@@ -168,25 +179,22 @@ class RayWeightSyncScheme(WeightSyncScheme):
         an actor's end.
         """
         options.pop("endpoint", None)
-        channel = self._model_id or "policy"
         if role == "hub":
-            actors = (
-                {worker_idx: pipe_or_context}
-                if pipe_or_context is not None
-                else self._pending_actors
-            )
-            if actors is None:
+            if pipe_or_context is None:
                 raise ValueError("create_transport() needs the remote actor's handle")
-            return RayHub(
-                actors,
-                channel=channel,
-                method=self.method,
-                poll_interval=self.poll_interval,
-                **options,
-            )
+            return self._hub({worker_idx: pipe_or_context}, **options)
         if role == "spoke":
-            return RaySpoke(channel)
+            return RaySpoke(self._model_id or "policy")
         raise ValueError(f"role must be 'hub' or 'spoke'; got {role!r}")
+
+    def _hub(self, actors: Sequence[Any] | Mapping[int, Any], **options: Any) -> RayHub:
+        return RayHub(
+            actors,
+            channel=self._model_id or "policy",
+            method=self.method,
+            poll_interval=self.poll_interval,
+            **options,
+        )
 
     # --- sender side -----------------------------------------------------------------
 
@@ -201,25 +209,20 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 or ``{worker_idx: handle}``), ``source_model=`` (or ``model=``); and any
                 :class:`~zmqsync.WeightSender` option.
         """
-        actors = kwargs.pop("remote_collectors", None)
-        if actors is None:
-            actors = getattr(context, "remote_collectors", None)
-        if actors is None:
-            raise ValueError(
-                "RayWeightSyncScheme.init_on_sender needs the actors: pass "
-                "remote_collectors=[handle, ...] or a context with .remote_collectors"
-            )
+        actors = _actors(context, kwargs)
         source = kwargs.pop("source_model", None)
         if source is not None:
             kwargs.setdefault("model", source)
         indices = sorted(actors) if isinstance(actors, Mapping) else list(range(len(actors)))
         if indices == list(range(len(indices))):
             kwargs.setdefault("num_workers", len(indices))
-        self._pending_actors = actors
-        try:
-            super().init_on_sender(model_id, context, **kwargs)
-        finally:
-            self._pending_actors = None
+        super().init_on_sender(model_id, context, remote_collectors=actors, **kwargs)
+
+    def _open_hub(self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0) -> RayHub:
+        actors = _actors(context, kwargs)
+        if not isinstance(actors, Mapping):
+            actors = {first_index + i: actor for i, actor in enumerate(actors)}
+        return self._hub(actors)
 
     def add_remote_collector(self, actor: Any) -> int:
         """Serve one more actor (a late joiner) and return its worker index.
@@ -230,7 +233,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         sender = self.get_sender()
         hub = sender.transport
         assert isinstance(hub, RayHub)
-        index = int(hub.add_actor(actor).split(b":")[1])
+        index = int(hub.add_actor(actor, index=sender.free_worker_id()).split(b":")[1])
         if sender.num_workers is not None:
             sender.num_workers = max(sender.num_workers, index + 1)
         return index

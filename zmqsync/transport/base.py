@@ -100,6 +100,14 @@ class HubTransport(_Closable):
         """Extra addresses a spoke needs (the sender puts them in its Welcome)."""
         return {}
 
+    def reserved_workers(self) -> frozenset[int]:
+        """Worker ids bound to this hub's peers (a pipe's or an actor's index).
+
+        A sender serving several hubs gives these ids to nobody else, even before
+        their workers first speak. Hubs whose workers pick their own ids reserve none.
+        """
+        return frozenset()
+
     def counters(self) -> dict[str, int]:
         """Transport-level counts (rejected connections, dropped messages)."""
         return {}

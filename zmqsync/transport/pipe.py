@@ -363,6 +363,11 @@ class PipeHub(HubTransport):
         with self._lock:
             return list(self._peers)
 
+    def reserved_workers(self) -> frozenset[int]:
+        """Each pipe's worker index: it belongs to whoever holds that pipe's other end."""
+        with self._lock:
+            return frozenset(peer.index for peer in self._peers.values())
+
     def _check_open(self) -> None:
         if self._closed:
             raise TransportClosed(f"pipe hub {self._endpoint} is closed")

@@ -366,6 +366,11 @@ class RayHub(HubTransport):
         """Every actor's peer id, dead or not."""
         return list(self._actors)
 
+    def reserved_workers(self) -> frozenset[int]:
+        """Each actor's worker index."""
+        with self._lock:
+            return frozenset(actor.index for actor in self._actors.values())
+
     # --- HubTransport ----------------------------------------------------------------
 
     @property
