@@ -1,4 +1,5 @@
-"""zmqsync.torchrl in real torchrl collectors (spawned workers, real ZeroMQ sockets).
+"""zmqsync.torchrl in real torchrl collectors (spawned workers, real ZeroMQ sockets and
+pipes). The Ray scheme under RayCollector is in test_torchrl_ray.py.
 
 The environment and the policy are tiny and deterministic, so every action a worker
 produced can be checked against the weights it should have held:
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -133,9 +135,7 @@ def worker_of(batch: TensorDictBase) -> int:
     return int(workers.item())
 
 
-def close(
-    collector: Any, scheme: zmqsync.torchrl.ZMQWeightSyncScheme, *, raise_on_error: bool = True
-) -> None:
+def close(collector: Any, scheme: Any, *, raise_on_error: bool = True) -> None:
     """Stop the workers, then the scheme (torchrl's shutdown leaves schemes open)."""
     try:
         collector.shutdown(raise_on_error=raise_on_error)
@@ -164,13 +164,61 @@ def sync_collector(policy: nn.Module, scheme: Any) -> MultiSyncCollector:
     )
 
 
-def versions(scheme: zmqsync.torchrl.ZMQWeightSyncScheme) -> dict[int, int]:
+def versions(scheme: Any) -> dict[int, int]:
     return {w["worker"]: w["version"] for w in scheme.status()["workers"]}
 
 
+def check_targeting_and_isolation(
+    collector: Any,
+    batches: Iterator[TensorDictBase],
+    policy: TensorDictModule,
+    scheme: Any,
+    *,
+    held: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """With every worker at version 2 holding ``held``: ``worker_ids=[0]`` changes
+    exactly worker 0, and the learner changing its weights without sending changes no
+    worker (none aliases the learner's memory)."""
+    set_weights(policy, (-1.0, 4.0), -0.25)
+    newest = snapshot(policy)
+    collector.update_policy_weights_(worker_ids=[0])
+    assert versions(scheme) == {0: 3, 1: 2}
+    rows = per_worker(next(batches))
+    assert from_weights(rows[0], newest)
+    assert from_weights(rows[1], held)
+
+    set_weights(policy, (7.0, 7.0), 7.0)
+    rows = per_worker(next(batches))
+    assert from_weights(rows[0], newest)
+    assert from_weights(rows[1], held)
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; fail saying ``what`` did not happen."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.02)
+
+
+def make_scheme(transport: str, *, timeout: float) -> Any:
+    """A zmqsync.torchrl scheme over ``transport``: ZeroMQ fan-out or addressed, or pipes."""
+    if transport == "zmq-pubsub":
+        return zmqsync.torchrl.ZMQWeightSyncScheme(mode="pubsub", timeout=timeout)
+    if transport == "zmq-router":
+        return zmqsync.torchrl.ZMQWeightSyncScheme(mode="router", timeout=timeout)
+    if transport == "pipe":
+        return zmqsync.torchrl.MultiProcessWeightSyncScheme(timeout=timeout)
+    raise ValueError(transport)
+
+
 @pytest.mark.timeout(120)
-def test_multisync_initial_weights_update_targeting_isolation(policy: TensorDictModule) -> None:
-    scheme = zmqsync.torchrl.ZMQWeightSyncScheme(timeout=10)
+@pytest.mark.parametrize("transport", ["zmq-pubsub", "pipe"])
+def test_multisync_initial_weights_update_targeting_isolation(
+    policy: TensorDictModule, transport: str
+) -> None:
+    scheme = make_scheme(transport, timeout=10)
     collector = sync_collector(policy, scheme)
     try:
         batches = iter(collector)
@@ -193,27 +241,15 @@ def test_multisync_initial_weights_update_targeting_isolation(policy: TensorDict
         batch = next(batches)
         assert from_weights(batch, new)
 
-        # Targeting: worker 0 only.
-        set_weights(policy, (-1.0, 4.0), -0.25)
-        newest = snapshot(policy)
-        collector.update_policy_weights_(worker_ids=[0])
-        assert versions(scheme) == {0: 3, 1: 2}
-        rows = per_worker(next(batches))
-        assert from_weights(rows[0], newest)
-        assert from_weights(rows[1], new)
-
-        # Isolation: changing the learner's weights without sending changes no worker.
-        set_weights(policy, (7.0, 7.0), 7.0)
-        rows = per_worker(next(batches))
-        assert from_weights(rows[0], newest)
-        assert from_weights(rows[1], new)
+        check_targeting_and_isolation(collector, batches, policy, scheme, held=new)
     finally:
         close(collector, scheme)
 
 
 @pytest.mark.timeout(120)
-def test_multiasync_update_reaches_every_worker(policy: TensorDictModule) -> None:
-    scheme = zmqsync.torchrl.ZMQWeightSyncScheme(mode="router", timeout=10)
+@pytest.mark.parametrize("transport", ["zmq-router", "pipe"])
+def test_multiasync_update_reaches_every_worker(policy: TensorDictModule, transport: str) -> None:
+    scheme = make_scheme(transport, timeout=10)
     collector = MultiAsyncCollector(
         [make_env] * NUM_WORKERS,
         policy,
@@ -255,8 +291,9 @@ def test_multiasync_update_reaches_every_worker(policy: TensorDictModule) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_makes_the_update_raise(policy: TensorDictModule) -> None:
-    scheme = zmqsync.torchrl.ZMQWeightSyncScheme(timeout=3)
+@pytest.mark.parametrize("transport", ["zmq-pubsub", "pipe"])
+def test_killed_worker_makes_the_update_raise(policy: TensorDictModule, transport: str) -> None:
+    scheme = make_scheme(transport, timeout=3)
     collector = sync_collector(policy, scheme)
     try:
         batches = iter(collector)
@@ -273,7 +310,11 @@ def test_killed_worker_makes_the_update_raise(policy: TensorDictModule) -> None:
         took = time.monotonic() - start
         assert set(info.value.missing_workers) == {1}
         assert "worker 1" in str(info.value)
-        assert took <= scheme.timeout + 2.0, took
+        assert took <= scheme.timeout + 1.0, took
+        if transport == "pipe":
+            # The learner saw the pipe end: no other process (the learner, the sibling
+            # worker) kept a copy of the dead worker's end open.
+            assert scheme.status()["totals"]["peers_lost"] == 1
         # The live worker did get it, and can still be updated alone.
         assert versions(scheme)[0] == 2
         set_weights(policy, (1.0, 1.0), 1.0)
@@ -310,6 +351,72 @@ def test_scheme_is_a_torchrl_scheme_with_zmqsync_arguments() -> None:
         zmqsync.torchrl.ZMQWeightSyncScheme(retain_snapshot=False)
     with pytest.raises(RuntimeError, match="init_on_sender"):
         scheme.get_sender()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme"])
+def test_pipe_and_ray_schemes_are_torchrl_schemes_with_zmqsync_arguments(name: str) -> None:
+    import warnings
+
+    from torchrl.weight_update import WeightSyncScheme
+
+    cls = getattr(zmqsync.torchrl, name)
+    with warnings.catch_warnings():
+        # torchrl warns about ITS experimental state_dict strategy; zmqsync's is its own.
+        warnings.simplefilter("error")
+        scheme = cls(timeout=4, repair_after=0.5)
+    assert isinstance(scheme, WeightSyncScheme)
+    assert isinstance(scheme.zmqsync_scheme, getattr(zmqsync, name))
+    assert (scheme.strategy_str, scheme.timeout) == ("state_dict", 4.0)
+    assert scheme.zmqsync_scheme.sender_options == {"repair_after": 0.5}
+    assert cls("tensordict").strategy_str == "tensordict"
+    with pytest.raises(ValueError, match="retain_snapshot"):
+        cls(retain_snapshot=False)
+    with pytest.raises(RuntimeError, match="init_on_sender"):
+        scheme.get_sender()
+    with pytest.raises(RuntimeError, match="init_on_receiver"):
+        scheme.receive()
+
+
+@pytest.mark.timeout(60)
+def test_pipe_worker_side_in_process_own_end_meta_policy_targeting(
+    policy: TensorDictModule,
+) -> None:
+    """The pipe scheme's worker steps without a collector. ``copy.copy`` stands in for
+    the pickling into a spawned worker (the same state, the ends shared rather than
+    duplicated: enough in one process; the collector tests spawn for real)."""
+    import copy
+
+    sender = zmqsync.torchrl.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=20)
+    sender.init_on_sender(model_id="policy", model=policy, num_workers=2)
+    worker = copy.copy(sender)
+    try:
+        local = make_policy()
+        local.module.to("meta")  # what torchrl ships to workers
+        worker.init_on_receiver(model_id="policy", model=local, worker_idx=1)
+        worker.connect(worker_idx=1)
+        assert torch.equal(local.module.weight, policy.module.weight)
+        # Joined as worker 1, on its own pipe (its ack of version 1 is on its way).
+        wait_for(lambda: versions(sender) == {0: 0, 1: 1}, 20, "worker 1's ack")
+
+        # (No sender.connect() here: in one process it would close the worker's end.)
+        set_weights(policy, (0.5, -2.0), 3.0)
+        sender.send(worker_ids=[1])
+        assert versions(sender) == {0: 0, 1: 2}
+        assert torch.equal(local.module.weight, policy.module.weight)
+    finally:
+        worker.shutdown()
+        sender.shutdown()
+
+    lone = zmqsync.torchrl.MultiProcessWeightSyncScheme(timeout=10)
+    lone.init_on_sender(model_id="policy", model=policy, num_workers=1)
+    stray = copy.copy(lone)
+    try:
+        with pytest.raises(RuntimeError, match=r"no pipe end for worker 5 .*workers \[0\]"):
+            stray.init_on_receiver(model_id="policy", model=make_policy(), worker_idx=5)
+    finally:
+        stray.shutdown()
+        lone.shutdown()
 
 
 @pytest.mark.timeout(60)

@@ -1,37 +1,64 @@
 """zmqsync's schemes as torchrl ``WeightSyncScheme`` subclasses, for torchrl collectors.
 
-torchrl's multiprocess collectors accept any ``torchrl.weight_update.WeightSyncScheme``
-in ``weight_sync_schemes=``; this module offers zmqsync's under the same names and
-arguments::
+torchrl's collectors accept any ``torchrl.weight_update.WeightSyncScheme`` in
+``weight_sync_schemes=``; this module offers zmqsync's under the same names and
+arguments:
+
+- :class:`ZMQWeightSyncScheme`: ZeroMQ (fan-out or addressed), for
+  ``MultiSyncCollector`` / ``MultiAsyncCollector`` (and workers on other hosts).
+- :class:`MultiProcessWeightSyncScheme`: one duplex pipe per worker process, for
+  ``MultiSyncCollector`` / ``MultiAsyncCollector``.
+- :class:`RayWeightSyncScheme`: Ray calls and Ray's object store, for
+  ``torchrl.collectors.distributed.RayCollector``.
+
+::
 
     from torchrl.collectors import MultiSyncCollector
     import zmqsync.torchrl
 
     collector = MultiSyncCollector(
         [make_env] * 2, policy, frames_per_batch=64, total_frames=-1,
-        weight_sync_schemes={"policy": zmqsync.torchrl.ZMQWeightSyncScheme()},
+        weight_sync_schemes={"policy": zmqsync.torchrl.MultiProcessWeightSyncScheme()},
     )
     ...train policy...
     collector.update_policy_weights_()                # every worker holds it on return
     collector.update_policy_weights_(worker_ids=[0])  # exactly worker 0
 
-How a collector drives a scheme, and what each step does here:
+How a multiprocess collector drives a scheme, and what each step does here:
 
-- learner, ``init_on_sender(model_id=, context=collector, ctx=)``: binds the sockets and
-  publishes the policy's current weights as version 1 (kept as the late-joiner snapshot;
-  no worker is waited for).
-- the scheme is pickled into each spawned worker (endpoint and settings only; the
-  sender's CURVE secret key never leaves the learner).
+- learner, ``init_on_sender(model_id=, context=collector, ctx=)``, before any worker
+  starts: ZMQ binds its sockets; the pipe scheme makes one duplex ``ctx.Pipe()`` per
+  worker and serves the learner's ends. Both publish the policy's current weights
+  as version 1 (kept as the late-joiner snapshot; no worker is waited for).
+- the scheme is pickled into each spawned worker: settings and the endpoint, and for
+  the pipe scheme the workers' pipe ends (a connection pickles while a process is being
+  spawned). No sockets, threads, model or CURVE secret key travel.
 - worker, ``init_on_receiver(model=policy, worker_idx=i)`` then ``connect()``: torchrl
   ships the policy's structure on the ``meta`` device, so the policy is first given real
   (CPU) storage, then ``connect()`` returns with version 1 (or newer) copied into it,
-  and a background thread applies every later version.
-- learner, ``update_policy_weights_(worker_ids=...)`` -> :meth:`ZMQWeightSyncScheme.send`:
-  returns once every targeted worker applied the version, or raises
-  :class:`zmqsync.SyncTimeout` naming those that did not (a killed worker, for one).
+  and a background thread applies every later version. A pipe worker keeps its own pipe
+  end and closes its siblings' at once.
+- learner, ``connect()`` (after every worker started): the pipe scheme closes its copies
+  of the workers' ends, so a worker that dies is seen at once (end of file).
+- learner, ``update_policy_weights_(worker_ids=...)`` -> ``send``: returns once every
+  targeted worker applied the version, or raises :class:`zmqsync.SyncTimeout` naming
+  those that did not (a killed worker, for one) after ``timeout`` seconds.
 
-A forward pass of the worker's policy holds the receiver's lock (forward hooks), so it
-never runs on half of a version.
+Unlike torchrl's own schemes, a worker never aliases the learner's memory: it holds its
+own copy, changed only by a send. A forward pass of the worker's policy holds the
+receiver's lock (forward hooks), so it never runs on half of a version.
+
+:class:`RayWeightSyncScheme` under ``RayCollector``: ``init_on_sender(remote_collectors=)``
+starts calling each remote collector actor; torchrl then ships the scheme to each actor
+(``register_scheme_receiver``), where ``init_on_receiver`` registers a receiver and
+returns at once. The learner's calls reach it through Ray's built-in ``__ray_call__``,
+which every Ray actor has, so torchrl's collector classes need no method of zmqsync's
+(a method added inside the actor later would be unknown to the learner's handle, and
+``cascade_execute("_receiver_schemes[...]...")`` fails until torchrl has registered the
+scheme there): each call hands its frames to the receiver registered in that process
+(none yet: the call returns nothing), which applies a version and acks on the same
+call. The actor joins (hello, snapshot) through those calls, and torchrl's lazy
+``connect()`` on the learner returns once every actor holds the latest version.
 
 Each class delegates to the zmqsync scheme of the same name (composition): the torchrl
 class only adapts torchrl's calling conventions and bookkeeping.
@@ -40,9 +67,14 @@ class only adapts torchrl's calling conventions and bookkeeping.
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import time
+import types
+import warnings
 import weakref
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
+from typing import Any, Final, Literal
 
 try:
     from torchrl.weight_update import WeightSyncScheme as _TorchRLWeightSyncScheme
@@ -51,7 +83,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchrl
     raise ImportError(
         "zmqsync.torchrl needs torchrl, which is not installed (or failed to import: "
         f"{exc}). Install it with `pip install 'zmqsync[torchrl]'` (or `pip install torchrl`), "
-        "or use zmqsync.ZMQWeightSyncScheme directly without torchrl's collectors."
+        "or use zmqsync's schemes directly without torchrl's collectors."
     ) from exc
 
 import torch
@@ -59,15 +91,22 @@ from torch import nn
 
 from zmqsync.errors import SyncTimeout
 from zmqsync.receiver import WeightReceiver
+from zmqsync.schemes.base import WeightSyncScheme as _ZmqsyncScheme
+from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme as _PipeScheme
+from zmqsync.schemes.ray import RayWeightSyncScheme as _RayScheme
 from zmqsync.schemes.zmq import ZMQWeightSyncScheme as _ZMQScheme
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
+from zmqsync.transport.ray import DELIVER_METHOD, POLL_INTERVAL, deliver
 
-__all__ = ["ZMQWeightSyncScheme"]
+__all__ = ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme", "ZMQWeightSyncScheme"]
 
-#: Seconds a worker's ``connect()`` waits for the learner by default. Generous, because
-#: under torchrl's ``spawn`` a worker connects while its siblings still import torch.
-DEFAULT_CONNECT_TIMEOUT = 120.0
+#: Seconds a worker's ``connect()`` waits for the learner by default (and the Ray
+#: learner's ``connect()`` for its actors). Generous, because under torchrl's ``spawn``
+#: a worker connects while its siblings still import torch.
+DEFAULT_CONNECT_TIMEOUT: Final = 120.0
+#: How often the Ray learner's ``connect()`` looks at where its actors stand.
+_STATUS_POLL: Final = 0.01
 
 
 def _materialize(model: Any) -> Any:
@@ -132,53 +171,26 @@ class _ForwardLock:
         self._handles = []
 
 
-class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
-    """:class:`zmqsync.ZMQWeightSyncScheme` as a torchrl ``WeightSyncScheme``.
-
-    Same arguments as :class:`zmqsync.ZMQWeightSyncScheme`, plus ``connect_timeout``.
-
-    Args:
-        strategy: ``"tensordict"`` (default) or ``"state_dict"``.
-        mode: ``"pubsub"`` (fan-out) or ``"router"`` (addressed).
-        endpoint: where the learner binds; ``None`` picks a free ipc path.
-        timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
-            every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
-        curve_server / curve_client / insecure: ZeroMQ CURVE, as in zmqsync.
-        connect_timeout: seconds a worker waits in ``connect()`` for the learner and
-            its first version.
-        **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
-            stay ``True``: workers take their first weights from the snapshot).
-    """
-
-    def __init__(
-        self,
-        strategy: Literal["state_dict", "tensordict"] = "tensordict",
-        *,
-        mode: Literal["pubsub", "router"] = "pubsub",
-        endpoint: str | None = None,
-        timeout: float = 10.0,
-        curve_server: CurveServer | None = None,
-        curve_client: CurveClient | None = None,
-        insecure: bool = False,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        **sender_options: Any,
-    ) -> None:
-        if sender_options.get("retain_snapshot", True) is False:
-            raise ValueError(
-                "retain_snapshot=False cannot work with torchrl collectors: their workers "
-                "take their first weights from the sender's snapshot. Leave it at True."
-            )
-        super().__init__(strategy)
-        self._inner = _ZMQScheme(
-            strategy,
-            mode=mode,
-            endpoint=endpoint,
-            timeout=timeout,
-            curve_server=curve_server,
-            curve_client=curve_client,
-            insecure=insecure,
-            **sender_options,
+def _check_retain_snapshot(sender_options: Mapping[str, Any]) -> None:
+    if sender_options.get("retain_snapshot", True) is False:
+        raise ValueError(
+            "retain_snapshot=False cannot work with torchrl collectors: their workers "
+            "take their first weights from the sender's snapshot. Leave it at True."
         )
+
+
+class _CollectorScheme(_TorchRLWeightSyncScheme):
+    """What the torchrl classes share: torchrl's calling conventions around a zmqsync
+    scheme (``self._inner``). Subclasses say how the inner scheme's sender and receiver
+    are set up (:meth:`_start_sender`, :meth:`_start_receiver`)."""
+
+    def __init__(self, strategy: str, inner: _ZmqsyncScheme, *, connect_timeout: float) -> None:
+        with warnings.catch_warnings():
+            # torchrl warns that ITS state_dict application is experimental; zmqsync
+            # applies weights itself (checked, all-or-nothing), so it does not apply here.
+            warnings.filterwarnings("ignore", "state_dict strategy is experimental", UserWarning)
+            super().__init__(strategy)
+        self._inner = inner
         self.connect_timeout = float(connect_timeout)
         self._forward_lock: _ForwardLock | None = None
         self._local_model: Any = None
@@ -198,7 +210,7 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
 
     @property
     def endpoint(self) -> str | None:
-        """Where the learner binds and workers connect (set by ``init_on_sender``)."""
+        """Where workers reach the learner (set by ``init_on_sender``)."""
         return self._inner.endpoint
 
     @property
@@ -207,12 +219,7 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
         return self._inner.timeout
 
     @property
-    def mode(self) -> str:
-        """``"pubsub"`` or ``"router"``."""
-        return self._inner.mode
-
-    @property
-    def zmqsync_scheme(self) -> _ZMQScheme:
+    def zmqsync_scheme(self) -> _ZmqsyncScheme:
         """The zmqsync scheme this one delegates to."""
         return self._inner
 
@@ -233,9 +240,9 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
         """The receiver's lock: no version is applied while it is held."""
         return self._inner.lock
 
-    def create_transport(self, **kwargs: Any) -> Any:
-        """A transport end of the inner scheme (``role="hub"`` or ``"spoke"``)."""
-        return self._inner.create_transport(**kwargs)
+    def create_transport(self, *args: Any, **kwargs: Any) -> Any:
+        """A transport end of the inner scheme (see its ``create_transport``)."""
+        return self._inner.create_transport(*args, **kwargs)
 
     # --- the model -------------------------------------------------------------------
 
@@ -278,43 +285,69 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
         ctx: Any = None,
         **kwargs: Any,
     ) -> None:
-        """Bind the sockets and publish the current weights as version 1.
+        """Start serving the workers and publish the current weights as version 1.
 
-        ``ctx`` (torchrl's multiprocessing context) is accepted and unused: workers reach
-        the sender over ZeroMQ, not over torchrl's pipes or queues.
+        ``ctx`` is torchrl's multiprocessing context (the pipe scheme makes its pipes
+        with it).
         """
-        del ctx
-        if kwargs:
-            raise TypeError(
-                f"{type(self).__name__}.init_on_sender got unexpected arguments {sorted(kwargs)}"
-            )
         self._model_id = model_id
         self.context = context
         if model is None and context is not None:
             model = _model_of(context, model_id)
         if num_workers is None and context is not None:
             num_workers = getattr(context, "num_workers", None)
-        self._local_model = model
-        self._inner.init_on_sender(model_id, model=model, num_workers=num_workers)
-        if context is not None:
-            # torchrl's collector.shutdown() never shuts its schemes down: close the
-            # sockets and threads at the latest when the collector is collected.
-            weakref.finalize(context, self._inner.shutdown)
         if model is None and weights is None:
             raise ValueError(
                 f"{type(self).__name__}: no model {model_id!r} to take weights from: pass "
                 "model=... or weights=..., or a context (collector) that holds the policy"
             )
-        # Version 1 becomes the snapshot that connecting workers fetch (Clone pattern):
-        # targeted at nobody, so nothing is waited for while workers still start.
-        self._inner.get_sender().send(weights, worker_ids=[])
+        self._local_model = model
+        self._start_sender(
+            model_id, model=model, num_workers=num_workers, context=context, ctx=ctx, **kwargs
+        )
+        release = self._releaser()
+        try:
+            # Version 1 becomes the snapshot that joining workers fetch (Clone pattern):
+            # targeted at nobody, so nothing is waited for while workers still start.
+            self._inner.get_sender().send(weights, worker_ids=[])
+        except BaseException:
+            release()
+            raise
+        if context is not None:
+            # torchrl's multiprocess collectors never shut their schemes down: close the
+            # sockets, pipes and threads at the latest when the collector is collected.
+            weakref.finalize(context, release)
+
+    def _start_sender(
+        self,
+        model_id: str,
+        *,
+        model: Any,
+        num_workers: int | None,
+        context: Any,
+        ctx: Any,
+        **kwargs: Any,
+    ) -> None:
+        """Initialise the inner scheme's sender. ``kwargs``: what torchrl passed beyond
+        the common arguments (a Ray collector's ``remote_collectors``)."""
+        raise NotImplementedError
+
+    def _releaser(self) -> Callable[[], None]:
+        """What closes this side's resources; it must not refer to ``self`` (it runs
+        from a finalizer)."""
+        return self._inner.shutdown
+
+    @staticmethod
+    def _no_more(kwargs: Mapping[str, Any], method: str, owner: str) -> None:
+        if kwargs:
+            raise TypeError(f"{owner}.{method} got unexpected arguments {sorted(kwargs)}")
 
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any | None = None
     ) -> None:
-        """Nothing to wait for: each worker fetches the latest version as it connects.
+        """Nothing to wait for: each worker fetches the latest version as it joins.
 
-        With ``weights``, they are sent to every worker (waiting for them to connect).
+        With ``weights``, they are sent to every worker (waiting for them to join).
         """
         if weights is not None:
             self._inner.connect(timeout=self.connect_timeout)
@@ -362,10 +395,7 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
         **kwargs: Any,
     ) -> None:
         """Build the worker's receiver; a ``meta`` policy gets real storage first."""
-        if kwargs:
-            raise TypeError(
-                f"{type(self).__name__}.init_on_receiver got unexpected arguments {sorted(kwargs)}"
-            )
+        self._no_more(kwargs, "init_on_receiver", type(self).__name__)
         self._model_id = model_id
         self.context = context
         if model is None and context is not None:
@@ -373,6 +403,15 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
         model = _materialize(model)
         self._worker_idx = worker_idx
         self._local_model = model
+        self._start_receiver(model_id, model=model, worker_idx=worker_idx)
+        receiver = self._inner.get_receiver()
+        # Hooked now, not at connect(): a Ray actor may take its first version (on a
+        # thread of its own) before torchrl ever calls connect().
+        self._forward_lock = _ForwardLock(receiver.lock)
+        self._forward_lock.attach(receiver.model)
+
+    def _start_receiver(self, model_id: str, *, model: Any, worker_idx: int | None) -> None:
+        """Initialise the inner scheme's receiver."""
         self._inner.init_on_receiver(model_id=model_id, model=model, worker_idx=worker_idx)
 
     def _setup_connection_and_weights_on_receiver_impl(
@@ -393,8 +432,6 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
                 )
             receiver.receive(remaining)
         self._worker_idx = receiver.worker_idx
-        self._forward_lock = _ForwardLock(receiver.lock)
-        self._forward_lock.attach(receiver.model)
         self._inner.start_receiver_thread()
 
     def receive(self, timeout: float | None = None) -> Any:
@@ -413,7 +450,8 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
     # --- lifecycle -------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Close the sockets, stop the background receiver, remove the hooks. Idempotent."""
+        """Close the sockets or pipes, stop the background receiver, remove the hooks.
+        Idempotent."""
         forward_lock, self._forward_lock = getattr(self, "_forward_lock", None), None
         if forward_lock is not None:
             forward_lock.detach()
@@ -424,6 +462,357 @@ class ZMQWeightSyncScheme(_TorchRLWeightSyncScheme):
 
     def __repr__(self) -> str:
         return f"zmqsync.torchrl.{self._inner!r}"
+
+
+class ZMQWeightSyncScheme(_CollectorScheme):
+    """:class:`zmqsync.ZMQWeightSyncScheme` as a torchrl ``WeightSyncScheme``.
+
+    Same arguments as :class:`zmqsync.ZMQWeightSyncScheme`, plus ``connect_timeout``.
+
+    Args:
+        strategy: ``"tensordict"`` (default) or ``"state_dict"``.
+        mode: ``"pubsub"`` (fan-out) or ``"router"`` (addressed).
+        endpoint: where the learner binds; ``None`` picks a free ipc path.
+        timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
+            every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
+        curve_server / curve_client / insecure: ZeroMQ CURVE, as in zmqsync.
+        connect_timeout: seconds a worker waits in ``connect()`` for the learner and
+            its first version.
+        **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
+            stay ``True``: workers take their first weights from the snapshot).
+    """
+
+    _inner: _ZMQScheme
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "tensordict",
+        *,
+        mode: Literal["pubsub", "router"] = "pubsub",
+        endpoint: str | None = None,
+        timeout: float = 10.0,
+        curve_server: CurveServer | None = None,
+        curve_client: CurveClient | None = None,
+        insecure: bool = False,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        **sender_options: Any,
+    ) -> None:
+        _check_retain_snapshot(sender_options)
+        inner = _ZMQScheme(
+            strategy,
+            mode=mode,
+            endpoint=endpoint,
+            timeout=timeout,
+            curve_server=curve_server,
+            curve_client=curve_client,
+            insecure=insecure,
+            **sender_options,
+        )
+        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+
+    @property
+    def mode(self) -> str:
+        """``"pubsub"`` or ``"router"``."""
+        return self._inner.mode
+
+    def _start_sender(
+        self,
+        model_id: str,
+        *,
+        model: Any,
+        num_workers: int | None,
+        context: Any,
+        ctx: Any,
+        **kwargs: Any,
+    ) -> None:
+        # ctx is unused: workers reach the learner over ZeroMQ, not torchrl's pipes.
+        self._no_more(kwargs, "init_on_sender", type(self).__name__)
+        self._inner.init_on_sender(model_id, model=model, num_workers=num_workers)
+
+
+class MultiProcessWeightSyncScheme(_CollectorScheme):
+    """:class:`zmqsync.MultiProcessWeightSyncScheme` (one duplex pipe per worker) as a
+    torchrl ``WeightSyncScheme``, for ``MultiSyncCollector`` / ``MultiAsyncCollector``.
+
+    Same arguments as :class:`zmqsync.MultiProcessWeightSyncScheme`, plus
+    ``connect_timeout``. The scheme makes the pipes itself (``init_on_sender``, with
+    torchrl's multiprocessing context) and they travel to the workers inside the
+    pickled scheme; nothing else is shared with torchrl's own pipes.
+
+    Args:
+        strategy: ``"state_dict"`` (default) or ``"tensordict"``.
+        timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
+            every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
+        connect_timeout: seconds a worker waits in ``connect()`` for the learner and
+            its first version.
+        **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
+            stay ``True``: workers take their first weights from the snapshot).
+
+    Without a collector: ``init_on_sender(model_id, model=..., num_workers=N)``, start
+    the workers with the scheme (``spawn`` or ``forkserver``), call ``connect()`` on the
+    learner once they all started, and in worker ``i``
+    ``init_on_receiver(model_id=..., model=..., worker_idx=i)`` then ``connect()``.
+    """
+
+    _inner: _PipeScheme
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        *,
+        timeout: float = 10.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        **sender_options: Any,
+    ) -> None:
+        _check_retain_snapshot(sender_options)
+        inner = _PipeScheme(strategy, timeout=timeout, **sender_options)
+        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+        #: The workers' ends of their pipes, by worker index: held by the learner only
+        #: until the workers have started (``connect()``), carried into them by pickling.
+        self._worker_ends: dict[int, Connection] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        # Every worker gets every end (one pickled scheme serves them all) and closes
+        # its siblings' at init_on_receiver. Pickling a connection hands a duplicate of
+        # its descriptor to the process being spawned.
+        state["_worker_ends"] = {i: c for i, c in self._worker_ends.items() if not c.closed}
+        return state
+
+    def _start_sender(
+        self,
+        model_id: str,
+        *,
+        model: Any,
+        num_workers: int | None,
+        context: Any,
+        ctx: Any,
+        **kwargs: Any,
+    ) -> None:
+        self._no_more(kwargs, "init_on_sender", type(self).__name__)
+        if num_workers is None:
+            raise ValueError(
+                "MultiProcessWeightSyncScheme.init_on_sender needs the number of workers: "
+                "pass num_workers=N, or a context (collector) with a num_workers attribute"
+            )
+        if ctx is not None and ctx.get_start_method() == "fork":
+            raise ValueError(
+                "MultiProcessWeightSyncScheme needs workers started with 'spawn' (torchrl's "
+                "default) or 'forkserver': a forked worker would inherit the learner's pipe "
+                "ends and sender state. Drop mp.set_start_method('fork'), or use "
+                "zmqsync.torchrl.ZMQWeightSyncScheme"
+            )
+        # Every multiprocessing context makes the same pipes; torchrl's is used for form.
+        pairs = [(ctx or multiprocessing).Pipe(duplex=True) for _ in range(num_workers)]
+        self._worker_ends = {i: child for i, (_, child) in enumerate(pairs)}
+        try:
+            self._inner.init_on_sender(
+                model_id,
+                pipes=[parent for parent, _ in pairs],
+                model=model,
+                num_workers=num_workers,
+            )
+        except BaseException:
+            for parent, child in pairs:
+                parent.close()
+                child.close()
+            self._worker_ends = {}
+            raise
+
+    def _releaser(self) -> Callable[[], None]:
+        inner, ends = self._inner, self._worker_ends
+
+        def release() -> None:
+            _close_all(ends)
+            inner.shutdown()
+
+        return release
+
+    def _setup_connection_and_weights_on_sender_impl(
+        self, *, worker_idx: int | None = None, weights: Any | None = None
+    ) -> None:
+        """Close the learner's copies of the workers' pipe ends (every worker has been
+        started by now): from here on, a worker that dies is seen at once."""
+        _close_all(self._worker_ends)
+        super()._setup_connection_and_weights_on_sender_impl(worker_idx=worker_idx, weights=weights)
+
+    def _start_receiver(self, model_id: str, *, model: Any, worker_idx: int | None) -> None:
+        ends, self._worker_ends = self._worker_ends, {}
+        carried = sorted(ends)
+        end = ends.pop(worker_idx, None) if worker_idx is not None else None
+        # A sibling's end held here would hide that sibling's death from the learner.
+        _close_all(ends)
+        if end is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: this scheme carries no pipe end for worker "
+                f"{worker_idx!r} (it has ends for workers {carried}). Pass worker_idx=, "
+                "and hand the scheme to each worker process when it starts: after the "
+                "learner's init_on_sender() and before the learner's connect()"
+            )
+        self._inner.init_on_receiver(
+            model_id=model_id, model=model, pipe=end, worker_idx=worker_idx
+        )
+
+    def shutdown(self) -> None:
+        """Close the pipes, stop the background receiver, remove the hooks. Idempotent."""
+        _close_all(getattr(self, "_worker_ends", {}))
+        super().shutdown()
+
+
+def _close_all(ends: dict[int, Connection]) -> None:
+    """Close (and forget) pipe ends this process holds for others."""
+    for conn in ends.values():
+        conn.close()
+    ends.clear()
+
+
+def _deliver_in_actor(actor: Any, channel: str, peer_index: int, frames: Any) -> list[list[bytes]]:
+    """Run by Ray inside a remote collector (``actor.__ray_call__``): hand one of the
+    learner's calls to the receiver this process registered for ``channel``."""
+    del actor  # the receiver is found by channel, not through the collector object
+    return deliver(channel, peer_index, frames)
+
+
+class _RayCall:
+    """What :class:`~zmqsync.transport.ray.RayHub` calls ``.remote(channel, index,
+    frames)`` on: one actor's built-in ``__ray_call__``, running
+    :func:`_deliver_in_actor` there."""
+
+    def __init__(self, handle: Any) -> None:
+        self._call = handle.__ray_call__
+
+    def remote(self, channel: str, peer_index: int, frames: Any) -> Any:
+        # frames (maybe an ObjectRef into the object store) stays a top-level argument,
+        # so Ray resolves it before the call runs, as for a method of the actor's own.
+        return self._call.remote(_deliver_in_actor, channel, peer_index, frames)
+
+
+def _through_ray_call(handle: Any) -> Any:
+    """``handle`` as the hub sees it: its delivery method goes through ``__ray_call__``."""
+    return types.SimpleNamespace(**{DELIVER_METHOD: _RayCall(handle), "handle": handle})
+
+
+class RayWeightSyncScheme(_CollectorScheme):
+    """:class:`zmqsync.RayWeightSyncScheme` as a torchrl ``WeightSyncScheme``, for
+    ``torchrl.collectors.distributed.RayCollector``.
+
+    Same arguments as :class:`zmqsync.RayWeightSyncScheme`, plus ``connect_timeout``.
+
+    Args:
+        strategy: ``"state_dict"`` (default) or ``"tensordict"``.
+        timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
+            every targeted actor's ack before raising :class:`zmqsync.SyncTimeout` (a
+            killed actor, for one).
+        method: ``None`` (default): reach each actor through Ray's built-in
+            ``__ray_call__``, which torchrl's remote collectors (any Ray actor) have. A
+            name: call that method of the actor instead (an actor class that inherits
+            :class:`zmqsync.WeightSyncActorMixin` has ``"zmqsync_deliver"``).
+        poll_interval: longest gap between the learner's polls of an idle actor.
+        connect_timeout: seconds the learner's ``connect()`` (torchrl calls it before
+            the first update) waits for every actor to hold the latest version.
+        **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
+            stay ``True``).
+
+    A remote collector applies versions between its own method calls (a plain Ray actor
+    runs one call at a time), so an update sent while it collects a batch lands when
+    that batch is done; ``timeout`` must cover one batch.
+    """
+
+    _inner: _RayScheme
+
+    def __init__(
+        self,
+        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        *,
+        timeout: float = 10.0,
+        method: str | None = None,
+        poll_interval: float = POLL_INTERVAL,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        **sender_options: Any,
+    ) -> None:
+        _check_retain_snapshot(sender_options)
+        inner = _RayScheme(
+            strategy,
+            timeout=timeout,
+            method=DELIVER_METHOD if method is None else method,
+            poll_interval=poll_interval,
+            **sender_options,
+        )
+        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+        self.method = method
+
+    def _start_sender(
+        self,
+        model_id: str,
+        *,
+        model: Any,
+        num_workers: int | None,
+        context: Any,
+        ctx: Any,
+        remote_collectors: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self._no_more(kwargs, "init_on_sender", type(self).__name__)
+        actors = (
+            remote_collectors
+            if remote_collectors is not None
+            else getattr(context, "remote_collectors", None)
+        )
+        if actors is None:
+            raise ValueError(
+                "RayWeightSyncScheme.init_on_sender needs the remote collectors: pass "
+                "remote_collectors=[handle, ...], or a context (RayCollector) that has them"
+            )
+        if self.method is None:
+            if isinstance(actors, Mapping):
+                actors = {i: _through_ray_call(h) for i, h in actors.items()}
+            else:
+                actors = [_through_ray_call(h) for h in actors]
+        options = {} if num_workers is None else {"num_workers": num_workers}
+        self._inner.init_on_sender(model_id, remote_collectors=actors, model=model, **options)
+
+    def _setup_connection_and_weights_on_sender_impl(
+        self, *, worker_idx: int | None = None, weights: Any | None = None
+    ) -> None:
+        """Wait until every actor holds the latest version (RayCollector calls this
+        before its first update: collection then starts from the learner's weights)."""
+        self._wait_until_current(self.connect_timeout)
+        super()._setup_connection_and_weights_on_sender_impl(worker_idx=worker_idx, weights=weights)
+
+    def _wait_until_current(self, timeout: float) -> None:
+        sender = self._inner.get_sender()
+        deadline = time.monotonic() + timeout
+        while True:
+            status = sender.status()
+            behind = {w["worker"]: w for w in status["workers"] if w["version"] < status["version"]}
+            if not behind:
+                return
+            if time.monotonic() >= deadline:
+                details = "; ".join(
+                    f"worker {w} holds version {info['version']}"
+                    + ("" if info["connected"] else " (never joined)")
+                    for w, info in sorted(behind.items())
+                )
+                raise SyncTimeout(
+                    f"{len(behind)} Ray actor(s) did not reach version {status['version']} of "
+                    f"{self._model_id!r} within {timeout:g}s: {details}. Is each remote "
+                    "collector alive, and did it get the scheme (register_scheme_receiver)?",
+                    missing_workers=behind,
+                    version=status["version"],
+                )
+            time.sleep(_STATUS_POLL)  # status is local bookkeeping: cheap to look at
+
+    def _setup_connection_and_weights_on_receiver_impl(
+        self, *, worker_idx: int | None = None
+    ) -> None:
+        """Nothing to wait for in the actor: it joins through the learner's calls, which a
+        plain Ray actor runs only after this method returns (waiting here would hang)."""
+
+    def receive(self, timeout: float | None = None) -> Any:
+        """``None``: versions are applied as the learner's calls deliver them."""
+        if not self.initialized_on_receiver:
+            raise RuntimeError(f"{type(self).__name__}: receive() needs init_on_receiver() first")
+        return None
 
 
 def _model_of(context: Any, model_id: str) -> Any:
