@@ -164,3 +164,84 @@ def test_model_tensors_cache_follows_the_model() -> None:
     assert third is not second and third[("0.bias",)].data_ptr() == model[0].bias.data_ptr()
     model.append(nn.Linear(2, 2))  # module added
     assert ("3.weight",) in cache.get(model)
+
+
+@pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
+def test_model_tensors_cache_follows_a_dict_of_tensors(strategy: str) -> None:
+    from zmqsync.tensors import ModelTensors
+
+    weights = {"a": torch.zeros(3), "inner": {"b": torch.ones(2)}}
+    cache = ModelTensors(strategy)
+    first = cache.get(weights)
+    assert cache.get(weights) is first  # unchanged dict: the apply plan can be kept
+    weights["a"] = torch.ones(3)  # tensor replaced
+    second = cache.get(weights)
+    assert second is not first and next(iter(second.values())).data_ptr() == weights["a"].data_ptr()
+    weights["a"].data = torch.full((3,), 2.0)  # new storage behind the same tensor
+    third = cache.get(weights)
+    assert third is not second
+    weights["inner"]["c"] = torch.zeros(1)  # key added in a nested dict
+    assert len(cache.get(weights)) == 3
+    other = {"a": torch.zeros(3)}
+    assert len(cache.get(other)) == 1  # another model: walked afresh
+
+
+@pytest.mark.parametrize("serial", [True, False])  # memcpy per tensor / torch's foreach copy
+@pytest.mark.parametrize("pack_threshold", [0, 1 << 20])
+def test_both_copy_paths_land_every_dtype_in_place(serial: bool, pack_threshold: int) -> None:
+    from zmqsync.tensors import ApplyPlan
+
+    source, target = {}, {}
+    for i, dtype in enumerate(ALL_DTYPES):
+        base = torch.randn(5, 3) * 10
+        source[(f"t{i}",)] = base.to(dtype) if not dtype.is_complex else base.to(dtype) * 1j
+        target[(f"t{i}",)] = torch.zeros(5, 3, dtype=dtype)
+    source[("big",)], target[("big",)] = torch.randn(300, 300), torch.zeros(300, 300)
+    source[("param",)] = torch.randn(4)
+    target[("param",)] = nn.Parameter(torch.zeros(4))  # requires grad: still copied in place
+    source[("noncontig",)], target[("noncontig",)] = torch.randn(4, 6), torch.zeros(6, 4).t()
+    pointers = {k: t.data_ptr() for k, t in target.items()}
+    message = _wire(source, "state_dict", pack_threshold=pack_threshold)
+    plan = ApplyPlan(message.schema, target, "state_dict")
+    assert plan.serial  # small: memcpy by default
+    plan.serial = serial
+    plan.apply(message)
+    for key, tensor in source.items():
+        assert _same(target[key], tensor), key
+        assert target[key].data_ptr() == pointers[key], key
+
+
+def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
+    from zmqsync.tensors import ModelTensors
+
+    model = {"big": torch.zeros(64, 64), "small": torch.zeros(3), "flag": torch.zeros(2, dtype=torch.bool)}
+    cache, flattener = ModelTensors("state_dict"), Flattener("state_dict", pack_threshold=1024)
+    first = flattener.flatten(cache.get(model))
+    model["big"].add_(1)
+    model["small"].add_(2)
+    model["flag"].fill_(True)
+    second = flattener.flatten(cache.get(model))
+    assert second.schema is first.schema  # layout reused
+    assert second.buffers[1] is not first.buffers[1]  # the pack is a fresh buffer each time
+    out = materialize(_decoded(second))
+    assert torch.equal(out[("big",)], model["big"]) and torch.equal(out[("small",)], model["small"])
+    assert out[("flag",)].all()
+    # A non-contiguous tensor is copied to be sent: its copy is never reused.
+    strided = {"t": torch.zeros(8, 4).t()}
+    flattener = Flattener("state_dict", pack_threshold=1024)
+    flattener.flatten(cache.get(strided))
+    strided["t"].add_(5)
+    assert torch.equal(materialize(_decoded(flattener.flatten(cache.get(strided))))[("t",)],
+                       strided["t"])
+    # A tensor reshaped in place is seen.
+    module = nn.Linear(4, 4)
+    cache = ModelTensors("state_dict")
+    cache.get(module)
+    with torch.no_grad():
+        module.weight.data = module.weight.data.reshape(2, 8)
+    assert cache.get(module)[("weight",)].shape == (2, 8)
+
+
+def _decoded(flat):  # type: ignore[no-untyped-def]
+    frames = encode(Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes)
+    return decode([bytes(f) for f in frames])

@@ -220,7 +220,7 @@ class WeightSender:
                 raise RuntimeError("a send_async() is still pending: call wait_async() first")
             # One hub: keep it from the first frame to the last ack (one thread handoff).
             with self._runners[0].holding() if len(self._runners) == 1 else contextlib.nullcontext():
-                pending = self._start(weights, worker_ids)
+                pending = self._start(weights, worker_ids, wait=True)
                 self._finish(pending)
 
     def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
@@ -271,7 +271,8 @@ class WeightSender:
                 )
         return frozenset(ids)
 
-    def _start(self, weights: Any, worker_ids: int | list[int] | None) -> _Pending:
+    def _start(self, weights: Any, worker_ids: int | list[int] | None, *,
+               wait: bool = False) -> _Pending:
         self._check_open()
         targets = self._targets(worker_ids)
         source = self.model if weights is None else weights
@@ -308,10 +309,16 @@ class WeightSender:
         self._totals["versions_sent"] += 1
         self._totals["bytes_sent"] += flat.nbytes * max(1, len(targets))
         if self.retain_snapshot:
-            # The copy that late joiners and repairs get runs beside the transfer, which
-            # reads the model's memory at the same time; send() waits for it only before
-            # returning, when the caller may change its tensors again.
-            pending.snapshot = self._snapshotter().submit(self._take_snapshot, version, flat)
+            # The copy that late joiners and repairs get runs beside the transfer (ZeroMQ's
+            # I/O thread reads the model's memory meanwhile). A blocking send() copies on
+            # this thread, which would only wait for acks otherwise (a handoff to another
+            # thread costs more than a small copy on a busy machine); send_async() hands
+            # it to a thread so that it returns at once. Either way it is done before the
+            # caller may change its tensors again.
+            if wait:
+                self._take_snapshot(version, flat)
+            else:
+                pending.snapshot = self._snapshotter().submit(self._take_snapshot, version, flat)
         return pending
 
     def _snapshotter(self) -> concurrent.futures.ThreadPoolExecutor:

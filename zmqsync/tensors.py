@@ -128,8 +128,9 @@ class ModelTensors:
 
     Walking a large module tree (``state_dict()``) costs milliseconds per version; this
     keeps the result and re-walks only when it could be stale: a module added or removed,
-    a parameter or buffer replaced, or a tensor given new storage (``p.data = ...``).
-    Checking that is a dict lookup and a pointer compare per tensor.
+    a parameter or buffer replaced, or a tensor given new storage (``p.data = ...``) or
+    a new shape. Checking that is a dict lookup and two compares per tensor. The same
+    holds for a (nested) dict of tensors.
     """
 
     def __init__(self, strategy: str) -> None:
@@ -137,17 +138,21 @@ class ModelTensors:
         self.strategy = strategy
         self._model: Any = None
         self._modules: list[torch.nn.Module] = []
-        self._owners: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        # (container, key, tensor, its data pointer, its shape) for every tensor
+        self._owners: list[tuple[Any, Any, torch.Tensor, int, torch.Size]] = []
         self._tensors: dict[KeyPath, torch.Tensor] = {}
+        self._sizes: dict[int, tuple[Any, int]] = {}
 
     def get(self, model: Any) -> dict[KeyPath, torch.Tensor]:
+        if isinstance(model, Mapping) and not isinstance(model, TensorDictBase):
+            return self._get_mapping(model)
         if not isinstance(model, torch.nn.Module):
             return extract(model, self.strategy)
         if model is not self._model or not self._still_valid(model):
             self._tensors = extract(model, self.strategy)
             self._modules = list(model.modules())
             self._owners = [
-                (table, name, t, t.data_ptr())
+                (table, name, t, t.data_ptr(), t.shape)
                 for module in self._modules
                 for table in (module._parameters, module._buffers)
                 for name, t in table.items()
@@ -155,6 +160,28 @@ class ModelTensors:
             ]
             self._model = model
         return self._tensors
+
+    def _get_mapping(self, model: Mapping[Any, Any]) -> dict[KeyPath, torch.Tensor]:
+        """A dict of tensors (nested dicts too): the same check, per key."""
+        if model is self._model and self._mapping_still_valid():
+            return self._tensors
+        tensors = extract(model, self.strategy)
+        owners = list(_walk_owners(model))
+        if any(not isinstance(value, torch.Tensor) for _, _, value in owners):
+            self._model = None  # not all tensors (converted on extract): nothing to keep
+            return tensors
+        self._tensors = tensors
+        self._modules = []
+        self._owners = [(table, key, t, t.data_ptr(), t.shape) for table, key, t in owners]
+        self._sizes = {id(table): (table, len(table)) for table, _, _ in owners}
+        self._model = model
+        return tensors
+
+    def _mapping_still_valid(self) -> bool:
+        return all(len(table) == n for table, n in self._sizes.values()) and all(
+            table.get(key) is t and t.data_ptr() == ptr and t.shape == shape
+            for table, key, t, ptr, shape in self._owners
+        )
 
     def _still_valid(self, model: torch.nn.Module) -> bool:
         modules = list(model.modules())
@@ -167,8 +194,18 @@ class ModelTensors:
             for t in table.values()
         )
         return count == len(self._owners) and all(
-            table.get(name) is t and t.data_ptr() == ptr for table, name, t, ptr in self._owners
+            table.get(name) is t and t.data_ptr() == ptr and t.shape == shape
+            for table, name, t, ptr, shape in self._owners
         )
+
+
+def _walk_owners(mapping: Mapping[Any, Any]) -> Iterable[tuple[Any, Any, Any]]:
+    """``(container, key, leaf)`` for every leaf of a nested mapping."""
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and not isinstance(value, TensorDictBase):
+            yield from _walk_owners(value)
+        else:
+            yield mapping, key, value
 
 
 def _walk(mapping: Mapping[Any, Any], prefix: KeyPath) -> Iterable[tuple[KeyPath, Any]]:
@@ -239,16 +276,41 @@ class Flattener:
         self._layout_key: tuple[Any, ...] | None = None
         self._schema: WeightsSchema | None = None
         self._schema_bytes = b""
+        # The last tensors flattened, and what flattening them found: reused as is when
+        # the same mapping comes again (a ModelTensors cache hands out the same one while
+        # the model's tensors keep their storage).
+        self._source: Mapping[KeyPath, torch.Tensor] | None = None
+        self._big: list[torch.Tensor] = []
+        self._pack: list[np.ndarray] = []
 
     def flatten(self, tensors: Mapping[KeyPath, torch.Tensor]) -> Flat:
+        if tensors is not self._source:
+            self._prepare(tensors)
+        keepalive = list(self._big)
+        if self._pack:
+            # A fresh buffer every version: an earlier one may still be in flight. One
+            # memcpy per small tensor from views kept between versions (numpy's: torch's
+            # cat would reshape each tensor again and may wake its thread pool).
+            keepalive.append(torch.from_numpy(np.concatenate(self._pack)))
+        assert self._schema is not None
+        buffers: list[Buffer] = [memoryview(v.numpy()) for v in keepalive]
+        nbytes = sum(v.numel() for v in keepalive)
+        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive)
+
+    def _prepare(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
+        """Sort ``tensors`` into large ones (a frame each) and small ones (packed per
+        dtype), and build the schema if the layout changed."""
         big: list[tuple[KeyPath, torch.Tensor]] = []
         small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
+        aliases = True  # every view below reads the caller's tensors (no copy was made)
         for path, tensor in tensors.items():
             t = tensor
             if t.device.type != "cpu":
                 t = t.cpu()
+                aliases = False
             if not t.is_contiguous():
                 t = t.contiguous()
+                aliases = False
             if t.nbytes < self.pack_threshold:
                 small.setdefault(t.dtype, []).append((path, t))
             else:
@@ -257,29 +319,24 @@ class Flattener:
             tuple((p, t.dtype, t.shape) for p, t in big),
             tuple((p, t.dtype, t.shape) for group in small.values() for p, t in group),
         )
-        keepalive = [_byte_view(t) for _, t in big]
-        if small:
-            # One cat per dtype, then one byte view per group: a dtype-changing view per
-            # tensor would cost more than the copy for thousands of small tensors.
-            parts: list[torch.Tensor] = []
-            offset = 0
-            for group in small.values():
-                pad = -offset % _PACK_ALIGN
-                if pad:
-                    parts.append(torch.zeros(pad, dtype=torch.uint8))
-                    offset += pad
-                packed = _byte_view(torch.cat([t.reshape(-1) for _, t in group]))
-                parts.append(packed)
-                offset += packed.numel()
-            keepalive.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        self._big = [_byte_view(t) for _, t in big]
+        self._pack = []
+        offset = 0
+        for group in small.values():
+            pad = -offset % _PACK_ALIGN
+            if pad:
+                self._pack.append(np.zeros(pad, dtype=np.uint8))
+                offset += pad
+            for _, t in group:
+                self._pack.append(_byte_view(t.detach()).numpy())
+                offset += t.nbytes
         if layout_key != self._layout_key:
             self._schema = self._layout(big, small)
             self._schema_bytes = encode_schema(self._schema)
             self._layout_key = layout_key
-        assert self._schema is not None
-        buffers: list[Buffer] = [memoryview(v.numpy()) for v in keepalive]
-        nbytes = sum(v.numel() for v in keepalive)
-        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive)
+        # Copies (a GPU tensor brought to the CPU, a non-contiguous one made contiguous)
+        # hold this version's values only: such tensors are flattened afresh every time.
+        self._source = tensors if aliases else None
 
     def _layout(
         self,
@@ -349,12 +406,19 @@ def check_fits(schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], st
             )
 
 
+#: Versions up to this many bytes are copied into a worker's tensors by one memcpy per
+#: tensor on the receiving thread; larger ones by torch's (parallel) ``_foreach_copy_``.
+SERIAL_COPY_BYTES: Final = 64 * 1024 * 1024
+
+
 @dataclass
 class _BufferPlan:
     sizes: list[int]  # consecutive chunk sizes covering bytes [0, total) of the buffer
     take: list[int]  # which chunks land in a tensor (the others are padding)
     dests: list[torch.Tensor]  # byte views of those tensors, in the same order
     total: int
+    offsets: list[int] = field(default_factory=list)  # where each dest's bytes start
+    arrays: list[np.ndarray] = field(default_factory=list)  # dests, as numpy byte arrays
 
 
 class ApplyPlan:
@@ -393,25 +457,38 @@ class ApplyPlan:
                 plan.take.append(len(plan.sizes))
                 plan.sizes.append(e.nbytes)
                 plan.dests.append(_byte_view(target[e.key]))
+                plan.offsets.append(e.offset)
+                plan.arrays.append(_byte_view(target[e.key].detach()).numpy())
                 plan.total = e.offset + e.nbytes
             self._buffers[index] = plan
+        self.nbytes = sum(e.nbytes for e in schema.entries)
+        # Below this size a plain memcpy per tensor beats torch's parallel copy: waking
+        # torch's intra-op threads costs milliseconds on a busy machine, more than the
+        # whole copy (a 1 MB version: 0.1 ms serial, up to 20 ms waiting for threads).
+        self.serial = self.nbytes <= SERIAL_COPY_BYTES
 
     def fits(self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor]) -> bool:
         return schema is self.schema and target is self.target
 
     def apply(self, message: Weights) -> None:
         views = _source_views(message)
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
         with torch.no_grad():
-            for index, plan in self._buffers.items():
-                view = views[index]
-                assert view is not None
-                chunks = torch.split(view[: plan.total], plan.sizes)
-                src.extend(chunks[i] for i in plan.take)
-                dst.extend(plan.dests)
-            if dst:
-                torch._foreach_copy_(dst, src)
+            if self.serial:
+                for index, plan in self._buffers.items():
+                    source = np.frombuffer(message.buffers[index], dtype=np.uint8)
+                    for array, offset in zip(plan.arrays, plan.offsets, strict=True):
+                        np.copyto(array, source[offset : offset + array.nbytes])
+            else:
+                dst: list[torch.Tensor] = []
+                src: list[torch.Tensor] = []
+                for index, plan in self._buffers.items():
+                    view = views[index]
+                    assert view is not None
+                    chunks = torch.split(view[: plan.total], plan.sizes)
+                    src.extend(chunks[i] for i in plan.take)
+                    dst.extend(plan.dests)
+                if dst:
+                    torch._foreach_copy_(dst, src)
             for e, dest in self._slow:
                 data = _entry_bytes(views, e)
                 if dest.is_contiguous():
