@@ -1,0 +1,112 @@
+"""Ray actors of the transports benchmark (issue 3): each hosts a zmqsync Ray receiver
+and a torchrl Ray receiver, one cell at a time.
+
+The actor class gives both schemes what they call on an actor:
+
+- zmqsync's ``RayWeightSyncScheme`` calls ``zmqsync_deliver`` (from
+  :class:`zmqsync.WeightSyncActorMixin`); the receiver applies each version there.
+- torchrl's ``RayWeightSyncScheme`` calls ``_connect_weights_scheme`` (join the gloo
+  process group, receive the first version) and ``_receive_weights_scheme`` (receive
+  one version over gloo and apply it). These are written the way torchrl's collectors
+  write them (``torchrl/collectors/_base.py``): loop over the registered receiver
+  schemes and call ``scheme.connect(worker_idx=...)`` / ``scheme.receive()``. The actor
+  is the scheme's context, as a collector is, and has the ``worker_idx`` it reads.
+
+Actors are threaded (``max_concurrency=4``): zmqsync's sender polls an idle actor every
+quarter second while the other variant's block runs, and such a poll must not queue
+behind torchrl's receive call (nor the other way round); and a torchrl call stuck in an
+actor (its gloo waits have no deadline of ours) must not starve zmqsync's calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks._harness import SIZES, digest, make_state_dict
+from benchmarks._transports_worker import (
+    TORCHRL_RAY,
+    ZMQSYNC_RAY,
+    module_state,
+    module_view,
+    ownership,
+)
+from zmqsync import WeightSyncActorMixin
+
+
+class BenchActor(WeightSyncActorMixin):
+    """One worker of the Ray variants (wrap with ``ray.remote(...)``)."""
+
+    def __init__(self, worker_idx: int, torch_threads: int | None) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self.worker_idx = worker_idx  # torchrl reads it from its context
+        self.policy: nn.Module | None = None
+        self._receiver_schemes: dict[str, Any] = {}
+        self._zmqsync: tuple[Any, dict[str, torch.Tensor]] | None = None
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    # --- zmqsync -------------------------------------------------------------------
+
+    def open_zmqsync(self, scheme: Any, size: str) -> str:
+        state_dict = make_state_dict(SIZES[size], fill="zeros")
+        self._zmqsync = (scheme, state_dict)
+        scheme.init_on_worker("policy", model=state_dict)  # joins on the sender's calls
+        return ZMQSYNC_RAY
+
+    # --- torchrl (what its collectors do) ------------------------------------------
+
+    def open_torchrl(self, scheme: Any, size: str) -> str:
+        """``register_scheme_receiver({"policy": scheme}, synchronize_weights=False)``."""
+        self.policy = module_view(make_state_dict(SIZES[size], fill="zeros"))
+        scheme.init_on_receiver(
+            model_id="policy", context=self, model=self.policy, worker_idx=self.worker_idx
+        )
+        self._receiver_schemes = {"policy": scheme}
+        return TORCHRL_RAY
+
+    def _connect_weights_scheme(self, model_version: int | None = None) -> None:
+        for scheme in self._receiver_schemes.values():
+            if not scheme.synchronized_on_receiver:
+                scheme.connect(worker_idx=self.worker_idx)
+
+    def _receive_weights_scheme(self, model_version: int | None = None) -> None:
+        for scheme in self._receiver_schemes.values():
+            scheme.receive()
+
+    # --- both ----------------------------------------------------------------------
+
+    def digest(self, name: str) -> dict[str, Any]:
+        if name == TORCHRL_RAY:
+            assert self.policy is not None, "no torchrl session is open"
+            tensors = module_state(self.policy)
+            return {"digest": digest(tensors), "ownership": ownership(tensors)}
+        assert self._zmqsync is not None, "no zmqsync session is open"
+        scheme, state_dict = self._zmqsync
+        with scheme.lock:
+            return {
+                "digest": digest(state_dict),
+                "ownership": ownership(state_dict),
+                "version": scheme.get_receiver().version,
+            }
+
+    def close(self) -> int:
+        closed = 0
+        if self._zmqsync is not None:
+            with contextlib.suppress(Exception):
+                self._zmqsync[0].shutdown()
+            self._zmqsync = None
+            closed += 1
+        for scheme in self._receiver_schemes.values():
+            with contextlib.suppress(Exception):
+                scheme.shutdown()
+            closed += 1
+        self._receiver_schemes = {}
+        self.policy = None
+        return closed

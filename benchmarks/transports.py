@@ -1,0 +1,1086 @@
+"""zmqsync's pipe and Ray transports against torchrl's schemes (issue 3).
+
+For each cell (model size x K workers), the wall time of ``send()``, from its start to
+its return, when every targeted worker has copied the new version into tensors of its
+own, for five variants run side by side:
+
+- ``zmqsync-pipe``: ``zmqsync.MultiProcessWeightSyncScheme("state_dict")``, one
+  ``multiprocessing.Pipe()`` per worker process;
+- ``torchrl-mp``: ``torchrl.weight_update.MultiProcessWeightSyncScheme``, driven as its
+  collectors drive it, in the same worker processes (``mp.Queue``s; torch moves the
+  learner's tensors to shared memory; each worker copies them into its own tensors);
+- ``zmqsync-ray``: ``zmqsync.RayWeightSyncScheme("state_dict")`` with Ray actors;
+- ``torchrl-ray``: ``torchrl.weight_update.RayWeightSyncScheme`` (Ray calls to signal,
+  torch.distributed gloo for the tensors), in the same actors;
+- ``zmqsync-zmq``: ``zmqsync.ZMQWeightSyncScheme("state_dict")``, PUB/SUB over ipc, in
+  the worker processes: zmqsync's ZeroMQ transport, for reference.
+
+A cell runs the variants A B C D E, then E D C B A, half the repeats each, so drift on a
+shared machine hits them alike. Every send, torchrl's included, runs on a helper thread
+with a deadline (torchrl's own waits have none), so a scheme that hangs is recorded as a
+failure and the run goes on.
+
+Run ``python -m benchmarks.transports --help``; see ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import queue
+import shlex
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from benchmarks._harness import (
+    SIZES,
+    WORKER_START_SECONDS,
+    PeakMemoryMeter,
+    WorkerPool,
+    digest,
+    machine_info,
+    make_state_dict,
+)
+from benchmarks._transports_worker import (
+    PIPE,
+    TORCHRL_MP,
+    TORCHRL_RAY,
+    ZMQ,
+    ZMQSYNC_RAY,
+    Slot,
+    module_view,
+    worker_main,
+)
+from benchmarks.sync_latency import _csv, _raise_exit, _workdir
+
+#: The variants, in the order a cell runs them (then the reverse).
+VARIANTS: Final = (PIPE, TORCHRL_MP, ZMQSYNC_RAY, TORCHRL_RAY, ZMQ)
+#: Each zmqsync transport and the torchrl scheme it replaces.
+PAIRS: Final = ((PIPE, TORCHRL_MP), (ZMQSYNC_RAY, TORCHRL_RAY))
+#: The issue's targets: zmqsync at or below torchrl everywhere (ratio <= 1)...
+RATIO_TARGET: Final = 1.0
+#: ...and at least this many times faster on the model of many small tensors.
+SPEEDUP_TARGET: Final = 10.0
+SMALL_TENSORS: Final = "2000x4KB"
+#: Timed sends per variant and cell, by size (``--repeats`` sets them all; 128MB and
+#: 2000x4KB then get a fifth, at least 2: torchrl takes seconds per send there).
+DEFAULT_REPEATS: Final[dict[str, int]] = {"1MB": 30, "16MB": 16, "128MB": 6, "2000x4KB": 6}
+DEFAULT_WARMUP: Final = 1
+QUICK_SIZES: Final = ("1MB", "2000x4KB")
+QUICK_WORKERS: Final = (1, 2)
+QUICK_REPEATS: Final = 2
+#: Logical CPUs Ray is told about (the machine has 2 cores; actors ask for none).
+RAY_CPUS: Final = 2
+#: Longest wait for a hung call's cleanup (a scheme's shutdown, an actor's close).
+CLEANUP_SECONDS: Final = 10.0
+#: A call is given up on this long after ``--timeout``: zmqsync's own timeout errors
+#: (which name the missing workers) then arrive first.
+DEADLINE_MARGIN: Final = 5.0
+
+log = logging.getLogger("benchmarks.transports")
+
+
+# --- calls with a deadline --------------------------------------------------------------
+
+
+class Hung(TimeoutError):
+    """A call did not return within its deadline (it is left running on its thread)."""
+
+
+class CallRunner:
+    """Runs calls one at a time on a thread of its own; the caller waits with a deadline.
+
+    torchrl's schemes wait without deadlines (``queue.get()``, ``ray.get()``), so the only
+    way to give their ``send()`` one is to wait for it from another thread. zmqsync's
+    sends go through the same runner, so both pay the same (untimed) handoff; the time
+    recorded is taken on the runner's thread, around the call itself.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.hung: str | None = None
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"bench-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, done, box = job
+            start = time.perf_counter()
+            try:
+                box["value"] = fn()
+            except BaseException as exc:
+                box["error"] = exc
+            box["elapsed"] = time.perf_counter() - start
+            done.set()
+
+    def call(self, fn: Callable[[], Any], timeout: float, what: str) -> tuple[Any, float]:
+        """``fn()``'s value and its duration; raises what it raised, or :class:`Hung`."""
+        if self.hung is not None:
+            raise Hung(f"{self.name}: an earlier call never returned ({self.hung})")
+        done = threading.Event()
+        box: dict[str, Any] = {}
+        self._jobs.put((fn, done, box))
+        if not done.wait(timeout):
+            self.hung = f"{what} did not return within {timeout:g}s"
+            raise Hung(f"{self.name}: {self.hung}")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value"), box["elapsed"]
+
+    def close(self) -> None:
+        if self.hung is None:
+            self._jobs.put(None)
+
+
+def bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``fn()`` on a throwaway thread, waited for at most ``timeout`` seconds."""
+    runner = CallRunner(what)
+    try:
+        return runner.call(fn, timeout, what)[0]
+    finally:
+        runner.close()
+
+
+# --- the learner's side ---------------------------------------------------------------------
+
+
+@dataclass
+class LearnerModel:
+    """The learner's weights for one size, in the forms each scheme takes.
+
+    ``state_dict`` is what zmqsync's schemes are given; ``view`` is an ``nn.Module`` over
+    the same tensors (torchrl's schemes want modules); ``weights`` is torchrl's
+    TensorDict of them, built once and passed to every torchrl ``send(weights=...)``,
+    so torchrl pays for no extraction per send (zmqsync does its own, from the dict).
+    """
+
+    size: str
+    state_dict: dict[str, torch.Tensor]
+    view: nn.Module
+    weights: TensorDict
+
+    @classmethod
+    def make(cls, size: str) -> LearnerModel:
+        state_dict = make_state_dict(SIZES[size], fill="random")
+        view = module_view(state_dict)
+        return cls(size, state_dict, view, TensorDict.from_module(view))
+
+    def bump(self, step: int) -> None:
+        """Make the next send a new version: in place, one tensor, no allocation."""
+        tensors = list(self.state_dict.values())
+        tensors[step % len(tensors)].add_(1)
+
+
+class TorchrlContext:
+    """What torchrl's multiprocess scheme reads from its collector: the policy and
+    each worker's device."""
+
+    def __init__(self, policy: nn.Module, workers: int) -> None:
+        self.policy = policy
+        self.policy_device = [torch.device("cpu")] * workers
+
+
+@dataclass
+class PoolSlot:
+    """The learner's half of a pool slot: one cell's pipes and torchrl scheme."""
+
+    name: str
+    size: str
+    pipes: list[Any]  # the learner's end of each worker's pipe
+    torchrl: Any
+    context: TorchrlContext  # torchrl holds its context by weak reference
+
+
+class TransportPool(WorkerPool):
+    """K spawned workers serving every cell of one K (see :mod:`._transports_worker`).
+
+    Each worker is given, at spawn, one slot per cell it will serve: the cell's torchrl
+    scheme (its queues can only be inherited) and its end of the cell's zmqsync pipe.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        torch_threads: int | None,
+        models: dict[str, LearnerModel],
+        cells: Sequence[tuple[str, str]],
+    ) -> None:
+        super().__init__(size, torch_threads)
+        self.slots: dict[str, PoolSlot] = {}
+        self._children: list[dict[str, Slot]] = [{} for _ in range(size)]
+        for slot_name, model_size in cells:
+            ends = [self._ctx.Pipe(duplex=True) for _ in range(size)]
+            context = TorchrlContext(models[model_size].view, size)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from torchrl.weight_update import MultiProcessWeightSyncScheme
+
+                scheme = MultiProcessWeightSyncScheme()
+            scheme.init_on_sender(model_id="policy", context=context, ctx=self._ctx)
+            self.slots[slot_name] = PoolSlot(
+                slot_name, model_size, [parent for parent, _ in ends], scheme, context
+            )
+            for i, (_, child) in enumerate(ends):
+                self._children[i][slot_name] = Slot(pipe=child, torchrl=scheme)
+
+    def start(self, timeout: float = WORKER_START_SECONDS) -> None:
+        for idx in range(self.size):
+            parent, child = self._ctx.Pipe()
+            proc = self._ctx.Process(
+                target=worker_main,
+                args=(idx, child, os.getpid(), self.torch_threads, self._children[idx]),
+                name=f"bench-transports-{idx}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        # The workers hold their pipe ends now; closing ours lets a dead worker be seen.
+        for children in self._children:
+            for slot in children.values():
+                slot.pipe.close()
+        self._children = []
+        self.call(range(self.size), "start", (), timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        super().close(timeout)
+        for slot in self.slots.values():
+            for pipe in slot.pipes:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+            # Bounded: closing a queue joins its feeder thread, which could be stuck.
+            with contextlib.suppress(Exception):
+                bounded(slot.torchrl.shutdown, CLEANUP_SECONDS, "torchrl-mp shutdown")
+
+
+class RayFleet:
+    """The Ray actors, started once and reused by every cell (restarted if one hangs)."""
+
+    def __init__(self, size: int, torch_threads: int | None, timeout: float) -> None:
+        import ray
+
+        from benchmarks._transports_ray import BenchActor
+
+        self._ray = ray
+        # Threaded, so that one variant's call stuck in an actor (torchrl's gloo waits
+        # have no deadline) does not starve the other's; see _transports_ray.
+        self._cls = ray.remote(BenchActor).options(num_cpus=0, max_concurrency=4)
+        self.size = size
+        self.torch_threads = torch_threads
+        self.timeout = timeout
+        self.actors: list[Any] = []
+
+    def start(self) -> None:
+        self.actors = [self._cls.remote(i, self.torch_threads) for i in range(self.size)]
+        self._ray.get([a.ready.remote() for a in self.actors], timeout=WORKER_START_SECONDS)
+
+    def get(self, refs: Any, what: str, timeout: float | None = None) -> Any:
+        try:
+            return self._ray.get(refs, timeout=self.timeout if timeout is None else timeout)
+        except self._ray.exceptions.GetTimeoutError:
+            raise Hung(f"Ray actors did not answer {what!r} in time") from None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+# --- variants ---------------------------------------------------------------------------------
+
+
+@dataclass
+class VariantResult:
+    """One variant's figures in one cell."""
+
+    times: list[float] = field(default_factory=list)
+    extra_bytes: dict[str, int] = field(default_factory=dict)
+    retained_bytes: dict[str, int] = field(default_factory=dict)
+    failure: str | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def median_ms(self) -> float:
+        return float(np.median(self.times)) * 1e3 if self.times and not self.failure else math.nan
+
+    def p90_ms(self) -> float:
+        return (
+            float(np.percentile(self.times, 90)) * 1e3
+            if self.times and not self.failure
+            else math.nan
+        )
+
+
+@dataclass
+class CellEnv:
+    """What a variant needs to open for one cell."""
+
+    size: str
+    workers: int
+    model: LearnerModel
+    pool: TransportPool | None  # None when no variant runs in worker processes
+    slot: PoolSlot | None
+    fleet: RayFleet | None  # None when no variant runs in Ray actors
+    timeout: float
+    workdir: str
+    tag: str
+    zmqsync_options: dict[str, Any]
+
+
+class Variant:
+    """One scheme set up for one cell; :meth:`send` returns the timed duration."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self.runner = CallRunner(self.name)
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _send(self) -> None:
+        raise NotImplementedError
+
+    def send(self, timeout: float) -> float:
+        return self.runner.call(self._send, timeout + DEADLINE_MARGIN, "send()")[1]
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        try:
+            bounded(self._close, CLEANUP_SECONDS, f"{self.name} shutdown")
+        except Exception as exc:
+            log.warning("%s: closing failed: %s", self.name, exc)
+        self.runner.close()
+
+    def digests(self, env: CellEnv) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    @property
+    def broke_workers(self) -> bool:
+        """Whether this variant's workers are of no use to later cells (a call hung
+        there and never returned: torchrl's waits have no deadline)."""
+        return False
+
+
+def _pool(env: CellEnv) -> tuple[TransportPool, PoolSlot]:
+    if env.pool is None or env.slot is None:
+        raise RuntimeError("the process variants need the worker pool: it was not started")
+    return env.pool, env.slot
+
+
+class _ProcessVariant(Variant):
+    def digests(self, env: CellEnv) -> list[dict[str, Any]]:
+        pool, _ = _pool(env)
+        return pool.call(range(env.workers), "digest", (self.name,), env.timeout)
+
+
+class PipeVariant(_ProcessVariant):
+    name = PIPE
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        from zmqsync import MultiProcessWeightSyncScheme
+
+        pool, slot = _pool(env)
+        self.scheme = MultiProcessWeightSyncScheme(
+            "state_dict", timeout=env.timeout, **env.zmqsync_options
+        )
+        self.scheme.init_on_sender(
+            "policy", pipes=slot.pipes, model=env.model.state_dict, num_workers=env.workers
+        )
+        # The scheme pickles into the workers without its pipes; each has its own end.
+        pool.call(
+            range(env.workers),
+            "open_pipe",
+            (slot.name, self.scheme, env.size, env.timeout),
+            env.timeout + 10,
+        )
+        self.runner.call(
+            lambda: self.scheme.connect(timeout=env.timeout),
+            env.timeout + DEADLINE_MARGIN,
+            "connect",
+        )
+        return {}
+
+    def _send(self) -> None:
+        self.scheme.send()
+
+    def _close(self) -> None:
+        self.scheme.shutdown()
+
+
+class TorchrlMPVariant(_ProcessVariant):
+    name = TORCHRL_MP
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        pool, slot = _pool(env)
+        self.scheme = slot.torchrl
+        self.weights = env.model.weights
+        # Sender first: it puts the first version in every worker's queue (moving the
+        # learner's tensors to shared memory on the way); each worker then takes it.
+        self.runner.call(self.scheme.connect, env.timeout + DEADLINE_MARGIN, "connect")
+        facts = pool.call(
+            range(env.workers),
+            "open_torchrl_mp",
+            {i: (slot.name, env.size, i, env.timeout) for i in range(env.workers)},
+            env.timeout + 10,
+        )
+        return {"workers": facts}
+
+    def _send(self) -> None:
+        self.scheme.send(weights=self.weights)
+
+    def _close(self) -> None:
+        self.scheme.shutdown()
+
+    @property
+    def broke_workers(self) -> bool:
+        return self.runner.hung is not None
+
+
+class ZmqVariant(_ProcessVariant):
+    name = ZMQ
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        from zmqsync import ZMQWeightSyncScheme
+
+        pool, _ = _pool(env)
+        self.scheme = ZMQWeightSyncScheme(
+            "state_dict",
+            mode="pubsub",
+            endpoint=f"ipc://{env.workdir}/{env.tag}-zmq",
+            timeout=env.timeout,
+            **env.zmqsync_options,
+        )
+        self.scheme.init_on_sender("policy", model=env.model.state_dict, num_workers=env.workers)
+        pool.call(
+            range(env.workers),
+            "open_zmq",
+            {i: (self.scheme, env.size, i, env.timeout) for i in range(env.workers)},
+            env.timeout + 10,
+        )
+        return {}
+
+    def _send(self) -> None:
+        self.scheme.send()
+
+    def _close(self) -> None:
+        self.scheme.shutdown()
+
+
+def _fleet(env: CellEnv) -> RayFleet:
+    if env.fleet is None:
+        raise RuntimeError("the Ray variants need Ray: it was not started")
+    return env.fleet
+
+
+class ZmqsyncRayVariant(Variant):
+    name = ZMQSYNC_RAY
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        from zmqsync import RayWeightSyncScheme
+
+        actors = _fleet(env).actors[: env.workers]
+        self.scheme = RayWeightSyncScheme("state_dict", timeout=env.timeout, **env.zmqsync_options)
+        _fleet(env).get([a.open_zmqsync.remote(self.scheme, env.size) for a in actors], "open")
+        self.scheme.init_on_sender("policy", remote_collectors=actors, model=env.model.state_dict)
+        self.runner.call(
+            lambda: self.scheme.connect(timeout=env.timeout),
+            env.timeout + DEADLINE_MARGIN,
+            "connect",
+        )
+        return {}
+
+    def _send(self) -> None:
+        self.scheme.send()
+
+    def _close(self) -> None:
+        self.scheme.shutdown()
+
+    def digests(self, env: CellEnv) -> list[dict[str, Any]]:
+        actors = _fleet(env).actors[: env.workers]
+        return _fleet(env).get([a.digest.remote(self.name) for a in actors], "digest")
+
+
+class TorchrlRayVariant(Variant):
+    name = TORCHRL_RAY
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchrl.weight_update import RayWeightSyncScheme
+
+        actors = _fleet(env).actors[: env.workers]
+        self.weights = env.model.weights
+        self.scheme = RayWeightSyncScheme()  # gloo, strategy "tensordict" (its defaults)
+        self.scheme.init_on_sender(
+            model_id="policy",
+            remote_collectors=actors,
+            num_workers=env.workers,
+            model=env.model.view,
+        )
+        # As torchrl's RayCollector: register the receivers without synchronizing, then
+        # the sender's connect() and the actors' _connect_weights_scheme() meet in the
+        # gloo rendezvous, and the first version travels.
+        _fleet(env).get([a.open_torchrl.remote(self.scheme, env.size) for a in actors], "open")
+        joining = [a._connect_weights_scheme.remote() for a in actors]
+        self.runner.call(self.scheme.connect, env.timeout + DEADLINE_MARGIN, "connect")
+        _fleet(env).get(joining, "_connect_weights_scheme")
+        return {}
+
+    def _send(self) -> None:
+        self.scheme.send(weights=self.weights)
+
+    def _close(self) -> None:
+        self.scheme.shutdown()
+
+    def digests(self, env: CellEnv) -> list[dict[str, Any]]:
+        actors = _fleet(env).actors[: env.workers]
+        return _fleet(env).get([a.digest.remote(self.name) for a in actors], "digest")
+
+    @property
+    def broke_workers(self) -> bool:
+        return self.runner.hung is not None
+
+
+VARIANT_CLASSES: Final[dict[str, type[Variant]]] = {
+    PIPE: PipeVariant,
+    TORCHRL_MP: TorchrlMPVariant,
+    ZMQSYNC_RAY: ZmqsyncRayVariant,
+    TORCHRL_RAY: TorchrlRayVariant,
+    ZMQ: ZmqVariant,
+}
+
+
+def _why(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return " ".join(text.split())[:300]
+
+
+# --- one cell ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One row of the table: a size and K workers."""
+
+    size: str
+    workers: int
+    results: dict[str, VariantResult] = field(default_factory=dict)
+    #: Variants whose workers hung in this cell (their pool or actors are replaced).
+    broke: set[str] = field(default_factory=set)
+
+    def ratio(self, zmqsync: str, torchrl: str) -> float:
+        return self.results[zmqsync].median_ms() / self.results[torchrl].median_ms()
+
+    def extra_pct(self, variant: str) -> float | None:
+        measured = self.results[variant].extra_bytes
+        extra = measured.get("heap", measured.get("rss_anon"))
+        return None if extra is None else 100.0 * extra / SIZES[self.size].nbytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "model_bytes": SIZES[self.size].nbytes,
+            "workers": self.workers,
+            "ratios": {f"{z}/{t}": self.ratio(z, t) for z, t in PAIRS},
+            "variants": {
+                name: {
+                    "median_ms": r.median_ms(),
+                    "p90_ms": r.p90_ms(),
+                    "times_ms": [t * 1e3 for t in r.times],
+                    "failure": r.failure,
+                    "extra_bytes": r.extra_bytes,
+                    "extra_pct": self.extra_pct(name),
+                    "retained_bytes": r.retained_bytes,
+                    "notes": r.notes,
+                }
+                for name, r in self.results.items()
+            },
+        }
+
+
+def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int) -> Cell:
+    """Open every variant for the cell, time them (A..E, E..A), check every worker."""
+    cell = Cell(env.size, env.workers)
+    opened: list[Variant] = []
+    live: list[Variant] = []
+    step = 0
+    interrupted = False
+    try:
+        for name in variants:
+            v = VARIANT_CLASSES[name]()
+            result = cell.results[name] = VariantResult()
+            opened.append(v)
+            try:
+                result.notes = v.open(env)
+                live.append(v)
+            except Exception as exc:
+                result.failure = f"set-up failed: {_why(exc)}"
+                log.warning("%s %s K=%d: %s", name, env.size, env.workers, result.failure)
+        halves = (math.ceil(repeats / 2), repeats // 2)
+        for round_no, order in enumerate((live, live[::-1])):
+            for v in order:
+                result = cell.results[v.name]
+                if halves[round_no] == 0 or result.failure:
+                    continue
+                meter = PeakMemoryMeter() if round_no == 0 else None
+                try:
+                    with meter if meter is not None else contextlib.nullcontext():
+                        for i in range(warmup + halves[round_no]):
+                            env.model.bump(step)
+                            step += 1
+                            elapsed = v.send(env.timeout)
+                            if i >= warmup:
+                                result.times.append(elapsed)
+                except Exception as exc:
+                    result.failure = f"send failed: {_why(exc)}"
+                    log.warning("%s %s K=%d: %s", v.name, env.size, env.workers, result.failure)
+                    continue
+                if meter is not None:
+                    result.extra_bytes, result.retained_bytes = meter.extra, meter.retained
+        # Every variant sends the model as it is now; every worker's copy must match it
+        # and be its own memory (nothing shared with, or aliased to, the learner's).
+        survivors = [v for v in live if not cell.results[v.name].failure]
+        for v in survivors:
+            try:
+                v.send(env.timeout)
+            except Exception as exc:
+                cell.results[v.name].failure = f"final send failed: {_why(exc)}"
+        expected = digest(env.model.state_dict)
+        for v in survivors:
+            result = cell.results[v.name]
+            if result.failure:
+                continue
+            try:
+                replies = v.digests(env)
+            except Exception as exc:
+                result.failure = f"reading the workers failed: {_why(exc)}"
+                continue
+            wrong = [i for i, r in enumerate(replies) if r["digest"] != expected]
+            not_own = [
+                i
+                for i, r in enumerate(replies)
+                if r["ownership"]["shared"] or not r["ownership"]["distinct_storages"]
+            ]
+            result.notes["ownership"] = [r["ownership"] for r in replies]
+            if wrong:
+                result.failure = f"workers {wrong} do not hold the learner's weights"
+            elif not_own:
+                result.failure = f"workers {not_own} do not hold the weights in memory of their own"
+    except (KeyboardInterrupt, SystemExit):
+        interrupted = True  # no polite teardown: main() kills the workers and actors
+        raise
+    finally:
+        if not interrupted:
+            with _quiet("zmqsync.transport.pipe"):  # a pipe's far end closing is expected
+                _close_cell(env, opened)
+    cell.broke = {v.name for v in opened if v.broke_workers}
+    return cell
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    target = logging.getLogger(logger)
+    level = target.level
+    target.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        target.setLevel(level)
+
+
+def _close_cell(env: CellEnv, opened: Sequence[Variant]) -> None:
+    """Close the cell's sessions in the workers, then the learner's schemes."""
+    # Workers first, as a collector's would stop before the learner.
+    if env.pool is not None:
+        with contextlib.suppress(Exception):
+            env.pool.call(range(env.workers), "close", (), env.timeout)
+    if env.fleet is not None:
+        with contextlib.suppress(Exception):
+            env.fleet.get([a.close.remote() for a in env.fleet.actors[: env.workers]], "close")
+    for v in opened:
+        v.close()
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def _ms(r: VariantResult) -> str:
+    if r.failure:
+        return f"failed: {r.failure[:80]}"
+    return f"{r.median_ms():.2f} / {r.p90_ms():.2f}"
+
+
+def _ratio(cell: Cell, zmqsync: str, torchrl: str) -> str:
+    x = cell.ratio(zmqsync, torchrl)
+    if math.isnan(x):
+        return "n/a"
+    text = f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
+    if x > RATIO_TARGET:
+        text = f"**{text}**"
+    if cell.size == SMALL_TENSORS:
+        met = x <= 1.0 / SPEEDUP_TARGET
+        text += f" ({1 / x:.0f}x faster: {'met' if met else 'missed'})" if x < 1 else " (missed)"
+    return text
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.0f}%"
+
+
+def markdown(
+    cells: Sequence[Cell],
+    variants: Sequence[str],
+    machine: dict[str, Any],
+    command: str,
+    seconds: float,
+) -> str:
+    """The README's table: one row per cell, then a summary and the machine."""
+    pairs = [(z, t) for z, t in PAIRS if z in variants and t in variants]
+    header = ["size", "K"]
+    align = ["---", "---:"]
+    for name in variants:
+        header.append(f"{name} ms (median / p90)")
+        align.append("---:")
+        for z, t in pairs:
+            if name == t:
+                header.append(f"{z} / {t}")
+                align.append("---:")
+    header.append("extra mem: " + " / ".join(variants))
+    align.append("---:")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    ordered = sorted(cells, key=lambda c: (list(SIZES).index(c.size), c.workers))
+    for c in ordered:
+        row = [c.size, str(c.workers)]
+        for name in variants:
+            row.append(_ms(c.results[name]))
+            for z, t in pairs:
+                if name == t:
+                    row.append(_ratio(c, z, t))
+        row.append(" / ".join(_pct(c.extra_pct(n)) for n in variants))
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Ratio = zmqsync median / torchrl median; **bold** = zmqsync slower than torchrl "
+        f"(target: at or below 1 everywhere, and {SPEEDUP_TARGET:.0f}x faster for "
+        f"{SMALL_TENSORS}).",
+        "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
+        "block of sends, % of the model (Ray's object store and torch's shared memory are "
+        "not malloc'd by the learner, so they do not show here).",
+        "",
+    ]
+    for z, t in pairs:
+        measured = [c for c in cells if not math.isnan(c.ratio(z, t))]
+        within = sum(c.ratio(z, t) <= RATIO_TARGET for c in measured)
+        small = [c for c in measured if c.size == SMALL_TENSORS]
+        fast = sum(c.ratio(z, t) <= 1 / SPEEDUP_TARGET for c in small)
+        failed = [
+            f"{c.size} K={c.workers}" for c in cells if c.results[z].failure or c.results[t].failure
+        ]
+        line = f"- {z} vs {t}: at or below torchrl in {within}/{len(measured)} cells"
+        if small:
+            line += f"; {SPEEDUP_TARGET:.0f}x faster for {SMALL_TENSORS} in {fast}/{len(small)}"
+        if failed:
+            line += f"; failed (either side): {', '.join(failed)}"
+        lines.append(line)
+    lines += [
+        "",
+        f"Command: `{command}` ({seconds / 60:.1f} min)",
+        "",
+        "Machine: "
+        + ", ".join(
+            f"{k} {v if not isinstance(v, tuple | list) else ' '.join(f'{x:.2f}' for x in v)}"
+            for k, v in machine.items()
+        ),
+        "",
+        "Models: "
+        + "; ".join(
+            f"{name} = {SIZES[name].describe()}"
+            for name in sorted({c.size for c in cells}, key=list(SIZES).index)
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.transports",
+        description="zmqsync's pipe and Ray transports against torchrl's "
+        "MultiProcessWeightSyncScheme and RayWeightSyncScheme.",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: sizes {','.join(QUICK_SIZES)}, workers "
+        f"{','.join(map(str, QUICK_WORKERS))}, {QUICK_REPEATS} repeats (~3 min)",
+    )
+    p.add_argument(
+        "--sizes", type=_csv(str, list(SIZES)), help=f"from {','.join(SIZES)} (default: all)"
+    )
+    p.add_argument("--workers", type=_csv(int), help="worker counts K (default: 1,2,4)")
+    p.add_argument(
+        "--variants",
+        type=_csv(str, list(VARIANTS)),
+        default=list(VARIANTS),
+        help=f"from {','.join(VARIANTS)} (default: all)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="timed sends per variant and cell (default by size: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_REPEATS.items())
+        + "); 128MB and 2000x4KB get a fifth of it, at least 2",
+    )
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="untimed sends per block")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds any one send, set-up or worker reply may take",
+    )
+    p.add_argument(
+        "--no-retain",
+        action="store_true",
+        help="zmqsync schemes with retain_snapshot=False (default: the schemes' defaults)",
+    )
+    p.add_argument(
+        "--torch-threads", type=int, help="torch intra-op threads everywhere (default: torch's)"
+    )
+    p.add_argument("--json", metavar="PATH", help="write every figure (and raw times) here")
+    p.add_argument("--markdown", metavar="PATH", help="write the table here")
+    args = p.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = list(QUICK_SIZES) if args.quick else list(SIZES)
+    if args.workers is None:
+        args.workers = list(QUICK_WORKERS) if args.quick else [1, 2, 4]
+    if any(k < 1 for k in args.workers):
+        p.error("--workers must be positive")
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.torch_threads is not None and args.torch_threads < 1:
+        p.error("--torch-threads must be at least 1")
+    if args.quick and args.repeats is None:
+        args.repeats = QUICK_REPEATS
+    args.variants = [v for v in VARIANTS if v in args.variants]  # the canonical order
+    return args
+
+
+def repeats_for(size: str, repeats: int | None) -> int:
+    if repeats is None:
+        return DEFAULT_REPEATS[size]
+    return max(2, repeats // 5) if size in ("128MB", SMALL_TENSORS) else repeats
+
+
+def _start_ray(torch_threads: int | None) -> None:
+    import ray
+
+    # Ray's workers import the benchmark's modules: from the repository root.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        num_cpus=RAY_CPUS,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+
+
+def run_worker_count(
+    workers: int,
+    plan: Sequence[tuple[str, str]],
+    *,
+    args: argparse.Namespace,
+    models: dict[str, LearnerModel],
+    fleet: RayFleet | None,
+    workdir: str,
+    zmqsync_options: dict[str, Any],
+) -> Iterator[Cell]:
+    """Run ``plan``'s cells (``(slot, size)``; a slot ending in ``-warm`` is thrown
+    away) with K = ``workers``; yield each measured cell.
+
+    One pool of worker processes serves them all, unless torchrl hangs in one: its
+    workers are then stuck, and a new pool serves the cells left.
+    """
+    needs_pool = any(v in args.variants for v in (PIPE, TORCHRL_MP, ZMQ))
+    left = list(plan)
+    while left:
+        pool = TransportPool(workers, args.torch_threads, models, left) if needs_pool else None
+        try:
+            if pool is not None:
+                pool.start()
+            while left:
+                slot_name, size = left.pop(0)
+                warm = slot_name.endswith("-warm")
+                env = CellEnv(
+                    size=size,
+                    workers=workers,
+                    model=models[size],
+                    pool=pool,
+                    slot=pool.slots[slot_name] if pool is not None else None,
+                    fleet=fleet,
+                    timeout=args.timeout,
+                    workdir=workdir,
+                    tag=f"k{workers}-{slot_name}",
+                    zmqsync_options=zmqsync_options,
+                )
+                cell = run_cell(
+                    env,
+                    args.variants,
+                    repeats=1 if warm else repeats_for(size, args.repeats),
+                    warmup=1 if warm else args.warmup,
+                )
+                if TORCHRL_RAY in cell.broke and fleet is not None:
+                    fleet.restart()
+                if not warm:
+                    yield cell
+                if TORCHRL_MP in cell.broke:
+                    break
+        finally:
+            if pool is not None:
+                pool.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    given = list(argv) if argv is not None else sys.argv[1:]
+    command = " ".join(["python -m benchmarks.transports", shlex.join(given)]).strip()
+    signal.signal(signal.SIGTERM, _raise_exit)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # torchrl warns on its own imports and on every scheme; none of it is news here.
+    warnings.filterwarnings("ignore", module=r"torchrl\..*")
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    machine = machine_info()
+    import ray
+    import torchrl
+
+    machine["torchrl"] = torchrl.__version__
+    machine["ray"] = ray.__version__
+    started = time.monotonic()
+    print(
+        f"# {command}\n# {machine['cpu']}, {machine['cpus_usable']} cpus, torch "
+        f"{machine['torch']}, torchrl {machine['torchrl']}, ray {machine['ray']}",
+        file=sys.stderr,
+    )
+    zmqsync_options = {"retain_snapshot": False} if args.no_retain else {}
+    models = {size: LearnerModel.make(size) for size in args.sizes}
+    cells: list[Cell] = []
+    failed_zmqsync = False
+    fleet: RayFleet | None = None
+    needs_ray = any(v in args.variants for v in (ZMQSYNC_RAY, TORCHRL_RAY))
+    with _workdir() as workdir:
+        try:
+            if needs_ray:
+                _start_ray(args.torch_threads)
+                # Ray's core worker installs a SIGTERM handler that ends the process at
+                # once; ours runs the cleanup below instead.
+                signal.signal(signal.SIGTERM, _raise_exit)
+                fleet = RayFleet(max(args.workers), args.torch_threads, args.timeout)
+                fleet.start()
+            for k_no, workers in enumerate(args.workers):
+                # The first K also runs a throwaway cell per size: one-time costs in the
+                # learner (lazily loaded code, pyzmq's and Ray's threads, torch moving
+                # the weights to shared memory) are not charged to a measured cell.
+                plan = [
+                    *((f"{s}-warm", s) for s in args.sizes if k_no == 0),
+                    *((s, s) for s in args.sizes),
+                ]
+                plan.sort(key=lambda item: args.sizes.index(item[1]))
+                for cell in run_worker_count(
+                    workers,
+                    plan,
+                    args=args,
+                    models=models,
+                    fleet=fleet,
+                    workdir=workdir,
+                    zmqsync_options=zmqsync_options,
+                ):
+                    cells.append(cell)
+                    _progress(cell, args.variants)
+                    failed_zmqsync |= any(
+                        cell.results[v].failure for v in args.variants if v.startswith("zmqsync")
+                    )
+        finally:
+            if fleet is not None:
+                fleet.kill()
+            if needs_ray:
+                ray.shutdown()
+    seconds = time.monotonic() - started
+    machine["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    table = markdown(cells, args.variants, machine, command, seconds)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "command": command,
+                    "machine": machine,
+                    "seconds": seconds,
+                    "ratio_target": RATIO_TARGET,
+                    "speedup_target": SPEEDUP_TARGET,
+                    "zmqsync_options": zmqsync_options,
+                    "models": {
+                        s: {"bytes": SIZES[s].nbytes, "layout": SIZES[s].describe()}
+                        for s in args.sizes
+                    },
+                    "cells": [c.to_json() for c in cells],
+                },
+                f,
+                indent=1,
+            )
+    if failed_zmqsync:
+        print("error: a zmqsync variant failed (see the table)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _progress(cell: Cell, variants: Sequence[str]) -> None:
+    parts = []
+    for name in variants:
+        r = cell.results[name]
+        parts.append(f"{name} {'FAILED' if r.failure else f'{r.median_ms():8.2f} ms'}")
+    ratios = [
+        f"{z}/{t} {cell.ratio(z, t):.3f}" for z, t in PAIRS if z in variants and t in variants
+    ]
+    print(
+        f"{cell.size:>9} K={cell.workers}  " + "  ".join(parts) + "  |  " + "  ".join(ratios),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
