@@ -206,6 +206,36 @@ def test_late_joiner(retain: bool) -> None:
         rig.close()
 
 
+def test_the_snapshot_reuses_its_memory_until_a_transport_was_given_it() -> None:
+    rig = Rig(1)
+    try:
+        rig.bump()
+        rig.sender.send()
+
+        def snapshot_pointers() -> list[int]:
+            snapshot = rig.sender._snapshot
+            assert snapshot is not None
+            return [t.data_ptr() for t in snapshot[2].keepalive]
+
+        first = snapshot_pointers()
+        rig.bump()
+        rig.sender.send()
+        assert snapshot_pointers() == first  # nobody was sent it: overwritten in place
+        # A late joiner is sent the snapshot: from then on those bytes are never changed.
+        late, late_model = rig.add_worker(1)
+        assert late.version == rig.sender.version
+        handed = rig.sender._snapshot
+        assert handed is not None
+        kept = [bytes(b) for b in handed[1][2:]]
+        rig.bump()
+        rig.sender.send()
+        assert snapshot_pointers() != first  # fresh memory for the new snapshot
+        assert [bytes(b) for b in handed[1][2:]] == kept  # the one handed out is intact
+        assert checksum(late_model) == checksum(rig.model)
+    finally:
+        rig.close()
+
+
 def test_forward_pass_under_the_lock_never_sees_half_a_version() -> None:
     rig = Rig(1, timeout=10)
     receiver, model = rig.workers[0]

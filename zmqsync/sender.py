@@ -171,6 +171,8 @@ class WeightSender:
         self._flattener = Flattener(strategy, pack_threshold=pack_threshold)
         self._model_tensors = ModelTensors(strategy)
         self._snapshot: tuple[int, list[Buffer], Flat] | None = None
+        self._snapshot_lock = threading.Lock()
+        self._snapshot_handed_out = False  # the snapshot's frames went to a transport
         self._pending: _Pending | None = None
         self._async_pending = False
         self._broadcast_version = 0  # the newest version sent to every worker
@@ -329,10 +331,18 @@ class WeightSender:
         return self._snapshot_pool
 
     def _take_snapshot(self, version: int, flat: Flat) -> None:
-        self._snapshot = None  # at most one copy alive at a time
-        copy = flat.owned_copy()
+        with self._snapshot_lock:
+            old, self._snapshot = self._snapshot, None  # at most one copy alive at a time
+            # The previous copy's memory is reused unless it was ever handed to a
+            # transport (a late joiner's or a repair's send may still read it).
+            spare = old[2] if old is not None and not self._snapshot_handed_out else None
+            self._snapshot_handed_out = False
+        old = None  # a copy handed out is freed (here) before the new one is allocated
+        copy = flat.owned_copy(into=spare)
         message = Weights(self.model_id, version, self.epoch, copy.schema, tuple(copy.buffers))
-        self._snapshot = (version, encode(message, schema_bytes=copy.schema_bytes), copy)
+        frames = encode(message, schema_bytes=copy.schema_bytes)
+        with self._snapshot_lock:
+            self._snapshot = (version, frames, copy)
 
     def _await_acks(self, pending: _Pending) -> None:
         if len(self._runners) == 1:
@@ -584,9 +594,11 @@ class WeightSender:
         self._reply(runner.hub, peer, UpToDate(self.model_id, self.version, self.epoch, in_flight))
 
     def _latest_frames(self) -> list[Buffer] | None:
-        snapshot = self._snapshot
-        if snapshot is not None and snapshot[0] == self.version:
-            return snapshot[1]
+        with self._snapshot_lock:
+            snapshot = self._snapshot
+            if snapshot is not None and snapshot[0] == self.version:
+                self._snapshot_handed_out = True  # never to be overwritten now
+                return snapshot[1]
         pending = self._pending
         if pending is not None and pending.version == self.version:
             return pending.frames  # still owned by the sender until this send completes

@@ -242,13 +242,23 @@ class Flat:
     nbytes: int
     keepalive: list[torch.Tensor] = field(repr=False)
 
-    def owned_copy(self) -> Flat:
+    def owned_copy(self, into: Flat | None = None) -> Flat:
         """A copy whose buffers own their bytes: what a sender keeps for late joiners.
 
-        Its buffers are read-only views: nothing changes them, and transports may rely
-        on that (no need to track when ZeroMQ lets go of them).
+        Its buffers are read-only views: nothing changes them while anyone else may
+        hold them, and transports may rely on that (no need to track when ZeroMQ lets
+        go of them). ``into``: an earlier copy that nobody else was ever given, whose
+        memory is reused when the layout matches (fresh memory costs a page fault per
+        page; on some VMs that is most of the copy's time).
         """
-        copies = [torch.empty_like(t) for t in self.keepalive]
+        reusable = into is not None and [t.shape for t in into.keepalive] == [
+            t.shape for t in self.keepalive
+        ]
+        copies = (
+            into.keepalive  # type: ignore[union-attr]
+            if reusable
+            else [torch.empty_like(t) for t in self.keepalive]
+        )
         for dst, src in zip(copies, self.keepalive, strict=True):
             # numpy's copy is one memcpy on this thread, with the GIL released; torch's
             # clone() fans out to its intra-op pool, which stalls on a busy machine.
