@@ -451,3 +451,38 @@ def test_pipe_scheme_from_context_objects_tensordict(pipe_fleet) -> None:  # typ
         assert scheme.get_sender().transport.counters()["peers_lost"] == 0
     finally:
         scheme.shutdown()
+
+
+def test_large_messages_reuse_buffers_only_once_nobody_holds_them() -> None:
+    import gc
+
+    hub, (spoke,) = _pipe_fleet(1)
+    try:
+        spoke.wait_index(10)
+        big = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB
+        header = b"h" * 46
+
+        def send_and_receive(value: float) -> list[Any]:
+            big.fill_(value)
+            hub.send_frames([header, memoryview(big.numpy())])
+            big.fill_(-1.0)  # the caller's memory changes at once: the hub copied it
+            frames = spoke.recv_frames(10)
+            assert frames is not None
+            return frames
+
+        first = send_and_receive(1.0)
+        second = send_and_receive(2.0)  # first still held: a different buffer
+        assert torch.frombuffer(bytearray(first[1]), dtype=torch.float32).eq(1.0).all()
+        assert torch.frombuffer(bytearray(second[1]), dtype=torch.float32).eq(2.0).all()
+        held = first[1]
+        del first, second
+        gc.collect()
+        assert len(spoke._pool._free) == 1  # the second's buffer is back; the held one not
+        assert len(hub._pool._free) >= 1  # written messages' copies are back too
+        third = send_and_receive(3.0)  # reuses the second's buffer, never the held one
+        assert spoke._pool._free == []
+        assert torch.frombuffer(bytearray(held), dtype=torch.float32).eq(1.0).all()
+        assert torch.frombuffer(bytearray(third[1]), dtype=torch.float32).eq(3.0).all()
+    finally:
+        spoke.close()
+        hub.close()
