@@ -384,7 +384,8 @@ def test_pipe_workers_exact_targeted_isolated_dead_named_late_and_restarted(pipe
             assert fleet.state(0)[1] == v3
             assert fleet.state(1)[1] == v2
 
-        # A SIGKILLed worker is named by the timeout, within timeout + 1 s.
+        # A SIGKILLed worker is named at once: its pipe broke, so the sender does not
+        # wait out the timeout for it.
         fleet.kill(2)
         start = time.monotonic()
         with pytest.raises(SyncTimeout) as info:
@@ -392,8 +393,8 @@ def test_pipe_workers_exact_targeted_isolated_dead_named_late_and_restarted(pipe
         took = time.monotonic() - start
         assert info.value.missing_workers == [2]
         assert info.value.transports == {2: "pipe"}
-        assert "worker 2" in str(info.value)
-        assert took <= scheme.timeout + 1.0, took
+        assert "worker 2" in str(info.value) and "gone" in str(info.value)
+        assert took < scheme.timeout, took
         assert scheme.status()["totals"]["peers_lost"] == 1
 
         # The next send to the living succeeds.

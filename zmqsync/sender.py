@@ -351,7 +351,7 @@ class WeightSender:
             runner = self._runners[0]
             while not pending.done and not self._closed:
                 remaining = pending.deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or self._missing_are_lost(pending):
                     return
                 with runner.holding():
                     incoming = runner.hub.recv_frames(min(remaining, PUMP_TICK))
@@ -364,9 +364,22 @@ class WeightSender:
         with self._cond:
             while not pending.done and not self._closed and self._pump_error is None:
                 remaining = pending.deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or self._missing_are_lost(pending):
                     break
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, PUMP_TICK))
+
+    def _lost(self, workers: Iterable[int]) -> set[int]:
+        """Those of ``workers`` whose transport knows they are gone for good."""
+        with self._cond:
+            where = {w: (self._workers[w].hub, self._workers[w].peer)
+                     for w in workers if w in self._workers and self._workers[w].peer is not None}
+        lost = {i: self._runners[i].hub.lost_peers() for i in {h for h, _ in where.values()}}
+        return {w for w, (h, peer) in where.items() if peer in lost[h]}
+
+    def _missing_are_lost(self, pending: _Pending) -> bool:
+        """True when every worker still missing is known to be gone: waiting on is futile."""
+        missing = pending.missing
+        return bool(missing) and self._lost(missing) == missing
 
     def _finish(self, pending: _Pending) -> None:
         try:
@@ -417,9 +430,16 @@ class WeightSender:
                         f"worker {w} ({info.transport}, pid {info.pid or '?'}) holds version "
                         f"{info.version}, last heard {now - info.last_seen:.1f}s ago"
                     )
+        gone = self._lost(missing)
+        if gone:
+            parts = [
+                part + (" (its transport says it is gone)" if w in gone else "")
+                for w, part in zip(sorted(missing), parts, strict=True)
+            ]
+        waited = "" if gone == missing else f" within {self.timeout:g}s"
         return (
             f"{len(missing)} worker(s) did not ack version {pending.version} of "
-            f"{self.model_id!r} within {self.timeout:g}s: " + "; ".join(parts)
+            f"{self.model_id!r}{waited}: " + "; ".join(parts)
         )
 
     # --- the pumps ------------------------------------------------------------------

@@ -100,6 +100,14 @@ class HubTransport(_Closable):
         """Extra addresses a spoke needs (the sender puts them in its Welcome)."""
         return {}
 
+    def lost_peers(self) -> frozenset[PeerId]:
+        """Peers this hub knows are gone for good (a broken pipe, a dead actor).
+
+        A sender stops waiting for a worker that is lost, instead of waiting out its
+        timeout. Transports that cannot tell (ZeroMQ reconnects) report none.
+        """
+        return frozenset()
+
     def reserved_workers(self) -> frozenset[int]:
         """Worker ids bound to this hub's peers (a pipe's or an actor's index).
 

@@ -467,6 +467,11 @@ class PipeHub(HubTransport):
         with self._lock:
             return list(self._peers)
 
+    def lost_peers(self) -> frozenset[PeerId]:
+        """Workers whose pipe broke (they exited or were killed)."""
+        with self._lock:
+            return frozenset(pid for pid, peer in self._peers.items() if peer.lost is not None)
+
     def reserved_workers(self) -> frozenset[int]:
         """Each pipe's worker index: it belongs to whoever holds that pipe's other end."""
         with self._lock:

@@ -366,6 +366,11 @@ class RayHub(HubTransport):
         """Every actor's peer id, dead or not."""
         return list(self._actors)
 
+    def lost_peers(self) -> frozenset[PeerId]:
+        """Actors whose calls failed with ``ActorDiedError``."""
+        with self._lock:
+            return frozenset(pid for pid, actor in self._actors.items() if actor.dead is not None)
+
     def reserved_workers(self) -> frozenset[int]:
         """Each actor's worker index."""
         with self._lock:
