@@ -130,6 +130,23 @@ def ray_cluster() -> Iterator[None]:
         ray.shutdown()
 
 
+def kill_actor(actor, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    """``ray.kill``, then wait until the actor is really gone (the kill is asynchronous)."""
+    import time
+
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
     """Every sender pump and receiver thread a test starts is stopped by its end."""

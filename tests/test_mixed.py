@@ -13,7 +13,7 @@ import _workers
 import pytest
 import ray
 import torch
-from conftest import SPAWN, Fleet
+from conftest import SPAWN, Fleet, kill_actor
 
 import zmqsync
 from zmqsync import (
@@ -157,18 +157,6 @@ class MixedActor(WeightSyncActorMixin):
             return self.scheme.worker_idx, receiver.version, digest
 
 
-def _kill_actor(actor: Any) -> None:
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + CALL_TIMEOUT
-    while True:
-        assert time.monotonic() < deadline, "the killed actor still answers"
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=CALL_TIMEOUT)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_scheme_serves_pipe_zmq_and_ray_workers_at_once(
@@ -235,7 +223,7 @@ def test_one_scheme_serves_pipe_zmq_and_ray_workers_at_once(
 
         # A dead pipe worker and a dead actor: the timeout names both, with transports.
         fleet.kill(0)
-        _kill_actor(actors[0])
+        kill_actor(actors[0], CALL_TIMEOUT)
         start = time.monotonic()
         with pytest.raises(SyncTimeout) as info:
             mixed.send()

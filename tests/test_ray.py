@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from conftest import kill_actor
 from torch import nn
 
 import zmqsync
@@ -187,19 +188,6 @@ class PolicyActor(WeightSyncActorMixin):
         return transport.counters()["read_only_views"]
 
 
-def _kill(actor: Any) -> None:
-    """ray.kill, then wait until the actor is really gone (the kill is asynchronous)."""
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + CALL_TIMEOUT
-    while True:
-        assert time.monotonic() < deadline, "the killed actor still answers"
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=CALL_TIMEOUT)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-
-
 def _wait_for(predicate: Any, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -251,7 +239,7 @@ def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> No
             assert [s for _, s in states([0, 1])] == [v3, v2]
 
         # A killed actor is named by the timeout, within timeout + 1 s.
-        _kill(fleet[2])
+        kill_actor(fleet[2], CALL_TIMEOUT)
         start = time.monotonic()
         with pytest.raises(SyncTimeout) as info:
             scheme.send()
