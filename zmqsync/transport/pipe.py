@@ -14,7 +14,10 @@ is busy, or dead with its end of the pipe still held open by some other process.
 version waiting to be written is replaced by a newer one (a receiver only wants the
 newest). ``send_frames`` copies what it is given once (shared by every worker's queue), so
 the caller may change its tensors as soon as it returns, and a purge never leaves a
-message half-written from changing memory.
+message half-written from changing memory; ``bytes`` and read-only buffers (a sender's
+snapshot), which never change, are not copied. Large copies and large receive buffers
+come from a small pool and are reused once nothing views them: fresh memory costs a page
+fault per page, which on some VMs is most of a copy's time.
 
 A worker learns its index from the hub: the first record on each pipe assigns it
 (:attr:`PipeSpoke.peer_index`), so ``init_on_worker(pipe=..., model=...)`` needs no
@@ -396,7 +399,6 @@ class PipeHub(HubTransport):
     """
 
     name = "pipe"
-    copies_on_send = True
 
     def __init__(
         self,
