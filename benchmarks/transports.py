@@ -381,6 +381,11 @@ class Variant:
     def digests(self, env: CellEnv) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    def shared_bytes(self) -> int:
+        """Shared memory the learner's side of this variant maps for its sends (not
+        malloc'd, so the meter misses it; charged to the variant's extra memory)."""
+        return 0
+
     @property
     def broke_workers(self) -> bool:
         """Whether this variant's workers are of no use to later cells (a call hung
@@ -429,6 +434,9 @@ class PipeVariant(_ProcessVariant):
 
     def _send(self) -> None:
         self.scheme.send()
+
+    def shared_bytes(self) -> int:
+        return int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
 
     def _close(self) -> None:
         self.scheme.shutdown()
@@ -601,7 +609,9 @@ class Cell:
     def extra_pct(self, variant: str) -> float | None:
         measured = self.results[variant].extra_bytes
         extra = measured.get("heap", measured.get("rss_anon"))
-        return None if extra is None else 100.0 * extra / SIZES[self.size].nbytes
+        if extra is None:
+            return None
+        return 100.0 * (extra + measured.get("shm", 0)) / SIZES[self.size].nbytes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -664,6 +674,8 @@ def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int
                     continue
                 if meter is not None:
                     result.extra_bytes, result.retained_bytes = meter.extra, meter.retained
+                    if shm := v.shared_bytes():
+                        result.extra_bytes = {**result.extra_bytes, "shm": shm}
         # Every variant sends the model as it is now; every worker's copy must match it
         # and be its own memory (nothing shared with, or aliased to, the learner's).
         survivors = [v for v in live if not cell.results[v.name].failure]
@@ -791,8 +803,9 @@ def markdown(
         f"(target: at or below 1 everywhere, and {SPEEDUP_TARGET:.0f}x faster for "
         f"{SMALL_TENSORS}).",
         "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
-        "block of sends, % of the model (Ray's object store and torch's shared memory are "
-        "not malloc'd by the learner, so they do not show here).",
+        "block of sends, % of the model, plus the shared-memory blocks zmqsync-pipe maps "
+        "(Ray's object store and torch's shared memory are not malloc'd by the learner, so "
+        "they do not show here).",
         "",
     ]
     for z, t in pairs:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from zmqsync.protocol import Weights, WeightsSchema, decode, encode
 from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
 from zmqsync.tensors import Flattener
 from zmqsync.testing import check_transport
+from zmqsync.transport import pipe as pipe_module
 from zmqsync.transport.pipe import PipeHub, PipeSpoke, peer_id
 
 SPAWN = mp.get_context("spawn")
@@ -33,13 +35,15 @@ SPAWN = mp.get_context("spawn")
 # --- the transport -----------------------------------------------------------------------
 
 
-def _pipe_fleet(n: int) -> tuple[PipeHub, list[PipeSpoke]]:
+def _pipe_fleet(n: int, *, shared_memory: bool = True) -> tuple[PipeHub, list[PipeSpoke]]:
     pairs = [mp.Pipe() for _ in range(n)]
-    return PipeHub([parent for parent, _ in pairs]), [PipeSpoke(child) for _, child in pairs]
+    hub = PipeHub([parent for parent, _ in pairs], shared_memory=shared_memory)
+    return hub, [PipeSpoke(child) for _, child in pairs]
 
 
-def test_pipe_transport_conformance() -> None:
-    check_transport(_pipe_fleet)
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "socket"])
+def test_pipe_transport_conformance(shared_memory: bool) -> None:
+    check_transport(lambda n: _pipe_fleet(n, shared_memory=shared_memory))
 
 
 def _weights_frames(version: int, nbytes: int) -> list[Any]:
@@ -455,9 +459,10 @@ def test_pipe_scheme_from_context_objects_tensordict(pipe_fleet) -> None:  # typ
 
 
 def test_large_messages_reuse_buffers_only_once_nobody_holds_them() -> None:
+    """Without shared memory, large messages go through the socket into pooled buffers."""
     import gc
 
-    hub, (spoke,) = _pipe_fleet(1)
+    hub, (spoke,) = _pipe_fleet(1, shared_memory=False)
     try:
         spoke.wait_index(10)
         big = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB
@@ -486,4 +491,87 @@ def test_large_messages_reuse_buffers_only_once_nobody_holds_them() -> None:
         assert torch.frombuffer(bytearray(third[1]), dtype=torch.float32).eq(3.0).all()
     finally:
         spoke.close()
+        hub.close()
+
+
+def test_large_frames_travel_through_shared_memory_blocks_reused_once_released() -> None:
+    """Large frames are written once into a shared block that the worker reads in place;
+    a block comes back only once the worker let go of every frame in it."""
+    import gc
+
+    hub, (spoke,) = _pipe_fleet(1)
+    try:
+        spoke.wait_index(10)
+        big = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB
+
+        def send_and_receive(value: float) -> list[Any]:
+            big.fill_(value)
+            hub.send_frames([b"h" * 46, memoryview(big.numpy())])
+            big.fill_(-1.0)  # the caller's memory changes at once: the hub copied it
+            frames = spoke.recv_frames(10)
+            assert frames is not None
+            return frames
+
+        first = send_and_receive(1.0)
+        assert isinstance(first[1], np.ndarray) and not first[1].flags.writeable
+        assert hub.counters()["shm_bytes"] >= big.nbytes
+        second = send_and_receive(2.0)
+        held = first[1]
+        del first
+        second_block = hub._shm.locate(second[1]) if hub._shm else None  # the worker's view
+        assert second_block is None  # mapped separately in the worker: not the hub's address
+        del second
+        gc.collect()
+        # The worker's release reaches the hub when it next reads.
+        assert hub.recv_frames(0.5) is None
+        counts = hub.counters()
+        assert counts["bad_releases"] == 0
+        blocks = dict(hub._shm._blocks)  # type: ignore[union-attr]
+        busy = [b for b in blocks.values() if b.readers]
+        assert len(busy) == 1, "only the block whose frame the worker still holds is busy"
+        third = send_and_receive(3.0)
+        assert (held.view(np.float32) == 1.0).all(), "a held block was reused"
+        assert (third[1].view(np.float32) == 3.0).all()
+        assert set(hub._shm._blocks) == set(blocks), "the released block was not reused"  # type: ignore[union-attr]
+
+        # A read-only view of memory the hub lent is sent without another copy.
+        lent = hub.shared_buffer(big.nbytes)
+        assert lent is not None
+        np.copyto(lent, big.numpy().view(np.uint8))
+        before = hub.counters()["shm_bytes"]
+        hub.send_frames([b"h" * 46, memoryview(lent).toreadonly()])
+        got = spoke.recv_frames(10)
+        assert got is not None and np.array_equal(got[1], lent)
+        assert hub.counters()["shm_bytes"] == before
+
+        # A worker that releases what it never held is counted, and nothing breaks.
+        spoke._writer.put(pipe_module._Outgoing(None, record=pipe_module._HEADER.pack(
+            pipe_module._RELEASE, 999)))
+        assert hub.recv_frames(0.5) is None
+        assert hub.counters()["bad_releases"] == 1
+        del got, third, held
+        assert send_and_receive(4.0)[1].view(np.float32)[0] == 4.0
+    finally:
+        spoke.close()
+        hub.close()
+
+
+def test_a_lost_worker_holds_no_shared_block() -> None:
+    hub, (spoke, other) = _pipe_fleet(2)
+    try:
+        spoke.wait_index(10)
+        other.wait_index(10)
+        hub.send_frames([b"h" * 46, np.ones(1 << 20, dtype=np.uint8)])
+        held = spoke.recv_frames(10)
+        assert held is not None
+        assert any(b.readers for b in hub._shm._blocks.values())  # type: ignore[union-attr]
+        spoke.close()  # the worker goes, its frames still alive in this test process
+        deadline = time.monotonic() + 10
+        while not hub.lost_peers():
+            assert time.monotonic() < deadline
+            hub.recv_frames(0.1)
+        readers = [dict(b.readers) for b in hub._shm._blocks.values()]  # type: ignore[union-attr]
+        assert all(peer is not hub._peers[peer_id(0)].writer for r in readers for peer in r)
+    finally:
+        other.close()
         hub.close()

@@ -249,7 +249,12 @@ class WeightReceiver:
                 self._on_control(message)
             frames = self._spoke.recv_frames(0)
         if newest is not None:
-            self._on_weights(newest)
+            ack = self._on_weights(newest)
+            # Let go of the frames before acking: a transport that lends its memory (shared
+            # blocks) may reuse it by the time the sender sees the ack.
+            frames = message = newest = None
+            if ack is not None:
+                self._ack(**ack)
 
     def _newer(self, a: Weights, b: Weights) -> bool:
         return a.epoch != b.epoch or a.version > b.version
@@ -302,16 +307,17 @@ class WeightReceiver:
         else:
             self._rejected(f"unexpected {type(message).__name__} at a worker")
 
-    def _on_weights(self, message: Weights) -> None:
+    def _on_weights(self, message: Weights) -> dict[str, Any] | None:
+        """Apply ``message`` if it is new; returns the ack to send (once the caller has
+        let go of the message), or None."""
         if message.epoch != self.epoch:
             if message.epoch in self._retired:
                 self.stats["stale"] += 1  # frames of a sender life we already left
-                return
+                return None
         elif message.version <= self.version:
             self.stats["duplicates"] += 1
             self._caught_up = True
-            self._ack(applied=True)  # we hold it (or newer): that settles a waiting send
-            return
+            return {"applied": True}  # we hold it (or newer): that settles a waiting send
         start = time.monotonic()
         with self.lock:
             try:
@@ -324,9 +330,8 @@ class WeightReceiver:
                     self.weights = as_weights_object(materialize(message), self.strategy)
             except SchemaMismatchError as exc:
                 self._rejected(f"version {message.version}: {exc}")
-                self._ack(applied=False, reason=str(exc), version=message.version,
-                          epoch=message.epoch)
-                return
+                return {"applied": False, "reason": str(exc), "version": message.version,
+                        "epoch": message.epoch}
             if message.epoch != self.epoch:
                 if self.epoch:
                     self._retired.append(self.epoch)
@@ -338,7 +343,7 @@ class WeightReceiver:
         self.stats["applied"] += 1
         self.stats["last_apply_s"] = time.monotonic() - start
         self._caught_up = True
-        self._ack(applied=True)
+        return {"applied": True}
 
     def _ack(self, *, applied: bool, reason: str = "", version: int | None = None,
              epoch: int | None = None) -> None:

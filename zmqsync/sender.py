@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -285,8 +285,15 @@ class WeightSender:
         )
         flat = self._flattener.flatten(tensors)
         version = self.version + 1
-        message = Weights(self.model_id, version, self.epoch, flat.schema, tuple(flat.buffers))
-        frames = encode(message, schema_bytes=flat.schema_bytes)
+        shared = self._shared_runner() if self.retain_snapshot else None
+        if shared is not None:
+            # A hub whose workers read shared memory in place: the snapshot, written once
+            # into memory it lent, IS the transfer (no copy of the model per send beyond it).
+            with shared.holding():
+                frames = self._take_snapshot(version, flat, alloc=shared.hub.shared_buffer)
+        else:
+            message = Weights(self.model_id, version, self.epoch, flat.schema, tuple(flat.buffers))
+            frames = encode(message, schema_bytes=flat.schema_bytes)
         now = time.monotonic()
         pending = _Pending(version, targets, now, now + self.timeout, frames, flat)
         with self._cond:
@@ -310,7 +317,7 @@ class WeightSender:
                     runner.hub.send_frames(frames, to=peers[runner.index])
         self._totals["versions_sent"] += 1
         self._totals["bytes_sent"] += flat.nbytes * max(1, len(targets))
-        if self.retain_snapshot:
+        if self.retain_snapshot and shared is None:
             # The copy that late joiners and repairs get runs beside the transfer (ZeroMQ's
             # I/O thread reads the model's memory meanwhile). A blocking send() copies on
             # this thread, which would only wait for acks otherwise (a handoff to another
@@ -330,7 +337,18 @@ class WeightSender:
             )
         return self._snapshot_pool
 
-    def _take_snapshot(self, version: int, flat: Flat) -> None:
+    def _shared_runner(self) -> _HubRunner | None:
+        """The first hub that lends shared memory to send from, if any."""
+        for runner in self._runners:
+            if type(runner.hub).shared_buffer is not HubTransport.shared_buffer:
+                return runner
+        return None
+
+    def _take_snapshot(
+        self, version: int, flat: Flat, alloc: Callable[[int], Any] | None = None
+    ) -> list[Buffer]:
+        """Keep a copy of this version; ``alloc``: memory a hub lends to hold it (the
+        copy is then sent, too). Returns the copy's frames."""
         with self._snapshot_lock:
             old, self._snapshot = self._snapshot, None  # at most one copy alive at a time
             # The previous copy's memory is reused unless it was ever handed to a
@@ -338,11 +356,14 @@ class WeightSender:
             spare = old[2] if old is not None and not self._snapshot_handed_out else None
             self._snapshot_handed_out = False
         old = None  # a copy handed out is freed (here) before the new one is allocated
-        copy = flat.owned_copy(into=spare)
+        # Lent memory comes back to the hub's pool once its workers let go of it.
+        copy = flat.owned_copy(into=spare if alloc is None else None, alloc=alloc)
         message = Weights(self.model_id, version, self.epoch, copy.schema, tuple(copy.buffers))
         frames = encode(message, schema_bytes=copy.schema_bytes)
         with self._snapshot_lock:
             self._snapshot = (version, frames, copy)
+            self._snapshot_handed_out = alloc is not None  # sent right after this
+        return frames
 
     def _await_acks(self, pending: _Pending) -> None:
         if len(self._runners) == 1:

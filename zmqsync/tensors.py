@@ -16,7 +16,7 @@ The only module that imports torch and tensordict.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
@@ -58,6 +58,8 @@ DEFAULT_PACK_THRESHOLD: Final = 64 * 1024
 #: Each dtype group in the packed buffer starts on this boundary, so a receiver can view
 #: a group as its dtype (complex128 is the widest element).
 _PACK_ALIGN: Final = 16
+#: Alignment of each buffer carved out of one block (a cache line).
+_CARVE_ALIGN: Final = 64
 
 _DTYPES: Final[dict[str, torch.dtype]] = {
     name: getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name)
@@ -242,14 +244,17 @@ class Flat:
     nbytes: int
     keepalive: list[torch.Tensor] = field(repr=False)
 
-    def owned_copy(self, into: Flat | None = None) -> Flat:
+    def owned_copy(
+        self, into: Flat | None = None, alloc: Callable[[int], Any] | None = None
+    ) -> Flat:
         """A copy whose buffers own their bytes: what a sender keeps for late joiners.
 
         Its buffers are read-only views: nothing changes them while anyone else may
         hold them, and transports may rely on that (no need to track when ZeroMQ lets
         go of them). ``into``: an earlier copy that nobody else was ever given, whose
         memory is reused when the layout matches (fresh memory costs a page fault per
-        page; on some VMs that is most of the copy's time).
+        page; on some VMs that is most of the copy's time). ``alloc(nbytes)``: where to
+        put the copy instead (a transport's shared memory, as a uint8 array), or None.
         """
         reusable = into is not None and [t.shape for t in into.keepalive] == [
             t.shape for t in self.keepalive
@@ -257,7 +262,8 @@ class Flat:
         copies = (
             into.keepalive  # type: ignore[union-attr]
             if reusable
-            else [torch.empty_like(t) for t in self.keepalive]
+            else (alloc is not None and self._carve(alloc))
+            or [torch.empty_like(t) for t in self.keepalive]
         )
         for dst, src in zip(copies, self.keepalive, strict=True):
             # numpy's copy is one memcpy on this thread, with the GIL released; torch's
@@ -270,6 +276,20 @@ class Flat:
             self.nbytes,
             copies,
         )
+
+    def _carve(self, alloc: Callable[[int], Any]) -> list[torch.Tensor] | None:
+        """One tensor per buffer, cut from one ``alloc``'d block (64-byte aligned)."""
+        sizes = [t.numel() for t in self.keepalive]  # uint8 views: numel is bytes
+        total = sum(-(-n // _CARVE_ALIGN) * _CARVE_ALIGN for n in sizes)
+        block = alloc(total)
+        if block is None:
+            return None
+        copies = []
+        offset = 0
+        for n in sizes:
+            copies.append(torch.from_numpy(block[offset : offset + n]))
+            offset += -(-n // _CARVE_ALIGN) * _CARVE_ALIGN
+        return copies
 
 
 class Flattener:

@@ -96,6 +96,15 @@ class HubTransport(_Closable):
         copy on send have nothing to drop.
         """
 
+    def shared_buffer(self, nbytes: int) -> Any:
+        """``nbytes`` of memory this hub's peers can read in place (a uint8 numpy array),
+        or None. Frames that are read-only views of it are sent without a copy.
+
+        Hubs without shared memory do not override this; a sender then keeps its
+        snapshot in memory of its own.
+        """
+        return None
+
     def announce(self) -> dict[str, Any]:
         """Extra addresses a spoke needs (the sender puts them in its Welcome)."""
         return {}

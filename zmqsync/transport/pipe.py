@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
+import select
 import socket
 import struct
 import threading
@@ -53,6 +55,7 @@ import numpy as np
 
 from zmqsync.errors import TransportClosed, TransportError
 from zmqsync.protocol import MAX_BUFFERS, Buffer, Kind, peek_kind
+from zmqsync.transport._shm import SHM_AVAILABLE, Block, ShmPool
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
 __all__ = ["PipeHub", "PipeSpoke", "peer_id"]
@@ -66,6 +69,19 @@ _LENGTH: Final = struct.Struct("<Q")
 _MESSAGE: Final = b"ZSP2"
 #: The record that tells a worker its index (the count field carries the index).
 _ASSIGN: Final = b"ZSPI"
+#: A message some of whose frames lie in shared-memory blocks: its second record holds
+#: ``_REF`` per frame (length, block id or -1 when the bytes follow inline, offset).
+_SHARED: Final = b"ZSP3"
+_REF: Final = struct.Struct("<QqQ")
+#: Hub to worker: block ``count`` follows, its file descriptor attached to one byte.
+_BLOCK: Final = b"ZSPB"
+#: Hub to worker: block ``count`` is gone; forget its mapping.
+_UNMAP: Final = b"ZSPU"
+#: Worker to hub: done with one message that named block ``count``.
+_RELEASE: Final = b"ZSPR"
+#: Frames at least this large travel through shared memory (when the platform has it).
+SHM_MIN_FRAME: Final = 64 * 1024
+_SHM_ALIGN: Final = 64
 #: Frames per message: the protocol's buffer limit plus the header and schema frames.
 MAX_FRAMES: Final = MAX_BUFFERS + 2
 #: What a hub accepts in one message from a worker. Workers send acks and requests (a
@@ -78,6 +94,9 @@ MAX_QUEUED: Final = 1024
 #: the middle of a message is stuck (stopped, or confused) and its pipe is given up: the
 #: stream cannot be resynchronised, and the hub's reader must not wait on it forever.
 STALL_SECONDS: Final = 10.0
+#: A version for a worker that has not released the block of its previous one waits up
+#: to this long for it (meanwhile a newer version replaces it in the queue), then goes.
+RELEASE_PATIENCE: Final = 1.0
 #: How long close() waits for a writer thread after shutting its socket down.
 WRITER_JOIN_SECONDS: Final = 2.0
 
@@ -142,26 +161,40 @@ def peer_id(index: int) -> PeerId:
     return b"pipe:%d" % index
 
 
-def _immutable(frame: Buffer) -> bool:
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    """A frame that lies in a shared-memory block: sent as its place, not its bytes."""
+
+    block: Block
+    offset: int
+    length: int
+
+
+def _immutable(frame: Buffer | _Ref) -> bool:
     # bytes and read-only views (a sender's snapshot) never change; anything else may be
     # the caller's tensors, which change after send_frames returns.
-    return isinstance(frame, bytes) or (isinstance(frame, memoryview) and frame.readonly)
+    return (
+        isinstance(frame, bytes | _Ref)
+        or (isinstance(frame, memoryview) and frame.readonly)
+    )
 
 
-def _owned(frames: Sequence[Buffer], pool: _BufferPool | None = None) -> tuple[list[Buffer], Any]:
+def _owned(
+    frames: Sequence[Buffer | _Ref], pool: _BufferPool | None = None
+) -> tuple[list[Buffer | _Ref], Any]:
     """``frames`` safe to keep after the caller changes its memory: copied once into one
     buffer (from ``pool``, when given). Returns the frames and that buffer (or None)."""
     mutable = [i for i, f in enumerate(frames) if not _immutable(f)]
     if not mutable:
         return list(frames), None
-    sizes = [memoryview(frames[i]).nbytes for i in mutable]
+    sizes = [memoryview(frames[i]).nbytes for i in mutable]  # type: ignore[arg-type]
     total = sum(sizes)
     buf = pool.lend(total) if pool is not None else np.empty(total, dtype=np.uint8)
     out = list(frames)
     offset = 0
     for i, n in zip(mutable, sizes, strict=True):
         view = buf[offset : offset + n]
-        np.copyto(view, np.frombuffer(frames[i], dtype=np.uint8))
+        np.copyto(view, np.frombuffer(frames[i], dtype=np.uint8))  # type: ignore[arg-type]
         out[i] = memoryview(view)
         offset += n
     return out, buf
@@ -221,49 +254,102 @@ def _recv_raw(
     return buf
 
 
+#: What :func:`_read_message` returns: the record's magic, its count field, the frames,
+#: and, per shared-memory block the frames lie in, the frames that view it.
+_Read = tuple[bytes, int, list[Buffer], dict[int, list[np.ndarray]]]
+
+
+def _recv_block(sock: socket.socket, block_id: int, blocks: dict[int, np.ndarray]) -> None:
+    """Map the block whose descriptor rides on the next byte, read-only."""
+    if not select.select([sock], [], [], STALL_SECONDS)[0]:
+        raise OSError(f"the peer stopped before sending block {block_id}")
+    data, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if not data:
+        raise EOFError(f"the pipe closed before block {block_id}")
+    if not fds:
+        raise OSError(f"block {block_id} came without its file descriptor")
+    fd = fds[0]
+    try:
+        size = os.fstat(fd).st_size
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+    finally:
+        os.close(fd)
+    blocks[block_id] = (
+        np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
+    )
+
+
 def _read_message(
     conn: Connection,
     sock: socket.socket,
     max_message_bytes: int | None,
     pool: _BufferPool | None = None,
-) -> tuple[bytes, int, list[Buffer]]:
-    """``(kind, count, frames)`` of the next message; its header must be readable now.
+    blocks: dict[int, np.ndarray] | None = None,
+) -> _Read:
+    """The next record, whose header must be readable now.
 
-    Frames are views of one buffer that the caller owns. Raises EOFError or OSError when
-    the pipe broke or carries bytes that are not ours (the stream is then lost: it cannot
-    be resynchronised).
+    Frames are views of one buffer that the caller owns, or of shared-memory ``blocks``
+    (a worker's, filled by ``_BLOCK`` records; ``None`` on the hub, which takes none).
+    Raises EOFError or OSError when the pipe broke or carries bytes that are not ours
+    (the stream is then lost: it cannot be resynchronised).
     """
     head = conn.recv_bytes(_HEADER.size)
     if len(head) != _HEADER.size:
         raise OSError(f"a pipe header is {_HEADER.size} bytes; got {len(head)}")
     magic, count = _HEADER.unpack(head)
-    if magic == _ASSIGN:
-        return magic, count, []
-    if magic != _MESSAGE:
+    if magic in (_ASSIGN, _RELEASE, _UNMAP):
+        return magic, count, [], {}
+    if magic not in (_MESSAGE, _SHARED, _BLOCK) or (magic != _MESSAGE and blocks is None):
         raise OSError(f"bad pipe record magic {magic!r}: is someone else writing on this pipe?")
+    if magic == _BLOCK:
+        assert blocks is not None
+        _recv_block(sock, count, blocks)
+        return magic, count, [], {}
     if count > MAX_FRAMES:
         raise OSError(f"a message of {count} frames exceeds the limit of {MAX_FRAMES}")
-    lengths = _recv_record(conn, count * _LENGTH.size)
-    if len(lengths) != count * _LENGTH.size:
-        raise OSError(f"frame lengths of {count} frames take {count * _LENGTH.size} bytes")
-    sizes = [n for (n,) in _LENGTH.iter_unpack(lengths)]
+    entry = _LENGTH if magic == _MESSAGE else _REF
+    table = _recv_record(conn, count * entry.size)
+    if len(table) != count * entry.size:
+        raise OSError(f"the frame table of {count} frames takes {count * entry.size} bytes")
+    if magic == _MESSAGE:
+        refs = [(n, -1, 0) for (n,) in _LENGTH.iter_unpack(table)]
+    else:
+        refs = list(_REF.iter_unpack(table))
+    sizes = [n for n, block, _ in refs if block < 0]
     total = sum(sizes)
     if max_message_bytes is not None and total > max_message_bytes:
         raise OSError(f"a message of {total} bytes exceeds the limit of {max_message_bytes}")
-    raw = _recv_raw(conn, sock, total, pool)
+    inline = iter(_inline_frames(_recv_raw(conn, sock, total, pool), sizes, pool))
+    frames: list[Buffer] = []
+    shared: dict[int, list[np.ndarray]] = {}
+    for n, block_id, offset in refs:
+        if block_id < 0:
+            frames.append(next(inline))
+            continue
+        mapped = blocks.get(block_id) if blocks is not None else None
+        if mapped is None or offset + n > mapped.nbytes:
+            raise OSError(f"a frame names bytes {offset}..{offset + n} of block {block_id}, "
+                          "which this worker does not have")
+        view = mapped[offset : offset + n]
+        shared.setdefault(block_id, []).append(view)
+        frames.append(view)
+    return magic, count, frames, shared
+
+
+def _inline_frames(raw: Any, sizes: list[int], pool: _BufferPool | None) -> list[Buffer]:
+    """Split one received buffer into its frames."""
+    total = sum(sizes)
+    frames: list[Buffer] = []
+    offset = 0
     if pool is None or total < POOL_MIN_BYTES:
         view = memoryview(raw)
-        frames: list[Buffer] = []
-        offset = 0
         for n in sizes:
             frames.append(view[offset : offset + n])
             offset += n
-        return magic, count, frames
+        return frames
     # A pooled buffer: small frames are copied out; large ones are views of the buffer
     # (numpy arrays, which can be watched), and it is reused once all of them are gone.
-    frames = []
     large = []
-    offset = 0
     for n in sizes:
         if n >= _VIEW_MIN_BYTES:
             frame = raw[offset : offset + n]
@@ -273,14 +359,19 @@ def _read_message(
             frames.append(raw[offset : offset + n].tobytes())
         offset += n
     pool.watch(raw.base if raw.base is not None else raw, large)
-    return magic, count, frames
+    return frames
 
 
 @dataclass
 class _Outgoing:
-    frames: list[Buffer] | None  # None: an index assignment
+    frames: list[Buffer | _Ref] | None  # None: ``record`` alone (a control record)
     kind: Kind | None = None
-    index: int = 0
+    record: bytes = b""
+    keep: Any = None  # what keeps the shared-memory blocks it names lent
+
+    @property
+    def shared(self) -> bool:
+        return self.frames is not None and any(isinstance(f, _Ref) for f in self.frames)
 
 
 class _Writer:
@@ -290,9 +381,15 @@ class _Writer:
     (weights replaced by newer ones, the rest bounded by MAX_QUEUED).
     """
 
-    def __init__(self, conn: Connection, sock: socket.socket, name: str) -> None:
+    def __init__(
+        self, conn: Connection, sock: socket.socket, name: str, shm: ShmPool | None = None
+    ) -> None:
         self._conn = conn
         self._sock = sock
+        self._shm = shm
+        self._known: set[int] = set()  # blocks whose descriptor the peer has
+        self._unreleased = 0  # shared-memory messages written and not released yet
+        self._held_since: float | None = None
         self._queue: deque[_Outgoing] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -327,23 +424,58 @@ class _Writer:
 
     def _next(self) -> _Outgoing | None:
         with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait(1.0)  # idle; stop() notifies, this bounds a missed one
-            return None if self._stopping else self._queue.popleft()
+            while not self._stopping:
+                if not self._queue:
+                    self._cond.wait(1.0)  # idle; stop() notifies, this bounds a missed one
+                    continue
+                head = self._queue[0]
+                if self._unreleased and head.kind is Kind.WEIGHTS and head.shared:
+                    # The peer still reads its previous version in place: let it finish
+                    # (a newer version may replace this one meanwhile) rather than pin
+                    # one more block. A peer that never releases only delays it.
+                    now = time.monotonic()
+                    if self._held_since is None:
+                        self._held_since = now
+                    remaining = self._held_since + RELEASE_PATIENCE - now
+                    if remaining > 0:
+                        self._cond.wait(remaining)
+                        continue
+                self._held_since = None
+                return self._queue.popleft()
+            return None
+
+    def released(self) -> None:
+        """The peer let go of one shared-memory message."""
+        with self._cond:
+            self._unreleased = max(0, self._unreleased - 1)
+            self._cond.notify()
 
     def _run(self) -> None:
         try:
             while (item := self._next()) is not None:
                 if item.frames is None:
-                    self._conn.send_bytes(_HEADER.pack(_ASSIGN, item.index))
+                    self._conn.send_bytes(item.record)
                     continue
                 frames = item.frames
-                self._conn.send_bytes(_HEADER.pack(_MESSAGE, len(frames)))
-                self._conn.send_bytes(b"".join(_LENGTH.pack(memoryview(f).nbytes) for f in frames))
+                if item.shared:
+                    if not self._announce_blocks(frames):
+                        continue
+                    self._conn.send_bytes(_HEADER.pack(_SHARED, len(frames)))
+                    self._conn.send_bytes(b"".join(
+                        _REF.pack(f.length, f.block.id, f.offset) if isinstance(f, _Ref)
+                        else _REF.pack(memoryview(f).nbytes, -1, 0)
+                        for f in frames
+                    ))
+                else:
+                    self._conn.send_bytes(_HEADER.pack(_MESSAGE, len(frames)))
+                    self._conn.send_bytes(
+                        b"".join(_LENGTH.pack(memoryview(f).nbytes) for f in frames)  # type: ignore[arg-type]
+                    )
                 for frame in frames:
                     if self._stopping:
                         return  # closing: the peer sees the pipe end, not half a message
-                    self._sock.sendall(frame)
+                    if not isinstance(frame, _Ref):
+                        self._sock.sendall(frame)
                 # Written: let go of it now (a pooled buffer is free once nobody holds it).
                 item = frames = frame = None  # type: ignore[assignment]
         except (OSError, EOFError, ValueError) as exc:
@@ -351,6 +483,28 @@ class _Writer:
             with self._cond:
                 self.broken = f"{type(exc).__name__}: {exc}"
                 self._queue.clear()
+
+    def _announce_blocks(self, frames: list[Buffer | _Ref]) -> bool:
+        """Count the message as held by the peer in each block it names, and send the
+        peer the descriptor of any block it has not seen. False: drop the message."""
+        assert self._shm is not None
+        blocks = {f.block.id: f.block for f in frames if isinstance(f, _Ref)}
+        held: list[Block] = []
+        for block in blocks.values():
+            if not self._shm.hold(block, self):  # retired: cannot be, while a frame views it
+                for b in held:
+                    self._shm.release(b.id, self)
+                self.dropped += 1
+                return False
+            held.append(block)
+        with self._cond:
+            self._unreleased += 1
+        for block in blocks.values():
+            if block.id not in self._known:
+                self._conn.send_bytes(_HEADER.pack(_BLOCK, block.id))
+                socket.send_fds(self._sock, [b"B"], [block.fd])
+                self._known.add(block.id)
+        return True
 
     def stop(self) -> None:
         with self._cond:
@@ -392,6 +546,8 @@ class PipeHub(HubTransport):
             (worker ``i`` is ``pipes[i]``) or a mapping ``{worker_index: pipe_end}``.
             Each pipe must carry nothing but this hub's messages.
         max_message_bytes: the largest message accepted from a worker.
+        shared_memory: send large frames through shared-memory blocks (Linux), written
+            once and read by every worker in place, instead of through each pipe.
 
     Peer ids are ``b"pipe:<index>"`` (:func:`peer_id`). A worker whose pipe breaks (it
     exited or was killed) is counted in ``counters()["peers_lost"]``; sends to it are
@@ -405,6 +561,7 @@ class PipeHub(HubTransport):
         pipes: Sequence[Connection] | Mapping[int, Connection],
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        shared_memory: bool = True,
     ) -> None:
         items: Iterable[tuple[int, Connection]] = (
             pipes.items() if isinstance(pipes, Mapping) else enumerate(pipes)
@@ -421,6 +578,8 @@ class PipeHub(HubTransport):
         self._endpoint = f"pipe://{os.getpid()}"
         self._rotate = 0
         self._pool = _BufferPool()
+        self._shm = ShmPool() if shared_memory and SHM_AVAILABLE else None
+        self._bad_releases = 0
         try:
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
@@ -442,9 +601,9 @@ class PipeHub(HubTransport):
             if old is not None and old.lost is None:
                 raise ValueError(f"worker {index} already has a working pipe")
             sock = _socket_of(pipe, f"pipe of worker {index}")
-            writer = _Writer(pipe, sock, f"hub-{index}")
+            writer = _Writer(pipe, sock, f"hub-{index}", self._shm)
             # Before anything else on this pipe: tell the worker who it is.
-            writer.put(_Outgoing(None, index=index))
+            writer.put(_Outgoing(None, record=_HEADER.pack(_ASSIGN, index)))
             peer = _Peer(index, pipe, sock, writer)
             self._peers[peer_id(index)] = peer
             self._by_conn[pipe] = peer
@@ -488,6 +647,8 @@ class PipeHub(HubTransport):
             peer.lost = why
             self._lost += 1
             peer.writer.stop()
+            if self._shm is not None:
+                self._shm.forget(peer.writer)  # it reads no block any more
             log.warning("pipe of worker %d broke (%s): the worker is gone", peer.index, why)
 
     def send_frames(
@@ -501,11 +662,13 @@ class PipeHub(HubTransport):
                 targets = [self._peers.get(p) for p in to]
         if not targets:
             return
-        owned, buf = _owned(frames, self._pool)
-        item = _Outgoing(owned, peek_kind(frames[0]) if frames else None)
+        shared, keep = self._share(frames)
+        owned, buf = _owned(shared, self._pool)
+        item = _Outgoing(owned, peek_kind(frames[0]) if frames else None, keep=keep)
         if buf is not None:
             # Free again once every writer has written (or dropped) this message.
             self._pool.watch(buf, [item])
+        self._unmap_retired()
         for peer in targets:
             if peer is None or peer.lost is not None:
                 self._dropped += 1
@@ -513,6 +676,61 @@ class PipeHub(HubTransport):
             if peer.writer.broken is not None:
                 self._lose(peer, peer.writer.broken)
             peer.writer.put(item)
+
+    def _share(self, frames: Sequence[Buffer]) -> tuple[list[Buffer | _Ref], list[Any]]:
+        """``frames`` with the large ones placed in shared memory: a read-only frame that
+        already lies in a block (a snapshot from :meth:`shared_buffer`) as it is, the
+        others copied into one lent block. Returns the frames and what keeps them lent."""
+        out: list[Buffer | _Ref] = list(frames)
+        if self._shm is None:
+            return out, []
+        keep: list[Any] = []
+        to_copy: list[tuple[int, int]] = []
+        for i, frame in enumerate(frames):
+            n = memoryview(frame).nbytes
+            if n < SHM_MIN_FRAME:
+                continue
+            if _immutable(frame):
+                found = self._shm.locate(frame)
+                if found is not None:
+                    out[i] = _Ref(found[0], found[1], n)
+                    keep.append(frame)
+                    continue
+            to_copy.append((i, n))
+        if to_copy:
+            total = sum(-(-n // _SHM_ALIGN) * _SHM_ALIGN for _, n in to_copy)
+            lent = self._shm.lend(total)
+            if lent is None:
+                return out, keep  # every block busy: these go through the pipe
+            block, view = lent
+            keep.append(view)
+            offset = 0
+            for i, n in to_copy:
+                np.copyto(view[offset : offset + n], np.frombuffer(frames[i], dtype=np.uint8))
+                out[i] = _Ref(block, offset, n)
+                offset += -(-n // _SHM_ALIGN) * _SHM_ALIGN
+        return out, keep
+
+    def shared_buffer(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of shared memory that frames are later sent from without a copy
+        (once they are read-only views of it), or None when there is none to lend."""
+        self._check_open()
+        if self._shm is None:
+            return None
+        lent = self._shm.lend(nbytes)
+        return None if lent is None else lent[1]
+
+    def _unmap_retired(self) -> None:
+        if self._shm is None:
+            return
+        retired = self._shm.take_retired()
+        if not retired:
+            return
+        with self._lock:
+            peers = [p for p in self._peers.values() if p.lost is None]
+        for block_id in retired:
+            for peer in peers:
+                peer.writer.put(_Outgoing(None, record=_HEADER.pack(_UNMAP, block_id)))
 
     def recv_frames(self, timeout: float | None) -> Incoming | None:
         self._check_open()
@@ -539,9 +757,17 @@ class PipeHub(HubTransport):
                     continue
                 peer = by_conn[conn]  # type: ignore[index]
                 try:
-                    magic, _, frames = _read_message(peer.conn, peer.sock, self._max_message_bytes)
+                    magic, count, frames, _ = _read_message(
+                        peer.conn, peer.sock, self._max_message_bytes
+                    )
                 except (EOFError, OSError) as exc:
                     self._lose(peer, f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
+                    continue
+                if magic == _RELEASE:
+                    if self._shm is None or not self._shm.release(count, peer.writer):
+                        self._bad_releases += 1
+                    else:
+                        peer.writer.released()
                     continue
                 if magic == _MESSAGE:
                     # A message beats a wake-up: whoever woke us wants the hub, and gets
@@ -572,10 +798,15 @@ class PipeHub(HubTransport):
     def counters(self) -> dict[str, int]:
         with self._lock:
             peers = list(self._peers.values())
-        return {
+        counts = {
             "dropped_sends": self._dropped + sum(p.writer.dropped for p in peers),
             "peers_lost": self._lost,
         }
+        if self._shm is not None:
+            counts["shm_bytes"] = self._shm.nbytes()
+            counts["shm_fallbacks"] = self._shm.fallbacks
+            counts["bad_releases"] = self._bad_releases
+        return counts
 
     def close(self) -> None:
         with self._lock:
@@ -585,6 +816,8 @@ class PipeHub(HubTransport):
             peers = list(self._peers.values())
         for peer in peers:
             _close_end(peer.conn, peer.sock, peer.writer)
+        if self._shm is not None:
+            self._shm.close()
         for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -610,6 +843,7 @@ class PipeSpoke(SpokeTransport):
         self._hub_gone: str | None = None
         self._early: deque[list[Buffer]] = deque()  # read while waiting for our index
         self._pool = _BufferPool()  # receive buffers, reused once no frame views them
+        self._blocks: dict[int, np.ndarray] = {}  # the hub's shared blocks, mapped read-only
         #: This worker's index, as the hub assigned it (``None`` until it has arrived).
         self.peer_index: int | None = None
 
@@ -649,7 +883,9 @@ class PipeSpoke(SpokeTransport):
             try:
                 if not self._conn.poll(remaining):
                     return None
-                magic, index, frames = _read_message(self._conn, self._sock, None, self._pool)
+                magic, index, frames, shared = _read_message(
+                    self._conn, self._sock, None, self._pool, self._blocks
+                )
             except (EOFError, OSError) as exc:
                 self._gone(f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
                 continue
@@ -658,7 +894,30 @@ class PipeSpoke(SpokeTransport):
                 if until_index:
                     return None
                 continue
+            if magic == _UNMAP:
+                self._blocks.pop(index, None)  # unmapped once no frame views it
+                continue
+            if magic == _BLOCK:
+                continue
+            for block_id, views in shared.items():
+                self._release_when_gone(block_id, views)
             return frames
+
+    def _release_when_gone(self, block_id: int, views: list[np.ndarray]) -> None:
+        """Tell the hub once every one of ``views`` is garbage: it may reuse the block."""
+        left = [len(views)]
+        lock = threading.Lock()
+        record = _HEADER.pack(_RELEASE, block_id)
+
+        def one_gone() -> None:
+            with lock:
+                left[0] -= 1
+                done = left[0] == 0
+            if done and not self._closed:
+                self._writer.put(_Outgoing(None, record=record))
+
+        for view in views:
+            weakref.finalize(view, one_gone)
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         self._check_open()
@@ -697,3 +956,4 @@ class PipeSpoke(SpokeTransport):
         self._closed = True
         self._closed_event.set()
         _close_end(self._conn, self._sock, self._writer)
+        self._blocks.clear()

@@ -1,0 +1,181 @@
+"""Shared-memory blocks a hub lends for large frames, and lends again once free.
+
+Used by the pipe transport: a large frame is written into a block once, the block's file
+descriptor travels to each worker once (``SCM_RIGHTS`` over the pipe's Unix socket), and
+every later message only names the block and an offset. Workers map blocks read-only and
+copy from them straight into their model, so a version crosses no kernel socket.
+
+A block is free again when nobody holds it:
+
+- here, no Python object views it (its array's reference count is back to its own);
+- there, every worker it was sent to has released it (a record sent back once the
+  worker's frames are garbage), or has been lost (its pipe broke).
+
+Blocks are anonymous ``memfd`` files: they vanish with the last process that maps them,
+so a crash leaves nothing behind in ``/dev/shm``. They are sealed against resizing, and
+against new writable mappings once the hub has its own, so a confused worker can neither
+shrink a block under the learner (``SIGBUS``) nor write into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Final
+
+import numpy as np
+
+__all__ = ["SHM_AVAILABLE", "Block", "ShmPool"]
+
+#: Whether this platform has anonymous shared memory files (Linux).
+SHM_AVAILABLE: Final = hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING")
+#: Blocks alive at once (free or not). Past this, a hub sends through the socket.
+MAX_BLOCKS: Final = 4
+#: Free blocks kept for reuse; the others are returned to the system.
+KEEP_FREE: Final = 2
+#: Linux's F_SEAL_FUTURE_WRITE (not named in Python's fcntl): no new writable mappings.
+_F_SEAL_FUTURE_WRITE: Final = 0x0010
+
+
+class Block:
+    """One shared-memory block: its file, its mapping, and who holds it."""
+
+    def __init__(self, block_id: int, size: int) -> None:
+        import fcntl
+
+        self.id = block_id
+        self.size = size
+        self.fd = os.memfd_create(f"zmqsync-{block_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            self._mm = mmap.mmap(self.fd, size)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
+            with contextlib.suppress(OSError):  # kernels before 5.1 lack it
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.address: int = self.array.__array_interface__["data"][0]
+        #: Messages naming this block that each peer has not released yet.
+        self.readers: Counter[Any] = Counter()
+        self._own_refs = sys.getrefcount(self.array)
+
+    def viewed_here(self) -> bool:
+        """True while some object in this process views the block."""
+        return sys.getrefcount(self.array) > self._own_refs
+
+    def free(self) -> bool:
+        return not self.readers and not self.viewed_here()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
+        self.array = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError):  # a view still exists: the GC unmaps later
+            self._mm.close()
+
+
+class ShmPool:
+    """The hub's blocks: lent for large messages, located by address, freed on release."""
+
+    def __init__(self, *, max_blocks: int = MAX_BLOCKS, keep_free: int = KEEP_FREE) -> None:
+        self._blocks: dict[int, Block] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._max_blocks = max_blocks
+        self._keep_free = keep_free
+        #: Blocks given back to the system; the hub tells workers to unmap them.
+        self.retired: list[int] = []
+        self.fallbacks = 0
+
+    def lend(self, nbytes: int) -> tuple[Block, np.ndarray] | None:
+        """A free block of at least ``nbytes`` and a writable view of its first ``nbytes``,
+        or None when every block is busy and no more may be made (send inline then)."""
+        with self._lock:
+            free = [b for b in self._blocks.values() if b.free()]
+            for block in free:
+                if nbytes <= block.size <= 2 * nbytes:
+                    return block, block.array[:nbytes]
+            # No free block fits: give back a free one of the wrong size, then make one.
+            if len(self._blocks) >= self._max_blocks and free:
+                self._retire(free[0])
+            if len(self._blocks) >= self._max_blocks:
+                self.fallbacks += 1
+                return None
+            block = Block(next(self._ids), max(nbytes, 1))
+            self._blocks[block.id] = block
+            view = block.array[:nbytes]  # viewed now: _trim keeps it
+            self._trim()
+            return block, view
+
+    def locate(self, frame: Any) -> tuple[Block, int] | None:
+        """The block ``frame`` lies in and its offset there, or None."""
+        view = np.frombuffer(frame, dtype=np.uint8)
+        start = view.__array_interface__["data"][0]
+        with self._lock:
+            for block in self._blocks.values():
+                if block.address <= start and start + view.nbytes <= block.address + block.size:
+                    return block, start - block.address
+        return None
+
+    def hold(self, block: Block, peer: Any) -> bool:
+        """Count one message naming ``block`` as held by ``peer``; False if retired."""
+        with self._lock:
+            if block.id not in self._blocks:
+                return False
+            block.readers[peer] += 1
+            return True
+
+    def release(self, block_id: int, peer: Any) -> bool:
+        """``peer`` is done with one message naming ``block_id``; False if it held none."""
+        with self._lock:
+            block = self._blocks.get(block_id)
+            if block is None or block.readers[peer] <= 0:
+                if block is not None:
+                    del block.readers[peer]  # the Counter lookup above may have added it
+                return False
+            block.readers[peer] -= 1
+            if block.readers[peer] == 0:
+                del block.readers[peer]
+            return True
+
+    def forget(self, peer: Any) -> None:
+        """``peer`` is gone: it holds nothing any more."""
+        with self._lock:
+            for block in self._blocks.values():
+                block.readers.pop(peer, None)
+
+    def nbytes(self) -> int:
+        """Bytes of shared memory this pool maps."""
+        with self._lock:
+            return sum(b.size for b in self._blocks.values())
+
+    def _trim(self) -> None:
+        free = [b for b in self._blocks.values() if b.free()]
+        for block in free[self._keep_free :]:
+            self._retire(block)
+
+    def _retire(self, block: Block) -> None:
+        del self._blocks[block.id]
+        self.retired.append(block.id)
+        block.close()
+
+    def take_retired(self) -> list[int]:
+        with self._lock:
+            out, self.retired = self.retired, []
+            return out
+
+    def close(self, blocks: Iterable[Block] | None = None) -> None:
+        with self._lock:
+            for block in list(self._blocks.values()) if blocks is None else blocks:
+                self._blocks.pop(block.id, None)
+                block.close()
