@@ -549,6 +549,15 @@ def test_large_frames_travel_through_shared_memory_blocks_reused_once_released()
             pipe_module._RELEASE, 999)))
         assert hub.recv_frames(0.5) is None
         assert hub.counters()["bad_releases"] == 1
+        # ... as is one that releases a real block more often than it was sent it.
+        writer = hub._peers[peer_id(0)].writer
+        block = next(iter(hub._shm._blocks.values()))  # type: ignore[union-attr]
+        for _ in range(block.readers.get(writer, 0) + 1):
+            spoke._writer.put(pipe_module._Outgoing(None, record=pipe_module._HEADER.pack(
+                pipe_module._RELEASE, block.id)))
+        while hub.recv_frames(0.5) is not None:
+            pass
+        assert hub.counters()["bad_releases"] == 2
         del got, third, held
         assert send_and_receive(4.0)[1].view(np.float32)[0] == 4.0
     finally:

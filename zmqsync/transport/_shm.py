@@ -139,9 +139,7 @@ class ShmPool:
         """``peer`` is done with one message naming ``block_id``; False if it held none."""
         with self._lock:
             block = self._blocks.get(block_id)
-            if block is None or block.readers[peer] <= 0:
-                if block is not None:
-                    del block.readers[peer]  # the Counter lookup above may have added it
+            if block is None or block.readers[peer] <= 0:  # a Counter lookup adds no key
                 return False
             block.readers[peer] -= 1
             if block.readers[peer] == 0:

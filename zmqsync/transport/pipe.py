@@ -39,7 +39,6 @@ import contextlib
 import logging
 import mmap
 import os
-import select
 import socket
 import struct
 import threading
@@ -259,9 +258,11 @@ def _recv_raw(
 _Read = tuple[bytes, int, list[Buffer], dict[int, list[np.ndarray]]]
 
 
-def _recv_block(sock: socket.socket, block_id: int, blocks: dict[int, np.ndarray]) -> None:
+def _recv_block(
+    conn: Connection, sock: socket.socket, block_id: int, blocks: dict[int, np.ndarray]
+) -> None:
     """Map the block whose descriptor rides on the next byte, read-only."""
-    if not select.select([sock], [], [], STALL_SECONDS)[0]:
+    if not conn.poll(STALL_SECONDS):
         raise OSError(f"the peer stopped before sending block {block_id}")
     data, fds, _, _ = socket.recv_fds(sock, 1, 1)
     if not data:
@@ -303,7 +304,7 @@ def _read_message(
         raise OSError(f"bad pipe record magic {magic!r}: is someone else writing on this pipe?")
     if magic == _BLOCK:
         assert blocks is not None
-        _recv_block(sock, count, blocks)
+        _recv_block(conn, sock, count, blocks)
         return magic, count, [], {}
     if count > MAX_FRAMES:
         raise OSError(f"a message of {count} frames exceeds the limit of {MAX_FRAMES}")
