@@ -527,6 +527,9 @@ class ZmqsyncRayVariant(Variant):
     def _send(self) -> None:
         self.scheme.send()
 
+    def shared_bytes(self) -> int:
+        return int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
+
     def _close(self) -> None:
         self.scheme.shutdown()
 
@@ -803,7 +806,8 @@ def markdown(
         f"(target: at or below 1 everywhere, and {SPEEDUP_TARGET:.0f}x faster for "
         f"{SMALL_TENSORS}).",
         "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
-        "block of sends, % of the model, plus the shared-memory blocks zmqsync-pipe maps "
+        "block of sends, % of the model, plus the shared-memory blocks zmqsync-pipe and "
+        "zmqsync-ray map "
         "(Ray's object store and torch's shared memory are not malloc'd by the learner, so "
         "they do not show here).",
         "",

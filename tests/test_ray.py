@@ -180,6 +180,13 @@ class PolicyActor(WeightSyncActorMixin):
             receiver = self.scheme.get_receiver()
             return receiver.version, zmqsync.checksum(self.model, self.scheme.strategy)
 
+    def shared_frames(self) -> int:
+        """Frames this actor read in place from the sender's shared memory."""
+        assert self.scheme is not None
+        transport = self.scheme.receiver_transport
+        assert isinstance(transport, RaySpoke)
+        return transport.counters()["shared_frames"]
+
     def zero_copy_views(self) -> int:
         """Frames this actor read straight from the object store, without a copy."""
         assert self.scheme is not None
@@ -197,8 +204,9 @@ def _wait_for(predicate: Any, what: str, timeout: float = 60.0) -> None:
 
 @pytest.mark.timeout(300)
 def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> None:  # type: ignore[no-untyped-def]
+    """Through Ray's object store (the path actors on other hosts take)."""
     model = make_model(0)
-    scheme = RayWeightSyncScheme(timeout=5)
+    scheme = RayWeightSyncScheme(timeout=5, shared_memory=False)
     fleet = [PolicyActor.remote(100 + i) for i in range(3)]
     actors.extend(fleet)
     ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
@@ -274,6 +282,54 @@ def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> No
         latest = (scheme.get_sender().version, zmqsync.checksum(model))
         late_state = ray.get(late.state.remote(), timeout=CALL_TIMEOUT)
         assert [*states([0, 1]), late_state] == [latest] * 3
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actors) -> None:  # type: ignore[no-untyped-def]
+    """Actors on the learner's host say they can read its blocks, then get every version
+    as places in them: no object in Ray's store, blocks reused, holds of a killed actor
+    forgotten."""
+    model = make_model(0)
+    scheme = RayWeightSyncScheme(timeout=5)
+    fleet = [PolicyActor.remote(300 + i) for i in range(2)]
+    actors.extend(fleet)
+    ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
+    scheme.init_on_sender("policy", remote_collectors=fleet, source_model=model)
+    try:
+        scheme.connect(timeout=CALL_TIMEOUT)
+        hub = scheme.get_sender().transport
+        assert isinstance(hub, RayHub)
+        _wait_for(lambda: all(a.shared for a in hub._actors.values()), "both actors answering yes")
+        before = hub.counters()
+        for version in (1, 2, 3, 4):
+            _bump(model)
+            scheme.send()
+            states = ray.get([a.state.remote() for a in fleet], timeout=CALL_TIMEOUT)
+            assert states == [(version, zmqsync.checksum(model))] * 2
+        after = hub.counters()
+        assert after["object_store_puts"] == before["object_store_puts"]
+        assert after["shared_sends"] - before["shared_sends"] == 8
+        assert all(n >= 4 for n in ray.get([a.shared_frames.remote() for a in fleet]))
+        nbytes = sum(t.nbytes for t in model.state_dict().values())
+        assert after["shm_bytes"] <= 3 * nbytes, "blocks were not reused"
+        assert after["bad_releases"] == 0
+        # Every actor let go of what it applied (releases ride on the next replies).
+        _wait_for(lambda: not any(b.readers for b in hub._shm._blocks.values()),  # type: ignore[union-attr]
+                  "the actors releasing their blocks")
+
+        # A killed actor is named; whatever it held is forgotten, and the other goes on.
+        kill_actor(fleet[1], CALL_TIMEOUT)
+        _bump(model)
+        with pytest.raises(SyncTimeout):
+            scheme.send()
+        _bump(model)
+        scheme.send(worker_ids=[0])
+        assert ray.get(fleet[0].state.remote(), timeout=CALL_TIMEOUT) == (
+            scheme.get_sender().version, zmqsync.checksum(model))
+        _wait_for(lambda: not any(1 in b.readers for b in hub._shm._blocks.values()),  # type: ignore[union-attr]
+                  "the dead actor's holds being forgotten")
     finally:
         scheme.shutdown()
 

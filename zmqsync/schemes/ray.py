@@ -120,6 +120,10 @@ class RayWeightSyncScheme(WeightSyncScheme):
             provides it).
         poll_interval: longest gap between the sender's polls of an idle actor, which
             carry the actor's heartbeats and let it join.
+        shared_memory: actors on the learner's host read each version in place from
+            shared-memory blocks the sender reuses, instead of a new object in Ray's
+            store per version (each actor is asked first whether it can; the others get
+            the object store).
         **sender_options: passed to :class:`~zmqsync.WeightSender`.
 
     Example::
@@ -149,11 +153,13 @@ class RayWeightSyncScheme(WeightSyncScheme):
         timeout: float = 10.0,
         method: str = DELIVER_METHOD,
         poll_interval: float = POLL_INTERVAL,
+        shared_memory: bool = True,
         **sender_options: Any,
     ) -> None:
         super().__init__(strategy, timeout=timeout, **sender_options)
         self.method = method
         self.poll_interval = poll_interval
+        self.shared_memory = shared_memory
         self._actor_side: _ActorReceiver | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -193,7 +199,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
             channel=self._model_id or "policy",
             method=self.method,
             poll_interval=self.poll_interval,
-            **options,
+            **{"shared_memory": self.shared_memory, **options},
         )
 
     # --- sender side -----------------------------------------------------------------

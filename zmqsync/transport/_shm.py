@@ -26,12 +26,13 @@ import os
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["SHM_AVAILABLE", "Block", "ShmPool"]
+__all__ = ["SHM_AVAILABLE", "SHM_MIN_FRAME", "Block", "Ref", "ShmPool"]
 
 #: Whether this platform has anonymous shared memory files (Linux).
 SHM_AVAILABLE: Final = hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING")
@@ -39,6 +40,10 @@ SHM_AVAILABLE: Final = hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SE
 MAX_BLOCKS: Final = 4
 #: Free blocks kept for reuse; the others are returned to the system.
 KEEP_FREE: Final = 2
+#: Frames at least this large travel through shared memory.
+SHM_MIN_FRAME: Final = 64 * 1024
+#: Each frame copied into a block starts on this boundary (a cache line).
+ALIGN: Final = 64
 #: Linux's F_SEAL_FUTURE_WRITE (not named in Python's fcntl): no new writable mappings.
 _F_SEAL_FUTURE_WRITE: Final = 0x0010
 
@@ -84,6 +89,19 @@ class Block:
             self._mm.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A frame that lies in a shared-memory block: sent as its place, not its bytes."""
+
+    block: Block
+    offset: int
+    length: int
+
+
+def _immutable(frame: Any) -> bool:
+    return isinstance(frame, bytes | Ref) or (isinstance(frame, memoryview) and frame.readonly)
+
+
 class ShmPool:
     """The hub's blocks: lent for large messages, located by address, freed on release."""
 
@@ -126,6 +144,47 @@ class ShmPool:
                 if block.address <= start and start + view.nbytes <= block.address + block.size:
                     return block, start - block.address
         return None
+
+    def share(self, frames: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """``frames`` with the large ones as :class:`Ref`: a read-only frame that already
+        lies in a block (a snapshot carved from :meth:`lend`) as it is, the others copied
+        into one lent block (or left as they are when every block is busy).
+
+        Returns the frames and what keeps their blocks lent: hold on to it until each
+        peer's hold is counted (:meth:`hold`).
+        """
+        out: list[Any] = list(frames)
+        keep: list[Any] = []
+        to_copy: list[tuple[int, int]] = []
+        for i, frame in enumerate(frames):
+            n = memoryview(frame).nbytes
+            if n < SHM_MIN_FRAME:
+                continue
+            if _immutable(frame):
+                found = self.locate(frame)
+                if found is not None:
+                    out[i] = Ref(found[0], found[1], n)
+                    keep.append(frame)
+                    continue
+            to_copy.append((i, n))
+        if to_copy:
+            total = sum(-(-n // ALIGN) * ALIGN for _, n in to_copy)
+            lent = self.lend(total)
+            if lent is None:
+                return out, keep  # every block busy: these go as bytes
+            block, view = lent
+            keep.append(view)
+            offset = 0
+            for i, n in to_copy:
+                np.copyto(view[offset : offset + n], np.frombuffer(frames[i], dtype=np.uint8))
+                out[i] = Ref(block, offset, n)
+                offset += -(-n // ALIGN) * ALIGN
+        return out, keep
+
+    def live_ids(self) -> list[int]:
+        """Ids of the blocks that exist now (a worker may forget any other)."""
+        with self._lock:
+            return list(self._blocks)
 
     def hold(self, block: Block, peer: Any) -> bool:
         """Count one message naming ``block`` as held by ``peer``; False if retired."""

@@ -54,7 +54,8 @@ import numpy as np
 
 from zmqsync.errors import TransportClosed, TransportError
 from zmqsync.protocol import MAX_BUFFERS, Buffer, Kind, peek_kind
-from zmqsync.transport._shm import SHM_AVAILABLE, Block, ShmPool
+from zmqsync.transport._shm import SHM_AVAILABLE, SHM_MIN_FRAME, Block, ShmPool
+from zmqsync.transport._shm import Ref as _Ref
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
 __all__ = ["PipeHub", "PipeSpoke", "peer_id"]
@@ -78,9 +79,6 @@ _BLOCK: Final = b"ZSPB"
 _UNMAP: Final = b"ZSPU"
 #: Worker to hub: done with one message that named block ``count``.
 _RELEASE: Final = b"ZSPR"
-#: Frames at least this large travel through shared memory (when the platform has it).
-SHM_MIN_FRAME: Final = 64 * 1024
-_SHM_ALIGN: Final = 64
 #: Frames per message: the protocol's buffer limit plus the header and schema frames.
 MAX_FRAMES: Final = MAX_BUFFERS + 2
 #: What a hub accepts in one message from a worker. Workers send acks and requests (a
@@ -158,15 +156,6 @@ class _BufferPool:
 def peer_id(index: int) -> PeerId:
     """The hub's peer id of the worker at ``index``: ``b"pipe:3"``."""
     return b"pipe:%d" % index
-
-
-@dataclass(frozen=True, slots=True)
-class _Ref:
-    """A frame that lies in a shared-memory block: sent as its place, not its bytes."""
-
-    block: Block
-    offset: int
-    length: int
 
 
 def _immutable(frame: Buffer | _Ref) -> bool:
@@ -679,38 +668,9 @@ class PipeHub(HubTransport):
             peer.writer.put(item)
 
     def _share(self, frames: Sequence[Buffer]) -> tuple[list[Buffer | _Ref], list[Any]]:
-        """``frames`` with the large ones placed in shared memory: a read-only frame that
-        already lies in a block (a snapshot from :meth:`shared_buffer`) as it is, the
-        others copied into one lent block. Returns the frames and what keeps them lent."""
-        out: list[Buffer | _Ref] = list(frames)
         if self._shm is None:
-            return out, []
-        keep: list[Any] = []
-        to_copy: list[tuple[int, int]] = []
-        for i, frame in enumerate(frames):
-            n = memoryview(frame).nbytes
-            if n < SHM_MIN_FRAME:
-                continue
-            if _immutable(frame):
-                found = self._shm.locate(frame)
-                if found is not None:
-                    out[i] = _Ref(found[0], found[1], n)
-                    keep.append(frame)
-                    continue
-            to_copy.append((i, n))
-        if to_copy:
-            total = sum(-(-n // _SHM_ALIGN) * _SHM_ALIGN for _, n in to_copy)
-            lent = self._shm.lend(total)
-            if lent is None:
-                return out, keep  # every block busy: these go through the pipe
-            block, view = lent
-            keep.append(view)
-            offset = 0
-            for i, n in to_copy:
-                np.copyto(view[offset : offset + n], np.frombuffer(frames[i], dtype=np.uint8))
-                out[i] = _Ref(block, offset, n)
-                offset += -(-n // _SHM_ALIGN) * _SHM_ALIGN
-        return out, keep
+            return list(frames), []
+        return self._shm.share(frames)
 
     def shared_buffer(self, nbytes: int) -> np.ndarray | None:
         """``nbytes`` of shared memory that frames are later sent from without a copy

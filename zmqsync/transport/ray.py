@@ -8,6 +8,13 @@ the hub drives every exchange:
   targeted actor. A large message is put into Ray's object store **once**
   (``ray.put`` of a list of ``uint8`` numpy arrays) and every actor on the node reads it
   through zero-copy, read-only views; the receiver then copies it once into its model.
+- Actors on the driver's host do better: asked once (a probe) whether they can open the
+  driver's shared-memory blocks through ``/proc/<pid>/fd``, those that can get large
+  frames as places in the hub's reused ``memfd`` blocks (the same pool as the pipe
+  transport's), map them read-only once, and copy from them into their model; no
+  object in Ray's store, and the sender's snapshot is the block it sends. They release
+  a block in a reply once they let go of its frames; the hub rewrites a block only when
+  every actor it went to has released it or died.
 - What the actor's side sends (acks, hellos, heartbeats) waits in its spoke's outbox and
   is the **result** of the next call. When nothing else is under way, the hub *polls*
   each actor (a call with no frames) every ``poll_interval`` seconds at most, sooner
@@ -33,15 +40,21 @@ its own.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import queue
+import secrets
+import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from zmqsync.errors import EndpointError, TransportClosed, TransportError
 from zmqsync.protocol import Buffer, Kind, peek_kind
+from zmqsync.transport._shm import SHM_AVAILABLE, Block, Ref, ShmPool
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
 __all__ = [
@@ -72,6 +85,24 @@ POLL_INTERVAL: Final = 0.25
 FAST_POLL: Final = 0.005
 #: Messages an actor's spoke keeps for the hub before dropping new ones.
 MAX_OUTBOX: Final = 1024
+
+# Shared memory with actors on the driver's host. The hub first sends an actor a probe
+# (the driver's pid, the descriptor of a small block and the token written in it); an
+# actor that can open ``/proc/<pid>/fd/<fd>`` and read the token answers yes, and from
+# then on gets large frames as places in the hub's blocks (one ``_SHM_HEAD`` record,
+# ``_SHM_ENTRY`` per frame, the ids of the blocks that still exist, then the small
+# frames inline) instead of an object in Ray's store. It releases each block (a
+# ``_RELEASE`` reply) once it let go of the frames in it.
+_PROBE: Final = b"ZRSP"
+_PROBE_BODY: Final = struct.Struct("<qq16s")  # pid, fd, token
+_ANSWER: Final = b"ZRSA"
+_SHARED: Final = b"ZRS1"
+_SHM_HEAD: Final = struct.Struct("<4sqII")  # magic, pid, frames, live block ids
+_SHM_ENTRY: Final = struct.Struct("<qqQQQ")  # block id (-1: inline), fd, block size, offset, length
+_LIVE: Final = struct.Struct("<q")
+_RELEASE: Final = b"ZRSR"
+#: Blocks an actor keeps mapped; the hub's live list trims it sooner.
+_MAX_MAPS: Final = 8
 
 
 def peer_id(index: int) -> PeerId:
@@ -109,7 +140,8 @@ class RaySpoke(SpokeTransport):
         self._taken = 0  # ... and recv_frames took
         self._reader_idle = False  # a reader waits in recv_frames on an empty inbox
         self._closed = False
-        self._counters = {"dropped_sends": 0, "read_only_views": 0}
+        self._counters = {"dropped_sends": 0, "read_only_views": 0, "shared_frames": 0}
+        self._maps: dict[tuple[int, int], Any] = {}  # (driver pid, block id): mapping
         #: This actor's index at its hub (``None`` until the hub's first call).
         self.peer_index: int | None = None
         #: Called on each of the hub's calls, after its frames are queued and before the
@@ -179,11 +211,87 @@ class RaySpoke(SpokeTransport):
             )
             return bool(self._outbox)
 
+    def _reply(self, message: list[bytes]) -> None:
+        with self._cond:
+            self._outbox.append(message)
+            self._cond.notify_all()
+
+    def _probe(self, record: bytes) -> bool:
+        """Whether this process can read the hub's shared blocks."""
+        try:
+            pid, fd, token = _PROBE_BODY.unpack(record[len(_PROBE):])
+            mapped = _map_block(pid, fd, len(token))
+            return bytes(mapped[: len(token)]) == token
+        except (OSError, ValueError, struct.error):
+            return False
+
+    def _resolve(self, frames: Sequence[Any]) -> list[Buffer]:
+        """The frames of a shared-memory message: views of the hub's blocks (mapped
+        read-only, once each) and the inline frames. Raises OSError/ValueError."""
+        head = frames[0]
+        _, pid, count, live = _SHM_HEAD.unpack_from(head)
+        offset = _SHM_HEAD.size
+        entries = [_SHM_ENTRY.unpack_from(head, offset + i * _SHM_ENTRY.size) for i in range(count)]
+        offset += count * _SHM_ENTRY.size
+        alive = {_LIVE.unpack_from(head, offset + i * _LIVE.size)[0] for i in range(live)}
+        for key in [k for k in self._maps if k[0] != pid or k[1] not in alive]:
+            del self._maps[key]  # the hub dropped it (unmapped once no frame views it)
+        inline = iter(frames[1:])
+        out: list[Buffer] = []
+        views: dict[int, list[Any]] = {}
+        for block_id, fd, size, start, length in entries:
+            if block_id < 0:
+                frame = next(inline)
+                out.append(frame if isinstance(frame, bytes) else memoryview(frame))
+                continue
+            mapped = self._maps.get((pid, block_id))
+            if mapped is None:
+                mapped = _map_block(pid, fd, size)
+                while len(self._maps) >= _MAX_MAPS:
+                    del self._maps[next(iter(self._maps))]
+                self._maps[(pid, block_id)] = mapped
+            if start + length > mapped.nbytes:
+                raise ValueError(f"a frame names bytes past the end of block {block_id}")
+            view = mapped[start : start + length]
+            views.setdefault(block_id, []).append(view)
+            out.append(view)
+        for block_id, held in views.items():
+            self._release_when_gone(block_id, held)
+        self._counters["shared_frames"] += sum(len(v) for v in views.values())
+        return out
+
+    def _release_when_gone(self, block_id: int, views: list[Any]) -> None:
+        left = [len(views)]
+        lock = threading.Lock()
+        message = [_RELEASE + _LIVE.pack(block_id)]
+
+        def one_gone() -> None:
+            with lock:
+                left[0] -= 1
+                done = left[0] == 0
+            if done and not self._closed:
+                self._reply(message)
+
+        for view in views:
+            weakref.finalize(view, one_gone)
+
     def exchange(self, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
         """One call from the hub: queue ``frames`` (if any) and return the outbox."""
         if self._closed:
             return []
         self.peer_index = peer_index
+        first = frames[0] if frames else None
+        if isinstance(first, bytes) and first.startswith(_PROBE):
+            self._reply([_ANSWER + (b"\x01" if self._probe(first) else b"\x00")])
+            frames = None
+        elif isinstance(first, bytes) and first.startswith(_SHARED):
+            try:
+                frames = self._resolve(frames)  # type: ignore[arg-type]
+            except (OSError, ValueError, StopIteration, struct.error) as exc:
+                # Lost: say so (the hub stops sharing; the sync layer repairs the version).
+                log.warning("could not read the hub's shared memory: %s", exc)
+                self._reply([_ANSWER + b"\x00"])
+                frames = None
         if frames is not None:
             # Views, not copies: numpy arrays from the object store stay where they are
             # until the receiver copies them into its model.
@@ -205,8 +313,9 @@ class RaySpoke(SpokeTransport):
         return out
 
     def counters(self) -> dict[str, int]:
-        """``dropped_sends`` (the hub stopped calling) and ``read_only_views`` (frames
-        read in place from Ray's object store, without a copy)."""
+        """``dropped_sends`` (the hub stopped calling), ``read_only_views`` (frames read
+        in place from Ray's object store or the hub's shared memory, without a copy) and
+        ``shared_frames`` (those of them in the hub's shared memory)."""
         return dict(self._counters)
 
     def close(self) -> None:
@@ -219,6 +328,23 @@ class RaySpoke(SpokeTransport):
         self._inbox.put(None)  # ends a blocked recv_frames
         with self._cond:
             self._cond.notify_all()
+
+
+def _map_block(pid: int, fd: int, size: int) -> Any:
+    """Map the driver's block ``fd`` read-only, through ``/proc``; checks its size."""
+    import numpy as np
+
+    if pid <= 0 or fd < 0 or size <= 0:
+        raise ValueError(f"no block at pid {pid}, fd {fd}, size {size}")
+    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        actual = os.fstat(handle).st_size
+        if actual < size:
+            raise ValueError(f"block {fd} of pid {pid} is {actual} bytes, not {size}")
+        mapped = mmap.mmap(handle, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(handle)
+    return np.frombuffer(mapped, dtype=np.uint8)
 
 
 def deliver(channel: str, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
@@ -282,6 +408,8 @@ class _Actor:
     next_poll: float = 0.0
     poll_gap: float = FAST_POLL
     dead: str | None = None
+    shared: bool | None = None  # reads the hub's shared memory (None: not asked yet)
+    probing: bool = False
 
 
 class RayHub(HubTransport):
@@ -297,6 +425,10 @@ class RayHub(HubTransport):
         poll_interval: longest gap between polls of an idle actor (seconds).
         inline_bytes: messages smaller than this travel inside the call instead of
             through the object store.
+        shared_memory: give actors on the driver's host large frames through
+            shared-memory blocks (read in place, reused once released) instead of a new
+            object in Ray's store per message. Each actor is asked first whether it can
+            read them; actors elsewhere get the object store.
 
     Peer ids are ``b"ray:<index>"`` (:func:`peer_id`). Ray must be initialised
     (``ray.init()``) by the caller.
@@ -312,6 +444,7 @@ class RayHub(HubTransport):
         method: str = DELIVER_METHOD,
         poll_interval: float = POLL_INTERVAL,
         inline_bytes: int = INLINE_BYTES,
+        shared_memory: bool = True,
     ) -> None:
         self._ray = _ray()
         if poll_interval <= 0:
@@ -331,8 +464,19 @@ class RayHub(HubTransport):
             "remote_errors": 0,
             "polls": 0,
             "object_store_puts": 0,
+            "shared_sends": 0,
+            "bad_releases": 0,
         }
         self.last_error: str | None = None
+        self._shm: ShmPool | None = None
+        self._probe: Block | None = None
+        self._probe_record = b""
+        if shared_memory and SHM_AVAILABLE:
+            self._shm = ShmPool()
+            token = secrets.token_bytes(16)
+            self._probe = Block(0, len(token))
+            self._probe.array[:] = memoryview(token)
+            self._probe_record = _PROBE + _PROBE_BODY.pack(os.getpid(), self._probe.fd, token)
         items = actors.items() if isinstance(actors, Mapping) else enumerate(actors)
         for index, handle in items:
             self.add_actor(handle, index=index)
@@ -390,6 +534,54 @@ class RayHub(HubTransport):
         if self._closed:
             raise TransportClosed(f"Ray hub {self.endpoint} is closed")
 
+    def shared_buffer(self, nbytes: int) -> Any:
+        """Shared memory to carve a sender's snapshot from (sent without another copy to
+        actors that read the hub's blocks), or None."""
+        self._check_open()
+        if self._shm is None:
+            return None
+        lent = self._shm.lend(nbytes)
+        return None if lent is None else lent[1]
+
+    def _shared_payload(
+        self, frames: Sequence[Buffer]
+    ) -> tuple[list[bytes], list[Block], Any] | None:
+        """The message as places in shared blocks, the blocks, and what keeps them lent;
+        None when it has no frame large enough or every block is busy."""
+        assert self._shm is not None
+        shared, keep = self._shm.share(frames)
+        refs = [f for f in shared if isinstance(f, Ref)]
+        if not refs:
+            return None
+        entries = []
+        inline: list[bytes] = []
+        for f in shared:
+            if isinstance(f, Ref):
+                block = f.block
+                entries.append(_SHM_ENTRY.pack(block.id, block.fd, block.size, f.offset, f.length))
+            else:
+                entries.append(_SHM_ENTRY.pack(-1, -1, 0, 0, 0))
+                inline.append(f if isinstance(f, bytes) else bytes(f))
+        live = self._shm.live_ids()
+        head = (
+            _SHM_HEAD.pack(_SHARED, os.getpid(), len(shared), len(live))
+            + b"".join(entries)
+            + b"".join(_LIVE.pack(i) for i in live)
+        )
+        blocks = list({f.block.id: f.block for f in refs}.values())
+        return [head, *inline], blocks, keep
+
+    def _hold(self, actor: _Actor, blocks: list[Block]) -> None:
+        assert self._shm is not None
+        for block in blocks:
+            self._shm.hold(block, actor.index)
+
+    def _let_go(self, actor: _Actor, payload: Any) -> None:
+        """A shared-memory message for ``actor`` that will never be sent: release it."""
+        if isinstance(payload, _SharedPayload) and self._shm is not None:
+            for block in payload.blocks:
+                self._shm.release(block.id, actor.index)
+
     def _payload(self, frames: Sequence[Buffer]) -> Any:
         if sum(len(f) for f in frames) < self._inline_bytes:
             return _owned(frames)
@@ -414,6 +606,8 @@ class RayHub(HubTransport):
             actor.weights_seq = seq
         actor.next_seq += 1
         actor.in_flight += 1
+        if isinstance(payload, _SharedPayload):
+            payload = list(payload)  # Ray pickles what it is given: plain bytes only
         try:
             future = actor.method.remote(self._channel, actor.index, payload).future()
         except Exception as exc:  # a failed submission is a failed call
@@ -439,23 +633,37 @@ class RayHub(HubTransport):
             self._counters["dropped_sends"] += len(targets) - len(live)
             if not live:
                 return
-        payload = self._payload(frames)
+        shared = [a for a in live if a.shared] if self._shm is not None else []
+        big = sum(len(f) for f in frames) >= self._inline_bytes
+        shared_payload: _SharedPayload | None = None
+        if shared and big:
+            made = self._shared_payload(frames)
+            if made is not None:
+                shared_payload = _SharedPayload(made[0], made[1], made[2])
+        others = [a for a in live if shared_payload is None or not a.shared]
+        payload = self._payload(frames) if others else None
         with self._lock:
             for actor in live:
+                message = payload if shared_payload is None or not actor.shared else shared_payload
+                if message is shared_payload:
+                    self._hold(actor, shared_payload.blocks)  # type: ignore[union-attr]
+                    self._counters["shared_sends"] += 1
                 if weights and actor.weights_seq is not None:
                     # An actor busy with one version gets only the newest of those sent
                     # meanwhile: at most two versions per actor are held in the store.
                     if actor.pending_weights is not None:
                         self._counters["dropped_sends"] += 1
-                    actor.pending_weights = payload
+                        self._let_go(actor, actor.pending_weights)
+                    actor.pending_weights = message
                 else:
-                    self._call(actor, payload, weights=weights)
+                    self._call(actor, message, weights=weights)
 
     def purge(self) -> None:
         """Drop versions waiting for a busy actor (calls under way cannot be recalled)."""
         with self._lock:
             for actor in self._actors.values():
                 if actor.pending_weights is not None:
+                    self._let_go(actor, actor.pending_weights)
                     actor.pending_weights = None
                     self._counters["dropped_sends"] += 1
 
@@ -468,7 +676,11 @@ class RayHub(HubTransport):
                     continue
                 if actor.next_poll <= now:
                     self._counters["polls"] += 1
-                    self._call(actor, None)
+                    if actor.shared is None and self._shm is not None and not actor.probing:
+                        actor.probing = True  # ask once whether it reads our blocks
+                        self._call(actor, [self._probe_record])
+                    else:
+                        self._call(actor, None)
                 elif soonest is None or actor.next_poll < soonest:
                     soonest = actor.next_poll
         return soonest
@@ -485,7 +697,9 @@ class RayHub(HubTransport):
                         self._call(actor, pending, weights=True)
                 actor.done_seq += 1
                 actor.in_flight -= 1
-                replies = self._result(actor, done)
+                replies = [
+                    r for r in self._result(actor, done) if not self._transport_reply(actor, r)
+                ]
                 self._ready.extend(Incoming(frames, peer_id(actor.index)) for frames in replies)
                 # An actor with something to say is busy with something (joining): ask
                 # again soon. An idle one is asked less and less often.
@@ -493,6 +707,26 @@ class RayHub(HubTransport):
                     FAST_POLL if replies else min(self._poll_interval, actor.poll_gap * 2)
                 )
                 actor.next_poll = time.monotonic() + actor.poll_gap
+
+    def _transport_reply(self, actor: _Actor, frames: list[Buffer]) -> bool:
+        """Handle a reply meant for this transport (a probe's answer, a release); True if
+        it was one (caller holds the lock)."""
+        if len(frames) != 1:
+            return False
+        record = bytes(frames[0][:4])
+        if record == _ANSWER:
+            actor.probing = False
+            actor.shared = bytes(frames[0][4:5]) == b"\x01"
+            return True
+        if record == _RELEASE:
+            try:
+                (block_id,) = _LIVE.unpack(bytes(frames[0][4:]))
+            except struct.error:
+                block_id = -1
+            if self._shm is None or not self._shm.release(block_id, actor.index):
+                self._counters["bad_releases"] += 1
+            return True
+        return False
 
     def _result(self, actor: _Actor, future: Any) -> list[list[Buffer]]:
         exceptions = self._ray.exceptions
@@ -502,6 +736,8 @@ class RayHub(HubTransport):
             if actor.dead is None:
                 actor.dead = str(exc).splitlines()[0] if str(exc) else "actor died"
                 self._counters["peers_lost"] += 1
+                if self._shm is not None:
+                    self._shm.forget(actor.index)  # it reads no block any more
                 log.warning("Ray actor of worker %d died: %s", actor.index, actor.dead)
             return []
         except Exception as exc:  # counted; the actor stays in the fleet
@@ -571,7 +807,10 @@ class RayHub(HubTransport):
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._counters)
+            counts = dict(self._counters)
+        if self._shm is not None:
+            counts["shm_bytes"] = self._shm.nbytes()
+        return counts
 
     def close(self) -> None:
         # Calls under way are left to finish or fail on their own: nothing waits on them.
@@ -579,9 +818,23 @@ class RayHub(HubTransport):
             return
         self._closed = True
         self._events.put(None)
+        if self._shm is not None:
+            self._shm.close()
+        if self._probe is not None:
+            self._probe.close()
 
 
 _WOKEN: Final = object()
+
+
+class _SharedPayload(list):  # type: ignore[type-arg]
+    """A shared-memory message (what Ray sends: a list of bytes), with the blocks it
+    names and what keeps them lent until it is sent."""
+
+    def __init__(self, items: list[bytes], blocks: list[Block], keep: Any) -> None:
+        super().__init__(items)
+        self.blocks = blocks
+        self.keep = keep
 
 
 class _Failed:
