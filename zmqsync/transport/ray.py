@@ -302,6 +302,9 @@ class RaySpoke(SpokeTransport):
                 )
                 self._delivered += 1
                 self._inbox.put(views)
+            # The inbox holds the only reference now: once the receiver is done with the
+            # frames, shared blocks are released in this very reply.
+            views = frames = first = None  # type: ignore[assignment]
         hook = self.on_delivery
         if hook is not None:
             try:
