@@ -405,7 +405,22 @@ class _ProcessVariant(Variant):
         return pool.call(range(env.workers), "digest", (self.name,), env.timeout)
 
 
-class PipeVariant(_ProcessVariant):
+class _ZmqsyncSends:
+    """What the zmqsync variants share: a blocking send, and the blocks they map."""
+
+    scheme: Any
+
+    def _send(self) -> None:
+        self.scheme.send()
+
+    def shared_bytes(self) -> int:
+        return int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
+
+    def _close(self) -> None:
+        self.scheme.shutdown()
+
+
+class PipeVariant(_ZmqsyncSends, _ProcessVariant):
     name = PIPE
 
     def open(self, env: CellEnv) -> dict[str, Any]:
@@ -432,14 +447,6 @@ class PipeVariant(_ProcessVariant):
         )
         return {}
 
-    def _send(self) -> None:
-        self.scheme.send()
-
-    def shared_bytes(self) -> int:
-        return int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
-
-    def _close(self) -> None:
-        self.scheme.shutdown()
 
 
 class TorchrlMPVariant(_ProcessVariant):
@@ -507,7 +514,7 @@ def _fleet(env: CellEnv) -> RayFleet:
     return env.fleet
 
 
-class ZmqsyncRayVariant(Variant):
+class ZmqsyncRayVariant(_ZmqsyncSends, Variant):
     name = ZMQSYNC_RAY
 
     def open(self, env: CellEnv) -> dict[str, Any]:
@@ -524,14 +531,6 @@ class ZmqsyncRayVariant(Variant):
         )
         return {}
 
-    def _send(self) -> None:
-        self.scheme.send()
-
-    def shared_bytes(self) -> int:
-        return int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
-
-    def _close(self) -> None:
-        self.scheme.shutdown()
 
     def digests(self, env: CellEnv) -> list[dict[str, Any]]:
         actors = _fleet(env).actors[: env.workers]
