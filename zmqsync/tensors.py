@@ -259,12 +259,11 @@ class Flat:
         reusable = into is not None and [t.shape for t in into.keepalive] == [
             t.shape for t in self.keepalive
         ]
-        copies = (
-            into.keepalive  # type: ignore[union-attr]
-            if reusable
-            else (alloc is not None and self._carve(alloc))
-            or [torch.empty_like(t) for t in self.keepalive]
-        )
+        copies = into.keepalive if reusable else None  # type: ignore[union-attr]
+        if copies is None and alloc is not None:
+            copies = self._carve(alloc)
+        if copies is None:
+            copies = [torch.empty_like(t) for t in self.keepalive]
         for dst, src in zip(copies, self.keepalive, strict=True):
             # numpy's copy is one memcpy on this thread, with the GIL released; torch's
             # clone() fans out to its intra-op pool, which stalls on a busy machine.

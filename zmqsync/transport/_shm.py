@@ -98,7 +98,8 @@ class Ref:
     length: int
 
 
-def _immutable(frame: Any) -> bool:
+def immutable(frame: Any) -> bool:
+    """Whether ``frame`` never changes: bytes, a read-only view, or a place in a block."""
     return isinstance(frame, bytes | Ref) or (isinstance(frame, memoryview) and frame.readonly)
 
 
@@ -160,7 +161,7 @@ class ShmPool:
             n = memoryview(frame).nbytes
             if n < SHM_MIN_FRAME:
                 continue
-            if _immutable(frame):
+            if immutable(frame):
                 found = self.locate(frame)
                 if found is not None:
                     out[i] = Ref(found[0], found[1], n)

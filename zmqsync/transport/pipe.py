@@ -19,6 +19,15 @@ snapshot), which never change, are not copied. Large copies and large receive bu
 come from a small pool and are reused once nothing views them: fresh memory costs a page
 fault per page, which on some VMs is most of a copy's time.
 
+Large frames (64 KiB and up) skip the socket where the platform has ``memfd`` (Linux):
+the hub copies them once into a shared-memory block from :class:`~zmqsync.transport._shm
+.ShmPool` (or sends a read-only frame that already lies in one, such as a sender's
+snapshot, as it is), passes each worker the block's descriptor once (``SCM_RIGHTS`` on
+the pipe's Unix socket), and then only says where each frame lies (a ``ZSP3`` message).
+The worker maps the block read-only and releases it (a ``ZSPR`` record) once its frames
+are garbage; the hub rewrites a block only after that. ``PipeHub(shared_memory=False)``
+keeps every byte on the socket.
+
 A worker learns its index from the hub: the first record on each pipe assigns it
 (:attr:`PipeSpoke.peer_index`), so ``init_on_worker(pipe=..., model=...)`` needs no
 ``worker_idx``.
@@ -54,8 +63,9 @@ import numpy as np
 
 from zmqsync.errors import TransportClosed, TransportError
 from zmqsync.protocol import MAX_BUFFERS, Buffer, Kind, peek_kind
-from zmqsync.transport._shm import SHM_AVAILABLE, SHM_MIN_FRAME, Block, ShmPool
+from zmqsync.transport._shm import SHM_AVAILABLE, Block, ShmPool
 from zmqsync.transport._shm import Ref as _Ref
+from zmqsync.transport._shm import immutable as _immutable
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
 __all__ = ["PipeHub", "PipeSpoke", "peer_id"]
@@ -156,15 +166,6 @@ class _BufferPool:
 def peer_id(index: int) -> PeerId:
     """The hub's peer id of the worker at ``index``: ``b"pipe:3"``."""
     return b"pipe:%d" % index
-
-
-def _immutable(frame: Buffer | _Ref) -> bool:
-    # bytes and read-only views (a sender's snapshot) never change; anything else may be
-    # the caller's tensors, which change after send_frames returns.
-    return (
-        isinstance(frame, bytes | _Ref)
-        or (isinstance(frame, memoryview) and frame.readonly)
-    )
 
 
 def _owned(
