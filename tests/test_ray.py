@@ -206,7 +206,8 @@ def _wait_for(predicate: Any, what: str, timeout: float = 60.0) -> None:
 def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> None:  # type: ignore[no-untyped-def]
     """Through Ray's object store (the path actors on other hosts take)."""
     model = make_model(0)
-    scheme = RayWeightSyncScheme(timeout=5, shared_memory=False)
+    # No timed repairs (a loaded machine may trigger one): each send's puts are counted.
+    scheme = RayWeightSyncScheme(timeout=5, shared_memory=False, repair_after=60.0)
     fleet = [PolicyActor.remote(100 + i) for i in range(3)]
     actors.extend(fleet)
     ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
@@ -292,7 +293,8 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
     as places in them: no object in Ray's store, blocks reused, holds of a killed actor
     forgotten."""
     model = make_model(0)
-    scheme = RayWeightSyncScheme(timeout=5)
+    # No timed repairs (a loaded machine may trigger one): each send's messages are counted.
+    scheme = RayWeightSyncScheme(timeout=5, repair_after=60.0)
     fleet = [PolicyActor.remote(300 + i) for i in range(2)]
     actors.extend(fleet)
     ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
