@@ -18,6 +18,7 @@ import pytest
 import ray
 import test_torchrl
 import torch
+from conftest import kill_actor
 from tensordict.nn import TensorDictModule
 from test_torchrl import (
     NUM_WORKERS,
@@ -102,8 +103,10 @@ def test_raycollector_initial_weights_update_targeting_isolation_and_killed_acto
         # RayCollector passes worker_ids on: remote collector 0 only, then isolation.
         check_targeting_and_isolation(collector, batches, policy, scheme, held=new)
 
-        # A killed actor: the update raises, naming it, instead of hanging.
-        ray.kill(collector.remote_collectors[1], no_restart=True)
+        # A killed actor: the update raises, naming it, instead of hanging. (ray.kill is
+        # asynchronous: wait until the actor is really gone, or it may still take the
+        # update, which over shared memory takes milliseconds.)
+        kill_actor(collector.remote_collectors[1])
         set_weights(policy, (1.0, 1.0), 1.0)
         start = time.monotonic()
         with pytest.raises(zmqsync.SyncTimeout) as info:
