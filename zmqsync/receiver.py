@@ -250,9 +250,10 @@ class WeightReceiver:
             frames = self._spoke.recv_frames(0)
         if newest is not None:
             ack = self._on_weights(newest)
-            # Let go of the frames before acking: a transport that lends its memory (shared
-            # blocks) may reuse it by the time the sender sees the ack.
-            frames = message = newest = None
+            if self._spoke.lends_memory:
+                # Let go of the frames before acking: a transport that lends its memory
+                # (shared blocks) may reuse it by the time the sender sees the ack.
+                frames = message = newest = None
             if ack is not None:
                 self._ack(**ack)
 

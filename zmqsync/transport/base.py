@@ -134,6 +134,11 @@ class SpokeTransport(_Closable):
     """A worker's end: hears the hub's fan-out and addressed messages, talks back."""
 
     name: str = "spoke"
+    #: True when received frames may be memory the hub lends (shared blocks it reuses
+    #: once released): the receiver then lets go of a version's frames before acking it.
+    #: Otherwise it acks first: freeing a large message (unmapping its pages) is then off
+    #: the sender's critical path.
+    lends_memory: bool = False
 
     @abc.abstractmethod
     def send_frames(self, frames: Sequence[Buffer]) -> None:

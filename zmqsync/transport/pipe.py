@@ -794,6 +794,8 @@ class PipeSpoke(SpokeTransport):
     timeouts report a missing sender).
     """
 
+    lends_memory = True  # shared blocks, reused once released
+
     name = "pipe"
 
     def __init__(self, pipe: Connection) -> None:

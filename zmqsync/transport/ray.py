@@ -129,6 +129,8 @@ class RaySpoke(SpokeTransport):
     (the Ray scheme applies versions and acks there, so the ack rides on the same call).
     """
 
+    lends_memory = True  # shared blocks, reused once released
+
     name = "ray"
 
     def __init__(self, channel: str = "policy") -> None:
