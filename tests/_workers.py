@@ -12,14 +12,20 @@ import zmqsync
 
 
 def make_model(kind: str = "mlp", seed: int | None = None) -> nn.Module:
-    """The test model: an MLP with a BatchNorm (so buffers travel too)."""
+    """The test model: an MLP with a BatchNorm (so buffers travel too).
+
+    ``kind`` may name a device after an ``@`` (``"mlp@cuda"``): the model is moved there.
+    """
+    kind, _, device = kind.partition("@")
     if seed is not None:
         torch.manual_seed(seed)
     if kind == "mlp":
-        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
-    if kind == "wide":
-        return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
-    raise ValueError(kind)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    elif kind == "wide":
+        model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    else:
+        raise ValueError(kind)
+    return model.to(device) if device else model
 
 
 def run_worker(
@@ -60,6 +66,7 @@ def run_worker(
                             "epoch": receiver.epoch,
                             "checksum": zmqsync.checksum(model, scheme.strategy),
                             "stats": dict(receiver.stats),
+                            "devices": sorted({str(t.device) for t in model.state_dict().values()}),
                         }
                     )
                 else:

@@ -243,6 +243,9 @@ class Flat:
     buffers: list[Buffer]
     nbytes: int
     keepalive: list[torch.Tensor] = field(repr=False)
+    #: The buffers are already a private, read-only copy (weights staged from a GPU):
+    #: :meth:`owned_copy` then returns this very Flat instead of copying again.
+    owned: bool = False
 
     def owned_copy(
         self, into: Flat | None = None, alloc: Callable[[int], Any] | None = None
@@ -256,6 +259,8 @@ class Flat:
         page; on some VMs that is most of the copy's time). ``alloc(nbytes)``: where to
         put the copy instead (a transport's shared memory, as a uint8 array), or None.
         """
+        if self.owned and alloc is None:
+            return self
         reusable = into is not None and [t.shape for t in into.keepalive] == [
             t.shape for t in self.keepalive
         ]
@@ -279,7 +284,7 @@ class Flat:
     def _carve(self, alloc: Callable[[int], Any]) -> list[torch.Tensor] | None:
         """One tensor per buffer, cut from one ``alloc``'d block (64-byte aligned)."""
         sizes = [t.numel() for t in self.keepalive]  # uint8 views: numel is bytes
-        total = sum(-(-n // _CARVE_ALIGN) * _CARVE_ALIGN for n in sizes)
+        total = sum(_aligned(n) for n in sizes)
         block = alloc(total)
         if block is None:
             return None
@@ -287,8 +292,42 @@ class Flat:
         offset = 0
         for n in sizes:
             copies.append(torch.from_numpy(block[offset : offset + n]))
-            offset += -(-n // _CARVE_ALIGN) * _CARVE_ALIGN
+            offset += _aligned(n)
         return copies
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _CARVE_ALIGN) * _CARVE_ALIGN
+
+
+def _synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait for the work queued on these accelerators (copies into or out of them)."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            backend = getattr(torch, device.type, None)
+            if backend is not None and hasattr(backend, "synchronize"):
+                backend.synchronize()
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (a view if it is contiguous)."""
+    return _byte_view(tensor if tensor.is_contiguous() else tensor.contiguous())
+
+
+@dataclass
+class _Staged:
+    """How a Flattener copies accelerator tensors to host memory each version."""
+
+    big: list[torch.Tensor]  # a frame each, in layout order
+    pack: list[torch.Tensor] = field(default_factory=list)  # small ones and padding
+    pack_views: list[torch.Tensor] = field(default_factory=list)  # their bytes, if contiguous
+    pack_nbytes: int = 0
+    devices: list[torch.device] = field(default_factory=list)  # the accelerators read
+    one_device: bool = True  # all on one device: the pack is gathered there first
+    pin: bool = False
+    nbytes: int = 0
 
 
 class Flattener:
@@ -311,10 +350,13 @@ class Flattener:
         self._source: Mapping[KeyPath, torch.Tensor] | None = None
         self._big: list[torch.Tensor] = []
         self._pack: list[np.ndarray] = []
+        self._staged: _Staged | None = None  # set while the tensors live on a GPU
 
     def flatten(self, tensors: Mapping[KeyPath, torch.Tensor]) -> Flat:
         if tensors is not self._source:
             self._prepare(tensors)
+        if self._staged is not None:
+            return self._flatten_staged(self._staged)
         keepalive = list(self._big)
         if self._pack:
             # A fresh buffer every version: an earlier one may still be in flight. One
@@ -329,14 +371,15 @@ class Flattener:
     def _prepare(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
         """Sort ``tensors`` into large ones (a frame each) and small ones (packed per
         dtype), and build the schema if the layout changed."""
+        if any(t.device.type != "cpu" for t in tensors.values()):
+            self._prepare_staged(tensors)
+            return
+        self._staged = None
         big: list[tuple[KeyPath, torch.Tensor]] = []
         small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
         aliases = True  # every view below reads the caller's tensors (no copy was made)
         for path, tensor in tensors.items():
             t = tensor
-            if t.device.type != "cpu":
-                t = t.cpu()
-                aliases = False
             if not t.is_contiguous():
                 t = t.contiguous()
                 aliases = False
@@ -344,10 +387,6 @@ class Flattener:
                 small.setdefault(t.dtype, []).append((path, t))
             else:
                 big.append((path, t))
-        layout_key = (
-            tuple((p, t.dtype, t.shape) for p, t in big),
-            tuple((p, t.dtype, t.shape) for group in small.values() for p, t in group),
-        )
         self._big = [_byte_view(t) for _, t in big]
         self._pack = []
         offset = 0
@@ -359,13 +398,96 @@ class Flattener:
             for _, t in group:
                 self._pack.append(_byte_view(t.detach()).numpy())
                 offset += t.nbytes
+        self._set_layout(big, small)
+        # Copies (a non-contiguous tensor made contiguous) hold this version's values
+        # only: such tensors are flattened afresh every time.
+        self._source = tensors if aliases else None
+
+    def _set_layout(
+        self,
+        big: list[tuple[KeyPath, torch.Tensor]],
+        small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]],
+    ) -> None:
+        layout_key = (
+            tuple((p, t.dtype, t.shape) for p, t in big),
+            tuple((p, t.dtype, t.shape) for group in small.values() for p, t in group),
+        )
         if layout_key != self._layout_key:
             self._schema = self._layout(big, small)
             self._schema_bytes = encode_schema(self._schema)
             self._layout_key = layout_key
-        # Copies (a GPU tensor brought to the CPU, a non-contiguous one made contiguous)
-        # hold this version's values only: such tensors are flattened afresh every time.
-        self._source = tensors if aliases else None
+
+    def _prepare_staged(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
+        """Tensors on a GPU (or another accelerator): each version is copied once into
+        host memory (pinned, so the copies run at full speed and overlap), and that copy
+        is the Flat: private and read-only, it doubles as the sender's snapshot."""
+        big: list[tuple[KeyPath, torch.Tensor]] = []
+        small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
+        for path, tensor in tensors.items():
+            t = tensor.detach()
+            if t.nbytes < self.pack_threshold:
+                small.setdefault(t.dtype, []).append((path, t))
+            else:
+                big.append((path, t))
+        self._set_layout(big, small)
+        assert self._schema is not None
+        staged = _Staged([t for _, t in big])
+        pieces: list[torch.Tensor] = []
+        offset = 0
+        for group in small.values():
+            pad = -offset % _PACK_ALIGN
+            if pad:
+                pieces.append(torch.zeros(pad, dtype=torch.uint8, device=group[0][1].device))
+                offset += pad
+            for _, t in group:
+                pieces.append(t)
+                offset += t.nbytes
+        staged.pack = pieces
+        staged.pack_nbytes = offset
+        if all(t.is_contiguous() for t in pieces):
+            # Views read the tensors' current values at each copy: made once, not per
+            # version (thousands of small tensors cost milliseconds of Python each time).
+            staged.pack_views = [_byte_view(t) for t in pieces]
+        devices = {t.device for t in tensors.values()}
+        staged.devices = [d for d in devices if d.type != "cpu"]
+        staged.one_device = len(devices) == 1
+        staged.pin = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
+        staged.nbytes = sum(t.nbytes for _, t in big) + offset
+        self._staged = staged
+        self._source = tensors  # read afresh each version: the mapping alone is cached
+
+    def _flatten_staged(self, staged: _Staged) -> Flat:
+        sizes = [t.nbytes for t in staged.big]
+        if staged.pack:
+            sizes.append(staged.pack_nbytes)
+        total = sum(_aligned(n) for n in sizes)
+        # A fresh buffer each version (torch caches pinned blocks, so it is rarely new
+        # memory): the last one may still be in flight, or kept as the snapshot.
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=staged.pin)
+        outs: list[torch.Tensor] = []
+        offset = 0
+        with torch.no_grad():
+            for t in staged.big:
+                dst = host[offset : offset + t.nbytes]
+                dst.copy_(_bytes_of(t), non_blocking=True)
+                outs.append(dst)
+                offset += _aligned(t.nbytes)
+            if staged.pack:
+                dst = host[offset : offset + staged.pack_nbytes]
+                views = staged.pack_views or [_bytes_of(t) for t in staged.pack]
+                if staged.one_device:
+                    # One gather on the GPU and one transfer, not one per small tensor.
+                    dst.copy_(torch.cat(views), non_blocking=True)
+                else:
+                    pos = 0
+                    for v in views:
+                        dst[pos : pos + v.numel()].copy_(v, non_blocking=True)
+                        pos += v.numel()
+                outs.append(dst)
+            _synchronize(staged.devices)
+        assert self._schema is not None
+        buffers: list[Buffer] = [memoryview(o.numpy()).toreadonly() for o in outs]
+        return Flat(self._schema, self._schema_bytes, buffers, staged.nbytes, outs, owned=True)
 
     def _layout(
         self,
@@ -450,6 +572,46 @@ class _BufferPlan:
     arrays: list[np.ndarray] = field(default_factory=list)  # dests, as numpy byte arrays
 
 
+class _DevicePlan:
+    """One received buffer's tensors on one accelerator: the bytes they need cross to
+    the device in one copy, and one ``_foreach_copy_`` there puts each in place."""
+
+    def __init__(self, entries: list[TensorEntry], dests: list[torch.Tensor]) -> None:
+        order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+        self.start = entries[order[0]].offset
+        self.end = max(e.offset + e.nbytes for e in entries)
+        self.dests = [dests[i] for i in order]
+        # Consecutive chunk sizes from start to end (padding included) and which of them
+        # land in a tensor: one split, whatever the number of tensors.
+        self.sizes: list[int] | None = []
+        self.take: list[int] = []
+        pos = self.start
+        for i in order:
+            e = entries[i]
+            if e.offset < pos:  # overlapping entries: slice each one instead
+                self.sizes = None
+                break
+            if e.offset > pos:
+                self.sizes.append(e.offset - pos)
+            self.take.append(len(self.sizes))
+            self.sizes.append(e.nbytes)
+            pos = e.offset + e.nbytes
+        self.spans = [(entries[i].offset - self.start, entries[i].nbytes) for i in order]
+
+    def apply(self, view: torch.Tensor | None) -> None:
+        assert view is not None
+        if len(self.dests) == 1:
+            self.dests[0].copy_(view[self.start : self.end], non_blocking=True)
+            return
+        staged = view[self.start : self.end].to(self.dests[0].device, non_blocking=True)
+        if self.sizes is not None:
+            chunks = torch.split(staged, self.sizes)
+            sources = [chunks[i] for i in self.take]
+        else:
+            sources = [staged[o : o + n] for o, n in self.spans]
+        torch._foreach_copy_(self.dests, sources)
+
+
 class ApplyPlan:
     """How one schema's bytes land in one target's tensors, worked out once.
 
@@ -465,15 +627,27 @@ class ApplyPlan:
         self.target = target
         self._buffers: dict[int, _BufferPlan] = {}
         self._slow: list[tuple[TensorEntry, torch.Tensor]] = []
+        # Tensors on an accelerator, per (buffer, device): the buffer's bytes cross to the
+        # device once, and one _foreach_copy_ there scatters them into the tensors.
+        self._device: dict[tuple[int, torch.device], list[TensorEntry]] = {}
         by_buffer: dict[int, list[TensorEntry]] = {}
         for e in schema.entries:
             if e.nbytes == 0:
                 continue
             dest = target[e.key]
-            if dest.is_contiguous() and dest.device.type == "cpu":
+            if not dest.is_contiguous():
+                self._slow.append((e, dest))
+            elif dest.device.type == "cpu":
                 by_buffer.setdefault(e.buffer, []).append(e)
             else:
-                self._slow.append((e, dest))
+                self._device.setdefault((e.buffer, dest.device), []).append(e)
+        self._devices = sorted({d for _, d in self._device} | {
+            dest.device for _, dest in self._slow if dest.device.type != "cpu"
+        }, key=str)
+        self._device_plans = [
+            (index, _DevicePlan(entries, [_byte_view(target[e.key]) for e in entries]))
+            for (index, _), entries in self._device.items()
+        ]
         for index, entries in by_buffer.items():
             entries.sort(key=lambda e: e.offset)
             plan = _BufferPlan([], [], [], 0)
@@ -518,12 +692,15 @@ class ApplyPlan:
                     dst.extend(plan.dests)
                 if dst:
                     torch._foreach_copy_(dst, src)
+            for index, device_plan in self._device_plans:
+                device_plan.apply(views[index])
             for e, dest in self._slow:
                 data = _entry_bytes(views, e)
-                if dest.is_contiguous():
-                    _byte_view(dest).copy_(data)
-                else:
-                    dest.copy_(data.clone().view(dest.dtype).reshape(dest.shape))
+                dest.copy_(data.clone().view(dest.dtype).reshape(dest.shape))
+            # Done before the caller acks: an acked version is in the tensors, and the
+            # received frames may be freed.
+            _synchronize(self._devices)
+
 
 
 def apply_weights(message: Weights, target: Mapping[KeyPath, torch.Tensor], strategy: str) -> None:

@@ -1,0 +1,214 @@
+"""Weights that live on a GPU, end to end: a CUDA learner, CUDA workers, and both mixed
+with CPU ones, over every transport that runs in a single host.
+
+These tests need a CUDA device; where there is none (CI's machines) they are skipped,
+since nothing can stand in for a GPU. The CPU paths they share are covered everywhere.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+from _workers import make_model
+from test_tensors import ALL_DTYPES
+
+import zmqsync
+from zmqsync import MultiProcessWeightSyncScheme, ZMQWeightSyncScheme
+from zmqsync.errors import SchemaMismatchError
+from zmqsync.protocol import Weights, decode, encode
+from zmqsync.tensors import ApplyPlan, Flattener
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.cuda,
+]
+
+SPAWN = mp.get_context("spawn")
+
+
+def _weights(device: str) -> dict[tuple[str, ...], torch.Tensor]:
+    """Every dtype, 0-d, empty and non-contiguous tensors, 300 small ones and big ones."""
+    g = torch.Generator().manual_seed(0)
+    out: dict[tuple[str, ...], torch.Tensor] = {}
+    for i, dtype in enumerate(ALL_DTYPES):
+        raw = torch.randint(0, 256, (37 + i, 3), dtype=torch.uint8, generator=g)
+        size = torch.empty((), dtype=dtype).element_size()
+        out[("dtype", str(dtype))] = raw.view(-1)[: (raw.numel() // size) * size].view(dtype)
+    out[("scalar",)] = torch.tensor(3.5)
+    out[("empty",)] = torch.empty(0, 4)
+    out[("transposed",)] = torch.randn(64, 48, generator=g).t()  # non-contiguous
+    for i in range(300):
+        out[("small", str(i))] = torch.randn(17, generator=g)
+    out[("big", "a")] = torch.randn(512, 256, generator=g)  # 512 KB: a frame of its own
+    out[("big", "b")] = torch.randn(300, 300, generator=g).to(torch.bfloat16)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a view."""
+    return t.view(-1).view(torch.uint8)
+
+
+def _wire(flat) -> Weights:  # type: ignore[no-untyped-def]
+    message = Weights("m", 1, 1, flat.schema, tuple(flat.buffers))
+    frames = encode(message, schema_bytes=flat.schema_bytes)
+    received = decode([bytes(f) for f in frames])
+    assert isinstance(received, Weights)
+    return received
+
+
+def _equal(a: dict, b: dict) -> None:  # type: ignore[type-arg]
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k].cpu(), b[k].cpu()
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        assert torch.equal(x.contiguous().view(-1).view(torch.uint8),
+                           y.contiguous().view(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("source", ["cuda", "cpu"])
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_flatten_and_apply_across_devices(source: str, target: str) -> None:
+    sent = _weights(source)
+    flat = Flattener("state_dict").flatten(sent)
+    # From a GPU the Flat is a private host copy: no second copy for the snapshot.
+    assert flat.owned is (source == "cuda")
+    if flat.owned:
+        assert flat.owned_copy() is flat
+        assert all(isinstance(b, memoryview) and b.readonly for b in flat.buffers)
+    dest = {k: torch.zeros_like(v, device=target) for k, v in _weights(target).items()}
+    dest[("transposed",)] = torch.zeros(64, 48, device=target).t()  # non-contiguous target
+    ApplyPlan(flat.schema, dest, "state_dict").apply(_wire(flat))
+    _equal(dest, sent)
+
+
+def test_a_staged_flat_does_not_follow_later_changes() -> None:
+    sent = _weights("cuda")
+    flattener = Flattener("state_dict")
+    flat = flattener.flatten(sent)
+    before = {k: v.clone() for k, v in sent.items()}
+    for v in sent.values():
+        if v.numel() and v.dtype != torch.bool and v.is_contiguous():
+            _bytes(v).add_(1)  # bytewise: some dtypes (float8) have no add on CUDA
+    dest = {k: torch.zeros_like(v) for k, v in sent.items()}
+    ApplyPlan(flat.schema, dest, "state_dict").apply(_wire(flat))
+    _equal(dest, before)
+    # The next flatten (same mapping, layout cached) reads the new values.
+    again = flattener.flatten(sent)
+    ApplyPlan(again.schema, dest, "state_dict").apply(_wire(again))
+    _equal(dest, sent)
+
+
+def test_a_mismatch_on_the_gpu_copies_nothing() -> None:
+    sent = _weights("cpu")
+    flat = Flattener("state_dict").flatten(sent)
+    dest = {k: torch.zeros_like(v, device="cuda") for k, v in sent.items()}
+    dest[("big", "a")] = torch.zeros(256, 512, device="cuda")  # wrong shape
+    with pytest.raises(SchemaMismatchError, match=r"big\.a"):
+        ApplyPlan(flat.schema, dest, "state_dict")
+    assert all(not _bytes(v.contiguous()).any() for v in dest.values())
+
+
+def _bump(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(1.0)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_cuda_learner_and_workers_over_zeromq(fleet, ipc_endpoint, mode) -> None:  # type: ignore[no-untyped-def]
+    """A CUDA learner, two CUDA workers and one CPU worker: exact after every send,
+    targeting, no aliasing, and a late CUDA joiner served from the snapshot."""
+    model = make_model("mlp@cuda", seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=ipc_endpoint, timeout=30)
+    scheme.init_on_sender("policy", model=model)
+    kinds = {0: "mlp@cuda", 1: "mlp@cuda", 2: "mlp"}
+    try:
+        for i, kind in kinds.items():
+            fleet.start(scheme, i, kind=kind)
+        for i in kinds:
+            fleet.wait_ready(i, timeout=120)
+        for version in (1, 2, 3):
+            _bump(model)
+            scheme.send()
+            expected = zmqsync.checksum(model)
+            for i, kind in kinds.items():
+                state = fleet.ask(i, "state")
+                assert (state["version"], state["checksum"]) == (version, expected), i
+                assert state["devices"] == (["cuda:0"] if kind.endswith("cuda") else ["cpu"])
+
+        _bump(model)
+        scheme.send(worker_ids=[0])
+        v4 = zmqsync.checksum(model)
+        assert fleet.ask(0, "checksum") == v4
+        assert fleet.ask(1, "checksum") == expected
+
+        _bump(model)  # changed on the GPU, not sent: nobody sees it, late joiners neither
+        time.sleep(0.3)
+        assert fleet.ask(0, "checksum") == v4
+        fleet.start(scheme, 3, kind="mlp@cuda")
+        fleet.wait_ready(3, timeout=120)
+        assert fleet.ask(3, "state")["version"] == 4
+        assert fleet.ask(3, "checksum") == v4
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_cuda_workers_over_pipes_and_shared_memory(fleet) -> None:  # type: ignore[no-untyped-def]
+    """The pipe transport's shared blocks between a CUDA learner and CUDA workers."""
+    model = make_model("mlp@cuda", seed=0)
+    pipes = [SPAWN.Pipe() for _ in range(2)]
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender("policy", pipes=[p for p, _ in pipes], model=model, num_workers=2)
+    try:
+        for i, (_, child) in enumerate(pipes):
+            fleet.start(scheme, i, kind="mlp@cuda", init_kwargs={"pipe": child, "worker_idx": None})
+            child.close()
+        for i in range(2):
+            fleet.wait_ready(i, timeout=120)
+        for version in (1, 2, 3):
+            _bump(model)
+            scheme.send()
+            expected = zmqsync.checksum(model)
+            for i in range(2):
+                state = fleet.ask(i, "state")
+                assert (state["version"], state["checksum"]) == (version, expected)
+                assert state["devices"] == ["cuda:0"]
+        hub = scheme.get_sender().transport
+        assert hub.counters()["shm_bytes"] > 0  # the shared blocks carried the versions
+    finally:
+        scheme.shutdown()
+
+
+def test_background_receiver_applies_whole_versions_on_the_gpu(ipc_endpoint) -> None:
+    """Forward passes under the lock see one version, never a mix, on the GPU."""
+    sender_model = torch.nn.Linear(256, 256).cuda()
+    worker_model = torch.nn.Linear(256, 256).cuda()
+    sender = ZMQWeightSyncScheme("state_dict", endpoint=ipc_endpoint, timeout=20)
+    worker = ZMQWeightSyncScheme("state_dict", endpoint=ipc_endpoint, timeout=20)
+    try:
+        sender.init_on_sender(model_id="policy", model=sender_model, num_workers=1)
+        worker.init_on_receiver(model_id="policy", model=worker_model, worker_idx=0)
+        worker.connect(timeout=30)
+        worker.start_receiver_thread()
+        x = torch.ones(1, 256, device="cuda")
+        for v in range(1, 21):
+            with torch.no_grad():
+                sender_model.weight.fill_(float(v))
+                sender_model.bias.fill_(float(v))
+            sender.send()
+            with worker.lock, torch.no_grad():
+                out = worker_model(x)
+            # every output is 256 * w + b for one single v
+            assert torch.all(out == 257.0 * v).item(), v
+    finally:
+        worker.shutdown()
+        sender.shutdown()
