@@ -115,7 +115,8 @@ class BaselineLearner:
         """Send the state_dict and return once ``num_workers`` acks of it came back."""
         self.version += 1
         frames: list[Any] = [HEADER.pack(DATA, self.version)]
-        frames += [t.numpy().data for t in state_dict.values()]  # memoryviews: no copy
+        # memoryviews: no copy (from a GPU: one copy to the host, the usual `.cpu()`)
+        frames += [t.cpu().numpy().data for t in state_dict.values()]
         if self.mode == "pubsub":
             self.data.send_multipart(frames, copy=False)
         else:
@@ -205,6 +206,8 @@ class BaselineWorker:
                         f"frame of {src.numel()} elements for a tensor of {dst.numel()}"
                     )
                 dst.view(-1).copy_(src)
+            if dst.is_cuda:
+                torch.cuda.synchronize(dst.device)  # applied before the ack says so
 
     def close(self) -> None:
         self._stop.set()

@@ -70,8 +70,18 @@ SIZES: Final[dict[str, Layout]] = {
 }
 
 
+#: Where the learner's and every worker's tensors live: ``cpu`` or ``cuda`` (spawned
+#: workers read it from the environment, which ``--device`` sets).
+DEVICE_ENV: Final = "ZMQSYNC_BENCH_DEVICE"
+
+
+def bench_device() -> str:
+    return os.environ.get(DEVICE_ENV, "cpu")
+
+
 def make_state_dict(layout: Layout, *, fill: str) -> dict[str, torch.Tensor]:
-    """A state_dict of ``layout``: random values (the learner) or zeros (a worker)."""
+    """A state_dict of ``layout`` on :func:`bench_device`: random values (the learner) or
+    zeros (a worker)."""
     gen = torch.Generator().manual_seed(1234)
     out = {}
     for key in layout.key_names():
@@ -79,15 +89,16 @@ def make_state_dict(layout: Layout, *, fill: str) -> dict[str, torch.Tensor]:
             out[key] = torch.randn(layout.shape, generator=gen)
         else:
             out[key] = torch.zeros(layout.shape)
-    return out
+    device = bench_device()
+    return out if device == "cpu" else {k: v.to(device) for k, v in out.items()}
 
 
 def digest(state_dict: dict[str, torch.Tensor]) -> str:
-    """A digest of a state_dict's bytes, read in place (no copy of the tensors)."""
+    """A digest of a state_dict's bytes, read in place (no copy of CPU tensors)."""
     h = hashlib.blake2b(digest_size=16)
     for key, tensor in state_dict.items():
         h.update(key.encode())
-        h.update(tensor.detach().contiguous().numpy().data.cast("B"))
+        h.update(tensor.detach().cpu().contiguous().numpy().data.cast("B"))
     return h.hexdigest()
 
 

@@ -39,6 +39,7 @@ import torch
 
 from benchmarks._baseline import BaselineLearner
 from benchmarks._harness import (
+    DEVICE_ENV,
     SIZES,
     Layout,
     PeakMemoryMeter,
@@ -461,6 +462,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads in the learner and every worker (default: torch's own, "
         "what users get; 1 shows what oversubscribed parallel copies cost)",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the learner's and the workers' tensors live (cuda: the baseline "
+        "copies them to the host with .cpu() each send and back with copy_)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every figure (and raw times) here")
     p.add_argument("--markdown", metavar="PATH", help="write the table here")
     args = p.parse_args(argv)
@@ -507,7 +515,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_exit)
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
+    os.environ[DEVICE_ENV] = args.device  # the workers, spawned below, read it too
     machine = machine_info()
+    machine["device"] = (
+        torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    )
     started = time.monotonic()
     cells: list[Cell] = []
     print(
