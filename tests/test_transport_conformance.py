@@ -45,3 +45,48 @@ def test_zmq_transports(alias: str, endpoint_kind: str, tmp_path) -> None:  # ty
 def test_unknown_alias_suggests_the_closest() -> None:
     with pytest.raises(ValueError, match="Did you mean 'zmq-router'"):
         resolve("zmq-routr")
+
+
+def test_zmq_hub_knows_while_zeromq_holds_the_callers_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A send timeout purges only when ZeroMQ still holds memory the caller may change
+    next: the hub must see that (a subscriber that stopped reading), and see it end."""
+    import time
+
+    import numpy as np
+    import zmq
+
+    from zmqsync.transport.zmq_pubsub import PubSubHub
+
+    hub = PubSubHub(f"ipc://{tmp_path}/hub")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.rcvhwm = 1
+        sub.subscribe(b"")
+        sub.connect(hub.announce()["data_endpoint"])
+        weights = np.ones(4 << 20, dtype=np.uint8)  # the caller's (writable) tensor memory
+        deadline = time.monotonic() + 10
+        while not sub.poll(10):  # the subscription takes a moment to reach the PUB
+            hub.send_frames([b"probe"])
+            assert time.monotonic() < deadline
+        while sub.poll(0):
+            sub.recv_multipart()
+        for _ in range(12):  # more than the subscriber's queue and the kernel's buffers
+            hub.send_frames([b"head", memoryview(weights)])
+        assert hub.holds_caller_memory()
+        hub.purge()  # drops what is queued for the stuck subscriber
+        assert hub.counters()["purges"] == 1
+        assert not hub.holds_caller_memory()
+
+        hub.send_frames([b"head", memoryview(weights)])
+        deadline = time.monotonic() + 10
+        while hub.holds_caller_memory():  # a subscriber that reads lets go of it
+            while sub.poll(10):
+                sub.recv_multipart()
+            assert time.monotonic() < deadline, "ZeroMQ never released a delivered message"
+        hub.send_frames([b"head", memoryview(weights).toreadonly()])
+        assert not hub.holds_caller_memory()  # read-only memory needs no watching
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        hub.close()

@@ -17,9 +17,11 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Final
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -292,7 +294,7 @@ class ZMQHub(HubTransport):
         self._max_request_bytes = max_request_bytes
         self._socks = _Sockets(self._context, curve)
         self._counters = {"handshake_failures": 0, "dropped_sends": 0, "purges": 0}
-        self._in_flight: list[zmq.MessageTracker] = []
+        self._in_flight: list[weakref.ref[np.ndarray]] = []  # see _tracked
         self._peers: set[PeerId] = set()
         self._closed = False
         self._monitors: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
@@ -382,33 +384,31 @@ class ZMQHub(HubTransport):
                     self._send_to(peer, tracked)
 
     def _tracked(self, frames: Sequence[Buffer]) -> list[Any]:
-        """Large buffers as zero-copy frames whose release ZeroMQ reports.
+        """The frames to send, with ZeroMQ's release of the caller's memory watched.
 
-        Small ones are copied by pyzmq anyway (below its copy threshold); large ones
-        are sent from the caller's memory, so :meth:`purge` must know whether ZeroMQ
-        still holds any of them. Read-only buffers (and ``bytes``) are immutable: they
-        are sent zero-copy and need no tracking.
+        Large buffers are sent from the caller's memory (pyzmq copies small ones), so
+        :meth:`purge` must know whether ZeroMQ still holds any of them. Read-only
+        buffers (and ``bytes``) are immutable: they need no watching.
+
+        pyzmq keeps a zero-copy frame's object alive until ZeroMQ lets go of the
+        message, so a weak reference to a fresh numpy view of one buffer says when that
+        happened. (pyzmq's own ``track=True`` says the same at several times the cost:
+        a MessageTracker and an event per send.)
         """
-        self._in_flight = [t for t in self._in_flight if not t.done]
+        self._in_flight = [r for r in self._in_flight if r() is not None]
         # ZeroMQ writes a message's parts in order: once its last large part is released,
-        # so are the others. Tracking one frame per message is enough (and cheaper).
+        # so are the others. Watching one frame per message is enough.
         last = max((i for i, b in enumerate(frames) if _caller_owned(b)), default=-1)
-        out: list[Any] = []
-        for i, buf in enumerate(frames):
-            if i == last:
-                frame = zmq.Frame(buf, copy=False, track=True)
-                assert frame.tracker is not None
-                self._in_flight.append(frame.tracker)
-                out.append(frame)
-            elif len(buf) >= ZERO_COPY_MIN and not isinstance(buf, bytes):
-                out.append(zmq.Frame(buf, copy=False))
-            else:
-                out.append(buf)
+        out = list(frames)
+        if last >= 0:
+            view = np.frombuffer(frames[last], dtype=np.uint8)
+            self._in_flight.append(weakref.ref(view))
+            out[last] = view
         return out
 
     def holds_caller_memory(self) -> bool:
         """True while ZeroMQ still holds a large buffer a caller sent."""
-        self._in_flight = [t for t in self._in_flight if not t.done]
+        self._in_flight = [r for r in self._in_flight if r() is not None]
         return bool(self._in_flight)
 
     def purge(self) -> None:
