@@ -399,7 +399,7 @@ class ZMQHub(HubTransport):
         # ZeroMQ writes a message's parts in order: once its last large part is released,
         # so are the others. Watching one frame per message is enough.
         last = max((i for i, b in enumerate(frames) if _caller_owned(b)), default=-1)
-        out = list(frames)
+        out: list[Any] = list(frames)
         if last >= 0:
             view = np.frombuffer(frames[last], dtype=np.uint8)
             self._in_flight.append(weakref.ref(view))
