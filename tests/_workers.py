@@ -28,6 +28,16 @@ def make_model(kind: str = "mlp", seed: int | None = None) -> nn.Module:
     return model.to(device) if device else model
 
 
+def bump(model: nn.Module) -> None:
+    """A new version of the model, in place: every parameter and float buffer changes."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.add_(1.0)
+
+
 def run_worker(
     scheme: Any,
     worker_idx: int,

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from _workers import make_model
+from _workers import bump, make_model
 from test_tensors import ALL_DTYPES
 
 import zmqsync
@@ -112,15 +112,6 @@ def test_a_mismatch_on_the_gpu_copies_nothing() -> None:
     assert all(not _bytes(v.contiguous()).any() for v in dest.values())
 
 
-def _bump(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-        for b in model.buffers():
-            if b.is_floating_point():
-                b.add_(1.0)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["pubsub", "router"])
 def test_cuda_learner_and_workers_over_zeromq(fleet, ipc_endpoint, mode) -> None:  # type: ignore[no-untyped-def]
@@ -136,7 +127,7 @@ def test_cuda_learner_and_workers_over_zeromq(fleet, ipc_endpoint, mode) -> None
         for i in kinds:
             fleet.wait_ready(i, timeout=120)
         for version in (1, 2, 3):
-            _bump(model)
+            bump(model)
             scheme.send()
             expected = zmqsync.checksum(model)
             for i, kind in kinds.items():
@@ -144,13 +135,13 @@ def test_cuda_learner_and_workers_over_zeromq(fleet, ipc_endpoint, mode) -> None
                 assert (state["version"], state["checksum"]) == (version, expected), i
                 assert state["devices"] == (["cuda:0"] if kind.endswith("cuda") else ["cpu"])
 
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0])
         v4 = zmqsync.checksum(model)
         assert fleet.ask(0, "checksum") == v4
         assert fleet.ask(1, "checksum") == expected
 
-        _bump(model)  # changed on the GPU, not sent: nobody sees it, late joiners neither
+        bump(model)  # changed on the GPU, not sent: nobody sees it, late joiners neither
         time.sleep(0.3)
         assert fleet.ask(0, "checksum") == v4
         fleet.start(scheme, 3, kind="mlp@cuda")
@@ -175,7 +166,7 @@ def test_cuda_workers_over_pipes_and_shared_memory(fleet) -> None:  # type: igno
         for i in range(2):
             fleet.wait_ready(i, timeout=120)
         for version in (1, 2, 3):
-            _bump(model)
+            bump(model)
             scheme.send()
             expected = zmqsync.checksum(model)
             for i in range(2):

@@ -7,23 +7,13 @@ import socket
 import time
 
 import pytest
-import torch
 import zmq
-from _workers import make_model
+from _workers import bump, make_model
 
 import zmqsync
 from zmqsync import SyncTimeout, ZMQWeightSyncScheme
 
 pytestmark = pytest.mark.slow
-
-
-def _bump(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-        for b in model.buffers():
-            if b.is_floating_point():
-                b.add_(1.0)
 
 
 def _start_fleet(fleet, scheme, workers) -> None:  # type: ignore[no-untyped-def]
@@ -43,7 +33,7 @@ def test_four_workers_exact_after_every_send(fleet, endpoint, mode, strategy) ->
     try:
         _start_fleet(fleet, scheme, range(4))
         for version in (1, 2, 3):
-            _bump(model)
+            bump(model)
             scheme.send()
             expected = zmqsync.checksum(model, strategy)
             for i in range(4):
@@ -63,19 +53,19 @@ def test_targeting_isolation_dead_worker_and_late_joiner(fleet, tcp_endpoint) ->
     scheme.init_on_sender("policy", model=model)  # targets every connected worker
     try:
         _start_fleet(fleet, scheme, range(4))
-        _bump(model)
+        bump(model)
         scheme.send()
         v1 = zmqsync.checksum(model)
 
         # worker_ids=[0] changes worker 0 and no other.
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0])
         v2 = zmqsync.checksum(model)
         assert fleet.ask(0, "checksum") == v2
         assert [fleet.ask(i, "checksum") for i in (1, 2, 3)] == [v1] * 3
 
         # The sender changing its own weights without sending changes no worker.
-        _bump(model)
+        bump(model)
         time.sleep(0.3)  # give a (wrong) aliasing implementation time to show itself
         assert fleet.ask(0, "checksum") == v2
         assert [fleet.ask(i, "checksum") for i in (1, 2, 3)] == [v1] * 3
@@ -93,7 +83,7 @@ def test_targeting_isolation_dead_worker_and_late_joiner(fleet, tcp_endpoint) ->
         assert took < 3.0 + 1.0, f"the timeout took {took:.2f}s"
 
         # The following send to the living workers succeeds.
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0, 1, 2])
         latest = zmqsync.checksum(model)
         assert [fleet.ask(i, "checksum") for i in (0, 1, 2)] == [latest] * 3
@@ -117,7 +107,7 @@ def test_restarted_sender_is_followed(fleet, tmp_path, mode) -> None:  # type: i
     first.init_on_sender("policy", model=model, num_workers=2)
     _start_fleet(fleet, first, range(2))
     for _ in range(3):
-        _bump(model)
+        bump(model)
         first.send()
     old_epoch = first.get_sender().epoch
     first.shutdown()
@@ -202,7 +192,7 @@ def test_garbage_at_every_socket_is_counted_and_harmless(fleet, mode) -> None:  
             time.sleep(0.05)
 
         # Both sides keep working: the next send succeeds everywhere.
-        _bump(model)
+        bump(model)
         scheme.send()
         for i in range(2):
             state = fleet.ask(i, "state")

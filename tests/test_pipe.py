@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _workers import bump
 from torch import nn
 
 import zmqsync
@@ -240,15 +241,6 @@ def make_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
 
 
-def _bump(model: nn.Module) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-        for b in model.buffers():
-            if b.is_floating_point():
-                b.add_(1.0)
-
-
 def pipe_worker(
     scheme: MultiProcessWeightSyncScheme, pipe: Any, control: Any, seed: int, use_context: bool
 ) -> None:
@@ -368,21 +360,21 @@ def test_pipe_workers_exact_targeted_isolated_dead_named_late_and_restarted(pipe
 
         # Every worker exact after send(), version after version.
         for version in (1, 2):
-            _bump(model)
+            bump(model)
             scheme.send()
             expected = zmqsync.checksum(model)
             assert [fleet.state(i) for i in range(3)] == [(version, expected)] * 3
 
         # worker_ids=[0] changes worker 0 and no other.
         v2 = zmqsync.checksum(model)
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0])
         v3 = zmqsync.checksum(model)
         assert fleet.state(0) == (3, v3)
         assert [fleet.state(i)[1] for i in (1, 2)] == [v2, v2]
 
         # The sender changing its weights without sending changes no worker.
-        _bump(model)
+        bump(model)
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:  # look for a (wrong) change for a while
             assert fleet.state(0)[1] == v3
@@ -402,7 +394,7 @@ def test_pipe_workers_exact_targeted_isolated_dead_named_late_and_restarted(pipe
         assert scheme.status()["totals"]["peers_lost"] == 1
 
         # The next send to the living succeeds.
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0, 1])
         latest = (scheme.get_sender().version, zmqsync.checksum(model))
         assert [fleet.state(i) for i in (0, 1)] == [latest, latest]
@@ -423,7 +415,7 @@ def test_pipe_workers_exact_targeted_isolated_dead_named_late_and_restarted(pipe
         assert fleet.state(2) == latest
 
         # And the whole fleet is served again.
-        _bump(model)
+        bump(model)
         scheme.send()
         latest = (scheme.get_sender().version, zmqsync.checksum(model))
         assert [fleet.state(i) for i in range(4)] == [latest] * 4
@@ -449,7 +441,7 @@ def test_pipe_scheme_from_context_objects_tensordict(pipe_fleet) -> None:  # typ
         # Joined with the sender's current weights (version 0: nothing sent yet).
         assert [fleet.state(i)[0] for i in range(2)] == [0, 0]
         for version in (1, 2, 3):
-            _bump(model)
+            bump(model)
             scheme.send()
             expected = zmqsync.checksum(model, "tensordict")
             assert [fleet.state(i) for i in range(2)] == [(version, expected)] * 2

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from _workers import bump
 from conftest import kill_actor
 from torch import nn
 
@@ -38,15 +39,6 @@ def make_model(seed: int) -> nn.Module:
     return nn.Sequential(
         nn.Linear(16, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 4)
     )
-
-
-def _bump(model: nn.Module) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-        for b in model.buffers():
-            if b.is_floating_point():
-                b.add_(1.0)
 
 
 # --- the transport contract ---------------------------------------------------------------
@@ -225,7 +217,7 @@ def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> No
         for version in (1, 2):
             # (Version 1 may also go to an actor still finishing its join, as a repair.)
             before = puts()
-            _bump(model)
+            bump(model)
             scheme.send()
             assert states(range(3)) == [(version, zmqsync.checksum(model))] * 3
 
@@ -236,13 +228,13 @@ def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> No
 
         # worker_ids=[0] changes actor 0 and no other.
         v2 = zmqsync.checksum(model)
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0])
         v3 = zmqsync.checksum(model)
         assert states([0, 1, 2]) == [(3, v3), (2, v2), (2, v2)]
 
         # The sender changing its weights without sending changes no actor.
-        _bump(model)
+        bump(model)
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:  # look for a (wrong) change for a while
             assert [s for _, s in states([0, 1])] == [v3, v2]
@@ -260,7 +252,7 @@ def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> No
         _wait_for(lambda: scheme.status()["totals"]["peers_lost"] == 1, "counting the dead actor")
 
         # The next send to the living succeeds.
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0, 1])
         latest = (scheme.get_sender().version, zmqsync.checksum(model))
         assert states([0, 1]) == [latest, latest]
@@ -278,7 +270,7 @@ def test_ray_actors_exact_targeted_isolated_dead_named_late_joiner(actors) -> No
         assert scheme.status()["totals"]["versions_sent"] == sent
 
         # From then on it is one of the fleet.
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0, 1, 3])
         latest = (scheme.get_sender().version, zmqsync.checksum(model))
         late_state = ray.get(late.state.remote(), timeout=CALL_TIMEOUT)
@@ -306,7 +298,7 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
         _wait_for(lambda: all(a.shared for a in hub._actors.values()), "both actors answering yes")
         before = hub.counters()
         for version in (1, 2, 3, 4):
-            _bump(model)
+            bump(model)
             scheme.send()
             states = ray.get([a.state.remote() for a in fleet], timeout=CALL_TIMEOUT)
             assert states == [(version, zmqsync.checksum(model))] * 2
@@ -323,10 +315,10 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
 
         # A killed actor is named; whatever it held is forgotten, and the other goes on.
         kill_actor(fleet[1], CALL_TIMEOUT)
-        _bump(model)
+        bump(model)
         with pytest.raises(SyncTimeout):
             scheme.send()
-        _bump(model)
+        bump(model)
         scheme.send(worker_ids=[0])
         assert ray.get(fleet[0].state.remote(), timeout=CALL_TIMEOUT) == (
             scheme.get_sender().version, zmqsync.checksum(model))
@@ -359,7 +351,7 @@ def test_an_actor_that_calls_init_on_worker_late_joins_at_the_latest_version(act
             "actor 0 joining",
         )
         for _ in range(2):
-            _bump(model)
+            bump(model)
             scheme.send(worker_ids=[0])
         latest = (2, zmqsync.checksum(model, "tensordict"))
         ray.get(fleet[1].setup.remote(scheme), timeout=CALL_TIMEOUT)
