@@ -8,7 +8,6 @@ since nothing can stand in for a GPU. The CPU paths they share are covered every
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import pytest
 import torch
@@ -142,7 +141,6 @@ def test_cuda_learner_and_workers_over_zeromq(fleet, ipc_endpoint, mode) -> None
         assert fleet.ask(1, "checksum") == expected
 
         bump(model)  # changed on the GPU, not sent: nobody sees it, late joiners neither
-        time.sleep(0.3)
         assert fleet.ask(0, "checksum") == v4
         fleet.start(scheme, 3, kind="mlp@cuda")
         fleet.wait_ready(3, timeout=120)

@@ -702,7 +702,6 @@ class ApplyPlan:
             _synchronize(self._devices)
 
 
-
 def apply_weights(message: Weights, target: Mapping[KeyPath, torch.Tensor], strategy: str) -> None:
     """Copy ``message`` into ``target``'s tensors in place, all or nothing.
 
