@@ -21,8 +21,8 @@ def make_model(kind: str = "mlp", seed: int | None = None) -> nn.Module:
         torch.manual_seed(seed)
     if kind == "mlp":
         model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
-    elif kind == "wide":
-        model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    elif kind == "wide":  # 64 KiB weights: large enough for shared memory over ipc
+        model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Linear(256, 64))
     else:
         raise ValueError(kind)
     return model.to(device) if device else model
@@ -77,6 +77,7 @@ def run_worker(
                             "checksum": zmqsync.checksum(model, scheme.strategy),
                             "stats": dict(receiver.stats),
                             "devices": sorted({str(t.device) for t in model.state_dict().values()}),
+                            "transport": receiver.transport.counters(),
                         }
                     )
                 else:

@@ -16,9 +16,9 @@ from zmqsync import SyncTimeout, ZMQWeightSyncScheme
 pytestmark = pytest.mark.slow
 
 
-def _start_fleet(fleet, scheme, workers) -> None:  # type: ignore[no-untyped-def]
+def _start_fleet(fleet, scheme, workers, kind: str = "mlp") -> None:  # type: ignore[no-untyped-def]
     for i in workers:
-        fleet.start(scheme, i)
+        fleet.start(scheme, i, kind=kind)
     for i in workers:
         fleet.wait_ready(i)
 
@@ -27,11 +27,11 @@ def _start_fleet(fleet, scheme, workers) -> None:  # type: ignore[no-untyped-def
 @pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
 @pytest.mark.parametrize("mode", ["pubsub", "router"])
 def test_four_workers_exact_after_every_send(fleet, endpoint, mode, strategy) -> None:  # type: ignore[no-untyped-def]
-    model = make_model(seed=0)
+    model = make_model("wide", seed=0)
     scheme = ZMQWeightSyncScheme(strategy, mode=mode, endpoint=endpoint, timeout=20)
     scheme.init_on_sender("policy", model=model, num_workers=4)
     try:
-        _start_fleet(fleet, scheme, range(4))
+        _start_fleet(fleet, scheme, range(4), kind="wide")
         for version in (1, 2, 3):
             bump(model)
             scheme.send()
@@ -40,6 +40,15 @@ def test_four_workers_exact_after_every_send(fleet, endpoint, mode, strategy) ->
                 state = fleet.ask(i, "state")
                 assert state["version"] == version
                 assert state["checksum"] == expected, f"worker {i} differs at version {version}"
+        # Over ipc every worker is on this host: versions travel as places in shared
+        # blocks (the sender's snapshot), read in place. Over tcp, every byte is inline.
+        shared_sends = scheme.get_sender().transport.counters().get("shm_shared_sends", 0)
+        shared_frames = [fleet.ask(i, "state")["transport"].get("shm_shared_frames", 0)
+                         for i in range(4)]
+        if endpoint.startswith("ipc://"):
+            assert shared_sends >= 1 and all(n >= 1 for n in shared_frames), shared_frames
+        else:
+            assert shared_sends == 0 and shared_frames == [0] * 4
     finally:
         scheme.shutdown()
 

@@ -340,7 +340,7 @@ class WeightSender:
     def _shared_runner(self) -> _HubRunner | None:
         """The first hub that lends shared memory to send from, if any."""
         for runner in self._runners:
-            if type(runner.hub).shared_buffer is not HubTransport.shared_buffer:
+            if runner.hub.shares_memory():
                 return runner
         return None
 

@@ -28,6 +28,10 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
             every socket is encrypted, and only ``allowed_clients`` may connect.
         curve_client: a worker's CURVE keys (:class:`~zmqsync.security.CurveClient`).
         insecure: allow binding a non-loopback address without CURVE keys.
+        shared_memory: whether workers that can open the learner's shared-memory blocks
+            (same host and pid namespace) read each version there in place, instead of
+            through the socket. ``None`` (default): over ``ipc://`` only. Workers that
+            cannot get every byte inline either way.
         **sender_options: ``retain_snapshot``, ``heartbeat``, ``repair_after``, ...
 
     Example::
@@ -51,8 +55,10 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
         curve_server: CurveServer | None = None,
         curve_client: CurveClient | None = None,
         insecure: bool = False,
+        shared_memory: bool | None = None,
         **sender_options: Any,
     ) -> None:
+        self.shared_memory = shared_memory
         self.curve_server = curve_server
         self.curve_client = curve_client
         self.insecure = insecure
@@ -71,7 +77,11 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
     def _hub_options(self) -> dict[str, Any]:
         if self._alias_for(self.endpoint) == "memory":
             return {}
-        return {"curve": self.curve_server, "insecure": self.insecure}
+        return {
+            "curve": self.curve_server,
+            "insecure": self.insecure,
+            "shared_memory": self.shared_memory,
+        }
 
     def _spoke_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {

@@ -68,6 +68,8 @@ class Block:
             os.close(self.fd)
             raise
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        #: Unique among live files: tells this block from a later one that got its fd number.
+        self.inode: int = os.fstat(self.fd).st_ino
         self.address: int = self.array.__array_interface__["data"][0]
         #: Messages naming this block that each peer has not released yet.
         self.readers: Counter[Any] = Counter()
@@ -205,6 +207,22 @@ class ShmPool:
             if block.readers[peer] == 0:
                 del block.readers[peer]
             return True
+
+    def drop_hold(self, block_id: int, peer: Any) -> None:
+        """``peer`` holds nothing in ``block_id`` any more (however many it held)."""
+        with self._lock:
+            block = self._blocks.get(block_id)
+            if block is not None:
+                block.readers.pop(peer, None)
+
+    def abandon(self, peer: Any, block_ids: Iterable[int]) -> None:
+        """``peer`` may still read these blocks and will never say when it stops: retire
+        them, so they are never rewritten (their pages live on while it maps them)."""
+        with self._lock:
+            for block_id in block_ids:
+                block = self._blocks.get(block_id)
+                if block is not None:
+                    self._retire(block)
 
     def forget(self, peer: Any) -> None:
         """``peer`` is gone: it holds nothing any more."""

@@ -28,6 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 from zmqsync.errors import EndpointError, TransportClosed, TransportError
 from zmqsync.protocol import Buffer, Kind, peek_kind
 from zmqsync.security import CurveClient, CurveServer
+from zmqsync.transport._shm import SHM_AVAILABLE
+from zmqsync.transport._zmq_shm import ADDRESSED, FAN_OUT, ShmLender, ShmReader, is_record
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
 __all__ = [
@@ -269,11 +271,13 @@ class ZMQHub(HubTransport):
         max_request_bytes: int = 64 * 1024 * 1024,
         curve: CurveServer | None = None,
         insecure: bool = False,
+        shared_memory: bool | None = None,
     ) -> None:
         self._tmpdir: str | None = None
+        self._lender: ShmLender | None = None
         if endpoint is None:
             endpoint, self._tmpdir = default_endpoint()
-        parse_endpoint(endpoint)
+        scheme, _ = parse_endpoint(endpoint)
         if not is_loopback(endpoint) and curve is None:
             if not insecure:
                 raise EndpointError(
@@ -298,6 +302,8 @@ class ZMQHub(HubTransport):
         self._peers: set[PeerId] = set()
         self._closed = False
         self._monitors: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
+        if (scheme == "ipc" if shared_memory is None else shared_memory) and SHM_AVAILABLE:
+            self._lender = ShmLender()
         try:
             with translated(f"binding {endpoint}"):
                 self._router = self._new_router()
@@ -320,6 +326,11 @@ class ZMQHub(HubTransport):
 
     def _fan_out(self, frames: Sequence[Buffer]) -> None:
         raise NotImplementedError
+
+    def _fan_out_channel(self) -> int:
+        """The channel a fan-out goes on now: FAN_OUT (one socket reaches every
+        subscriber) or ADDRESSED (one message per known peer, over the ROUTER)."""
+        return ADDRESSED
 
     # --- sockets ---------------------------------------------------------------------
 
@@ -371,17 +382,64 @@ class ZMQHub(HubTransport):
         return {"ack_endpoint": self._ack_endpoint}
 
     def counters(self) -> dict[str, int]:
-        return dict(self._counters)
+        out = dict(self._counters)
+        if self._lender is not None:
+            out.update(self._lender.stats())
+        return out
+
+    def shared_buffer(self, nbytes: int) -> Any:
+        """Shared memory to carve a sender's snapshot from, while some peer reads this
+        hub's blocks (``ipc://`` peers on this host); else None."""
+        self._check_open()
+        return None if self._lender is None else self._lender.shared_buffer(nbytes)
+
+    def shares_memory(self) -> bool:
+        return self._lender is not None and bool(self._lender.members())
 
     def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
         self._check_open()
         tracked = self._tracked(frames)
         with translated(f"sending from {self._endpoint}"):
+            if self._lender is not None and self._send_shared(frames, tracked, to):
+                return
             if to is None:
                 self._fan_out(tracked)
             else:
                 for peer in to:
                     self._send_to(peer, tracked)
+
+    def _send_shared(
+        self, frames: Sequence[Buffer], tracked: list[Any], to: Collection[PeerId] | None
+    ) -> bool:
+        """Send large frames as places in shared blocks to the peers that read them, and
+        inline to the others. False: nothing went (no such peer, nothing large, or every
+        block busy): send as usual."""
+        assert self._lender is not None
+        self._lender.expire()
+        members = self._lender.members()
+        if not members:
+            return False
+        channel = ADDRESSED if to is not None else self._fan_out_channel()
+        if to is None:
+            # A fan-out reaches every subscriber: count every member. Addressed, it
+            # reaches the peers the hub knows.
+            known = [p for p in self._peers if p in members]
+            counted = list(members) if channel == FAN_OUT else known
+            others = [p for p in self._peers if p not in members]
+        else:
+            counted = [p for p in to if p in members]
+            others = [p for p in to if p not in members]
+        shared = self._lender.share(frames, counted, channel) if counted else None
+        if shared is None:
+            return False
+        if channel == FAN_OUT:
+            self._fan_out(shared)
+        else:
+            for peer in counted:
+                self._send_to(peer, shared)
+        for peer in others:
+            self._send_to(peer, tracked)
+        return True
 
     def _tracked(self, frames: Sequence[Buffer]) -> list[Any]:
         """The frames to send, with ZeroMQ's release of the caller's memory watched.
@@ -437,6 +495,8 @@ class ZMQHub(HubTransport):
             self._counters["dropped_sends"] += 1
             if exc.errno == zmq.EHOSTUNREACH:
                 self._peers.discard(peer)
+                if self._lender is not None:
+                    self._lender.drop(peer, "unreachable")
 
     def recv_frames(self, timeout: float | None) -> Incoming | None:
         self._check_open()
@@ -451,16 +511,35 @@ class ZMQHub(HubTransport):
                 if self._router in events:
                     with contextlib.suppress(zmq.Again):
                         parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                        peer = parts[0].bytes
-                        if peer.startswith(SPOKE_PREFIX):
-                            self._peers.add(peer)
-                        return Incoming(_buffers(parts[1:]), peer)
+                        incoming = self._from_router(parts[0].bytes, _buffers(parts[1:]))
+                        if incoming is not None:
+                            return incoming
                 if self._pull in events:
                     with contextlib.suppress(zmq.Again):
-                        return Incoming(_buffers(self._pull.recv_multipart(zmq.NOBLOCK, copy=False)))
+                        frames = _buffers(self._pull.recv_multipart(zmq.NOBLOCK, copy=False))
+                        if self._lender is None or not is_record(frames):
+                            return Incoming(frames)
+                        self._lender.on_release(frames)
                 woken = self._socks.wake_rx in events
                 if woken or remaining == 0 or (deadline is None and not events):
                     return None
+
+    def _from_router(self, peer: PeerId, frames: list[Buffer]) -> Incoming | None:
+        """A message from the ROUTER, or None when it was the shared-memory handshake."""
+        if not peer.startswith(SPOKE_PREFIX):
+            return Incoming(frames, peer)
+        self._peers.add(peer)
+        if self._lender is None:
+            return Incoming(frames, peer)
+        if is_record(frames):
+            reply = self._lender.on_request(peer, frames)
+            if reply is not None:
+                self._send_to(peer, reply)
+            return None
+        offer = self._lender.offer(peer)
+        if offer is not None:
+            self._send_to(peer, offer)
+        return Incoming(frames, peer)
 
     def wake(self) -> None:
         self._socks.wake()
@@ -472,6 +551,8 @@ class ZMQHub(HubTransport):
         for sock in list(self._monitors):
             self._unmonitor(sock)
         self._socks.close()
+        if self._lender is not None:
+            self._lender.close()
         if self._auth is not None:
             self._auth.stop()
         if self._own_context:
@@ -505,6 +586,9 @@ class ZMQSpoke(SpokeTransport):
         self._sub: zmq.Socket[Any] | None = None
         self._ack_address = ""
         self._data_address = ""
+        #: Reads large frames in place from the hub's shared blocks, once the hub offered
+        #: them and this process could open them (same host); inert otherwise.
+        self._shm = ShmReader(self._request)
         with translated(f"connecting to {endpoint}"):
             self._dealer = self._socks.add(zmq.DEALER)
             self._dealer.routing_id = self.peer_id
@@ -519,6 +603,29 @@ class ZMQSpoke(SpokeTransport):
     @property
     def endpoint(self) -> str:
         return self._endpoint
+
+    @property
+    def lends_memory(self) -> bool:  # type: ignore[override]
+        """True while the hub counts this spoke as a reader of its shared blocks."""
+        return self._shm.active
+
+    def counters(self) -> dict[str, int]:
+        """Shared-memory counts: frames read in place, messages skipped, failures."""
+        return self._shm.stats()
+
+    def _request(self, frames: list[bytes]) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # lost: the hub offers again, or never
+            self._dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def _report(self) -> None:
+        """Tell the hub which blocks this spoke let go of, on the ack channel (so it
+        arrives before the ack that follows)."""
+        if self._push is None:
+            return
+        record = self._shm.pending_report()
+        if record is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._push.send_multipart(record, flags=zmq.NOBLOCK)
 
     def follow(self, announced: dict[str, Any]) -> None:
         with translated(f"following {self._endpoint}"):
@@ -547,6 +654,7 @@ class ZMQSpoke(SpokeTransport):
         # DESIGN: acks travel PUSH -> PULL; everything else is a request to the ROUTER.
         sock = self._push if self._push is not None and peek_kind(frames[0]) is Kind.ACK else None
         with translated(f"sending to {self._endpoint}"):
+            self._report()
             try:
                 (sock or self._dealer).send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -555,13 +663,24 @@ class ZMQSpoke(SpokeTransport):
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         if self._closed:
             raise TransportClosed(f"spoke of {self._endpoint} is closed")
+        deadline = None if timeout is None else time.monotonic() + timeout
         with translated(f"receiving from {self._endpoint}"):
-            events = self._socks.poll(timeout)
-            for sock in (self._dealer, self._sub):
-                if sock is not None and sock in events:
-                    with contextlib.suppress(zmq.Again):
-                        return _buffers(sock.recv_multipart(zmq.NOBLOCK, copy=False))
-        return None
+            while True:
+                self._report()
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                events = self._socks.poll(remaining)
+                for sock in (self._dealer, self._sub):
+                    if sock is not None and sock in events:
+                        with contextlib.suppress(zmq.Again):
+                            frames = _buffers(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                            if not is_record(frames):
+                                return frames
+                            resolved = self._shm.on_record(frames)
+                            if resolved is not None:
+                                return resolved
+                woken = self._socks.wake_rx in events
+                if woken or remaining == 0 or (deadline is None and not events):
+                    return None
 
     def wake(self) -> None:
         self._socks.wake()
@@ -571,3 +690,4 @@ class ZMQSpoke(SpokeTransport):
             return
         self._closed = True
         self._socks.close()
+        self._shm.close()

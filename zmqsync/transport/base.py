@@ -105,6 +105,14 @@ class HubTransport(_Closable):
         """
         return None
 
+    def shares_memory(self) -> bool:
+        """Whether :meth:`shared_buffer` lends memory that peers read in place, now.
+
+        A sender then writes its snapshot there and sends it as it is; otherwise it
+        sends the model's own memory and keeps its snapshot apart.
+        """
+        return type(self).shared_buffer is not HubTransport.shared_buffer
+
     def announce(self) -> dict[str, Any]:
         """Extra addresses a spoke needs (the sender puts them in its Welcome)."""
         return {}
@@ -150,3 +158,7 @@ class SpokeTransport(_Closable):
 
     def follow(self, announced: dict[str, Any]) -> None:
         """Use the addresses a hub announced in its Welcome (connect the data path)."""
+
+    def counters(self) -> dict[str, int]:
+        """Transport-level counts on the worker's side (frames read in place, ...)."""
+        return {}

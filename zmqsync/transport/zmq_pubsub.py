@@ -23,6 +23,7 @@ from zmqsync.transport._zmq import (
     _bind,
     derive_endpoint,
 )
+from zmqsync.transport._zmq_shm import ADDRESSED, FAN_OUT
 
 __all__ = ["PubSubHub", "PubSubSpoke"]
 
@@ -64,6 +65,9 @@ class PubSubHub(ZMQHub):
             return
         # PUB never blocks: a subscriber at its high-water mark simply misses this one.
         self._pub.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+
+    def _fan_out_channel(self) -> int:
+        return ADDRESSED if time.monotonic() < self._resubscribe_until else FAN_OUT
 
     def _rebind_data(self) -> None:
         """Close and rebind the PUB: drops messages queued for slow or stuck workers.

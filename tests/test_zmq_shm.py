@@ -1,0 +1,359 @@
+"""ZeroMQ over ipc: large frames read in place from the hub's shared blocks.
+
+Real sockets and real processes; a spoke that cannot open the blocks runs in a pid
+namespace of its own (``unshare``), as a container on the same host would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from zmqsync.transport import _zmq_shm, resolve
+from zmqsync.transport._zmq import SPOKE_PREFIX, ZMQHub, ZMQSpoke
+
+MODES = ["pubsub", "router"]
+PAYLOAD = 256 * 1024
+DEADLINE = 10.0
+
+
+def _fleet(mode: str, tmp_path: Any, n: int) -> tuple[ZMQHub, list[ZMQSpoke]]:
+    hub_cls, spoke_cls = resolve(f"zmq-{mode}")
+    hub = hub_cls(f"ipc://{tmp_path}/hub")
+    return hub, [spoke_cls(hub.endpoint, identity=str(i)) for i in range(n)]
+
+
+def _pump(
+    hub: ZMQHub, spokes: list[ZMQSpoke], until: Any, what: str, within: float = DEADLINE
+) -> list[Any]:
+    """Run both sides until ``until()``; returns what the hub received meanwhile."""
+    got = []
+    deadline = time.monotonic() + within
+    while not until():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        incoming = hub.recv_frames(0.02)
+        if incoming is not None:
+            got.append([bytes(f) for f in incoming.frames])
+        for spoke in spokes:
+            frames = spoke.recv_frames(0.005)
+            assert frames is None, f"a spoke got a message during {what}: {frames!r:.80}"
+    return got
+
+
+def _join(hub: ZMQHub, spokes: list[ZMQSpoke]) -> None:
+    """Each spoke speaks (as a Hello does), follows the hub, and is counted."""
+    for spoke in spokes:
+        spoke.send_frames([b"hello"])
+        spoke.follow(hub.announce())
+    got = _pump(hub, spokes, lambda: all(s.lends_memory for s in spokes), "the handshake")
+    assert got == [[b"hello"]] * len(spokes), "the handshake must not reach the hub's user"
+
+
+def _shared(hub: ZMQHub, payload: bytes) -> list[Any]:
+    """A message whose large frame lies in memory the hub lent (as a sender's snapshot)."""
+    buf = hub.shared_buffer(len(payload))
+    assert buf is not None, "a hub with registered ipc peers lends shared memory"
+    buf[:] = np.frombuffer(payload, dtype=np.uint8)
+    return [b"head", memoryview(buf).toreadonly()]
+
+
+def _send_until_all(hub: ZMQHub, spokes: list[ZMQSpoke], frames: list[Any]) -> list[Any]:
+    """Fan out until every spoke has a copy (a new subscription may miss the first)."""
+    got: list[Any] = [None] * len(spokes)
+    deadline = time.monotonic() + DEADLINE
+    while any(g is None for g in got):
+        assert time.monotonic() < deadline, "fan-out never reached every spoke"
+        hub.send_frames(frames)
+        for i, spoke in enumerate(spokes):
+            if got[i] is None:
+                got[i] = spoke.recv_frames(0.05)
+    for spoke in spokes:  # repeats: drop them (their views die here)
+        while spoke.recv_frames(0.2) is not None:
+            pass
+    return got
+
+
+def _release(hub: ZMQHub, spokes: list[ZMQSpoke], n: int) -> None:
+    """The spokes send what they let go of (as before an ack); wait for ``n`` releases."""
+    before = hub.counters().get("shm_releases", 0)
+    for spoke in spokes:
+        assert spoke.recv_frames(0) is None  # any receive or send flushes releases first
+    _pump(hub, spokes, lambda: hub.counters().get("shm_releases", 0) >= before + n,
+          f"{n} release(s)")
+
+
+def _block(hub: ZMQHub, frame: Any) -> Any:
+    assert hub._lender is not None
+    found = hub._lender.pool.locate(frame)
+    assert found is not None
+    return found[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_ipc_peers_read_in_place_and_a_block_is_rewritten_only_once_released(
+    mode: str, tmp_path: Any
+) -> None:
+    hub, spokes = _fleet(mode, tmp_path, 2)
+    try:
+        _join(hub, spokes)
+        first = os.urandom(PAYLOAD)
+        frames = _shared(hub, first)
+        block = _block(hub, frames[1])
+        got = _send_until_all(hub, spokes, frames)
+        for received in got:
+            assert bytes(received[0]) == b"head"
+            view = received[1]
+            assert isinstance(view, np.ndarray) and not view.flags.writeable
+            assert bytes(view) == first
+        assert hub.counters()["shm_shared_sends"] >= 1
+        assert all(s.counters()["shm_shared_frames"] >= 1 for s in spokes)
+        # Worker 0 still reads its frame; worker 1 let go.
+        held = got[0][1]
+        got = received = view = None
+        _release(hub, spokes, 1)
+        del frames
+        assert set(block.readers) == {spokes[0].peer_id}
+        second = os.urandom(PAYLOAD)
+        frames = _shared(hub, second)
+        assert _block(hub, frames[1]) is not block, "a block a worker still reads was lent"
+        _send_until_all(hub, spokes, frames)
+        assert bytes(held) == first, "a block was rewritten under a worker reading it"
+        # Once it lets go, the block is free again and reused.
+        held = frames = None
+        _release(hub, spokes, 2)
+        assert not block.readers
+        third = _shared(hub, os.urandom(PAYLOAD))
+        assert _block(hub, third[1]) is block, "a released block was not reused"
+        assert hub.counters()["shm_bytes"] <= 2 * block.size
+    finally:
+        for end in (hub, *spokes):
+            end.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_caller_memory_is_never_copied_into_a_block(mode: str, tmp_path: Any) -> None:
+    """Zero-copy sends stay zero-copy: only memory the hub lent travels as a place."""
+    hub, spokes = _fleet(mode, tmp_path, 1)
+    try:
+        _join(hub, spokes)
+        before = hub.counters()["shm_bytes"]
+        payload = bytearray(os.urandom(PAYLOAD))
+        (got,) = _send_until_all(hub, spokes, [b"head", memoryview(payload)])
+        assert bytes(got[1]) == bytes(payload)
+        assert hub.counters()["shm_bytes"] == before
+        assert hub.counters().get("shm_shared_sends", 0) == 0
+        assert spokes[0].counters().get("shm_shared_frames", 0) == 0
+    finally:
+        for end in (hub, *spokes):
+            end.close()
+
+
+_NAMESPACED_SPOKE = """
+import hashlib, json, sys
+from zmqsync.transport import resolve
+mode, endpoint, announced = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+spoke = resolve("zmq-" + mode)[1](endpoint, identity="ns")
+spoke.send_frames([b"hello"])
+spoke.follow(announced)
+frames = None
+for _ in range(200):
+    frames = spoke.recv_frames(0.1)
+    if frames is not None:
+        break
+print(json.dumps({
+    "frames": None if frames is None else [hashlib.sha256(f).hexdigest() for f in frames],
+    "lends_memory": spoke.lends_memory,
+    "counters": spoke.counters(),
+}))
+spoke.close()
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) for a pid namespace")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_peer_that_cannot_open_the_blocks_gets_every_byte_inline(
+    mode: str, tmp_path: Any
+) -> None:
+    """A worker in another pid namespace (a container on this host) cannot open the
+    learner's /proc entries: it declines the offer and gets the same bytes inline,
+    while a worker that can reads them in place."""
+    hub, (local,) = _fleet(mode, tmp_path, 1)
+    try:
+        _join(hub, [local])
+        proc = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+             _NAMESPACED_SPOKE, mode, hub.endpoint, json.dumps(hub.announce())],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            # Its hello, then its refusal of the offer (which the hub keeps to itself).
+            got = _pump(hub, [local], lambda: hub.counters().get("shm_declined") == 1,
+                        "the namespaced worker", 60.0)
+            assert got == [[b"hello"]]
+            payload = os.urandom(PAYLOAD)
+            frames = _shared(hub, payload)
+            deadline = time.monotonic() + 30
+            local_got = None
+            while proc.poll() is None:  # it may miss a fan-out while it subscribes
+                assert time.monotonic() < deadline, "the namespaced worker got nothing"
+                hub.send_frames(frames)
+                local_got = local.recv_frames(0.1) or local_got
+            out, err = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+        assert proc.returncode == 0, err
+        result = json.loads(out)
+        assert result["frames"] == [hashlib.sha256(b).hexdigest() for b in (b"head", payload)]
+        assert result["lends_memory"] is False
+        assert result["counters"].get("shm_not_readable") == 1
+        assert result["counters"].get("shm_shared_frames", 0) == 0
+        assert local_got is not None and bytes(local_got[1]) == payload
+        assert local.counters()["shm_shared_frames"] >= 1
+        assert hub.counters()["shm_peers"] == 1
+    finally:
+        hub.close()
+        local.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_forged_and_malformed_records_are_counted_and_change_nothing(
+    mode: str, tmp_path: Any
+) -> None:
+    hub, spokes = _fleet(mode, tmp_path, 1)
+    context = zmq.Context.instance()
+    push = context.socket(zmq.PUSH)
+    dealer = context.socket(zmq.DEALER)
+    dealer.routing_id = SPOKE_PREFIX + b"forger"  # it claims to be a worker
+    try:
+        _join(hub, spokes)
+        frames = _shared(hub, os.urandom(PAYLOAD))
+        block = _block(hub, frames[1])
+        (got,) = _send_until_all(hub, spokes, frames)
+        assert set(block.readers) == {spokes[0].peer_id}
+        for sock, address in ((push, hub.announce()["ack_endpoint"]), (dealer, hub.endpoint)):
+            sock.linger = 0
+            sock.connect(address)
+        member = hub._lender._members[spokes[0].peer_id]  # type: ignore[union-attr]
+        forged = [
+            _zmq_shm._RELEASE_HEAD.pack(b"ZSHR", member.slot, b"12345678", 10**6, 10**6, 0),
+            _zmq_shm._RELEASE_HEAD.pack(b"ZSHR", member.slot, b"wrongsec", 0, 0, 0),
+            b"ZSHR" + b"\x00" * 3,
+        ]
+        for record in forged:
+            push.send(record)
+        dealer.send(b"ZSHJ" + b"\x00" * 16)  # a join with the wrong token
+        dealer.send(b"ZSHO" + b"\x00" * 40)  # an offer, which only a hub makes
+        bad = 0
+        deadline = time.monotonic() + DEADLINE
+        while bad < 5:
+            assert time.monotonic() < deadline, f"{bad} of 5 bad records counted"
+            assert hub.recv_frames(0.05) is None, "a record reached the hub's user"
+            bad = hub.counters().get("shm_bad_records", 0)
+        assert set(block.readers) == {spokes[0].peer_id}, "a forged release freed a block"
+        assert hub.counters()["shm_peers"] == 1
+        # Both sides keep working: the worker's real release frees the block.
+        del got, frames  # the worker lets go of its frame
+        _release(hub, spokes, 1)
+        assert not block.readers
+    finally:
+        push.close(linger=0)
+        dealer.close(linger=0)
+        for end in (hub, *spokes):
+            end.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_peer_holding_a_block_past_its_lease_is_dropped_and_the_block_never_rewritten(
+    mode: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that keeps a block (stopped, stuck) costs memory, never correctness: the
+    hub retires the block rather than reuse it, counts the worker no more, and the
+    worker joins again once it sees that."""
+    hub, spokes = _fleet(mode, tmp_path, 2)
+    try:
+        _join(hub, spokes)
+        first = os.urandom(PAYLOAD)
+        frames = _shared(hub, first)
+        block = _block(hub, frames[1])
+        got = _send_until_all(hub, spokes, frames)
+        held = got[0][1]
+        got = frames = None
+        _release(hub, spokes, 1)
+        second = os.urandom(PAYLOAD)
+        frames = _shared(hub, second)
+        monkeypatch.setattr(_zmq_shm, "LEASE", 0.0)  # worker 0 has now held it too long
+        hub.send_frames(frames)
+        monkeypatch.setattr(_zmq_shm, "LEASE", 10.0)
+        got = _send_until_all(hub, spokes, frames)
+        assert hub.counters()["shm_expired"] == 1
+        assert block.id not in hub._lender.pool.live_ids()  # type: ignore[union-attr]
+        assert bytes(held) == first
+        assert [bytes(g[1]) for g in got] == [second, second]
+        # Worker 0 read it inline (or skipped the shared copy and got it inline).
+        assert spokes[0].counters()["shm_shared_frames"] == 1
+        held = got = frames = None
+        for spoke in spokes:  # any word to the hub: it offers again to a peer it dropped
+            spoke.send_frames([b"heartbeat"])
+        _pump(hub, spokes, lambda: hub.counters()["shm_peers"] == 2, "the rejoin")
+        third = os.urandom(PAYLOAD)
+        got = _send_until_all(hub, spokes, _shared(hub, third))
+        assert [bytes(g[1]) for g in got] == [third, third]
+        assert spokes[0].counters()["shm_shared_frames"] == 2
+    finally:
+        for end in (hub, *spokes):
+            end.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("endpoint", "shared_memory", "expected"), [
+    ("ipc", None, True), ("ipc", False, False), ("tcp", None, False), ("tcp", True, True),
+])
+def test_shared_memory_is_on_for_ipc_unless_asked_otherwise(
+    endpoint: str, shared_memory: bool | None, expected: bool, tmp_path: Any
+) -> None:
+    """ipc peers share by default; tcp peers only when asked (a tcp peer on this host,
+    in this pid namespace, can then read the blocks too)."""
+    hub_cls, spoke_cls = resolve("zmq-router")
+    address = f"ipc://{tmp_path}/hub" if endpoint == "ipc" else "tcp://127.0.0.1:*"
+    hub = hub_cls(address, shared_memory=shared_memory)
+    spoke = spoke_cls(hub.endpoint, identity="0")
+    try:
+        spoke.send_frames([b"hello"])
+        spoke.follow(hub.announce())
+        deadline = time.monotonic() + DEADLINE
+        heard = False
+        while not heard or (expected and not spoke.lends_memory):
+            assert time.monotonic() < deadline, "the hello or the handshake never completed"
+            heard = hub.recv_frames(0.05) is not None or heard
+            assert spoke.recv_frames(0.01) is None
+        payload = os.urandom(PAYLOAD)
+        buf = hub.shared_buffer(PAYLOAD)
+        if not expected:
+            assert buf is None and not spoke.lends_memory
+            assert not any(k.startswith("shm_") for k in spoke.counters())
+            return
+        buf[:] = np.frombuffer(payload, dtype=np.uint8)
+        (got,) = _send_until_all(hub, [spoke], [b"head", memoryview(buf).toreadonly()])
+        assert bytes(got[1]) == payload
+        assert spoke.counters()["shm_shared_frames"] == 1
+    finally:
+        hub.close()
+        spoke.close()
