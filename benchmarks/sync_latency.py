@@ -104,6 +104,11 @@ class Variant:
     def close(self) -> None:
         raise NotImplementedError
 
+    def shared_bytes(self) -> int:
+        """Shared memory the learner maps for its sends (not malloc'd, so the meter
+        misses it; charged to the variant's extra memory)."""
+        return 0
+
 
 class WrongWeights(RuntimeError):
     """A worker does not hold the learner's weights after a send that it acked."""
@@ -197,6 +202,10 @@ class ZmqsyncVariant(Variant):
         assert self.scheme is not None
         self.scheme.send()
 
+    def shared_bytes(self) -> int:
+        assert self.scheme is not None
+        return int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
+
     def close(self) -> None:
         if self.scheme is not None:
             self.scheme.shutdown()
@@ -222,7 +231,9 @@ class Cell:
     def extra_pct(self, variant: str) -> float | None:
         measured = self.results[variant].extra_bytes
         extra = measured.get("heap", measured.get("rss_anon"))
-        return None if extra is None else 100.0 * extra / SIZES[self.size].nbytes
+        if extra is None:
+            return None
+        return 100.0 * (extra + measured.get("shm", 0)) / SIZES[self.size].nbytes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -295,6 +306,8 @@ def run_cell(
                             result.times.append(elapsed)
                 if meter is not None:
                     result.extra_bytes, result.retained_bytes = meter.extra, meter.retained
+                    if shm := v.shared_bytes():
+                        result.extra_bytes = {**result.extra_bytes, "shm": shm}
         # Every variant sends the model as it is now, then every worker's copy must match.
         for v in variants:
             v.send()
