@@ -381,8 +381,8 @@ def markdown(
         "",
         f"Ratio = zmqsync median / baseline median; **bold** = above the {RATIO_TARGET}x target.",
         "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
-        "block of sends (from just before its first send), % of the model; anonymous RSS is "
-        "in the JSON.",
+        "block of sends (from just before its first send), plus the shared-memory blocks it "
+        "maps, % of the model; anonymous RSS is in the JSON.",
         "",
         f"- within {RATIO_TARGET}x of the baseline: zmqsync {within('zmqsync')}/{n} cells, "
         f"retain_snapshot=False {within('zmqsync-noretain')}/{n} cells",
