@@ -92,6 +92,14 @@ def _release(hub: ZMQHub, spokes: list[ZMQSpoke], n: int) -> None:
           f"{n} release(s)")
 
 
+def _first_version(hub: ZMQHub, spokes: list[ZMQSpoke]) -> tuple[bytes, list[Any], Any, list[Any]]:
+    """Join, then send one shared message to every spoke: (payload, frames, block, got)."""
+    _join(hub, spokes)
+    payload = os.urandom(PAYLOAD)
+    frames = _shared(hub, payload)
+    return payload, frames, _block(hub, frames[1]), _send_until_all(hub, spokes, frames)
+
+
 def _block(hub: ZMQHub, frame: Any) -> Any:
     assert hub._lender is not None
     found = hub._lender.pool.locate(frame)
@@ -106,11 +114,7 @@ def test_ipc_peers_read_in_place_and_a_block_is_rewritten_only_once_released(
 ) -> None:
     hub, spokes = _fleet(mode, tmp_path, 2)
     try:
-        _join(hub, spokes)
-        first = os.urandom(PAYLOAD)
-        frames = _shared(hub, first)
-        block = _block(hub, frames[1])
-        got = _send_until_all(hub, spokes, frames)
+        first, frames, block, got = _first_version(hub, spokes)
         for received in got:
             assert bytes(received[0]) == b"head"
             view = received[1]
@@ -242,10 +246,7 @@ def test_forged_and_malformed_records_are_counted_and_change_nothing(
     dealer = context.socket(zmq.DEALER)
     dealer.routing_id = SPOKE_PREFIX + b"forger"  # it claims to be a worker
     try:
-        _join(hub, spokes)
-        frames = _shared(hub, os.urandom(PAYLOAD))
-        block = _block(hub, frames[1])
-        (got,) = _send_until_all(hub, spokes, frames)
+        _, frames, block, (got,) = _first_version(hub, spokes)
         assert set(block.readers) == {spokes[0].peer_id}
         for sock, address in ((push, hub.announce()["ack_endpoint"]), (dealer, hub.endpoint)):
             sock.linger = 0
@@ -289,11 +290,7 @@ def test_a_peer_holding_a_block_past_its_lease_is_dropped_and_the_block_never_re
     worker joins again once it sees that."""
     hub, spokes = _fleet(mode, tmp_path, 2)
     try:
-        _join(hub, spokes)
-        first = os.urandom(PAYLOAD)
-        frames = _shared(hub, first)
-        block = _block(hub, frames[1])
-        got = _send_until_all(hub, spokes, frames)
+        first, frames, block, got = _first_version(hub, spokes)
         held = got[0][1]
         got = frames = None
         _release(hub, spokes, 1)

@@ -32,7 +32,15 @@ from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["SHM_AVAILABLE", "SHM_MIN_FRAME", "Block", "Ref", "ShmPool"]
+__all__ = [
+    "SHM_AVAILABLE",
+    "SHM_MIN_FRAME",
+    "Block",
+    "PeerBlocks",
+    "Ref",
+    "ShmPool",
+    "map_peer_block",
+]
 
 #: Whether this platform has anonymous shared memory files (Linux).
 SHM_AVAILABLE: Final = hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING")
@@ -255,3 +263,57 @@ class ShmPool:
             for block in list(self._blocks.values()) if blocks is None else blocks:
                 self._blocks.pop(block.id, None)
                 block.close()
+
+
+# --- a reader in another process ---------------------------------------------------------
+
+
+def map_peer_block(pid: int, fd: int, size: int, inode: int | None = None) -> np.ndarray:
+    """Map block ``fd`` of process ``pid`` read-only, through ``/proc``; checks its size
+    and, if given, its inode (a descriptor number the owner reused names another file)."""
+    if pid <= 0 or fd < 0 or size <= 0:
+        raise ValueError(f"no block at pid {pid}, fd {fd}, size {size}")
+    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(handle)
+        if inode is not None and st.st_ino != inode:
+            raise ValueError(f"fd {fd} of pid {pid} is no longer the block it was")
+        if st.st_size < size:
+            raise ValueError(f"block fd {fd} of pid {pid} is {st.st_size} bytes, not {size}")
+        mapped = mmap.mmap(handle, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(handle)
+    return np.frombuffer(mapped, dtype=np.uint8)
+
+
+class PeerBlocks:
+    """Another process's blocks as this one maps them (read-only, each mapped once, by
+    owner pid and block id), for readers that open them through ``/proc``."""
+
+    def __init__(self, limit: int = 8) -> None:
+        self._maps: dict[tuple[int, int], np.ndarray] = {}
+        self._limit = limit
+
+    def keep_only(self, pid: int, alive: set[int]) -> None:
+        """Forget every mapping but those of ``pid``'s blocks in ``alive`` (the others
+        are unmapped once no frame views them)."""
+        for key in [k for k in self._maps if k[0] != pid or k[1] not in alive]:
+            del self._maps[key]
+
+    def view(
+        self, pid: int, block_id: int, fd: int, size: int, start: int, length: int,
+        inode: int | None = None,
+    ) -> np.ndarray:
+        """Bytes ``start .. start + length`` of the block, mapping it first if need be."""
+        mapped = self._maps.get((pid, block_id))
+        if mapped is None:
+            mapped = map_peer_block(pid, fd, size, inode)
+            while len(self._maps) >= self._limit:
+                del self._maps[next(iter(self._maps))]
+            self._maps[(pid, block_id)] = mapped
+        if start + length > mapped.nbytes:
+            raise ValueError(f"a frame names bytes past the end of block {block_id}")
+        return mapped[start : start + length]
+
+    def clear(self) -> None:
+        self._maps.clear()

@@ -39,7 +39,6 @@ dropped.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import secrets
 import struct
@@ -54,7 +53,16 @@ from typing import Any, Final
 import numpy as np
 
 from zmqsync.protocol import Buffer
-from zmqsync.transport._shm import SHM_AVAILABLE, SHM_MIN_FRAME, Block, Ref, ShmPool, immutable
+from zmqsync.transport._shm import (
+    SHM_AVAILABLE,
+    SHM_MIN_FRAME,
+    Block,
+    PeerBlocks,
+    Ref,
+    ShmPool,
+    immutable,
+    map_peer_block,
+)
 
 __all__ = ["SHM_AVAILABLE", "ShmLender", "ShmReader", "is_record"]
 
@@ -318,23 +326,6 @@ class ShmLender:
 # --- the spoke's side -------------------------------------------------------------------
 
 
-def _map(pid: int, fd: int, inode: int, size: int) -> np.ndarray:
-    """Map block ``fd`` of process ``pid`` read-only; checks its inode and size."""
-    if pid <= 0 or fd < 0 or size <= 0:
-        raise ValueError(f"no block at pid {pid}, fd {fd}, size {size}")
-    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(handle)
-        if st.st_ino != inode:
-            raise ValueError(f"fd {fd} of pid {pid} is no longer the block it was")
-        if st.st_size < size:
-            raise ValueError(f"block fd {fd} of pid {pid} is {st.st_size} bytes, not {size}")
-        mapped = mmap.mmap(handle, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(handle)
-    return np.frombuffer(mapped, dtype=np.uint8)
-
-
 class ShmReader:
     """The spoke's side: answers offers, reads shared messages in place, reports what it
     still views. ``request(frames)`` sends to the hub's ROUTER. Called from the spoke's
@@ -349,7 +340,7 @@ class ShmReader:
         self._first_seq = 0
         self._seen = [0, 0]  # per channel
         self._early: list[Buffer] | None = None  # a shared message that beat our slot
-        self._maps: dict[tuple[int, int], np.ndarray] = {}
+        self._maps = PeerBlocks(MAX_MAPS)
         self._lock = threading.Lock()
         self._held: Counter[int] = Counter()  # block id -> live views
         self._dirty = False
@@ -392,7 +383,7 @@ class ShmReader:
         self._offer = None
         self._slot = None
         try:
-            probe = _map(pid, fd, inode, len(token))
+            probe = map_peer_block(pid, fd, len(token), inode)
             readable = bytes(probe[: len(token)]) == token
         except (OSError, ValueError):
             readable = False
@@ -434,8 +425,7 @@ class ShmReader:
                 self._join()  # not counted any more (the hub dropped us): for the next ones
             return None
         self._seen[channel] = max(self._seen[channel], seq)  # reported once views die
-        for key in [k for k in self._maps if k[0] != pid or k[1] not in alive]:
-            del self._maps[key]  # retired by the hub (unmapped once no frame views it)
+        self._maps.keep_only(pid, alive)  # the others were retired by the hub
         inline = iter(frames[1:])
         out: list[Any] = []  # buffers: bytes from the socket, numpy views of blocks
         views: dict[int, list[np.ndarray]] = {}
@@ -443,15 +433,7 @@ class ShmReader:
             if block_id < 0:
                 out.append(next(inline))
                 continue
-            mapped = self._maps.get((pid, block_id))
-            if mapped is None:
-                mapped = _map(pid, fd, inode, size)
-                while len(self._maps) >= MAX_MAPS:
-                    del self._maps[next(iter(self._maps))]
-                self._maps[(pid, block_id)] = mapped
-            if start + length > mapped.nbytes:
-                raise ValueError(f"a frame names bytes past the end of block {block_id}")
-            view = mapped[start : start + length]
+            view = self._maps.view(pid, block_id, fd, size, start, length, inode)
             views.setdefault(block_id, []).append(view)
             out.append(view)
         if next(inline, None) is not None:

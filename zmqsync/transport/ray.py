@@ -40,7 +40,6 @@ its own.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import queue
 import secrets
@@ -54,7 +53,14 @@ from typing import Any, Final
 
 from zmqsync.errors import EndpointError, TransportClosed, TransportError
 from zmqsync.protocol import Buffer, Kind, peek_kind
-from zmqsync.transport._shm import SHM_AVAILABLE, Block, Ref, ShmPool
+from zmqsync.transport._shm import (
+    SHM_AVAILABLE,
+    Block,
+    PeerBlocks,
+    Ref,
+    ShmPool,
+    map_peer_block,
+)
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
 __all__ = [
@@ -143,7 +149,7 @@ class RaySpoke(SpokeTransport):
         self._reader_idle = False  # a reader waits in recv_frames on an empty inbox
         self._closed = False
         self._counters = {"dropped_sends": 0, "read_only_views": 0, "shared_frames": 0}
-        self._maps: dict[tuple[int, int], Any] = {}  # (driver pid, block id): mapping
+        self._maps = PeerBlocks(_MAX_MAPS)  # the driver's blocks, mapped read-only
         #: This actor's index at its hub (``None`` until the hub's first call).
         self.peer_index: int | None = None
         #: Called on each of the hub's calls, after its frames are queued and before the
@@ -222,7 +228,7 @@ class RaySpoke(SpokeTransport):
         """Whether this process can read the hub's shared blocks."""
         try:
             pid, fd, token = _PROBE_BODY.unpack(record[len(_PROBE):])
-            mapped = _map_block(pid, fd, len(token))
+            mapped = map_peer_block(pid, fd, len(token))
             return bytes(mapped[: len(token)]) == token
         except (OSError, ValueError, struct.error):
             return False
@@ -236,25 +242,16 @@ class RaySpoke(SpokeTransport):
         entries = [_SHM_ENTRY.unpack_from(head, offset + i * _SHM_ENTRY.size) for i in range(count)]
         offset += count * _SHM_ENTRY.size
         alive = {_LIVE.unpack_from(head, offset + i * _LIVE.size)[0] for i in range(live)}
-        for key in [k for k in self._maps if k[0] != pid or k[1] not in alive]:
-            del self._maps[key]  # the hub dropped it (unmapped once no frame views it)
+        self._maps.keep_only(pid, alive)  # the others the hub dropped
         inline = iter(frames[1:])
-        out: list[Buffer] = []
+        out: list[Any] = []  # buffers: bytes inline, numpy views of blocks
         views: dict[int, list[Any]] = {}
         for block_id, fd, size, start, length in entries:
             if block_id < 0:
                 frame = next(inline)
                 out.append(frame if isinstance(frame, bytes) else memoryview(frame))
                 continue
-            mapped = self._maps.get((pid, block_id))
-            if mapped is None:
-                mapped = _map_block(pid, fd, size)
-                while len(self._maps) >= _MAX_MAPS:
-                    del self._maps[next(iter(self._maps))]
-                self._maps[(pid, block_id)] = mapped
-            if start + length > mapped.nbytes:
-                raise ValueError(f"a frame names bytes past the end of block {block_id}")
-            view = mapped[start : start + length]
+            view = self._maps.view(pid, block_id, fd, size, start, length)
             views.setdefault(block_id, []).append(view)
             out.append(view)
         for block_id, held in views.items():
@@ -333,23 +330,6 @@ class RaySpoke(SpokeTransport):
         self._inbox.put(None)  # ends a blocked recv_frames
         with self._cond:
             self._cond.notify_all()
-
-
-def _map_block(pid: int, fd: int, size: int) -> Any:
-    """Map the driver's block ``fd`` read-only, through ``/proc``; checks its size."""
-    import numpy as np
-
-    if pid <= 0 or fd < 0 or size <= 0:
-        raise ValueError(f"no block at pid {pid}, fd {fd}, size {size}")
-    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        actual = os.fstat(handle).st_size
-        if actual < size:
-            raise ValueError(f"block {fd} of pid {pid} is {actual} bytes, not {size}")
-        mapped = mmap.mmap(handle, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(handle)
-    return np.frombuffer(mapped, dtype=np.uint8)
 
 
 def deliver(channel: str, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
