@@ -186,8 +186,6 @@ spoke.close()
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="needs root and unshare(1) for a pid namespace")
 @pytest.mark.parametrize("mode", MODES)
 def test_a_peer_that_cannot_open_the_blocks_gets_every_byte_inline(
     mode: str, tmp_path: Any
@@ -195,6 +193,9 @@ def test_a_peer_that_cannot_open_the_blocks_gets_every_byte_inline(
     """A worker in another pid namespace (a container on this host) cannot open the
     learner's /proc entries: it declines the offer and gets the same bytes inline,
     while a worker that can reads them in place."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.fail("this test needs root and unshare(1) (util-linux) to start a worker in a "
+                    "pid namespace of its own: run the suite as root, as the netns tests need")
     hub, (local,) = _fleet(mode, tmp_path, 1)
     try:
         _join(hub, [local])
