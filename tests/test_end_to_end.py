@@ -49,6 +49,11 @@ def test_four_workers_exact_after_every_send(fleet, endpoint, mode, strategy) ->
             assert shared_sends >= 1 and all(n >= 1 for n in shared_frames), shared_frames
         else:
             assert shared_sends == 0 and shared_frames == [0] * 4
+        # Reading in place is not aliasing: the learner changing its weights without
+        # sending changes no worker (each copied the block into its own tensors).
+        bump(model)
+        for i in range(4):
+            assert fleet.ask(i, "state")["checksum"] == expected, f"worker {i} aliases"
     finally:
         scheme.shutdown()
 
