@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from zmqsync import SyncTimeout, WeightReceiver, WeightSender, WeightsRejected, checksum
-from zmqsync.protocol import Weights, encode
+from zmqsync.protocol import Hello, SnapshotRequest, Weights, encode
 from zmqsync.tensors import Flattener, extract
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
@@ -137,6 +137,44 @@ def test_duplicates_and_stale_versions_are_ignored_and_counted(rig: Rig) -> None
     assert ignored() >= 2 and receiver.stats["duplicates"] >= 1
     assert receiver.version == 2
     assert checksum(model) == before
+
+
+def test_a_late_repeat_of_a_workers_hello_neither_rewinds_it_nor_earns_a_resend() -> None:
+    """A worker repeats its Hello until welcomed; over Ray those repeats can arrive after
+    it acked newer versions. One from the same connect attempt must not be taken for a
+    restart (which would resend the latest version to a worker that holds it)."""
+    rig = Rig(1)
+    try:
+        for _ in range(2):
+            rig.bump()
+            rig.sender.send()
+        receiver, _ = rig.workers[0]
+        # What the worker sent while connecting, delivered only now.
+        stale = [
+            Hello("policy", 0, 0, 0, receiver._pid, receiver._host, receiver._session),
+            SnapshotRequest("policy", 0, 0, 0),
+        ]
+        with receiver._io_lock:
+            for message in stale:
+                receiver.transport.send_frames(encode(message))
+        rig.bump()
+        rig.sender.send()  # its ack travels behind the stale messages: they were handled
+        assert receiver.version == 3
+        assert receiver.stats["duplicates"] == 0, "the sender resent a version it held"
+        (worker,) = rig.sender.status()["workers"]
+        assert worker["version"] == 3
+
+        # A new connect attempt (a restarted worker, same process) still starts over.
+        fresh = Hello("policy", 0, 0, 0, receiver._pid, receiver._host, "another-attempt")
+        with receiver._io_lock:
+            receiver.transport.send_frames(encode(fresh))
+            receiver.transport.send_frames(encode(SnapshotRequest("policy", 0, 0, 0)))
+        deadline = time.monotonic() + 5
+        while receiver.stats["duplicates"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.stats["duplicates"] == 1, "a restarted worker did not get the latest"
+    finally:
+        rig.close()
 
 
 def test_a_rejected_version_is_reported_with_its_reason() -> None:

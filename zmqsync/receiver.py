@@ -111,6 +111,7 @@ class WeightReceiver:
         self._welcomed = False
         self._probe_nonce = ""
         self._probe_ok = False
+        self._session = ""
         self._retired: deque[int] = deque(maxlen=RETIRED_EPOCHS)
         self._pid = os.getpid()
         self._host = socket.gethostname()
@@ -141,6 +142,7 @@ class WeightReceiver:
     def _connect(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         endpoint = getattr(self._spoke, "endpoint", "")
+        self._session = secrets.token_hex(8)  # its repeated Hellos are one attempt
         self._wait(deadline, lambda: self._welcomed, self._send_hello,
                    f"no sender answered at {endpoint} within {timeout:g}s: is the learner running "
                    "and the endpoint right?")
@@ -175,7 +177,8 @@ class WeightReceiver:
 
     def _send_hello(self) -> None:
         worker = AUTO_WORKER if self.worker_idx is None else self.worker_idx
-        self._send(Hello(self.model_id, self.version, self.epoch, worker, self._pid, self._host))
+        self._send(Hello(self.model_id, self.version, self.epoch, worker, self._pid, self._host,
+                         self._session))
 
     def _send_probe(self) -> None:
         self._send(ProbeRequest(self.model_id, self.worker_idx, self._probe_nonce))
@@ -296,6 +299,7 @@ class WeightReceiver:
             if message.epoch != self._sender_epoch and self._welcomed:
                 # A restarted sender: say hello again (its data address may be new).
                 self._sender_epoch = message.epoch
+                self._session = secrets.token_hex(8)
                 self._send_hello()
             # Nothing is coming (or the sender keeps no snapshot): caught up. If the latest
             # is already on its way, wait for it instead.

@@ -90,6 +90,7 @@ class WorkerInfo:
     entitled: int = 0  # the newest version a targeted send meant for this worker
     refused: tuple[int, int] = (0, 0)  # (epoch, version) it last rejected
     joining_to: int = 0  # said hello when this was the latest: it gets (at least) that
+    session: str = ""  # the connect attempt its last Hello belonged to
 
 
 @dataclass
@@ -586,11 +587,17 @@ class WeightSender:
 
     def _on_hello(self, hello: Hello, runner: _HubRunner, peer: PeerId | None) -> None:
         info = self._seen(hello.worker)
-        info.pid, info.host = hello.pid, hello.host
-        info.last_repair = 0.0  # a (re)connecting worker may have its snapshot at once
-        info.joining_to = self.version
-        if hello.epoch == self.epoch:
-            info.version = hello.version
+        if not hello.session or hello.session != info.session:
+            # A worker (re)connecting. A repeat of a Hello already handled (the worker
+            # asks again until welcomed; over Ray several may arrive at once, late) only
+            # gets its Welcome again: it must not rewind what the worker acked since, nor
+            # earn it a repair of a version already on its way.
+            info.session = hello.session
+            info.pid, info.host = hello.pid, hello.host
+            info.last_repair = 0.0  # a (re)connecting worker may have its snapshot at once
+            info.joining_to = self.version
+            if hello.epoch == self.epoch:
+                info.version = hello.version
         announced = runner.hub.announce()
         self._reply(
             runner.hub,

@@ -150,7 +150,12 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """A worker introduces itself; ``version``/``epoch`` are what it already holds."""
+    """A worker introduces itself; ``version``/``epoch`` are what it already holds.
+
+    ``session`` names one attempt to connect: a worker repeats its Hello until welcomed,
+    and a repeat that arrives late (after the worker went on to newer versions) must not
+    be taken for a worker starting over.
+    """
 
     model_id: str
     version: int
@@ -158,6 +163,7 @@ class Hello:
     worker: int
     pid: int = 0
     host: str = ""
+    session: str = ""
 
     kind = Kind.HELLO
 
