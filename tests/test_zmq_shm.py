@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
+from zmqsync.protocol import Ack, encode
 from zmqsync.transport import _zmq_shm, resolve
 from zmqsync.transport._zmq import SPOKE_PREFIX, ZMQHub, ZMQSpoke
 
@@ -260,19 +261,33 @@ def test_forged_and_malformed_records_are_counted_and_change_nothing(
         ]
         for record in forged:
             push.send(record)
+        # A forged release in front of a message: the record is refused, the message
+        # behind it still reaches the hub's user (a release rides in front of an ack).
+        push.send_multipart([forged[1], b"behind"])
         dealer.send(b"ZSHJ" + b"\x00" * 16)  # a join with the wrong token
         dealer.send(b"ZSHO" + b"\x00" * 40)  # an offer, which only a hub makes
         bad = 0
+        reached: list[Any] = []
         deadline = time.monotonic() + DEADLINE
-        while bad < 5:
-            assert time.monotonic() < deadline, f"{bad} of 5 bad records counted"
-            assert hub.recv_frames(0.05) is None, "a record reached the hub's user"
+        while bad < 6:
+            assert time.monotonic() < deadline, f"{bad} of 6 bad records counted"
+            incoming = hub.recv_frames(0.05)
+            if incoming is not None:
+                reached.append([bytes(f) for f in incoming.frames])
             bad = hub.counters().get("shm_bad_records", 0)
+        assert reached == [[b"behind"]], "a record reached the hub's user"
         assert set(block.readers) == {spokes[0].peer_id}, "a forged release freed a block"
         assert hub.counters()["shm_peers"] == 1
-        # Both sides keep working: the worker's real release frees the block.
+        # Both sides keep working: the worker's real release, in front of its ack, frees
+        # the block, and the ack arrives as it was sent.
         del got, frames  # the worker lets go of its frame
-        _release(hub, spokes, 1)
+        releases = hub.counters().get("shm_releases", 0)
+        ack = encode(Ack("policy", 1, 1, 0, True))
+        spokes[0].send_frames(ack)
+        acks = _pump(hub, spokes, lambda: hub.counters().get("shm_releases", 0) > releases,
+                     "the release in front of the ack")
+        acks += _pump(hub, spokes, lambda: bool(acks), "the ack")
+        assert acks == [[bytes(f) for f in ack]]
         assert not block.readers
     finally:
         push.close(linger=0)

@@ -519,7 +519,10 @@ class ZMQHub(HubTransport):
                         frames = _buffers(self._pull.recv_multipart(zmq.NOBLOCK, copy=False))
                         if self._lender is None or not is_record(frames):
                             return Incoming(frames)
-                        self._lender.on_release(frames)
+                        # A release, alone or in front of an ack.
+                        self._lender.on_release(frames[:1])
+                        if len(frames) > 1:
+                            return Incoming(frames[1:])
                 woken = self._socks.wake_rx in events
                 if woken or remaining == 0 or (deadline is None and not events):
                     return None
@@ -654,7 +657,13 @@ class ZMQSpoke(SpokeTransport):
         # DESIGN: acks travel PUSH -> PULL; everything else is a request to the ROUTER.
         sock = self._push if self._push is not None and peek_kind(frames[0]) is Kind.ACK else None
         with translated(f"sending to {self._endpoint}"):
-            self._report()
+            if sock is None:
+                self._report()
+            else:
+                # A release rides in front of the ack, in the same message: one send.
+                record = self._shm.pending_report()
+                if record is not None:
+                    frames = [*record, *frames]
             try:
                 (sock or self._dealer).send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
             except zmq.Again:

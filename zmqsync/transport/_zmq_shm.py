@@ -21,8 +21,9 @@ Nothing here trusts that a peer can read the blocks, or that it keeps up:
    registration has not landed, or was dropped, never maps a block that the hub might
    rewrite under it. It skips the message (counted) and the sender's repair path (or an
    inline copy the hub sent beside it) brings the version.
-5. **Releases** go back over the ack channel before the ack they precede: the highest
-   shared sequence seen, and the blocks still viewed. The hub rewrites a block only once
+5. **Releases** go back over the ack channel, as the first frame of the ack they
+   precede (or alone when no ack is due): the highest shared sequence seen, and the
+   blocks still viewed. The hub rewrites a block only once
    every peer it counted has seen a later message and views it no more.
 
 A peer that keeps a block longer than :data:`LEASE` seconds (dead, stopped, stuck) is
