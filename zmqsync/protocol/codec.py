@@ -14,6 +14,7 @@ whatever it is given; the fuzz tests hold it to that.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -132,11 +133,7 @@ def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffe
             digest(body),
         )
         return [head, body, *message.buffers]
-    fields = {
-        f.name: getattr(message, f.name)
-        for f in dataclasses.fields(message)  # type: ignore[arg-type]
-        if f.name not in _HEADER_FIELDS
-    }
+    fields = {name: getattr(message, name) for name, _, _ in _body_fields(type(message))}  # type: ignore[arg-type]
     body = json.dumps(fields, separators=(",", ":")).encode()
     head = _header(message.kind, message.model_id, message.version, message.epoch, 0, _NO_DIGEST)
     return [head, body]
@@ -233,21 +230,32 @@ def _decode(frames: Sequence[Buffer]) -> Message:
     return _from_fields(_JSON_KINDS[kind], doc, model_id=model_id, version=version, epoch=epoch)
 
 
+@functools.cache
+def _body_fields(cls: type) -> tuple[tuple[str, str, bool], ...]:
+    """A message class's JSON body fields: (name, type name, required), once per class."""
+    return tuple(
+        (
+            f.name,
+            str(f.type),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+        if f.name not in _HEADER_FIELDS
+    )
+
+
 def _from_fields(cls: type, doc: dict[str, Any], **header: Any) -> Message:
     kwargs: dict[str, Any] = dict(header)
-    for f in dataclasses.fields(cls):
-        if f.name in _HEADER_FIELDS:
+    for name, expected, required in _body_fields(cls):
+        if name not in doc:
+            if required:
+                raise FrameError(f"{cls.__name__} lacks field {name!r}")
             continue
-        if f.name not in doc:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise FrameError(f"{cls.__name__} lacks field {f.name!r}")
-            continue
-        kwargs[f.name] = _check_field(cls, f.name, f.type, doc[f.name])
-    return cls(**kwargs)  # type: ignore[no-any-return]
+        kwargs[name] = _check_field(cls, name, expected, doc[name])
+    return cls(**kwargs)
 
 
-def _check_field(cls: type, name: str, annotation: Any, value: Any) -> Any:
-    expected = str(annotation)
+def _check_field(cls: type, name: str, expected: str, value: Any) -> Any:
     if expected == "int":
         ok = type(value) is int and 0 <= value <= _U64_MAX
     elif expected == "float":

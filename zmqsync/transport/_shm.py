@@ -28,7 +28,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, overload
 
 import numpy as np
 
@@ -156,13 +156,23 @@ class ShmPool:
                     return block, start - block.address
         return None
 
-    def share(self, frames: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    @overload
+    def share(self, frames: Sequence[Any]) -> tuple[list[Any], list[Any]]: ...
+    @overload
+    def share(
+        self, frames: Sequence[Any], *, copy: bool
+    ) -> tuple[list[Any], list[Any]] | None: ...
+
+    def share(
+        self, frames: Sequence[Any], *, copy: bool = True
+    ) -> tuple[list[Any], list[Any]] | None:
         """``frames`` with the large ones as :class:`Ref`: a read-only frame that already
         lies in a block (a snapshot carved from :meth:`lend`) as it is, the others copied
         into one lent block (or left as they are when every block is busy).
 
         Returns the frames and what keeps their blocks lent: hold on to it until each
-        peer's hold is counted (:meth:`hold`).
+        peer's hold is counted (:meth:`hold`). ``copy=False``: copy nothing; None if a
+        large frame does not already lie in a block.
         """
         out: list[Any] = list(frames)
         keep: list[Any] = []
@@ -177,6 +187,8 @@ class ShmPool:
                     out[i] = Ref(found[0], found[1], n)
                     keep.append(frame)
                     continue
+            if not copy:
+                return None
             to_copy.append((i, n))
         if to_copy:
             total = sum(-(-n // ALIGN) * ALIGN for _, n in to_copy)

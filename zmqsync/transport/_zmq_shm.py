@@ -56,12 +56,10 @@ import numpy as np
 from zmqsync.protocol import Buffer
 from zmqsync.transport._shm import (
     SHM_AVAILABLE,
-    SHM_MIN_FRAME,
     Block,
     PeerBlocks,
     Ref,
     ShmPool,
-    immutable,
     map_peer_block,
 )
 
@@ -254,16 +252,15 @@ class ShmLender:
         members = [self._members[p] for p in peers if p in self._members]
         if not members:
             return None
-        large = [f for f in frames if memoryview(f).nbytes >= SHM_MIN_FRAME]
-        if not large or not all(immutable(f) and self.pool.locate(f) is not None for f in large):
-            # Only memory lent by shared_buffer() goes as it is: copying the caller's
-            # frames into a block would be the serialised copy zero-copy sends avoid.
+        # Only memory lent by shared_buffer() goes as it is: copying the caller's frames
+        # into a block would be the serialised copy zero-copy sends avoid.
+        found = self.pool.share(frames, copy=False)
+        if found is None:
             return None
-        shared, keep = self.pool.share(frames)
+        shared, keep = found
         refs = [f for f in shared if isinstance(f, Ref)]
         if not refs:
-            self.counters["fallbacks"] += 1
-            return None
+            return None  # nothing large
         self.pool.take_retired()  # spokes learn it from the live list instead
         self._seq += 1
         now = time.monotonic()
