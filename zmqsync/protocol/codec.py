@@ -133,7 +133,8 @@ def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffe
             digest(body),
         )
         return [head, body, *message.buffers]
-    fields = {name: getattr(message, name) for name, _, _ in _body_fields(type(message))}  # type: ignore[arg-type]
+    names = _body_fields(type(message))  # type: ignore[arg-type]
+    fields = {name: getattr(message, name) for name, _, _ in names}
     body = json.dumps(fields, separators=(",", ":")).encode()
     head = _header(message.kind, message.model_id, message.version, message.epoch, 0, _NO_DIGEST)
     return [head, body]
