@@ -456,3 +456,70 @@ def test_send_to_no_worker_publishes_for_late_joiners() -> None:
         late.close()
     finally:
         sender.close()
+
+
+def test_the_pump_waits_holding_nothing_and_sends_do_not_wake_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Over ZeroMQ the sender's pump waits on the sockets' descriptors without the hub:
+    a send takes the hub at once and reads its own acks, so the pump sleeps through it.
+    Requests still get answered at once, even one whose signal the sending thread
+    consumed while it held the hub. The pump's tick is set to 30 s here, so only a real
+    wake-up answers anything within the test's timeouts."""
+    import zmqsync.sender as sender_module
+    from zmqsync.client import query_status
+
+    monkeypatch.setattr(sender_module, "PUMP_TICK", 30.0)
+    hub = PubSubHub("inproc://zmqsync-pump-waits")
+    model = _model(0)
+    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=2, timeout=5)
+    receivers = []
+    try:
+        for i in range(2):
+            r = WeightReceiver(PubSubSpoke(hub.endpoint, identity=str(i)), model=_model(i + 1),
+                               strategy="state_dict", worker_idx=i)
+            r.connect()
+            r.start()
+            receivers.append(r)
+        runner = sender._runners[0]
+        assert runner._waiting, "a ZeroMQ hub's pump should wait on descriptors"
+        # Idle: a request wakes the pump through the descriptors.
+        assert query_status(hub.endpoint, timeout=3)["version"] == 0
+
+        turns = runner.turns
+        for _ in range(20):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+            sender.send()
+        assert all(checksum(r.model) == checksum(model) for r, _ in zip(receivers, range(2)))
+        # 20 sends, 40 acks: the pump may have woken for a heartbeat, not for the sends.
+        assert runner.turns - turns <= 4, f"the pump woke {runner.turns - turns} times"
+
+        # A request that arrives while a sender holds the hub, and whose signal the
+        # holder's own use of the sockets consumed, is answered once the hub is let go.
+        # To make that race certain, the pump is made deaf to the sockets (it then wakes
+        # only when poked, or on its 30 s tick).
+        monkeypatch.setattr(hub, "wait_handles", lambda acks=True: [])
+        turns = runner.turns
+        runner._poke()  # one more turn, so the pump takes up the (empty) descriptors
+        deadline = time.monotonic() + 5
+        while runner.turns == turns:
+            assert time.monotonic() < deadline, "a poke did not wake the pump"
+            time.sleep(0.01)
+        answer: dict[str, object] = {}
+        asker = threading.Thread(
+            target=lambda: answer.update(query_status(hub.endpoint, timeout=5)), daemon=True
+        )
+        with runner.holding():
+            asker.start()
+            while not hub.has_input(acks=False):  # reads the socket state: consumes the signal
+                assert time.monotonic() < deadline + 5, "the status request never arrived"
+                time.sleep(0.01)
+        asker.join(6)
+        assert answer.get("version") == 20, "a request that came while the hub was held was lost"
+
+        start = time.monotonic()
+        sender.close()
+        assert time.monotonic() - start < 5, "closing waited out the pump's tick"
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()

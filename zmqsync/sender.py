@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -772,9 +773,20 @@ def _sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
 class _HubRunner:
     """One hub, its baton and the pump thread that serves it.
 
-    The hub's sockets are used by one thread at a time: the pump holds the baton almost
-    always; a sender thread that needs the hub asks for it (``holding()``), which wakes
-    the pump so it lets go at once.
+    The hub's sockets are used by one thread at a time, the baton's holder. Between
+    sends the pump serves the hub (hellos, snapshot requests, status, stray acks).
+
+    Where the hub has descriptors to wait on (ZeroMQ's), the pump waits on them holding
+    nothing, and takes the baton only to read what came: a sending thread takes the
+    baton at once, with no thread to wake first (a wake-up and a hand-off cost more
+    than a 1 MB send's own work on a busy 2-core machine). With one hub, the sending
+    thread reads its acks itself, so the pump does not even wake for them; it picks up
+    stray ones on its tick. Whoever lets go of the baton checks for input first and
+    wakes the pump if any is waiting (the descriptors say "look again", not "a message
+    is here", and the holder's own reads may have consumed that signal).
+
+    Other hubs (pipes, Ray, memory) are served by a pump blocked in ``recv_frames``
+    with the baton held; a sending thread then wakes it (``hub.wake()``) and it lets go.
     """
 
     def __init__(self, sender: WeightSender, hub: HubTransport, index: int) -> None:
@@ -786,12 +798,28 @@ class _HubRunner:
         self._wanted = 0
         self._free = threading.Condition()
         self._stopping = False
+        self._waiting = False  # the pump waits on the hub's descriptors, not in recv_frames
+        self._acks = True  # whether the pump wakes for acks (not when send() reads them)
+        self._poke_r = self._poke_w = -1
+        self.turns = 0  # how often the pump took the baton (tests: sends do not wake it)
         self._thread = threading.Thread(
             target=self._run, name=f"zmqsync-sender-{sender.model_id}-{hub.name}", daemon=True
         )
 
     def start(self) -> None:
+        # One hub: the sending thread reads the acks (see WeightSender._await_acks).
+        self._acks = len(self.sender._runners) > 1
+        if self.hub.wait_handles(acks=self._acks) is not None:
+            self._poke_r, self._poke_w = os.pipe()
+            os.set_blocking(self._poke_r, False)
+            os.set_blocking(self._poke_w, False)
+            self._waiting = True
         self._thread.start()
+
+    def _poke(self) -> None:
+        """Make the pump look at the hub now (thread-safe, never blocks)."""
+        with contextlib.suppress(OSError):  # a full pipe already says it; closed: stopping
+            os.write(self._poke_w, b"\0")
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -800,20 +828,34 @@ class _HubRunner:
             return
         with self._free:
             self._wanted += 1
-        self.hub.wake()
+        if not self._waiting:
+            self.hub.wake()  # the pump holds the baton while it waits: make it let go
         self._baton.acquire()
         self._owner = threading.get_ident()
         try:
             yield
         finally:
+            look = self._waiting and self._has_input()
             self._owner = None
             self._baton.release()
             with self._free:
                 self._wanted -= 1
-                self._free.notify_all()
+                if not self._wanted:
+                    self._free.notify_all()
+            if look:
+                self._poke()
+
+    def _has_input(self) -> bool:
+        try:
+            return self.hub.has_input(acks=self._acks)
+        except Exception:  # noqa: BLE001 - a closing hub: let the pump find out
+            return True
 
     def _run(self) -> None:
         try:
+            if self._waiting:
+                self._run_waiting()
+                return
             while not self._stopping:
                 with self._free:
                     while self._wanted and not self._stopping:
@@ -821,6 +863,7 @@ class _HubRunner:
                 with self._baton:
                     if self._stopping:
                         break
+                    self.turns += 1
                     incoming = self.hub.recv_frames(PUMP_TICK)
                     while incoming is not None:
                         self.sender._handle(incoming, self)
@@ -831,9 +874,53 @@ class _HubRunner:
             if not self._stopping:
                 self.sender._pump_failed(exc)
 
+    def _run_waiting(self) -> None:
+        """The pump of a hub with descriptors: wait holding nothing, then read it all."""
+        poller = select.poll()
+        poller.register(self._poke_r, select.POLLIN)
+        watched: list[int] = []
+        look = True  # read first: something may have come before the pump started
+        while not self._stopping:
+            with self._free:
+                while self._wanted and not self._stopping:
+                    self._free.wait(PUMP_TICK)
+            if not look:
+                poller.poll(PUMP_TICK * 1000)  # a tick reads everything, acks included
+                with contextlib.suppress(OSError):
+                    while os.read(self._poke_r, 4096):
+                        pass
+            with self._baton:
+                if self._stopping:
+                    break
+                self.turns += 1
+                look = False
+                incoming = self.hub.recv_frames(0)
+                while incoming is not None:
+                    self.sender._handle(incoming, self)
+                    if self._wanted:
+                        look = True  # let the sender have it; read the rest after
+                        break
+                    incoming = self.hub.recv_frames(0)
+                handles = self.hub.wait_handles(acks=self._acks) or []
+            if handles != watched:
+                for fd in watched:
+                    with contextlib.suppress(KeyError):
+                        poller.unregister(fd)
+                watched = handles
+                for fd in watched:
+                    poller.register(fd, select.POLLIN)
+
     def stop(self) -> None:
         self._stopping = True
         with self._free:
             self._free.notify_all()
-        self.hub.wake()
+        if self._waiting:
+            self._poke()
+        else:
+            self.hub.wake()
         self._thread.join(timeout=5)
+        if self._waiting:
+            for fd in (self._poke_r, self._poke_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._poke_r = self._poke_w = -1

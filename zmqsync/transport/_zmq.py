@@ -547,6 +547,20 @@ class ZMQHub(HubTransport):
     def wake(self) -> None:
         self._socks.wake()
 
+    def _waited(self, acks: bool) -> list[zmq.Socket[Any]]:
+        return [s for s, _ in self._socks.poller.sockets if acks or s is not self._pull]
+
+    def wait_handles(self, *, acks: bool = True) -> list[int] | None:
+        # Each socket's ZMQ_FD: readable when its mailbox has news (see base).
+        return [] if self._closed else [s.getsockopt(zmq.FD) for s in self._waited(acks)]
+
+    def has_input(self, *, acks: bool = True) -> bool:
+        if self._closed:
+            return False
+        with contextlib.suppress(zmq.ZMQError):
+            return any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in self._waited(acks))
+        return True  # cannot tell: have the waiter look
+
     def close(self) -> None:
         if self._closed:
             return

@@ -88,6 +88,26 @@ class HubTransport(_Closable):
     def wake(self) -> None:
         """Thread-safe: make a blocked :meth:`recv_frames` return ``None`` now."""
 
+    def wait_handles(self, *, acks: bool = True) -> list[int] | None:
+        """File descriptors to wait on WITHOUT holding the hub, or None.
+
+        A hub's sockets are used by one thread at a time. With these, the thread that
+        serves the hub between sends waits in ``poll()`` on them while holding nothing,
+        so a sending thread takes the hub at once instead of waking that thread first.
+        Readable means "look again" (ZeroMQ's descriptors are edge-like): the waiter
+        then takes the hub and calls ``recv_frames(0)`` until it returns None, and
+        whoever lets go of the hub checks :meth:`has_input` first and wakes the waiter
+        if it says True. ``acks=False`` leaves out the ack channel (the sending thread
+        reads acks itself). Call while holding the hub; hubs without such descriptors
+        return None and are served by a thread blocked in ``recv_frames``.
+        """
+        return None
+
+    def has_input(self, *, acks: bool = True) -> bool:
+        """Whether a message is waiting (call while holding the hub; see
+        :meth:`wait_handles`). ``acks=False``: leave out the ack channel."""
+        return True
+
     def purge(self) -> None:
         """Drop every queued outgoing message.
 
