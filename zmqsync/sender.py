@@ -848,7 +848,7 @@ class _HubRunner:
     def _has_input(self) -> bool:
         try:
             return self.hub.has_input(acks=self._acks)
-        except Exception:  # noqa: BLE001 - a closing hub: let the pump find out
+        except Exception:  # a closing hub: let the pump find out
             return True
 
     def _run(self) -> None:
