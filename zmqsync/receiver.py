@@ -250,7 +250,8 @@ class WeightReceiver:
                     self.stats["stale"] += 1
             elif message is not None:
                 self._on_control(message)
-            frames = self._spoke.recv_frames(0)
+            # Anything more (a newer version, say)? Asking first spares a read.
+            frames = self._spoke.recv_frames(0) if self._spoke.has_input() else None
         if newest is not None:
             ack = self._on_weights(newest)
             if self._spoke.lends_memory:

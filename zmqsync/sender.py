@@ -372,12 +372,16 @@ class WeightSender:
             # One hub: read the acks on this thread rather than be woken by the pump,
             # which saves two thread switches per send.
             runner = self._runners[0]
+            idle = False  # whether the last wait brought nothing
             while not pending.done and not self._closed:
                 remaining = pending.deadline - time.monotonic()
-                if remaining <= 0 or self._missing_are_lost(pending):
+                # Asking the transport who is lost costs; an ack that just came says
+                # enough for now. (Its hub knows the lost at once; we look a tick later.)
+                if remaining <= 0 or (idle and self._missing_are_lost(pending)):
                     return
                 with runner.holding():
                     incoming = runner.hub.recv_frames(min(remaining, PUMP_TICK))
+                    idle = incoming is None
                     while incoming is not None:
                         self._handle(incoming, runner)
                         if pending.done:

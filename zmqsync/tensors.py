@@ -349,6 +349,8 @@ class Flattener:
         # the model's tensors keep their storage).
         self._source: Mapping[KeyPath, torch.Tensor] | None = None
         self._big: list[torch.Tensor] = []
+        self._big_views: list[memoryview] = []
+        self._big_nbytes = 0
         self._pack: list[np.ndarray] = []
         self._staged: _Staged | None = None  # set while the tensors live on a GPU
 
@@ -358,14 +360,17 @@ class Flattener:
         if self._staged is not None:
             return self._flatten_staged(self._staged)
         keepalive = list(self._big)
+        buffers: list[Buffer] = list(self._big_views)
+        nbytes = self._big_nbytes
         if self._pack:
             # A fresh buffer every version: an earlier one may still be in flight. One
             # memcpy per small tensor from views kept between versions (numpy's: torch's
             # cat would reshape each tensor again and may wake its thread pool).
-            keepalive.append(torch.from_numpy(np.concatenate(self._pack)))
+            packed = np.concatenate(self._pack)
+            keepalive.append(torch.from_numpy(packed))
+            buffers.append(memoryview(packed))
+            nbytes += packed.nbytes
         assert self._schema is not None
-        buffers: list[Buffer] = [memoryview(v.numpy()) for v in keepalive]
-        nbytes = sum(v.numel() for v in keepalive)
         return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive)
 
     def _prepare(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
@@ -388,6 +393,10 @@ class Flattener:
             else:
                 big.append((path, t))
         self._big = [_byte_view(t) for _, t in big]
+        # The large tensors' bytes, as the frames that carry them: the same views every
+        # version while the tensors keep their storage.
+        self._big_views = [memoryview(v.numpy()) for v in self._big]
+        self._big_nbytes = sum(v.numel() for v in self._big)
         self._pack = []
         offset = 0
         for group in small.values():
@@ -674,7 +683,13 @@ class ApplyPlan:
         return schema is self.schema and target is self.target
 
     def apply(self, message: Weights) -> None:
-        views = _source_views(message)
+        # torch views of the frames, for the paths that copy with torch (making them
+        # costs more than a small version's serial copies)
+        views = (
+            _source_views(message)
+            if not self.serial or self._device_plans or self._slow
+            else []
+        )
         with torch.no_grad():
             if self.serial:
                 for index, plan in self._buffers.items():

@@ -64,6 +64,10 @@ HEADER: Final = struct.Struct("!4sBBHQQIH16s")
 _U64_MAX: Final = (1 << 64) - 1
 _NO_DIGEST: Final = bytes(16)
 _SCHEMA_CACHE_SIZE: Final = 32
+_KINDS: Final[dict[int, Kind]] = {k.value: k for k in Kind}
+#: Control-message bodies: compact JSON (one encoder, not one per message).
+_JSON: Final = json.JSONEncoder(separators=(",", ":"))
+_JSON_DECODER: Final = json.JSONDecoder()
 
 _JSON_KINDS: Final[dict[Kind, type]] = {
     Kind.ACK: Ack,
@@ -84,6 +88,13 @@ _HEADER_FIELDS: Final = frozenset({"model_id", "version", "epoch"})
 def digest(body: Buffer) -> bytes:
     """The 16-byte schema digest carried in a weights header."""
     return hashlib.blake2b(body, digest_size=16).digest()
+
+
+@functools.lru_cache(maxsize=8)
+def _schema_digest(body: bytes) -> bytes:
+    # A sender passes the same schema bytes object every version: its hash is cached by
+    # Python, so this lookup is cheap where hashing 2,000 entries' JSON again is not.
+    return digest(body)
 
 
 # --- encode -------------------------------------------------------------------------
@@ -130,12 +141,12 @@ def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffe
             message.version,
             message.epoch,
             len(message.buffers),
-            digest(body),
+            _schema_digest(body) if schema_bytes is not None else digest(body),
         )
         return [head, body, *message.buffers]
     names = _body_fields(type(message))  # type: ignore[arg-type]
     fields = {name: getattr(message, name) for name, _, _ in names}
-    body = json.dumps(fields, separators=(",", ":")).encode()
+    body = _JSON.encode(fields).encode()
     head = _header(message.kind, message.model_id, message.version, message.epoch, 0, _NO_DIGEST)
     return [head, body]
 
@@ -161,19 +172,20 @@ class _SchemaCache:
     over, and parsing 2,000 entries of JSON per version would dominate small-tensor syncs."""
 
     def __init__(self) -> None:
-        self._items: OrderedDict[bytes, WeightsSchema] = OrderedDict()
+        # schema bytes -> (the schema, their digest): a hit needs no hashing again
+        self._items: OrderedDict[bytes, tuple[WeightsSchema, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: bytes) -> WeightsSchema | None:
+    def get(self, key: bytes) -> tuple[WeightsSchema, bytes] | None:
         with self._lock:
-            schema = self._items.get(key)
-            if schema is not None:
+            item = self._items.get(key)
+            if item is not None:
                 self._items.move_to_end(key)
-            return schema
+            return item
 
-    def put(self, key: bytes, schema: WeightsSchema) -> None:
+    def put(self, key: bytes, schema: WeightsSchema, key_digest: bytes) -> None:
         with self._lock:
-            self._items[key] = schema
+            self._items[key] = (schema, key_digest)
             while len(self._items) > _SCHEMA_CACHE_SIZE:
                 self._items.popitem(last=False)
 
@@ -211,10 +223,9 @@ def _decode(frames: Sequence[Buffer]) -> Message:
             f"protocol version {proto} is not supported (this build speaks {PROTOCOL_VERSION}); "
             "upgrade the older side"
         )
-    try:
-        kind = Kind(kind_byte)
-    except ValueError:
-        raise FrameError(f"unknown message kind {kind_byte}") from None
+    kind = _KINDS.get(kind_byte)
+    if kind is None:
+        raise FrameError(f"unknown message kind {kind_byte}")
     if mid_len > MAX_MODEL_ID_BYTES or len(head) != HEADER.size + mid_len:
         raise FrameError(f"header length {len(head)} does not match model_id length {mid_len}")
     model_id = bytes(head[HEADER.size :]).decode("utf-8")
@@ -225,7 +236,7 @@ def _decode(frames: Sequence[Buffer]) -> Message:
         raise FrameError(f"a {kind.name} message has exactly 2 frames; got {len(frames)}")
     if len(body) > MAX_BODY_BYTES:
         raise FrameError(f"{kind.name} body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
-    doc = json.loads(bytes(body))
+    doc = _JSON_DECODER.decode(bytes(body).decode("utf-8"))
     if not isinstance(doc, dict):
         raise FrameError(f"{kind.name} body must be a JSON object")
     return _from_fields(_JSON_KINDS[kind], doc, model_id=model_id, version=version, epoch=epoch)
@@ -287,14 +298,16 @@ def _decode_weights(
     if len(body) > MAX_SCHEMA_BYTES:
         raise FrameError(f"schema is {len(body)} bytes; the limit is {MAX_SCHEMA_BYTES}")
     body_bytes = bytes(body)
-    schema = _schema_cache.get(body_bytes)
-    if schema is None:
+    cached = _schema_cache.get(body_bytes)
+    if cached is None:
         if digest(body_bytes) != schema_digest:
             raise FrameError("schema digest does not match the schema: corrupted message")
         schema = _parse_schema(body_bytes, nbufs)
-        _schema_cache.put(body_bytes, schema)
-    elif schema_digest != digest(body_bytes):
-        raise FrameError("schema digest does not match the schema: corrupted message")
+        _schema_cache.put(body_bytes, schema, schema_digest)
+    else:
+        schema, known = cached
+        if schema_digest != known:
+            raise FrameError("schema digest does not match the schema: corrupted message")
     buffers = tuple(frames[2:])
     sizes = [len(b) for b in buffers]
     for e in schema.entries:

@@ -708,6 +708,14 @@ class ZMQSpoke(SpokeTransport):
     def wake(self) -> None:
         self._socks.wake()
 
+    def has_input(self) -> bool:
+        if self._closed:
+            return False
+        with contextlib.suppress(zmq.ZMQError):
+            return any(s is not None and s.getsockopt(zmq.EVENTS) & zmq.POLLIN
+                       for s in (self._dealer, self._sub))
+        return True
+
     def close(self) -> None:
         if self._closed:
             return

@@ -172,6 +172,15 @@ class SpokeTransport(_Closable):
     def send_frames(self, frames: Sequence[Buffer]) -> None:
         """Send one message to the hub."""
 
+    def has_input(self) -> bool:
+        """Whether a message may be waiting: False only when surely none is.
+
+        A receiver that got a version asks this before reading again for a newer one
+        (only the newest is applied); a cheap no spares a read. Adapters that cannot
+        tell cheaply keep this default.
+        """
+        return True
+
     @abc.abstractmethod
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         """The next message from the hub, or ``None`` after ``timeout`` seconds."""
