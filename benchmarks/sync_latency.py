@@ -9,10 +9,13 @@ for three variants run side by side in the same worker processes:
   (``retain_snapshot=True``: keeps a copy of the latest version for late joiners);
 - ``zmqsync-noretain``: the same with ``retain_snapshot=False``.
 
-Within a cell the variants run in the order A B C, then C B A, half the repeats each,
-so drift on a shared machine hits them alike. The learner's extra memory is
-measured over each variant's first block, from just before its first send (bytes held
-from malloc, and anonymous RSS: see :class:`benchmarks._harness.PeakMemoryMeter`).
+Within a cell the variants take turns send by send, A B C A B C ... for half the
+repeats, then C B A ..., so a slow spell of a shared machine hits them alike (blocks of
+sends per variant let one such spell decide a cell's ratio). The learner's extra memory
+is measured apart, over a few sends of each variant on its own, from just before its
+first send (bytes held from malloc, and anonymous RSS: see
+:class:`benchmarks._harness.PeakMemoryMeter`); its sampling thread never runs while
+sends are timed.
 
 Run ``python -m benchmarks.sync_latency --help``; see ``benchmarks/README.md``.
 """
@@ -58,6 +61,8 @@ MEMORY_TARGET: Final = 0.10
 DEFAULT_REPEATS: Final[dict[str, int]] = {"1MB": 30, "16MB": 16, "128MB": 6, "2000x4KB": 30}
 #: Untimed sends at the start of each block (sockets, caches, lazily built schemas).
 DEFAULT_WARMUP: Final = 1
+#: Sends per variant (after warmup) while its memory is measured, apart from the timing.
+MEMORY_SENDS: Final = 3
 QUICK_SIZES: Final = ("1MB", "2000x4KB")
 QUICK_WORKERS: Final = (1, 2)
 QUICK_REPEATS: Final = 2
@@ -275,7 +280,8 @@ def run_cell(
     workdir: str,
     tag: str,
 ) -> Cell:
-    """Open the three variants for ``cell``, time them (A B C, C B A), check the workers."""
+    """Open the three variants for ``cell``, measure each one's memory alone, time them
+    taking turns send by send (A B C ..., C B A ...), check the workers."""
     variants: list[Variant] = [
         BaselineVariant(cell.mode, cell.transport, workdir, tag, timeout),
         ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=True),
@@ -288,26 +294,30 @@ def run_cell(
             v.open(pool, cell.workers, cell.size, model, timeout)
             opened.append(v)
             cell.results[v.name] = VariantResult()
+        # Memory: each variant alone, from just before its first send.
+        for v in variants:
+            result = cell.results[v.name]
+            with PeakMemoryMeter() as meter:
+                for _ in range(warmup + MEMORY_SENDS):
+                    _mutate(model, step)
+                    step += 1
+                    v.send()
+            result.extra_bytes, result.retained_bytes = meter.extra, meter.retained
+            if shm := v.shared_bytes():
+                result.extra_bytes = {**result.extra_bytes, "shm": shm}
+        # Time: the variants take turns send by send (A B C A B C ..., then C B A ...), so
+        # a slow spell of this shared machine hits them alike instead of one block.
         halves = (math.ceil(repeats / 2), repeats // 2)
         for round_no, order in enumerate((variants, variants[::-1])):
-            for v in order:
-                if halves[round_no] == 0:
-                    continue
-                result = cell.results[v.name]
-                meter = PeakMemoryMeter() if round_no == 0 else None
-                with meter if meter is not None else contextlib.nullcontext():
-                    for i in range(warmup + halves[round_no]):
-                        _mutate(model, step)
-                        step += 1
-                        start = time.perf_counter()
-                        v.send()
-                        elapsed = time.perf_counter() - start
-                        if i >= warmup:
-                            result.times.append(elapsed)
-                if meter is not None:
-                    result.extra_bytes, result.retained_bytes = meter.extra, meter.retained
-                    if shm := v.shared_bytes():
-                        result.extra_bytes = {**result.extra_bytes, "shm": shm}
+            for i in range(warmup + halves[round_no]):
+                for v in order:
+                    _mutate(model, step)
+                    step += 1
+                    start = time.perf_counter()
+                    v.send()
+                    elapsed = time.perf_counter() - start
+                    if i >= warmup:
+                        cell.results[v.name].times.append(elapsed)
         # Every variant sends the model as it is now, then every worker's copy must match.
         for v in variants:
             v.send()
