@@ -76,7 +76,7 @@ class VariantResult:
     """One variant's figures in one cell."""
 
     times: list[float] = field(default_factory=list)
-    #: Peak extra memory in the learner over the variant's first block, by measure
+    #: Peak extra memory in the learner over the variant's memory sends, by measure
     #: (see :class:`PeakMemoryMeter`), and what that block left allocated.
     extra_bytes: dict[str, int] = field(default_factory=dict)
     retained_bytes: dict[str, int] = field(default_factory=dict)
@@ -390,9 +390,9 @@ def markdown(
     lines += [
         "",
         f"Ratio = zmqsync median / baseline median; **bold** = above the {RATIO_TARGET}x target.",
-        "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
-        "block of sends (from just before its first send), plus the shared-memory blocks it "
-        "maps, % of the model; anonymous RSS is in the JSON.",
+        "Extra mem = peak extra bytes the learner holds from malloc over a few sends of the "
+        "variant on its own (from just before its first send), plus the shared-memory blocks "
+        "it maps, % of the model; anonymous RSS is in the JSON.",
         "",
         f"- within {RATIO_TARGET}x of the baseline: zmqsync {within('zmqsync')}/{n} cells, "
         f"retain_snapshot=False {within('zmqsync-noretain')}/{n} cells",
