@@ -254,7 +254,7 @@ class WeightReceiver:
             frames = self._spoke.recv_frames(0) if self._spoke.has_input() else None
         if newest is not None:
             ack = self._on_weights(newest)
-            if self._spoke.lends_memory:
+            if self._spoke.lent(newest.buffers):
                 # Let go of the frames before acking: a transport that lends its memory
                 # (shared blocks) may reuse it by the time the sender sees the ack.
                 frames = message = newest = None

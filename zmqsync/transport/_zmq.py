@@ -708,6 +708,12 @@ class ZMQSpoke(SpokeTransport):
     def wake(self) -> None:
         self._socks.wake()
 
+    def lent(self, buffers: Sequence[Buffer]) -> bool:
+        # Block views are numpy arrays; frames off the socket are memoryviews. A version
+        # that came through the socket is freed after the ack (off the critical path),
+        # even while this spoke reads other versions from the hub's blocks.
+        return any(isinstance(b, np.ndarray) for b in buffers)
+
     def has_input(self) -> bool:
         if self._closed:
             return False

@@ -172,6 +172,11 @@ class SpokeTransport(_Closable):
     def send_frames(self, frames: Sequence[Buffer]) -> None:
         """Send one message to the hub."""
 
+    def lent(self, buffers: Sequence[Buffer]) -> bool:
+        """Whether these received buffers may be memory the hub lends (see
+        :attr:`lends_memory`): the receiver then lets go of them before it acks."""
+        return self.lends_memory
+
     def has_input(self) -> bool:
         """Whether a message may be waiting: False only when surely none is.
 
