@@ -317,18 +317,30 @@ def test_status_reports_the_fleet(rig: Rig) -> None:
     assert totals["versions_sent"] == 1 and totals["latency_p50_s"] is not None
 
 
-def test_inproc_zmq_fleet_in_one_process() -> None:
-    hub = PubSubHub("inproc://zmqsync-one-process")
+def _inproc_fleet(name: str, strategy: str, receivers: list[WeightReceiver]
+                  ) -> tuple[PubSubHub, WeightSender, nn.Module]:
+    """A ZeroMQ sender over inproc and 2 background receivers (appended to
+    ``receivers`` as they start, so the caller closes whatever started)."""
+    hub = PubSubHub(f"inproc://{name}")
     model = _model(0)
-    sender = WeightSender(hub, model=model, strategy="tensordict", num_workers=2, timeout=5)
-    receivers = []
+    sender = WeightSender(hub, model=model, strategy=strategy, num_workers=2, timeout=5)
     try:
         for i in range(2):
             r = WeightReceiver(PubSubSpoke(hub.endpoint, identity=str(i)), model=_model(i + 1),
-                               strategy="tensordict", worker_idx=i)
+                               strategy=strategy, worker_idx=i)
+            receivers.append(r)
             r.connect()
             r.start()
-            receivers.append(r)
+    except BaseException:
+        sender.close()
+        raise
+    return hub, sender, model
+
+
+def test_inproc_zmq_fleet_in_one_process() -> None:
+    receivers: list[WeightReceiver] = []
+    _, sender, model = _inproc_fleet("zmqsync-one-process", "tensordict", receivers)
+    try:
         sender.send()
         assert all(checksum(r.model) == checksum(model) for r in receivers)
     finally:
@@ -468,17 +480,9 @@ def test_the_pump_waits_holding_nothing_and_sends_do_not_wake_it(monkeypatch) ->
     from zmqsync.client import query_status
 
     monkeypatch.setattr(sender_module, "PUMP_TICK", 30.0)
-    hub = PubSubHub("inproc://zmqsync-pump-waits")
-    model = _model(0)
-    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=2, timeout=5)
-    receivers = []
+    receivers: list[WeightReceiver] = []
+    hub, sender, model = _inproc_fleet("zmqsync-pump-waits", "state_dict", receivers)
     try:
-        for i in range(2):
-            r = WeightReceiver(PubSubSpoke(hub.endpoint, identity=str(i)), model=_model(i + 1),
-                               strategy="state_dict", worker_idx=i)
-            r.connect()
-            r.start()
-            receivers.append(r)
         runner = sender._runners[0]
         assert runner._waiting, "a ZeroMQ hub's pump should wait on descriptors"
         # Idle: a request wakes the pump through the descriptors.
