@@ -527,3 +527,47 @@ def test_the_pump_waits_holding_nothing_and_sends_do_not_wake_it(monkeypatch) ->
         for r in receivers:
             r.close()
         sender.close()
+
+
+def test_a_worker_keeps_the_last_versions_buffers_until_the_next_arrives(
+    tmp_path, monkeypatch  # type: ignore[no-untyped-def]
+) -> None:
+    """Freed at once, a version's receive buffers go back to the kernel and the next
+    version faults its pages in again; so a worker holds them until the next version is
+    in, then lets them go (within HOLD_MAX_* bounds; never a transport's lent memory)."""
+    import gc
+    import weakref
+
+    import zmqsync.receiver as receiver_module
+
+    model = {"big": torch.randn(128, 1024), "small": torch.randn(8)}  # 512 KiB + 32 B
+    hub = PubSubHub(f"ipc://{tmp_path}/hold")
+    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=1, timeout=5,
+                          retain_snapshot=False)
+    worker = {k: torch.zeros_like(v) for k, v in model.items()}
+    receiver = WeightReceiver(PubSubSpoke(hub.endpoint, identity="0"), model=worker,
+                              strategy="state_dict", worker_idx=0)
+    try:
+        receiver.connect()
+        receiver.start()
+        sender.send()
+        held = receiver._held
+        assert held and sum(len(b) for b in held) >= model["big"].numel() * 4
+        assert any(bytes(b) == model["big"].numpy().tobytes() for b in held)
+        first = [weakref.ref(b.obj) for b in held]
+        del held
+        model["big"].add_(1)
+        sender.send()
+        gc.collect()
+        assert all(r() is None for r in first), "version 1's buffers outlived version 2"
+        assert any(bytes(b) == model["big"].numpy().tobytes() for b in receiver._held)
+        # Over the bounds nothing is held.
+        monkeypatch.setattr(receiver_module, "HOLD_MAX_BYTES", 1024)
+        model["big"].add_(1)
+        sender.send()
+        assert all(len(b) <= 1024 for b in receiver._held)
+        assert torch.equal(worker["big"], model["big"])
+    finally:
+        receiver.close()
+        sender.close()
+    assert receiver._held == []
