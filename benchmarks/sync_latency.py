@@ -2,7 +2,9 @@
 
 Measures, for each cell (model size x K workers x transport x mode), the wall time from
 the start of ``send`` to the last worker's ack, every worker's tensors updated in place,
-for three variants run side by side in the same worker processes:
+for three variants run side by side, each with K worker processes of its own (sharing a
+process, they would share its malloc state, and one's frees would decide the other's
+page faults):
 
 - ``baseline``: hand-written pyzmq, zero-copy (see :mod:`benchmarks._baseline`);
 - ``zmqsync``: ``ZMQWeightSyncScheme("state_dict", mode=...)`` with its defaults
@@ -63,6 +65,9 @@ DEFAULT_REPEATS: Final[dict[str, int]] = {"1MB": 30, "16MB": 16, "128MB": 6, "20
 DEFAULT_WARMUP: Final = 1
 #: Sends per variant (after warmup) while its memory is measured, apart from the timing.
 MEMORY_SENDS: Final = 3
+#: Variants per cell (baseline, zmqsync, zmqsync without the snapshot), each with K
+#: worker processes of its own.
+VARIANTS: Final = 3
 QUICK_SIZES: Final = ("1MB", "2000x4KB")
 QUICK_WORKERS: Final = (1, 2)
 QUICK_REPEATS: Final = 2
@@ -96,11 +101,13 @@ class Variant:
     def open(
         self,
         pool: WorkerPool,
-        workers: int,
+        procs: Sequence[int],
         size: str,
         model: dict[str, torch.Tensor],
         timeout: float,
     ) -> None:
+        """Set up the learner's end and one worker session in each of the pool's
+        processes ``procs`` (worker ids 0..K-1, in that order)."""
         raise NotImplementedError
 
     def send(self) -> None:
@@ -131,21 +138,21 @@ class BaselineVariant(Variant):
     def open(
         self,
         pool: WorkerPool,
-        workers: int,
+        procs: Sequence[int],
         size: str,
         model: dict[str, torch.Tensor],
         timeout: float,
     ) -> None:
-        self.model, self.workers = model, workers
+        self.model, self.workers = model, len(procs)
         self.learner = BaselineLearner(self.mode, self.transport, self.workdir, self.tag)
         ep = (self.learner.data_endpoint, self.learner.ack_endpoint)
         pool.call(
-            range(workers),
+            procs,
             "open_baseline",
-            {i: (self.name, self.mode, *ep, size, i) for i in range(workers)},
+            {p: (self.name, self.mode, *ep, size, i) for i, p in enumerate(procs)},
             timeout,
         )
-        self.learner.handshake(workers, timeout)
+        self.learner.handshake(self.workers, timeout)
 
     def send(self) -> None:
         assert self.learner is not None
@@ -182,7 +189,7 @@ class ZmqsyncVariant(Variant):
     def open(
         self,
         pool: WorkerPool,
-        workers: int,
+        procs: Sequence[int],
         size: str,
         model: dict[str, torch.Tensor],
         timeout: float,
@@ -194,12 +201,12 @@ class ZmqsyncVariant(Variant):
             timeout=self.timeout,
             retain_snapshot=self.retain_snapshot,
         )
-        self.scheme.init_on_sender("policy", model=model, num_workers=workers)
+        self.scheme.init_on_sender("policy", model=model, num_workers=len(procs))
         # The scheme pickles into the workers with its bound endpoint (not its sockets).
         pool.call(
-            range(workers),
+            procs,
             "open_zmqsync",
-            {i: (self.name, self.scheme, size, i, timeout) for i in range(workers)},
+            {p: (self.name, self.scheme, size, i, timeout) for i, p in enumerate(procs)},
             timeout + 10,
         )
 
@@ -287,11 +294,18 @@ def run_cell(
         ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=True),
         ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=False),
     ]
+    assert len(variants) == VARIANTS
+    # Each variant's workers are processes of their own: variants sharing a process
+    # share its malloc state (glibc's mmap and trim thresholds are process-wide), and
+    # one variant's frees then decide whether the other's next receive faults its
+    # pages in (measured: 1,600 faults, +2.5 ms per 16 MB version, for either side).
+    stride = pool.size // len(variants)
+    procs = {v.name: range(j * stride, j * stride + cell.workers) for j, v in enumerate(variants)}
     opened: list[Variant] = []
     step = 0
     try:
         for v in variants:
-            v.open(pool, cell.workers, cell.size, model, timeout)
+            v.open(pool, procs[v.name], cell.size, model, timeout)
             opened.append(v)
             cell.results[v.name] = VariantResult()
         # Memory: each variant alone, from just before its first send.
@@ -323,7 +337,7 @@ def run_cell(
             v.send()
         expected = digest(model)
         for v in variants:
-            replies = pool.call(range(cell.workers), "digest", (v.name,), timeout)
+            replies = pool.call(procs[v.name], "digest", (v.name,), timeout)
             wrong = [i for i, r in enumerate(replies) if r["digest"] != expected]
             if wrong:
                 raise WrongWeights(
@@ -332,7 +346,7 @@ def run_cell(
                 )
     finally:
         try:
-            pool.call(range(cell.workers), "close", (), timeout)
+            pool.call([p for v in variants for p in procs[v.name]], "close", (), timeout)
         except Exception as exc:  # the cell's own error, if any, is the one to raise
             print(f"warning: closing the workers' sessions failed: {exc}", file=sys.stderr)
         for v in opened:
@@ -550,7 +564,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{machine['torch']}, pyzmq {machine['pyzmq']}",
         file=sys.stderr,
     )
-    with _workdir() as workdir, WorkerPool(max(args.workers), args.torch_threads) as pool:
+    with _workdir() as workdir, WorkerPool(
+        VARIANTS * max(args.workers), args.torch_threads
+    ) as pool:
         pool.start()
         for size in args.sizes:
             layout: Layout = SIZES[size]
