@@ -571,3 +571,26 @@ def test_a_worker_keeps_the_last_versions_buffers_until_the_next_arrives(
         receiver.close()
         sender.close()
     assert receiver._held == []
+
+
+def test_a_worker_holds_nothing_of_versions_read_from_shared_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Over ipc with the snapshot, versions are read from the hub's shared blocks, which
+    the hub reuses once released: a worker must not keep them past its ack."""
+    model = {"big": torch.randn(128, 1024)}
+    hub = PubSubHub(f"ipc://{tmp_path}/lent")
+    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=1, timeout=5)
+    worker = {"big": torch.zeros(128, 1024)}
+    receiver = WeightReceiver(PubSubSpoke(hub.endpoint, identity="0"), model=worker,
+                              strategy="state_dict", worker_idx=0)
+    try:
+        receiver.connect()
+        receiver.start()
+        for _ in range(3):
+            model["big"].add_(1)
+            sender.send()
+            assert torch.equal(worker["big"], model["big"])
+            assert receiver._held == []
+        assert hub.counters().get("shm_bytes", 0) > 0, "the version did not go through shared memory"
+    finally:
+        receiver.close()
+        sender.close()
