@@ -82,6 +82,13 @@ class Fleet:
         reply = conn.recv()  # type: ignore[attr-defined]
         assert reply == "ready", f"worker {worker_idx}: {reply}"
 
+    def stop(self, worker_idx: int, timeout: float = 30.0) -> None:
+        """Stop a worker the polite way: it shuts its scheme down and exits."""
+        self.conns[worker_idx].send("stop")  # type: ignore[attr-defined]
+        proc = self.procs[worker_idx]
+        proc.join(timeout)
+        assert proc.exitcode == 0, f"worker {worker_idx} did not exit cleanly: {proc.exitcode}"
+
     def kill(self, worker_idx: int) -> None:
         proc = self.procs[worker_idx]
         if proc.pid is not None and proc.is_alive():

@@ -12,6 +12,7 @@ from _workers import bump, make_model
 
 import zmqsync
 from zmqsync import SyncTimeout, ZMQWeightSyncScheme
+from zmqsync.protocol import Goodbye, encode
 
 pytestmark = pytest.mark.slow
 
@@ -215,5 +216,133 @@ def test_garbage_at_every_socket_is_counted_and_harmless(fleet, mode) -> None:  
         assert all(r >= 1 for r in rejected), f"workers did not count the junk: {rejected}"
         workers = {w["worker"]: w for w in sender.status()["workers"]}
         assert all(workers[i]["rejected_frames"] >= 1 for i in range(2))
+    finally:
+        scheme.shutdown()
+
+
+def _worker_status(scheme, worker: int) -> dict:  # type: ignore[no-untyped-def]
+    return next(w for w in scheme.get_sender().status()["workers"] if w["worker"] == worker)
+
+
+def _until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_leaves_is_no_longer_waited_for(fleet, ipc_endpoint) -> None:  # type: ignore[no-untyped-def]
+    """A fleet that is whoever connected: a worker that shuts down says goodbye, the
+    next send does not wait for it, the shared blocks stop counting it, and it is
+    welcome back."""
+    model = make_model("wide", seed=0)  # large enough to travel through shared memory
+    scheme = ZMQWeightSyncScheme("state_dict", mode="pubsub", endpoint=ipc_endpoint, timeout=10)
+    scheme.init_on_sender("policy", model=model)  # num_workers=None
+    sender = scheme.get_sender()
+    try:
+        _start_fleet(fleet, scheme, range(3), kind="wide")
+        bump(model)
+        scheme.send()
+        assert sender.transport.counters()["shm_peers"] == 3
+
+        fleet.stop(2)
+        _until(lambda: _worker_status(scheme, 2)["left"], 10, "the sender heard the goodbye")
+        assert sender.status()["totals"]["goodbyes"] == 1
+        assert sender.transport.counters()["shm_peers"] == 2
+        bump(model)
+        start = time.monotonic()
+        scheme.send()  # would wait out the 10 s timeout for worker 2 without the goodbye
+        took = time.monotonic() - start
+        assert took < 2.0, f"send took {took:.2f}s"
+        latest = zmqsync.checksum(model)
+        assert [fleet.ask(i, "checksum") for i in (0, 1)] == [latest] * 2
+        state = _worker_status(scheme, 2)
+        assert (state["left"], state["live"]) == (True, False)
+        assert state["version"] == 1  # what it held when it left
+
+        # It comes back (a new process, the same id): caught up on connect, and counted.
+        fleet.start(scheme, 2, kind="wide")
+        fleet.wait_ready(2)
+        assert fleet.ask(2, "checksum") == latest
+        assert _worker_status(scheme, 2)["left"] is False
+        bump(model)
+        scheme.send()
+        assert fleet.ask(2, "checksum") == zmqsync.checksum(model)
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_a_fleet_of_known_size_names_a_worker_that_left_at_once(fleet, tcp_endpoint, mode) -> None:  # type: ignore[no-untyped-def]
+    """num_workers=2: a send to a worker that left fails at once, naming it, instead of
+    waiting out the timeout. A goodbye forged by another peer changes nothing."""
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=tcp_endpoint, timeout=10)
+    scheme.init_on_sender("policy", model=model, num_workers=2)
+    sender = scheme.get_sender()
+    try:
+        _start_fleet(fleet, scheme, range(2))
+        bump(model)
+        scheme.send()
+
+        # Someone else's goodbye for worker 0 is counted and ignored.
+        ctx = zmq.Context.instance()
+        forger = ctx.socket(zmq.DEALER)
+        forger.linger = 0
+        forger.connect(sender.endpoint)
+        try:
+            forger.send_multipart(encode(Goodbye("policy", 1, sender.epoch, worker=0)))
+            _until(lambda: sender.status()["totals"]["stray_goodbyes"] == 1, 10,
+                   "the forged goodbye was counted")
+        finally:
+            forger.close()
+        bump(model)
+        scheme.send()
+        assert _worker_status(scheme, 0)["left"] is False
+
+        fleet.stop(1)
+        _until(lambda: _worker_status(scheme, 1)["left"], 10, "the sender heard the goodbye")
+        bump(model)
+        start = time.monotonic()
+        with pytest.raises(SyncTimeout) as info:
+            scheme.send()
+        took = time.monotonic() - start
+        assert took < 2.0, f"the error took {took:.2f}s"
+        assert info.value.missing_workers == [1]
+        assert "worker 1" in str(info.value) and "said goodbye" in str(info.value)
+        scheme.send(worker_ids=[0])
+        assert fleet.ask(0, "checksum") == zmqsync.checksum(model)
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_silent_worker_drops_out_of_a_fleet_of_whoever_connected(fleet, tcp_endpoint) -> None:  # type: ignore[no-untyped-def]
+    """A SIGKILLed worker says nothing: the next send names it; once it has missed
+    three heartbeats, sends to "every live worker" no longer wait for it."""
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", mode="pubsub", endpoint=tcp_endpoint, timeout=10,
+                                 heartbeat=0.2)
+    scheme.init_on_sender("policy", model=model)
+    sender = scheme.get_sender()
+    try:
+        _start_fleet(fleet, scheme, range(3))
+        bump(model)
+        scheme.send()
+        fleet.kill(2)
+        sender.timeout = 0.3  # shorter than three heartbeats: still counted as live
+        with pytest.raises(SyncTimeout) as info:
+            scheme.send()
+        assert info.value.missing_workers == [2]
+        sender.timeout = 10.0
+        _until(lambda: not _worker_status(scheme, 2)["live"], 10, "worker 2 went silent")
+        assert _worker_status(scheme, 2)["left"] is False  # it never said goodbye
+        bump(model)
+        start = time.monotonic()
+        scheme.send()
+        assert time.monotonic() - start < 2.0
+        assert [fleet.ask(i, "checksum") for i in (0, 1)] == [zmqsync.checksum(model)] * 2
     finally:
         scheme.shutdown()

@@ -15,6 +15,7 @@ from zmqsync.protocol import (
     MAX_SCHEMA_BYTES,
     Ack,
     ErrorMessage,
+    Goodbye,
     Hello,
     Kind,
     Probe,
@@ -73,6 +74,7 @@ control_messages = st.one_of(
     st.builds(StatusReply, model_ids, u64, u64,
               status=st.dictionaries(text, st.one_of(st.integers(), text, st.none()), max_size=4)),
     st.builds(ErrorMessage, model_ids, code=text, message=text, version=u64, epoch=u64),
+    st.builds(Goodbye, model_ids, u64, u64, worker=u64, session=text),
 )
 
 

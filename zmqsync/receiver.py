@@ -29,6 +29,7 @@ from zmqsync.protocol import (
     AUTO_WORKER,
     Ack,
     ErrorMessage,
+    Goodbye,
     Hello,
     Message,
     Probe,
@@ -425,7 +426,27 @@ class WeightReceiver:
         self.stop()
         self._closed = True
         self._held = []
+        self._say_goodbye()
         self._spoke.close()
+
+    def _say_goodbye(self) -> None:
+        """Tell the sender this worker is leaving, so that it stops waiting for it.
+
+        Best effort and never blocking: a sender that misses it waits out its timeout
+        (a fleet of known size) or stops counting this worker once its heartbeats stop
+        (a fleet that is whoever connected)."""
+        if not self._welcomed or self.worker_idx is None:
+            return
+        # Not while the background thread (if it did not stop in time) uses the spoke.
+        if not self._io_lock.acquire(timeout=1.0):
+            return
+        try:
+            self._send(Goodbye(self.model_id, self.version, self.epoch, self.worker_idx,
+                               self._session))
+        except Exception:  # a closed or broken transport: the sender finds out anyway
+            log.debug("could not say goodbye to the sender", exc_info=True)
+        finally:
+            self._io_lock.release()
 
 
 def _to_hold(buffers: tuple[Any, ...]) -> list[Any]:

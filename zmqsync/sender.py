@@ -35,6 +35,7 @@ from zmqsync.protocol import (
     Ack,
     Buffer,
     ErrorMessage,
+    Goodbye,
     Hello,
     Message,
     Probe,
@@ -61,6 +62,9 @@ PUMP_TICK: Final = 0.05
 LATENCY_WINDOW: Final = 1000
 #: Rejection reasons kept per worker and for the sender itself.
 REASONS_KEPT: Final = 8
+#: A worker heard from within this many heartbeats is live: a fleet that is whoever
+#: connected (``num_workers=None``) waits for it, and nobody else may take its id.
+LIVE_HEARTBEATS: Final = 3
 
 
 def new_epoch() -> int:
@@ -92,6 +96,7 @@ class WorkerInfo:
     refused: tuple[int, int] = (0, 0)  # (epoch, version) it last rejected
     joining_to: int = 0  # said hello when this was the latest: it gets (at least) that
     session: str = ""  # the connect attempt its last Hello belonged to
+    left: float | None = None  # when it said goodbye (None: it has not, or came back)
 
 
 @dataclass
@@ -105,6 +110,9 @@ class _Pending:
     acked: set[int] = field(default_factory=set)
     rejected: dict[int, str] = field(default_factory=dict)
     snapshot: concurrent.futures.Future[None] | None = None
+    #: Targets chosen as "every live worker" (``num_workers=None``, no ``worker_ids``):
+    #: a target that says goodbye meanwhile is no longer waited for.
+    dynamic: bool = False
 
     @property
     def done(self) -> bool:
@@ -126,7 +134,8 @@ class WeightSender:
         model: what ``send(weights=None)`` extracts weights from.
         strategy: ``"state_dict"`` or ``"tensordict"``.
         num_workers: workers ``0..num_workers-1`` that ``send()`` targets by default;
-            ``None`` targets every worker that has connected.
+            ``None`` targets every live worker: connected, heard from within the last
+            ``LIVE_HEARTBEATS`` heartbeats, and not gone (closed its receiver).
         timeout: seconds ``send()`` waits for acks before raising :class:`SyncTimeout`.
         retain_snapshot: keep a copy of the latest version for late joiners and repairs
             (costs one model's worth of memory; without it a late joiner waits for the
@@ -181,7 +190,8 @@ class WeightSender:
         self._workers: dict[int, WorkerInfo] = {}
         self._started = time.monotonic()
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._totals = {"versions_sent": 0, "bytes_sent": 0, "timeouts": 0, "rejected_frames": 0}
+        self._totals = {"versions_sent": 0, "bytes_sent": 0, "timeouts": 0, "rejected_frames": 0,
+                        "goodbyes": 0, "stray_goodbyes": 0}
         self._reasons: deque[str] = deque(maxlen=REASONS_KEPT)
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
@@ -263,8 +273,9 @@ class WeightSender:
         if worker_ids is None:
             if self.num_workers is not None:
                 return frozenset(range(self.num_workers))
+            now = time.monotonic()
             with self._cond:
-                return frozenset(self._workers)
+                return frozenset(w for w, info in self._workers.items() if self._live(info, now))
         ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
         for w in ids:
             if isinstance(w, bool) or not isinstance(w, int) or w < 0:
@@ -297,7 +308,8 @@ class WeightSender:
             message = Weights(self.model_id, version, self.epoch, flat.schema, tuple(flat.buffers))
             frames = encode(message, schema_bytes=flat.schema_bytes)
         now = time.monotonic()
-        pending = _Pending(version, targets, now, now + self.timeout, frames, flat)
+        pending = _Pending(version, targets, now, now + self.timeout, frames, flat,
+                           dynamic=worker_ids is None and self.num_workers is None)
         with self._cond:
             self.version = version
             self._pending = pending
@@ -396,12 +408,14 @@ class WeightSender:
                 self._cond.wait(min(remaining, PUMP_TICK))
 
     def _lost(self, workers: Iterable[int]) -> set[int]:
-        """Those of ``workers`` whose transport knows they are gone for good."""
+        """Those of ``workers`` known to be gone: they said goodbye, or their transport
+        knows they are gone for good."""
         with self._cond:
+            left = {w for w in workers if w in self._workers and self._workers[w].left is not None}
             where = {w: (self._workers[w].hub, self._workers[w].peer)
                      for w in workers if w in self._workers and self._workers[w].peer is not None}
         lost = {i: self._runners[i].hub.lost_peers() for i in {h for h, _ in where.values()}}
-        return {w for w, (h, peer) in where.items() if peer in lost[h]}
+        return left | {w for w, (h, peer) in where.items() if peer in lost[h]}
 
     def _missing_are_lost(self, pending: _Pending) -> bool:
         """True when every worker still missing is known to be gone: waiting on is futile."""
@@ -459,8 +473,11 @@ class WeightSender:
                     )
         gone = self._lost(missing)
         if gone:
+            with self._cond:
+                left = {w for w in gone if self._workers[w].left is not None}
             parts = [
-                part + (" (its transport says it is gone)" if w in gone else "")
+                part + (" (it said goodbye: its receiver closed)" if w in left
+                        else " (its transport says it is gone)" if w in gone else "")
                 for w, part in zip(sorted(missing), parts, strict=True)
             ]
         waited = "" if gone == missing else f" within {self.timeout:g}s"
@@ -511,6 +528,9 @@ class WeightSender:
             self._reject(reason)
             self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "wrong-model", reason))
             return
+        if isinstance(message, Goodbye):
+            self._on_goodbye(message, runner, incoming.peer)
+            return
         if isinstance(message, Hello) and message.worker == AUTO_WORKER:
             message = dataclasses.replace(message, worker=self._assign(incoming.peer))
         worker = getattr(message, "worker", None)
@@ -541,8 +561,7 @@ class WeightSender:
         or an actor's index): what a worker that asks for an id gets."""
         now = time.monotonic()
         with self._cond:
-            taken = {w for w, info in self._workers.items()
-                     if now - info.last_seen < 3 * max(self.heartbeat, 0.1)}
+            taken = {w for w, info in self._workers.items() if self._live(info, now)}
         for runner in self._runners:
             taken |= runner.hub.reserved_workers()
         return next(i for i in itertools.count() if i not in taken)
@@ -569,13 +588,41 @@ class WeightSender:
             if info is None:
                 info = self._workers[worker] = WorkerInfo(worker, runner.hub.name, hub=runner.index)
             elif info.hub != runner.index:
-                if now - info.last_seen < 3 * max(self.heartbeat, 0.1):
+                if self._live(info, now):
                     return False
                 info.hub, info.transport, info.peer = runner.index, runner.hub.name, None
             info.last_seen = now
             if peer is not None:
                 info.peer = peer
             return True
+
+    def _live(self, info: WorkerInfo, now: float) -> bool:
+        """Whether a worker counts as present: not gone, and heard from lately."""
+        quiet = now - info.last_seen
+        return info.left is None and quiet < LIVE_HEARTBEATS * max(self.heartbeat, 0.1)
+
+    def _on_goodbye(self, bye: Goodbye, runner: _HubRunner, peer: PeerId | None) -> None:
+        """A worker left: stop waiting for it. One that is not who it says it is (another
+        hub's, another connection's or another connect attempt's) changes nothing."""
+        with self._cond:
+            info = self._workers.get(bye.worker)
+            if (
+                info is None
+                or info.hub != runner.index
+                or (peer is not None and info.peer is not None and peer != info.peer)
+                or (bye.session and info.session and bye.session != info.session)
+            ):
+                self._totals["stray_goodbyes"] += 1
+                return
+            info.left = time.monotonic()
+            self._totals["goodbyes"] += 1
+            pending = self._pending
+            if pending is not None and pending.dynamic and bye.worker in pending.targets:
+                # "every live worker" no longer includes it
+                pending.targets = pending.targets - {bye.worker}
+            self._cond.notify_all()
+        if peer is not None:
+            runner.hub.peer_left(peer)
 
     def _holder(self, worker: int) -> str:
         """The transport that holds ``worker``'s id (for error messages)."""
@@ -598,6 +645,7 @@ class WeightSender:
             # gets its Welcome again: it must not rewind what the worker acked since, nor
             # earn it a repair of a version already on its way.
             info.session = hello.session
+            info.left = None
             info.pid, info.host = hello.pid, hello.host
             info.last_repair = 0.0  # a (re)connecting worker may have its snapshot at once
             info.joining_to = self.version
@@ -701,13 +749,18 @@ class WeightSender:
             for w in sorted(expected | self._workers.keys()):
                 info = self._workers.get(w)
                 if info is None:
-                    workers.append({"worker": w, "connected": False, "version": 0, "lag": self.version})
+                    workers.append({"worker": w, "connected": False, "live": False, "left": False,
+                                    "expected": True, "version": 0, "lag": self.version})
                     continue
                 version = info.version if info.epoch in (self.epoch, 0) else 0
                 workers.append(
                     {
                         "worker": w,
                         "connected": True,
+                        "live": self._live(info, now),
+                        "left": info.left is not None,
+                        "since_left_s": None if info.left is None else now - info.left,
+                        "expected": w in expected,
                         "transport": info.transport,
                         "host": info.host,
                         "pid": info.pid,
@@ -728,6 +781,7 @@ class WeightSender:
             "mode": self.mode,
             "endpoint": self.endpoint,
             "strategy": self.strategy,
+            "num_workers": self.num_workers,
             "uptime_s": now - self._started,
             "host": socket.gethostname(),
             "pid": os.getpid(),

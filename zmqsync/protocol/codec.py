@@ -41,6 +41,7 @@ from zmqsync.protocol.messages import (
     Ack,
     Buffer,
     ErrorMessage,
+    Goodbye,
     Hello,
     Kind,
     Message,
@@ -80,6 +81,7 @@ _JSON_KINDS: Final[dict[Kind, type]] = {
     Kind.STATUS_REQUEST: StatusRequest,
     Kind.STATUS_REPLY: StatusReply,
     Kind.ERROR: ErrorMessage,
+    Kind.GOODBYE: Goodbye,
 }
 #: Header fields, which travel in the struct rather than in the JSON body.
 _HEADER_FIELDS: Final = frozenset({"model_id", "version", "epoch"})

@@ -82,6 +82,7 @@ class Kind(enum.IntEnum):
     STATUS_REQUEST = 9
     STATUS_REPLY = 10
     ERROR = 11
+    GOODBYE = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +276,24 @@ class ErrorMessage:
     kind = Kind.ERROR
 
 
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """A worker leaves (its receiver closed): it will not ack again until it says hello.
+
+    ``version``/``epoch``: what it held when it left. A sender stops waiting for it at
+    once: a fleet of known size fails a send that targets it, naming it; a fleet that is
+    whoever connected (``num_workers=None``) simply no longer counts it.
+    """
+
+    model_id: str
+    version: int
+    epoch: int
+    worker: int
+    session: str = ""
+
+    kind = Kind.GOODBYE
+
+
 Message: TypeAlias = (
     Weights
     | Ack
@@ -287,4 +306,5 @@ Message: TypeAlias = (
     | StatusRequest
     | StatusReply
     | ErrorMessage
+    | Goodbye
 )

@@ -58,6 +58,9 @@ CONTROL_MAX_MESSAGE: Final = 1024 * 1024
 ZERO_COPY_MIN: Final = 64 * 1024
 #: How long bind() retries an address a just-closed socket may still hold.
 REBIND_SECONDS: Final = 2.0
+#: How long ZeroMQ's I/O thread may still try to deliver a closing spoke's last request
+#: (its goodbye). The caller never waits for it; only a context's term() would.
+CLOSE_LINGER_MS: Final = 100
 _HANDSHAKE_FAILED: Final = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -527,6 +530,11 @@ class ZMQHub(HubTransport):
                 if woken or remaining == 0 or (deadline is None and not events):
                     return None
 
+    def peer_left(self, peer: PeerId) -> None:
+        self._peers.discard(peer)
+        if self._lender is not None:
+            self._lender.drop(peer, "left")  # its blocks are free once nobody else reads them
+
     def _from_router(self, peer: PeerId, frames: list[Buffer]) -> Incoming | None:
         """A message from the ROUTER, or None when it was the shared-memory handshake."""
         if not peer.startswith(SPOKE_PREFIX):
@@ -726,5 +734,7 @@ class ZMQSpoke(SpokeTransport):
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(zmq.ZMQError):
+            self._dealer.close(linger=CLOSE_LINGER_MS)  # a goodbye just sent still goes
         self._socks.close()
         self._shm.close()

@@ -137,6 +137,11 @@ class HubTransport(_Closable):
         """Extra addresses a spoke needs (the sender puts them in its Welcome)."""
         return {}
 
+    def peer_left(self, peer: PeerId) -> None:
+        """``peer`` said goodbye: forget what is kept for it (shared-memory holds). It
+        may come back (a hello) as a new peer. Adapters that keep nothing per peer
+        ignore it."""
+
     def lost_peers(self) -> frozenset[PeerId]:
         """Peers this hub knows are gone for good (a broken pipe, a dead actor).
 
