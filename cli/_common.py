@@ -184,10 +184,12 @@ def fmt_ago(s: float | None) -> str:
 
 
 def worker_state(worker: Mapping[str, Any], version: int, silent_after: float | None) -> Text:
-    """The state cell: ok, behind by N, not connected, or silent."""
+    """The state cell: ok, behind by N, not connected, silent, or left."""
     if not worker.get("connected"):
         return Text("not connected", style="red")
     problem = worker_problem(worker, version, silent_after)
+    if worker.get("left"):
+        return Text("left", style="red" if problem else "dim")
     if problem is None:
         return Text("ok", style="green")
     lag = int(worker.get("lag", 0))

@@ -66,10 +66,10 @@ def _one_error_line(result: Any) -> str:
 class Fleet:
     """A sender over tcp and N receivers in this process (each with its own model)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, fixed: bool = True) -> None:
         self.model = demo_model(0.01)
         self.scheme = ZMQWeightSyncScheme("state_dict", endpoint="tcp://127.0.0.1:*", timeout=10)
-        self.scheme.init_on_sender("policy", model=self.model, num_workers=n)
+        self.scheme.init_on_sender("policy", model=self.model, num_workers=n if fixed else None)
         self.workers: list[ZMQWeightSyncScheme] = []
         for i in range(n):
             worker = pickle.loads(pickle.dumps(self.scheme))
@@ -199,6 +199,33 @@ def test_status_reports_a_silent_worker(runner: CliRunner, fleet: Fleet) -> None
     assert result.exit_code == 1, result.output
     problems = json.loads(result.stdout)["problems"]
     assert list(problems) == ["1"] and "silent" in problems["1"]
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_status_shows_a_worker_that_left(runner: CliRunner, fixed: bool) -> None:
+    """A worker that closed its receiver is "left": a problem where the fleet has a fixed
+    size that counts it, not where the fleet is whoever connected."""
+    fleet = Fleet(2, fixed=fixed)
+    try:
+        fleet.scheme.send()
+        fleet.workers[1].shutdown()  # says goodbye
+        deadline = time.monotonic() + 10
+        while not fleet.scheme.status()["workers"][1]["left"]:
+            assert time.monotonic() < deadline, "the goodbye never arrived"
+            time.sleep(0.02)
+        result = runner.invoke(app, ["status", fleet.endpoint])
+        rows = {int(m.group(1)): line for line in result.stdout.splitlines()
+                if (m := ROW.match(line))}
+        assert "left" in rows[1] and "ok" in rows[0], result.stdout
+        result = runner.invoke(app, ["status", fleet.endpoint, "--json"])
+        problems = json.loads(result.stdout)["problems"]
+        if fixed:
+            assert result.exit_code == 1
+            assert list(problems) == ["1"] and "left" in problems["1"]
+        else:
+            assert result.exit_code == 0 and problems == {}
+    finally:
+        fleet.close()
 
 
 @pytest.mark.parametrize(

@@ -194,6 +194,13 @@ def worker_problem(
     w = worker["worker"]
     if not worker.get("connected"):
         return f"worker {w} has not connected"
+    if worker.get("left"):
+        # Gone on purpose: a problem only where the fleet has a fixed size that counts it.
+        if not worker.get("expected"):
+            return None
+        ago = worker.get("since_left_s")
+        when = "" if ago is None else f" {ago:.0f}s ago"
+        return f"worker {w} left{when} (its receiver closed; sends to it fail until it is back)"
     held = int(worker.get("version", 0))
     if held < version:
         problem = f"worker {w} holds version {held} of {version} ({version - held} behind)"
