@@ -242,6 +242,44 @@ def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
     assert cache.get(module)[("weight",)].shape == (2, 8)
 
 
+def test_a_snapshot_keeps_the_buffers_flattening_made_and_copies_the_rest() -> None:
+    """The packed small tensors and a large tensor made contiguous are this version's own
+    already: the snapshot keeps them (no second copy). A large tensor the caller owns
+    is copied, and the snapshot never changes with the model."""
+    model = {
+        "big": torch.randn(64, 64),                # 16 KiB: a frame viewing the model
+        "strided": torch.randn(64, 64).t(),        # made contiguous: a copy
+        "small": torch.randn(3),                   # packed
+        "flag": torch.ones(2, dtype=torch.bool),   # packed, another dtype
+    }
+    flat = Flattener("state_dict", pack_threshold=1024).flatten(extract(model, "state_dict"))
+    # buffers: big, strided's copy, then the pack
+    assert flat.private == frozenset({1, 2})
+    snap = flat.owned_copy()
+    ptr = [t.data_ptr() for t in snap.keepalive]
+    assert ptr[0] != model["big"].data_ptr()
+    assert ptr[1:] == [t.data_ptr() for t in flat.keepalive[1:]]  # kept, not copied
+    assert all(isinstance(b, memoryview) and b.readonly for b in snap.buffers)
+    expected = {k: v.clone() for k, v in model.items()}
+    for t in model.values():
+        t.logical_not_() if t.dtype == torch.bool else t.add_(1)
+    out = materialize(_decoded(snap))
+    assert all(torch.equal(out[(k,)], v) for k, v in expected.items())
+    # Reusing an earlier snapshot's memory (the sender's spare): caller-owned frames are
+    # copied into it, the fresh pack is kept.
+    again = Flattener("state_dict", pack_threshold=1024).flatten(extract(model, "state_dict"))
+    snap2 = again.owned_copy(into=snap)
+    assert snap2.keepalive[0].data_ptr() == ptr[0]
+    assert snap2.keepalive[2].data_ptr() == again.keepalive[2].data_ptr()
+    out = materialize(_decoded(snap2))
+    assert all(torch.equal(out[(k,)], v) for k, v in model.items())
+    # Memory a hub lends must hold every byte: nothing is kept then.
+    lent = torch.empty(1 << 20, dtype=torch.uint8).numpy()
+    snap3 = again.owned_copy(alloc=lambda n: lent[:n])
+    base = lent.ctypes.data
+    assert all(base <= t.data_ptr() < base + lent.nbytes for t in snap3.keepalive)
+
+
 def _decoded(flat):  # type: ignore[no-untyped-def]
     frames = encode(Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes)
     return decode([bytes(f) for f in frames])

@@ -246,6 +246,10 @@ class Flat:
     #: The buffers are already a private, read-only copy (weights staged from a GPU):
     #: :meth:`owned_copy` then returns this very Flat instead of copying again.
     owned: bool = False
+    #: Indices of buffers made for this Flat alone (the packed small tensors, a
+    #: non-contiguous tensor made contiguous) that nobody writes again:
+    #: :meth:`owned_copy` keeps them as they are instead of copying them.
+    private: frozenset[int] = frozenset()
 
     def owned_copy(
         self, into: Flat | None = None, alloc: Callable[[int], Any] | None = None
@@ -261,18 +265,23 @@ class Flat:
         """
         if self.owned and alloc is None:
             return self
+        # Memory a hub lends must hold every byte; otherwise private buffers are kept.
+        keep = self.private if alloc is None else frozenset()
         reusable = into is not None and [t.shape for t in into.keepalive] == [
             t.shape for t in self.keepalive
         ]
-        copies = into.keepalive if reusable else None  # type: ignore[union-attr]
+        copies = list(into.keepalive) if reusable else None  # type: ignore[union-attr]
         if copies is None and alloc is not None:
             copies = self._carve(alloc)
         if copies is None:
-            copies = [torch.empty_like(t) for t in self.keepalive]
-        for dst, src in zip(copies, self.keepalive, strict=True):
+            copies = [t if i in keep else torch.empty_like(t) for i, t in enumerate(self.keepalive)]
+        for i, src in enumerate(self.keepalive):
+            if i in keep:
+                copies[i] = src
+                continue
             # numpy's copy is one memcpy on this thread, with the GIL released; torch's
             # clone() fans out to its intra-op pool, which stalls on a busy machine.
-            np.copyto(dst.numpy(), src.numpy())
+            np.copyto(copies[i].numpy(), src.numpy())
         return Flat(
             self.schema,
             self.schema_bytes,
@@ -351,6 +360,7 @@ class Flattener:
         self._big: list[torch.Tensor] = []
         self._big_views: list[memoryview] = []
         self._big_nbytes = 0
+        self._big_private: frozenset[int] = frozenset()
         self._pack: list[np.ndarray] = []
         self._staged: _Staged | None = None  # set while the tensors live on a GPU
 
@@ -362,6 +372,7 @@ class Flattener:
         keepalive = list(self._big)
         buffers: list[Buffer] = list(self._big_views)
         nbytes = self._big_nbytes
+        private = self._big_private
         if self._pack:
             # A fresh buffer every version: an earlier one may still be in flight. One
             # memcpy per small tensor from views kept between versions (numpy's: torch's
@@ -370,8 +381,9 @@ class Flattener:
             keepalive.append(torch.from_numpy(packed))
             buffers.append(memoryview(packed))
             nbytes += packed.nbytes
+            private = private | {len(buffers) - 1}  # nobody writes it again: a snapshot keeps it
         assert self._schema is not None
-        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive)
+        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive, private=private)
 
     def _prepare(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
         """Sort ``tensors`` into large ones (a frame each) and small ones (packed per
@@ -383,6 +395,7 @@ class Flattener:
         big: list[tuple[KeyPath, torch.Tensor]] = []
         small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
         aliases = True  # every view below reads the caller's tensors (no copy was made)
+        copied: set[int] = set()  # large tensors made contiguous: this version's own
         for path, tensor in tensors.items():
             t = tensor
             if not t.is_contiguous():
@@ -391,8 +404,11 @@ class Flattener:
             if t.nbytes < self.pack_threshold:
                 small.setdefault(t.dtype, []).append((path, t))
             else:
+                if t is not tensor:
+                    copied.add(len(big))
                 big.append((path, t))
         self._big = [_byte_view(t) for _, t in big]
+        self._big_private = frozenset(copied)
         # The large tensors' bytes, as the frames that carry them: the same views every
         # version while the tensors keep their storage.
         self._big_views = [memoryview(v.numpy()) for v in self._big]
