@@ -438,7 +438,7 @@ class WeightReceiver:
         if not self._welcomed or self.worker_idx is None:
             return
         # Not while the background thread (if it did not stop in time) uses the spoke.
-        if not self._io_lock.acquire(timeout=1.0):
+        if not self._io_lock.acquire(blocking=False):
             return
         try:
             self._send(Goodbye(self.model_id, self.version, self.epoch, self.worker_idx,

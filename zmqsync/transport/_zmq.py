@@ -533,7 +533,8 @@ class ZMQHub(HubTransport):
     def peer_left(self, peer: PeerId) -> None:
         self._peers.discard(peer)
         if self._lender is not None:
-            self._lender.drop(peer, "left")  # its blocks are free once nobody else reads them
+            # no longer counted; blocks it may still map are retired, never rewritten
+            self._lender.drop(peer, "left")
 
     def _from_router(self, peer: PeerId, frames: list[Buffer]) -> Incoming | None:
         """A message from the ROUTER, or None when it was the shared-memory handshake."""
