@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,9 +11,11 @@ from hypothesis import strategies as st
 
 from zmqsync.errors import FrameError
 from zmqsync.protocol import (
+    ACK_BODY,
     DTYPE_ITEMSIZE,
     HEADER,
     MAX_SCHEMA_BYTES,
+    MAX_TEXT_CHARS,
     Ack,
     ErrorMessage,
     Goodbye,
@@ -143,6 +146,44 @@ def _weights_frames() -> list[bytes]:
 def test_malformed_weights_say_what_is_wrong(mutate, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(FrameError, match=match):
         decode(mutate(_weights_frames()))
+
+
+def _ack_frames(**fields: object) -> list[bytes]:
+    ack = Ack("p", 3, 4, worker=1, applied=True, reason="", received_bytes=8, pid=7, host="h")
+    return [bytes(f) for f in encode(dataclasses.replace(ack, **fields))]  # type: ignore[arg-type]
+
+
+def _ack_body(**values: object) -> bytes:
+    fields = dict(worker=1, received=8, rejected=0, pid=7, seconds=0.5, applied=1, reason=b"",
+                  host=b"h")
+    fields.update(values)
+    reason, host = fields.pop("reason"), fields.pop("host")
+    return ACK_BODY.pack(*fields.values(), len(reason), len(host)) + reason + host  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"", "ACK body is 0 bytes; at least"),
+        (_ack_body()[:-1], "its texts say"),
+        (_ack_body() + b"x", "its texts say"),
+        (_ack_body(applied=2), "applied must be 0 or 1"),
+        (_ack_body(seconds=float("nan")), "finite"),
+        (_ack_body(reason=b"\xff\xfe"), "UnicodeDecodeError"),
+        (_ack_body(host=b"h" * (MAX_TEXT_CHARS + 1)), "limited to"),
+    ],
+)
+def test_malformed_acks_say_what_is_wrong(body: bytes, match: str) -> None:
+    """An ack's body is a binary struct (the sender decodes one per worker per send)."""
+    head = _ack_frames()[0]
+    assert decode([head, _ack_body()]) == Ack("p", 3, 4, 1, True, "", 8, 0.5, 0, 7, "h")
+    with pytest.raises(FrameError, match=match):
+        decode([head, body])
+
+
+def test_an_ack_that_cannot_be_encoded_says_which_field() -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        _ack_frames(pid=-1)
 
 
 def test_limits_are_checked_before_parsing() -> None:

@@ -3,7 +3,15 @@
 Nothing here touches sockets, threads or torch (like h11), so it can be fuzzed alone.
 """
 
-from zmqsync.protocol.codec import HEADER, decode, digest, encode, encode_schema, peek_kind
+from zmqsync.protocol.codec import (
+    ACK_BODY,
+    HEADER,
+    decode,
+    digest,
+    encode,
+    encode_schema,
+    peek_kind,
+)
 from zmqsync.protocol.messages import (
     AUTO_WORKER,
     DTYPE_ITEMSIZE,
@@ -38,6 +46,7 @@ from zmqsync.protocol.messages import (
 )
 
 __all__ = [
+    "ACK_BODY",
     "AUTO_WORKER",
     "DTYPE_ITEMSIZE",
     "HEADER",
