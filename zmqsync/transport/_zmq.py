@@ -66,6 +66,13 @@ _HANDSHAKE_FAILED: Final = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+# Socket flags and options as plain ints: pyzmq's are enum members, and combining or
+# testing them builds a new enum member each time, which the 1 MB send path notices.
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_MORE: Final = int(zmq.SNDMORE) | _NOBLOCK
+_RCVMORE: Final = int(zmq.RCVMORE)
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/\[\]]+):(?P<port>\d+|\*)$")
 
 
@@ -172,6 +179,37 @@ def _caller_owned(buf: Buffer) -> bool:
 
 def _buffers(frames: list[zmq.Frame]) -> list[Buffer]:
     return [f.buffer for f in frames]
+
+
+def send_parts(sock: zmq.Socket[Any], frames: Sequence[Any], *, more: bool = False) -> None:
+    """``sock.send_multipart(frames, copy=False, flags=NOBLOCK)``, leaner.
+
+    pyzmq's version checks every part and combines enum flags per part; ours are
+    buffers already. Large parts go zero-copy (pyzmq copies those below the socket's
+    ``copy_threshold``). ``more``: the message goes on after these parts.
+    """
+    send = sock.send
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        send(frame, _MORE if more or i < last else _NOBLOCK, copy=False)
+
+
+def recv_parts(sock: zmq.Socket[Any], *, copy: bool) -> list[Any]:
+    """``sock.recv_multipart(NOBLOCK, copy=copy)``, without its enum flags.
+
+    ``copy=True`` (bytes) for small control messages; ``copy=False`` (frames) for data.
+    Raises ``zmq.Again`` when nothing is waiting.
+    """
+    recv = sock.recv
+    parts = [recv(_NOBLOCK, copy=copy)]
+    while sock.getsockopt(_RCVMORE):
+        parts.append(recv(_NOBLOCK, copy=copy))
+    return parts
+
+
+def _readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on ``sock`` (reading ZMQ_EVENTS also re-arms its FD)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
 
 
 class _Sockets:
@@ -489,8 +527,8 @@ class ZMQHub(HubTransport):
 
     def _send_to(self, peer: PeerId, frames: Sequence[Buffer]) -> None:
         try:
-            self._router.send(peer, zmq.SNDMORE | zmq.NOBLOCK)
-            self._router.send_multipart(frames, copy=False)
+            send_parts(self._router, [peer], more=True)
+            send_parts(self._router, frames)
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
@@ -513,13 +551,14 @@ class ZMQHub(HubTransport):
                         self._drain_monitor(mon)
                 if self._router in events:
                     with contextlib.suppress(zmq.Again):
-                        parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                        incoming = self._from_router(parts[0].bytes, _buffers(parts[1:]))
+                        # Requests are small: bytes cost less than frames to get.
+                        parts = recv_parts(self._router, copy=True)
+                        incoming = self._from_router(parts[0], parts[1:])
                         if incoming is not None:
                             return incoming
                 if self._pull in events:
                     with contextlib.suppress(zmq.Again):
-                        frames = _buffers(self._pull.recv_multipart(zmq.NOBLOCK, copy=False))
+                        frames = recv_parts(self._pull, copy=True)  # acks: small
                         if self._lender is None or not is_record(frames):
                             return Incoming(frames)
                         # A release, alone or in front of an ack.
@@ -567,7 +606,7 @@ class ZMQHub(HubTransport):
         if self._closed:
             return False
         with contextlib.suppress(zmq.ZMQError):
-            return any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in self._waited(acks))
+            return any(_readable(s) for s in self._waited(acks))
         return True  # cannot tell: have the waiter look
 
     def close(self) -> None:
@@ -641,7 +680,7 @@ class ZMQSpoke(SpokeTransport):
 
     def _request(self, frames: list[bytes]) -> None:
         with contextlib.suppress(zmq.ZMQError):  # lost: the hub offers again, or never
-            self._dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+            send_parts(self._dealer, frames)
 
     def _report(self) -> None:
         """Tell the hub which blocks this spoke let go of, on the ack channel (so it
@@ -651,7 +690,7 @@ class ZMQSpoke(SpokeTransport):
         record = self._shm.pending_report()
         if record is not None:
             with contextlib.suppress(zmq.ZMQError):
-                self._push.send_multipart(record, flags=zmq.NOBLOCK)
+                send_parts(self._push, record)
 
     def follow(self, announced: dict[str, Any]) -> None:
         with translated(f"following {self._endpoint}"):
@@ -688,7 +727,7 @@ class ZMQSpoke(SpokeTransport):
                 if record is not None:
                     frames = [*record, *frames]
             try:
-                (sock or self._dealer).send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                send_parts(sock or self._dealer, frames)
             except zmq.Again:
                 pass  # not connected yet, or the hub is not reading: a lost request is retried
 
@@ -704,7 +743,7 @@ class ZMQSpoke(SpokeTransport):
                 for sock in (self._dealer, self._sub):
                     if sock is not None and sock in events:
                         with contextlib.suppress(zmq.Again):
-                            frames = _buffers(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                            frames = _buffers(recv_parts(sock, copy=False))
                             if not is_record(frames):
                                 return frames
                             resolved = self._shm.on_record(frames)
@@ -727,8 +766,7 @@ class ZMQSpoke(SpokeTransport):
         if self._closed:
             return False
         with contextlib.suppress(zmq.ZMQError):
-            return any(s is not None and s.getsockopt(zmq.EVENTS) & zmq.POLLIN
-                       for s in (self._dealer, self._sub))
+            return any(s is not None and _readable(s) for s in (self._dealer, self._sub))
         return True
 
     def close(self) -> None:

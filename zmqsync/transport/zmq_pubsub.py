@@ -22,6 +22,7 @@ from zmqsync.transport._zmq import (
     ZMQSpoke,
     _bind,
     derive_endpoint,
+    send_parts,
 )
 from zmqsync.transport._zmq_shm import ADDRESSED, FAN_OUT
 
@@ -64,7 +65,7 @@ class PubSubHub(ZMQHub):
                 self._send_to(peer, frames)
             return
         # PUB never blocks: a subscriber at its high-water mark simply misses this one.
-        self._pub.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        send_parts(self._pub, frames)
 
     def _fan_out_channel(self) -> int:
         return ADDRESSED if time.monotonic() < self._resubscribe_until else FAN_OUT
