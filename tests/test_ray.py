@@ -172,6 +172,11 @@ class PolicyActor(WeightSyncActorMixin):
             receiver = self.scheme.get_receiver()
             return receiver.version, zmqsync.checksum(self.model, self.scheme.strategy)
 
+    def leave(self) -> None:
+        """Close this actor's receiver (the actor itself lives on)."""
+        assert self.scheme is not None
+        self.scheme.shutdown()
+
     def shared_frames(self) -> int:
         """Frames this actor read in place from the sender's shared memory."""
         assert self.scheme is not None
@@ -329,6 +334,38 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.timeout(180)
+def test_an_actor_whose_receiver_closes_says_goodbye(actors) -> None:  # type: ignore[no-untyped-def]
+    """Its goodbye waits in the spoke's outbox when it closes; the hub's next call (a
+    poll) still takes it, so a fleet of known size fails a send to it at once, naming
+    it, instead of waiting out the timeout."""
+    model = make_model(0)
+    scheme = RayWeightSyncScheme(timeout=30)
+    fleet = [PolicyActor.remote(300 + i) for i in range(2)]
+    actors.extend(fleet)
+    ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
+    scheme.init_on_sender("policy", remote_collectors=fleet, source_model=model)
+    try:
+        scheme.connect(timeout=CALL_TIMEOUT)
+        bump(model)
+        scheme.send()
+        ray.get(fleet[1].leave.remote(), timeout=CALL_TIMEOUT)
+        _wait_for(lambda: scheme.status()["totals"]["goodbyes"] == 1, "the goodbye arriving")
+        left = {w["worker"]: w["left"] for w in scheme.status()["workers"]}
+        assert left == {0: False, 1: True}
+        bump(model)
+        start = time.monotonic()
+        with pytest.raises(SyncTimeout, match="said goodbye") as info:
+            scheme.send()
+        assert info.value.missing_workers == [1]
+        assert time.monotonic() - start < 5.0  # not the 30 s timeout
+        scheme.send(worker_ids=[0])
+        assert ray.get(fleet[0].state.remote(), timeout=CALL_TIMEOUT) == (
+            3, zmqsync.checksum(model, scheme.strategy))
+    finally:
+        scheme.shutdown()
+
+
 def test_an_actor_that_calls_init_on_worker_late_joins_at_the_latest_version(actors) -> None:  # type: ignore[no-untyped-def]
     """The sender knows both actors from the start; actor 1 sets up its receiver only
     after two versions went to actor 0. It joins at version 2 on its own (the sender's

@@ -123,6 +123,9 @@ def _owned(frames: Sequence[Buffer]) -> list[bytes]:
 # --- the actor's side ------------------------------------------------------------------
 
 _spokes: dict[str, RaySpoke] = {}
+#: What a spoke that closed had not handed to its hub yet (its goodbye), by channel: the
+#: hub's next call takes it, as it would have taken the outbox.
+_last_words: dict[str, list[list[bytes]]] = {}
 _spokes_lock = threading.Lock()
 
 
@@ -324,9 +327,14 @@ class RaySpoke(SpokeTransport):
         if self._closed:
             return
         self._closed = True
+        with self._cond:
+            words, self._outbox = self._outbox, []
         with _spokes_lock:
             if _spokes.get(self.channel) is self:
                 del _spokes[self.channel]
+            if words:
+                _last_words.setdefault(self.channel, []).extend(words)
+                del _last_words[self.channel][:-MAX_OUTBOX]
         self._inbox.put(None)  # ends a blocked recv_frames
         with self._cond:
             self._cond.notify_all()
@@ -338,13 +346,14 @@ def deliver(channel: str, peer_index: int, frames: Sequence[Any] | None) -> list
     Call it from the actor method a :class:`RayHub` invokes (see
     :class:`WeightSyncActorMixin`). With no spoke registered (the actor has not called
     ``init_on_worker`` yet) the frames are dropped and nothing is returned; the hub asks
-    again later.
+    again later. What a spoke that closed still had to say goes out on the next call.
     """
     with _spokes_lock:
         spoke = _spokes.get(channel)
+        words = _last_words.pop(channel, [])  # a closed spoke's goodbye comes first
     if spoke is None:
-        return []
-    return spoke.exchange(peer_index, frames)
+        return words
+    return words + spoke.exchange(peer_index, frames)
 
 
 class WeightSyncActorMixin:
