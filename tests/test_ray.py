@@ -192,6 +192,16 @@ class PolicyActor(WeightSyncActorMixin):
         return transport.counters()["read_only_views"]
 
 
+def _sender_and_actors(scheme: RayWeightSyncScheme, model: nn.Module, actors: list[Any],
+                       seeds: list[int]) -> list[Any]:
+    """Actors with their receivers set up, then the sender initialised for them."""
+    fleet = [PolicyActor.remote(seed) for seed in seeds]
+    actors.extend(fleet)
+    ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
+    scheme.init_on_sender("policy", remote_collectors=fleet, source_model=model)
+    return fleet
+
+
 def _wait_for(predicate: Any, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -292,10 +302,7 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
     model = make_model(0)
     # No timed repairs (a loaded machine may trigger one): each send's messages are counted.
     scheme = RayWeightSyncScheme(timeout=5, repair_after=60.0)
-    fleet = [PolicyActor.remote(300 + i) for i in range(2)]
-    actors.extend(fleet)
-    ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
-    scheme.init_on_sender("policy", remote_collectors=fleet, source_model=model)
+    fleet = _sender_and_actors(scheme, model, actors, seeds=[300, 301])
     try:
         scheme.connect(timeout=CALL_TIMEOUT)
         hub = scheme.get_sender().transport
@@ -341,10 +348,7 @@ def test_an_actor_whose_receiver_closes_says_goodbye(actors) -> None:  # type: i
     it, instead of waiting out the timeout."""
     model = make_model(0)
     scheme = RayWeightSyncScheme(timeout=30)
-    fleet = [PolicyActor.remote(300 + i) for i in range(2)]
-    actors.extend(fleet)
-    ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
-    scheme.init_on_sender("policy", remote_collectors=fleet, source_model=model)
+    fleet = _sender_and_actors(scheme, model, actors, seeds=[300, 301])
     try:
         scheme.connect(timeout=CALL_TIMEOUT)
         bump(model)
