@@ -176,6 +176,7 @@ class ZmqsyncVariant(Variant):
         timeout: float,
         *,
         retain_snapshot: bool,
+        pack_threshold: int | None = None,
     ) -> None:
         self.name = "zmqsync" if retain_snapshot else "zmqsync-noretain"
         self.mode = mode
@@ -184,6 +185,7 @@ class ZmqsyncVariant(Variant):
         )
         self.timeout = timeout
         self.retain_snapshot = retain_snapshot
+        self.options = {} if pack_threshold is None else {"pack_threshold": pack_threshold}
         self.scheme: ZMQWeightSyncScheme | None = None
 
     def open(
@@ -200,6 +202,7 @@ class ZmqsyncVariant(Variant):
             endpoint=self.endpoint,
             timeout=self.timeout,
             retain_snapshot=self.retain_snapshot,
+            **self.options,
         )
         self.scheme.init_on_sender("policy", model=model, num_workers=len(procs))
         # The scheme pickles into the workers with its bound endpoint (not its sockets).
@@ -286,13 +289,16 @@ def run_cell(
     timeout: float,
     workdir: str,
     tag: str,
+    pack_threshold: int | None = None,
 ) -> Cell:
     """Open the three variants for ``cell``, measure each one's memory alone, time them
     taking turns send by send (A B C ..., C B A ...), check the workers."""
     variants: list[Variant] = [
         BaselineVariant(cell.mode, cell.transport, workdir, tag, timeout),
-        ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=True),
-        ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=False),
+        ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=True,
+                       pack_threshold=pack_threshold),
+        ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=False,
+                       pack_threshold=pack_threshold),
     ]
     assert len(variants) == VARIANTS
     # Each variant's workers are processes of their own: variants sharing a process
@@ -506,6 +512,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="where the learner's and the workers' tensors live (cuda: the baseline "
         "copies them to the host with .cpu() each send and back with copy_)",
     )
+    p.add_argument(
+        "--pack-threshold",
+        type=int,
+        metavar="BYTES",
+        help="zmqsync packs tensors under this size into one buffer per dtype (default "
+        "64 KiB); 0 sends every tensor from its own memory (no copy, more frames)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every figure (and raw times) here")
     p.add_argument("--markdown", metavar="PATH", help="write the table here")
     args = p.parse_args(argv)
@@ -517,6 +530,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--workers must be positive")
     if args.torch_threads is not None and args.torch_threads < 1:
         p.error("--torch-threads must be at least 1")
+    if args.pack_threshold is not None and args.pack_threshold < 0:
+        p.error("--pack-threshold must be 0 or more bytes")
     if args.repeats is not None and args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.quick and args.repeats is None:
@@ -583,6 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout=args.timeout,
                 workdir=workdir,
                 tag=f"w{len(cells)}",
+                pack_threshold=args.pack_threshold,
             )
             for workers in args.workers:
                 for transport in args.transports:
@@ -596,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             timeout=args.timeout,
                             workdir=workdir,
                             tag=f"c{len(cells)}",
+                            pack_threshold=args.pack_threshold,
                         )
                         cells.append(cell)
                         r = cell.results

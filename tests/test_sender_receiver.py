@@ -601,3 +601,35 @@ def test_a_worker_holds_nothing_of_versions_read_from_shared_memory(tmp_path) ->
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_sender_that_packs_nothing_sends_every_tensor_from_its_own_memory() -> None:
+    """``pack_threshold=0``: no tensor is copied into a pack, each is a frame of its own
+    memory, and the hub's sockets send even these small frames without a copy."""
+    model = _model(0)
+    tensors = extract(model, "state_dict")
+    flat = Flattener("state_dict", pack_threshold=0).flatten(tensors)
+    assert len(flat.buffers) == len(tensors) and not flat.private
+    assert sorted(memoryview(b).obj.ctypes.data for b in flat.buffers) == sorted(  # type: ignore[union-attr]
+        t.data_ptr() for t in tensors.values()
+    )
+
+    hub = PubSubHub("tcp://127.0.0.1:*")
+    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=1, timeout=5,
+                          pack_threshold=0, retain_snapshot=False)
+    target = _model(1)
+    receiver = WeightReceiver(PubSubSpoke(hub.endpoint, identity="0"), model=target,
+                              strategy="state_dict", worker_idx=0, timeout=5)
+    try:
+        assert hub._pub.copy_threshold == 0 and hub._router.copy_threshold == 0
+        receiver.connect()
+        receiver.start()
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            sender.send()
+            assert receiver.version == version and checksum(target) == checksum(model)
+    finally:
+        receiver.close()
+        sender.close()

@@ -90,3 +90,53 @@ def test_zmq_hub_knows_while_zeromq_holds_the_callers_memory(tmp_path) -> None: 
         sub.close(linger=0)
         ctx.term()
         hub.close()
+
+
+def test_a_zmq_hub_sends_small_buffers_from_the_callers_memory_when_told() -> None:
+    """pyzmq copies parts under 64 KiB; a sender that packs nothing (``pack_threshold=0``)
+    tells its hub ``zero_copy_from(0)``, and then even a 4 KiB tensor goes from its own
+    memory. Over inproc a queued message still points at what was sent, so a change made
+    after the send shows whether it was copied."""
+    import time
+
+    import numpy as np
+    import zmq
+
+    from zmqsync.transport.zmq_pubsub import PubSubHub
+
+    ctx = zmq.Context()
+    hub = PubSubHub(f"inproc://zero-copy-{_free_port()}", context=ctx)
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.subscribe(b"")
+        sub.connect(hub.announce()["data_endpoint"])
+        deadline = time.monotonic() + 10
+        while not sub.poll(10):  # the subscription takes a moment to reach the PUB
+            hub.send_frames([b"probe"])
+            assert time.monotonic() < deadline
+        while sub.poll(0):
+            sub.recv_multipart()
+
+        def sent_then_changed() -> bytes:
+            weights = np.zeros(4096, dtype=np.uint8)  # a small tensor's (writable) memory
+            hub.send_frames([b"head", memoryview(weights)])
+            held = hub.holds_caller_memory()
+            weights[:] = 7  # the caller changes its tensor after the send
+            assert sub.poll(5000), "the message never arrived"
+            _, body = sub.recv_multipart()
+            assert held == (body[0] == 7)  # the hub knows when ZeroMQ holds its memory
+            deadline = time.monotonic() + 10
+            while hub.holds_caller_memory():  # pyzmq lets go of a frame on its own thread
+                time.sleep(0.01)
+                assert time.monotonic() < deadline, "ZeroMQ never released a delivered message"
+            return body
+
+        assert sent_then_changed() == bytes(4096)  # copied: the send's values
+        hub.zero_copy_from(0)
+        assert sent_then_changed() == bytes([7]) * 4096  # zero-copy: the memory itself
+        hub.zero_copy_from(10**9)  # never above pyzmq's own threshold
+        assert sent_then_changed() == bytes(4096)
+    finally:
+        sub.close(linger=0)
+        hub.close()
+        ctx.term()

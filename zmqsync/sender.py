@@ -199,6 +199,8 @@ class WeightSender:
         self._pump_error: BaseException | None = None
         self._snapshot_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._runners = [_HubRunner(self, h, i) for i, h in enumerate(hubs)]
+        for h in hubs:
+            h.zero_copy_from(pack_threshold)  # what is not packed goes from its own memory
         for runner in self._runners:
             runner.start()
 

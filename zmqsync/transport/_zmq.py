@@ -170,9 +170,10 @@ def translated(what: str) -> Iterator[None]:
         raise TransportError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
 
 
-def _caller_owned(buf: Buffer) -> bool:
-    """A large buffer the caller may change later (read-only views and bytes cannot)."""
-    if len(buf) < ZERO_COPY_MIN or isinstance(buf, bytes):
+def _caller_owned(buf: Buffer, zero_copy_min: int = ZERO_COPY_MIN) -> bool:
+    """A buffer sent zero-copy (``zero_copy_min`` bytes or more) that the caller may
+    change later (read-only views and bytes cannot)."""
+    if len(buf) < zero_copy_min or isinstance(buf, bytes):
         return False
     return not (isinstance(buf, memoryview) and buf.readonly)
 
@@ -340,6 +341,7 @@ class ZMQHub(HubTransport):
         self._socks = _Sockets(self._context, curve)
         self._counters = {"handshake_failures": 0, "dropped_sends": 0, "purges": 0}
         self._in_flight: list[weakref.ref[np.ndarray]] = []  # see _tracked
+        self._zero_copy_min = ZERO_COPY_MIN  # pyzmq's copy_threshold on the data sockets
         self._peers: set[PeerId] = set()
         self._closed = False
         self._monitors: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
@@ -381,6 +383,7 @@ class ZMQHub(HubTransport):
         router.router_handover = 1
         router.maxmsgsize = self._max_request_bytes
         router.sndtimeo = 0
+        router.copy_threshold = self._zero_copy_min
         self._monitor(router)
         return router
 
@@ -436,6 +439,18 @@ class ZMQHub(HubTransport):
 
     def shares_memory(self) -> bool:
         return self._lender is not None and bool(self._lender.members())
+
+    def zero_copy_from(self, nbytes: int) -> None:
+        """pyzmq copies parts under its ``copy_threshold`` (64 KiB): lower it to ``nbytes``
+        for a sender that packs nothing, so that even small tensors go from their own
+        memory (at pyzmq's cost per zero-copy part)."""
+        self._zero_copy_min = min(ZERO_COPY_MIN, max(0, int(nbytes)))
+        for sock in self._data_sockets():
+            sock.copy_threshold = self._zero_copy_min
+
+    def _data_sockets(self) -> list[zmq.Socket[Any]]:
+        """The sockets weights go out on (their ``copy_threshold`` follows the sender's)."""
+        return [self._router]
 
     def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
         self._check_open()
@@ -497,7 +512,9 @@ class ZMQHub(HubTransport):
         self._in_flight = [r for r in self._in_flight if r() is not None]
         # ZeroMQ writes a message's parts in order: once its last large part is released,
         # so are the others. Watching one frame per message is enough.
-        last = max((i for i, b in enumerate(frames) if _caller_owned(b)), default=-1)
+        last = max(
+            (i for i, b in enumerate(frames) if _caller_owned(b, self._zero_copy_min)), default=-1
+        )
         out: list[Any] = list(frames)
         if last >= 0:
             view = np.frombuffer(frames[last], dtype=np.uint8)

@@ -116,6 +116,14 @@ class HubTransport(_Closable):
         copy on send have nothing to drop.
         """
 
+    def zero_copy_from(self, nbytes: int) -> None:
+        """Send buffers of at least ``nbytes`` from the caller's memory, without a copy.
+
+        A sender says this once, with the size below which it packs tensors together:
+        what it does not pack, it wants sent zero-copy. Adapters that always copy (or
+        never do) ignore it.
+        """
+
     def shared_buffer(self, nbytes: int) -> Any:
         """``nbytes`` of memory this hub's peers can read in place (a uint8 numpy array),
         or None. Frames that are read-only views of it are sent without a copy.

@@ -46,6 +46,7 @@ class PubSubHub(ZMQHub):
     def _new_pub(self) -> zmq.Socket[Any]:
         pub = self._socks.add(zmq.PUB, poll=False, hwm=DATA_HWM)
         pub.maxmsgsize = CONTROL_MAX_MESSAGE  # a PUB reads only subscriptions
+        pub.copy_threshold = self._zero_copy_min
         self._monitor(pub)
         return pub
 
@@ -53,6 +54,9 @@ class PubSubHub(ZMQHub):
         self._pub = self._new_pub()
         self._data_bound_as = self._data_request or derive_endpoint(endpoint, "data", 1)
         self._data_endpoint = _bind(self._pub, self._data_bound_as)
+
+    def _data_sockets(self) -> list[zmq.Socket[Any]]:
+        return [*super()._data_sockets(), self._pub]
 
     def announce(self) -> dict[str, Any]:
         return {**super().announce(), "data_endpoint": self._data_endpoint}
