@@ -185,7 +185,9 @@ class ZmqsyncVariant(Variant):
         )
         self.timeout = timeout
         self.retain_snapshot = retain_snapshot
-        self.options = {} if pack_threshold is None else {"pack_threshold": pack_threshold}
+        self.options: dict[str, Any] = (
+            {} if pack_threshold is None else {"pack_threshold": pack_threshold}
+        )
         self.scheme: ZMQWeightSyncScheme | None = None
 
     def open(
@@ -295,10 +297,24 @@ def run_cell(
     taking turns send by send (A B C ..., C B A ...), check the workers."""
     variants: list[Variant] = [
         BaselineVariant(cell.mode, cell.transport, workdir, tag, timeout),
-        ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=True,
-                       pack_threshold=pack_threshold),
-        ZmqsyncVariant(cell.mode, cell.transport, workdir, tag, timeout, retain_snapshot=False,
-                       pack_threshold=pack_threshold),
+        ZmqsyncVariant(
+            cell.mode,
+            cell.transport,
+            workdir,
+            tag,
+            timeout,
+            retain_snapshot=True,
+            pack_threshold=pack_threshold,
+        ),
+        ZmqsyncVariant(
+            cell.mode,
+            cell.transport,
+            workdir,
+            tag,
+            timeout,
+            retain_snapshot=False,
+            pack_threshold=pack_threshold,
+        ),
     ]
     assert len(variants) == VARIANTS
     # Each variant's workers are processes of their own: variants sharing a process
@@ -569,9 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.torch_threads)
     os.environ[DEVICE_ENV] = args.device  # the workers, spawned below, read it too
     machine = machine_info()
-    machine["device"] = (
-        torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    )
+    machine["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     started = time.monotonic()
     cells: list[Cell] = []
     print(
@@ -579,9 +593,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{machine['torch']}, pyzmq {machine['pyzmq']}",
         file=sys.stderr,
     )
-    with _workdir() as workdir, WorkerPool(
-        VARIANTS * max(args.workers), args.torch_threads
-    ) as pool:
+    with (
+        _workdir() as workdir,
+        WorkerPool(VARIANTS * max(args.workers), args.torch_threads) as pool,
+    ):
         pool.start()
         for size in args.sizes:
             layout: Layout = SIZES[size]

@@ -448,7 +448,6 @@ class PipeVariant(_ZmqsyncSends, _ProcessVariant):
         return {}
 
 
-
 class TorchrlMPVariant(_ProcessVariant):
     name = TORCHRL_MP
 
@@ -530,7 +529,6 @@ class ZmqsyncRayVariant(_ZmqsyncSends, Variant):
             "connect",
         )
         return {}
-
 
     def digests(self, env: CellEnv) -> list[dict[str, Any]]:
         actors = _fleet(env).actors[: env.workers]

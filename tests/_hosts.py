@@ -28,12 +28,17 @@ SPAWN = mp.get_context("spawn")
 def make_model(mb: float, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     width = max(8, int((mb * 1024 * 1024 / 4 / 4) ** 0.5))
-    return nn.Sequential(nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width),
-                         nn.Linear(width, width))
+    return nn.Sequential(
+        nn.Linear(width, width),
+        nn.Linear(width, width),
+        nn.Linear(width, width),
+        nn.Linear(width, width),
+    )
 
 
-def host_worker(ns: str, scheme: Any, worker_idx: int, mb: float, slow_apply: float,
-                conn: Any) -> None:
+def host_worker(
+    ns: str, scheme: Any, worker_idx: int, mb: float, slow_apply: float, conn: Any
+) -> None:
     try:
         enter_netns(ns)
         model = make_model(mb, seed=1000 + worker_idx)
@@ -57,8 +62,14 @@ def host_worker(ns: str, scheme: Any, worker_idx: int, mb: float, slow_apply: fl
             if command == "stop":
                 break
             with scheme.lock:
-                conn.send({"epoch": receiver.epoch, "version": receiver.version,
-                           "history": list(history), "stats": dict(receiver.stats)})
+                conn.send(
+                    {
+                        "epoch": receiver.epoch,
+                        "version": receiver.version,
+                        "history": list(history),
+                        "stats": dict(receiver.stats),
+                    }
+                )
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:

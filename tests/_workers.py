@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import Any
 
@@ -83,9 +84,7 @@ def run_worker(
                 else:
                     conn.send(("error", f"unknown command {command!r}"))
     except BaseException:
-        try:
+        with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
-        except Exception:
-            pass
     finally:
         scheme.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -48,8 +49,15 @@ class Fleet:
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.conns: dict[int, object] = {}
 
-    def start(self, scheme, worker_idx: int, *, kind: str = "mlp", connect_timeout: float = 30.0,  # type: ignore[no-untyped-def]
-              init_kwargs: dict | None = None):
+    def start(
+        self,
+        scheme,
+        worker_idx: int,
+        *,
+        kind: str = "mlp",
+        connect_timeout: float = 30.0,  # type: ignore[no-untyped-def]
+        init_kwargs: dict | None = None,
+    ):
         """Start worker ``worker_idx`` (the harness's key for it); ``init_kwargs`` go to
         its ``init_on_receiver`` (a pipe worker's ``pipe=``, ``worker_idx=None``...)."""
         from _workers import run_worker
@@ -98,10 +106,8 @@ class Fleet:
     def close(self) -> None:
         for idx, proc in self.procs.items():
             if proc.is_alive():
-                try:
+                with contextlib.suppress(OSError):  # BrokenPipeError is one
                     self.conns[idx].send("stop")  # type: ignore[attr-defined]
-                except (OSError, BrokenPipeError):
-                    pass
         for proc in self.procs.values():
             proc.join(5)
             if proc.is_alive():

@@ -73,8 +73,20 @@ class Topology:
             self._made.append(ns)
             _ip("-n", ns, "link", "set", "lo", "up")
             # Interface names are at most 15 bytes: short names inside each namespace.
-            _ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0",
-                "netns", ns)
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                f"p{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0")
             _ip("-n", self.switch, "link", "set", f"p{i}", "up")
             _ip("-n", ns, "addr", "add", f"{self._addresses[host]}/24", "dev", "eth0")
@@ -98,9 +110,29 @@ class Topology:
         port = f"p{list(self.hosts).index(host)}"
         for ns, dev in ((self.hosts[host], "eth0"), (self.switch, port)):
             subprocess.run(
-                ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                 "rate", rate, "burst", burst, "latency", latency],
-                check=True, capture_output=True, text=True, timeout=20,
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    burst,
+                    "latency",
+                    latency,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=20,
             )
 
     def close(self) -> None:

@@ -214,8 +214,9 @@ def test_status_shows_a_worker_that_left(runner: CliRunner, fixed: bool) -> None
             assert time.monotonic() < deadline, "the goodbye never arrived"
             time.sleep(0.02)
         result = runner.invoke(app, ["status", fleet.endpoint])
-        rows = {int(m.group(1)): line for line in result.stdout.splitlines()
-                if (m := ROW.match(line))}
+        rows = {
+            int(m.group(1)): line for line in result.stdout.splitlines() if (m := ROW.match(line))
+        }
         assert "left" in rows[1] and "ok" in rows[0], result.stdout
         result = runner.invoke(app, ["status", fleet.endpoint, "--json"])
         problems = json.loads(result.stdout)["problems"]

@@ -64,8 +64,9 @@ def _equal(a: dict, b: dict) -> None:  # type: ignore[type-arg]
     for k in a:
         x, y = a[k].cpu(), b[k].cpu()
         assert x.dtype == y.dtype and x.shape == y.shape, k
-        assert torch.equal(x.contiguous().view(-1).view(torch.uint8),
-                           y.contiguous().view(-1).view(torch.uint8)), k
+        assert torch.equal(
+            x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)
+        ), k
 
 
 @pytest.mark.parametrize("source", ["cuda", "cpu"])

@@ -71,11 +71,12 @@ def test_every_compose_command_is_a_valid_cli_command() -> None:
     compose = _compose()
     services = compose["services"]
     assert set(services) == {"learner", "actor"}
-    for name, service in services.items():
+    for service in services.values():
         _parses(service["command"])
         for call in _cli_args(service["healthcheck"]["test"]):
             _parses(call)
-    with pytest.raises(Exception):  # the check has teeth: a wrong option is refused
+    # The check has teeth: a wrong option is refused.
+    with pytest.raises(typer.TyperException, match="no-such-option"):
         _parses(["worker", "tcp://learner:5555", "--no-such-option"])
 
 
@@ -85,7 +86,9 @@ def test_compose_fleet_is_scalable_and_keyed() -> None:
     assert learner["command"][0] == "serve" and actor["command"][0] == "worker"
     # Scalable with --scale actor=N: no fixed name, no host ports, no per-replica id.
     assert "container_name" not in actor and "ports" not in actor
-    assert "--worker-idx" not in actor["command"] and "ZMQSYNC_WORKER_IDX" not in actor["environment"]
+    assert (
+        "--worker-idx" not in actor["command"] and "ZMQSYNC_WORKER_IDX" not in actor["environment"]
+    )
     assert actor["depends_on"]["learner"]["condition"] == "service_healthy"
     # CURVE keys from files, mounted read-only.
     for service in (learner, actor):
@@ -96,17 +99,22 @@ def test_compose_fleet_is_scalable_and_keyed() -> None:
 
 
 def _mapped(value: str, tmp: Path, learner_address: str) -> str:
-    return (value.replace("/keys", str(tmp / "keys"))
-            .replace("/checkpoints", str(tmp / "checkpoints"))
-            .replace("tcp://learner:", f"tcp://{learner_address}:"))
+    return (
+        value.replace("/keys", str(tmp / "keys"))
+        .replace("/checkpoints", str(tmp / "checkpoints"))
+        .replace("tcp://learner:", f"tcp://{learner_address}:")
+    )
 
 
-def _spawn(topo: Topology, host: str, args: list[str], env: dict[str, str],
-           log: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    topo: Topology, host: str, args: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
     out = log.open("wb")
     return subprocess.Popen(
         ["ip", "netns", "exec", topo.namespace(host), ZMQSYNC, *args],
-        env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+        stdout=out,
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -125,8 +133,12 @@ def test_fleet_runs_with_the_compose_commands_across_namespaces(tmp_path: Path) 
         pytest.fail(reason)
     # The README's steps: keys with the CLI, a checkpoint the actors' factory fits.
     for where, name in (("keys", "learner"), ("keys/clients", "actor")):
-        subprocess.run([ZMQSYNC, "keys", str(tmp_path / where), "--name", name], check=True,
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [ZMQSYNC, "keys", str(tmp_path / where), "--name", name],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
     (tmp_path / "checkpoints").mkdir()
     torch.save(demo_model().state_dict(), tmp_path / "checkpoints" / "policy.pt")
 
@@ -145,8 +157,12 @@ def test_fleet_runs_with_the_compose_commands_across_namespaces(tmp_path: Path) 
             # The learner's healthcheck, as compose runs it, inside the learner's host.
             (check,) = _cli_args(learner["healthcheck"]["test"])
             check = [_mapped(a, tmp_path, address) for a in check]
-            health = subprocess.run(["ip", "netns", "exec", topo.namespace("learner"), ZMQSYNC,
-                                     *check, "--json"], capture_output=True, timeout=60, env=env)
+            health = subprocess.run(
+                ["ip", "netns", "exec", topo.namespace("learner"), ZMQSYNC, *check, "--json"],
+                capture_output=True,
+                timeout=60,
+                env=env,
+            )
             assert health.returncode in (0, 1), health.stderr.decode()
 
             actor = services["actor"]
@@ -162,16 +178,21 @@ def test_fleet_runs_with_the_compose_commands_across_namespaces(tmp_path: Path) 
             # A new checkpoint (written, then renamed into place) reaches both actors.
             new = demo_model(seed=7).state_dict()
             torch.save(new, tmp_path / "checkpoints" / "policy.pt.tmp")
-            os.replace(tmp_path / "checkpoints" / "policy.pt.tmp", tmp_path / "checkpoints" / "policy.pt")
+            os.replace(
+                tmp_path / "checkpoints" / "policy.pt.tmp", tmp_path / "checkpoints" / "policy.pt"
+            )
             for log, proc in zip(logs, procs[1:], strict=True):
                 _wait_for(log, r"version 2\b", proc, within=60)
 
             # The actors' healthcheck command, from an actor host, with its environment.
             (acheck,) = _cli_args(actor["healthcheck"]["test"])
             acheck = [_mapped(a, tmp_path, address) for a in acheck]
-            status = subprocess.run(["ip", "netns", "exec", topo.namespace("actor1"), ZMQSYNC,
-                                     *acheck, "--json"], capture_output=True, timeout=60,
-                                    env={**os.environ, **aenv})
+            status = subprocess.run(
+                ["ip", "netns", "exec", topo.namespace("actor1"), ZMQSYNC, *acheck, "--json"],
+                capture_output=True,
+                timeout=60,
+                env={**os.environ, **aenv},
+            )
             assert status.returncode == 0, status.stdout.decode() + status.stderr.decode()
             state = json.loads(status.stdout)
             assert state["version"] == 2

@@ -44,8 +44,9 @@ def test_four_workers_exact_after_every_send(fleet, endpoint, mode, strategy) ->
         # Over ipc every worker is on this host: versions travel as places in shared
         # blocks (the sender's snapshot), read in place. Over tcp, every byte is inline.
         shared_sends = scheme.get_sender().transport.counters().get("shm_shared_sends", 0)
-        shared_frames = [fleet.ask(i, "state")["transport"].get("shm_shared_frames", 0)
-                         for i in range(4)]
+        shared_frames = [
+            fleet.ask(i, "state")["transport"].get("shm_shared_frames", 0) for i in range(4)
+        ]
         if endpoint.startswith("ipc://"):
             assert shared_sends >= 1 and all(n >= 1 for n in shared_frames), shared_frames
         else:
@@ -294,8 +295,11 @@ def test_a_fleet_of_known_size_names_a_worker_that_left_at_once(fleet, tcp_endpo
         forger.connect(sender.endpoint)
         try:
             forger.send_multipart(encode(Goodbye("policy", 1, sender.epoch, worker=0)))
-            _until(lambda: sender.status()["totals"]["stray_goodbyes"] == 1, 10,
-                   "the forged goodbye was counted")
+            _until(
+                lambda: sender.status()["totals"]["stray_goodbyes"] == 1,
+                10,
+                "the forged goodbye was counted",
+            )
         finally:
             forger.close()
         bump(model)
@@ -323,8 +327,9 @@ def test_a_silent_worker_drops_out_of_a_fleet_of_whoever_connected(fleet, tcp_en
     """A SIGKILLed worker says nothing: the next send names it; once it has missed
     three heartbeats, sends to "every live worker" no longer wait for it."""
     model = make_model(seed=0)
-    scheme = ZMQWeightSyncScheme("state_dict", mode="pubsub", endpoint=tcp_endpoint, timeout=10,
-                                 heartbeat=0.2)
+    scheme = ZMQWeightSyncScheme(
+        "state_dict", mode="pubsub", endpoint=tcp_endpoint, timeout=10, heartbeat=0.2
+    )
     scheme.init_on_sender("policy", model=model)
     sender = scheme.get_sender()
     try:

@@ -99,8 +99,9 @@ def test_mixed_scheme_in_one_process_numbers_workers_and_refuses_clashes(tmp_pat
 
 def test_mixed_scheme_says_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="share one strategy"):
-        MixedWeightSyncScheme(MultiProcessWeightSyncScheme("state_dict"),
-                              ZMQWeightSyncScheme("tensordict"))
+        MixedWeightSyncScheme(
+            MultiProcessWeightSyncScheme("state_dict"), ZMQWeightSyncScheme("tensordict")
+        )
     with pytest.raises(ValueError, match="at least one"):
         MixedWeightSyncScheme()
     with pytest.raises(TypeError, match="moves no weights"):
@@ -173,8 +174,13 @@ def test_one_scheme_serves_pipe_zmq_and_ray_workers_at_once(
     actors = [MixedActor.remote(100 + i) for i in range(2)]
     try:
         ray.get([a.setup.remote(ray_member) for a in actors], timeout=CALL_TIMEOUT)
-        mixed.init_on_sender("policy", model=model, num_workers=6,
-                             pipes=[parent for parent, _ in pipes], remote_collectors=actors)
+        mixed.init_on_sender(
+            "policy",
+            model=model,
+            num_workers=6,
+            pipes=[parent for parent, _ in pipes],
+            remote_collectors=actors,
+        )
         for i, (_, child) in enumerate(pipes):
             fleet.start(pipe_member, i, init_kwargs={"pipe": child, "worker_idx": None})
             child.close()  # the worker holds it now: its death breaks the pipe at once
@@ -210,8 +216,14 @@ def test_one_scheme_serves_pipe_zmq_and_ray_workers_at_once(
             mixed.send()
             assert states() == {i: latest() for i in range(6)}
         transports = {w["worker"]: w["transport"] for w in mixed.status()["workers"]}
-        assert transports == {0: "pipe", 1: "pipe", 2: "ray", 3: "ray",
-                              4: "zmq-pubsub", 5: "zmq-pubsub"}
+        assert transports == {
+            0: "pipe",
+            1: "pipe",
+            2: "ray",
+            3: "ray",
+            4: "zmq-pubsub",
+            5: "zmq-pubsub",
+        }
 
         # Targeting crosses transports: exactly workers 1, 3 and 5 change.
         before = states()
@@ -246,4 +258,3 @@ def test_one_scheme_serves_pipe_zmq_and_ray_workers_at_once(
         for parent, child in pipes:
             parent.close()
             child.close()
-

@@ -43,24 +43,28 @@ class Net:
         options.setdefault("mode", "pubsub")
         if "curve_server" not in options:
             options.setdefault("insecure", True)
-        self.sender = SenderProc(host_sender, self.topo.namespace("learner"), options, mb,
-                                 len(self.names))
+        self.sender = SenderProc(
+            host_sender, self.topo.namespace("learner"), options, mb, len(self.names)
+        )
         reply = self.sender.recv()
         assert reply[0] == "ready"
         return reply[1]
 
     def start_worker(self, i: int, scheme: Any, mb: float, slow_apply: float = 0.0) -> None:
-        self.workers[i] = Proc(host_worker, self.topo.namespace(self.names[i]), copy.copy(scheme), i,
-                               mb, slow_apply)
+        self.workers[i] = Proc(
+            host_worker, self.topo.namespace(self.names[i]), copy.copy(scheme), i, mb, slow_apply
+        )
 
     def ready(self, *ids: int) -> None:
         for i in ids:
             assert self.workers[i].recv() == "ready"
 
-    def send(self, worker_ids: list[int] | None = None, timeout: float = 10.0) -> tuple[str, list[int]]:
+    def send(
+        self, worker_ids: list[int] | None = None, timeout: float = 10.0
+    ) -> tuple[str, list[int]]:
         assert self.sender is not None
         self.start_send(worker_ids, timeout)
-        result, sent, took, missing = self.sender.recv(timeout + 30)
+        result, _sent, took, missing = self.sender.recv(timeout + 30)
         assert took < timeout + 1.0, f"send blocked {took:.2f}s past its {timeout}s timeout"
         return result, missing
 
@@ -85,7 +89,8 @@ class Net:
                     break
                 assert time.monotonic() < deadline, (
                     f"worker {i} stuck at {state['version']} (epoch {state['epoch']}); "
-                    f"latest is {version} (epoch {epoch})")
+                    f"latest is {version} (epoch {epoch})"
+                )
                 time.sleep(0.1)
 
     def check_histories(self, ids: list[int]) -> None:
@@ -98,7 +103,8 @@ class Net:
                 per_epoch[epoch] = version
                 assert (epoch, version) in self.sent, f"worker {i} applied an unsent version"
                 assert self.sent[(epoch, version)] == checksum, (
-                    f"worker {i} applied a mixed version {version} of epoch {epoch}")
+                    f"worker {i} applied a mixed version {version} of epoch {epoch}"
+                )
 
     def close(self) -> None:
         for proc in self.workers.values():
@@ -123,8 +129,9 @@ def net(request) -> Iterator[Net]:  # type: ignore[no-untyped-def]
 def test_hosts_sync_over_tcp_with_curve(net: Net, mode: str) -> None:
     server_pub, server_sec = generate_keypair()
     client_pub, client_sec = generate_keypair()
-    scheme = net.start_sender(1.0, mode=mode,
-                              curve_server=CurveServer(server_pub, server_sec, frozenset({client_pub})))
+    scheme = net.start_sender(
+        1.0, mode=mode, curve_server=CurveServer(server_pub, server_sec, frozenset({client_pub}))
+    )
     assert scheme.endpoint.startswith("tcp://198.18.77.1:")
     scheme.curve_client = CurveClient(client_pub, client_sec, server_pub)
     for i in range(2):

@@ -537,16 +537,20 @@ def test_large_frames_travel_through_shared_memory_blocks_reused_once_released()
         assert hub.counters()["shm_bytes"] == before
 
         # A worker that releases what it never held is counted, and nothing breaks.
-        spoke._writer.put(pipe_module._Outgoing(None, record=pipe_module._HEADER.pack(
-            pipe_module._RELEASE, 999)))
+        spoke._writer.put(
+            pipe_module._Outgoing(None, record=pipe_module._HEADER.pack(pipe_module._RELEASE, 999))
+        )
         assert hub.recv_frames(0.5) is None
         assert hub.counters()["bad_releases"] == 1
         # ... as is one that releases a real block more often than it was sent it.
         writer = hub._peers[peer_id(0)].writer
         block = next(iter(hub._shm._blocks.values()))  # type: ignore[union-attr]
         for _ in range(block.readers.get(writer, 0) + 1):
-            spoke._writer.put(pipe_module._Outgoing(None, record=pipe_module._HEADER.pack(
-                pipe_module._RELEASE, block.id)))
+            spoke._writer.put(
+                pipe_module._Outgoing(
+                    None, record=pipe_module._HEADER.pack(pipe_module._RELEASE, block.id)
+                )
+            )
         while hub.recv_frames(0.5) is not None:
             pass
         assert hub.counters()["bad_releases"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -45,8 +46,11 @@ names = st.text(min_size=1, max_size=12)
 @st.composite
 def weights_messages(draw) -> Weights:  # type: ignore[no-untyped-def]
     n = draw(st.integers(0, 6))
-    keys = draw(st.lists(st.lists(names, min_size=1, max_size=3).map(tuple), min_size=n,
-                         max_size=n, unique=True))
+    keys = draw(
+        st.lists(
+            st.lists(names, min_size=1, max_size=3).map(tuple), min_size=n, max_size=n, unique=True
+        )
+    )
     entries, buffers = [], []
     for key in keys:
         dtype = draw(st.sampled_from(sorted(DTYPE_ITEMSIZE)))
@@ -55,27 +59,57 @@ def weights_messages(draw) -> Weights:  # type: ignore[no-untyped-def]
         pad = draw(st.integers(0, 8))
         buffers.append(draw(st.binary(min_size=nbytes + pad, max_size=nbytes + pad)))
         # Tensors sit at offset `pad` of their buffer, as packed small tensors do.
-        buffers[-1] = bytes(pad) + buffers[-1][: nbytes]
+        buffers[-1] = bytes(pad) + buffers[-1][:nbytes]
         entries.append(TensorEntry(key, dtype, shape, len(buffers) - 1, pad, nbytes))
     strategy = draw(st.sampled_from(["state_dict", "tensordict"]))
-    return Weights(draw(model_ids), draw(u64), draw(u64), WeightsSchema(strategy, tuple(entries)),
-                   tuple(buffers))
+    return Weights(
+        draw(model_ids),
+        draw(u64),
+        draw(u64),
+        WeightsSchema(strategy, tuple(entries)),
+        tuple(buffers),
+    )
 
 
 control_messages = st.one_of(
-    st.builds(Ack, model_ids, u64, u64, worker=u64, applied=st.booleans(), reason=text,
-              received_bytes=u64, apply_seconds=st.floats(0, 1e6), rejected_frames=u64,
-              pid=u64, host=text),
+    st.builds(
+        Ack,
+        model_ids,
+        u64,
+        u64,
+        worker=u64,
+        applied=st.booleans(),
+        reason=text,
+        received_bytes=u64,
+        apply_seconds=st.floats(0, 1e6),
+        rejected_frames=u64,
+        pid=u64,
+        host=text,
+    ),
     st.builds(Hello, model_ids, u64, u64, worker=u64, pid=u64, host=text),
-    st.builds(Welcome, model_ids, u64, u64, mode=text, strategy=text, data_endpoint=text,
-              ack_endpoint=text, heartbeat_seconds=st.floats(0, 100)),
+    st.builds(
+        Welcome,
+        model_ids,
+        u64,
+        u64,
+        mode=text,
+        strategy=text,
+        data_endpoint=text,
+        ack_endpoint=text,
+        heartbeat_seconds=st.floats(0, 100),
+    ),
     st.builds(SnapshotRequest, model_ids, u64, u64, worker=u64),
     st.builds(UpToDate, model_ids, u64, u64),
     st.builds(ProbeRequest, model_ids, worker=u64, nonce=text, version=u64, epoch=u64),
     st.builds(Probe, model_ids, worker=u64, nonce=text, version=u64, epoch=u64),
     st.builds(StatusRequest, model_ids, u64, u64),
-    st.builds(StatusReply, model_ids, u64, u64,
-              status=st.dictionaries(text, st.one_of(st.integers(), text, st.none()), max_size=4)),
+    st.builds(
+        StatusReply,
+        model_ids,
+        u64,
+        u64,
+        status=st.dictionaries(text, st.one_of(st.integers(), text, st.none()), max_size=4),
+    ),
     st.builds(ErrorMessage, model_ids, code=text, message=text, version=u64, epoch=u64),
     st.builds(Goodbye, model_ids, u64, u64, worker=u64, session=text),
 )
@@ -96,17 +130,18 @@ def test_weights_round_trip_without_copying_buffers(message: Weights) -> None:
     assert isinstance(decoded, Weights)
     assert decoded.schema == message.schema
     assert (decoded.model_id, decoded.version, decoded.epoch) == (
-        message.model_id, message.version, message.epoch)
+        message.model_id,
+        message.version,
+        message.epoch,
+    )
     assert all(a is b for a, b in zip(decoded.buffers, frames[2:], strict=True))
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.binary(max_size=200), max_size=6))
 def test_any_bytes_decode_or_raise_frame_error(frames: list[bytes]) -> None:
-    try:
+    with contextlib.suppress(FrameError):
         decode(frames)
-    except FrameError:
-        pass
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -119,16 +154,16 @@ def test_corrupted_messages_decode_or_raise_frame_error(message, data) -> None: 
         frames[i][j] ^= data.draw(st.integers(1, 255))
     cut = data.draw(st.integers(0, len(frames)))
     for candidate in ([bytes(f) for f in frames], [bytes(f) for f in frames[:cut]]):
-        try:
+        with contextlib.suppress(FrameError):
             decode(candidate)
-        except FrameError:
-            pass
 
 
 def _weights_frames() -> list[bytes]:
     entry = TensorEntry(("w",), "float32", (2,), 0, 0, 8)
-    return [bytes(f) for f in encode(Weights("p", 1, 2, WeightsSchema("state_dict", (entry,)),
-                                             (b"\0" * 8,)))]
+    return [
+        bytes(f)
+        for f in encode(Weights("p", 1, 2, WeightsSchema("state_dict", (entry,)), (b"\0" * 8,)))
+    ]
 
 
 @pytest.mark.parametrize(
@@ -154,8 +189,9 @@ def _ack_frames(**fields: object) -> list[bytes]:
 
 
 def _ack_body(**values: object) -> bytes:
-    fields = dict(worker=1, received=8, rejected=0, pid=7, seconds=0.5, applied=1, reason=b"",
-                  host=b"h")
+    fields = dict(
+        worker=1, received=8, rejected=0, pid=7, seconds=0.5, applied=1, reason=b"", host=b"h"
+    )
     fields.update(values)
     reason, host = fields.pop("reason"), fields.pop("host")
     return ACK_BODY.pack(*fields.values(), len(reason), len(host)) + reason + host  # type: ignore[arg-type]

@@ -192,8 +192,9 @@ class PolicyActor(WeightSyncActorMixin):
         return transport.counters()["read_only_views"]
 
 
-def _sender_and_actors(scheme: RayWeightSyncScheme, model: nn.Module, actors: list[Any],
-                       seeds: list[int]) -> list[Any]:
+def _sender_and_actors(
+    scheme: RayWeightSyncScheme, model: nn.Module, actors: list[Any], seeds: list[int]
+) -> list[Any]:
     """Actors with their receivers set up, then the sender initialised for them."""
     fleet = [PolicyActor.remote(seed) for seed in seeds]
     actors.extend(fleet)
@@ -322,8 +323,10 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
         assert after["shm_bytes"] <= 3 * nbytes, "blocks were not reused"
         assert after["bad_releases"] == 0
         # Every actor let go of what it applied (releases ride on the next replies).
-        _wait_for(lambda: not any(b.readers for b in hub._shm._blocks.values()),  # type: ignore[union-attr]
-                  "the actors releasing their blocks")
+        _wait_for(
+            lambda: not any(b.readers for b in hub._shm._blocks.values()),  # type: ignore[union-attr]
+            "the actors releasing their blocks",
+        )
 
         # A killed actor is named; whatever it held is forgotten, and the other goes on.
         kill_actor(fleet[1], CALL_TIMEOUT)
@@ -333,9 +336,13 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
         bump(model)
         scheme.send(worker_ids=[0])
         assert ray.get(fleet[0].state.remote(), timeout=CALL_TIMEOUT) == (
-            scheme.get_sender().version, zmqsync.checksum(model))
-        _wait_for(lambda: not any(1 in b.readers for b in hub._shm._blocks.values()),  # type: ignore[union-attr]
-                  "the dead actor's holds being forgotten")
+            scheme.get_sender().version,
+            zmqsync.checksum(model),
+        )
+        _wait_for(
+            lambda: not any(1 in b.readers for b in hub._shm._blocks.values()),  # type: ignore[union-attr]
+            "the dead actor's holds being forgotten",
+        )
     finally:
         scheme.shutdown()
 
@@ -365,7 +372,9 @@ def test_an_actor_whose_receiver_closes_says_goodbye(actors) -> None:  # type: i
         assert time.monotonic() - start < 5.0  # not the 30 s timeout
         scheme.send(worker_ids=[0])
         assert ray.get(fleet[0].state.remote(), timeout=CALL_TIMEOUT) == (
-            3, zmqsync.checksum(model, scheme.strategy))
+            3,
+            zmqsync.checksum(model, scheme.strategy),
+        )
     finally:
         scheme.shutdown()
 

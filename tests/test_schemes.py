@@ -16,8 +16,15 @@ from zmqsync import NoWeightSyncScheme, SchemaMismatchError, ZMQWeightSyncScheme
 
 def test_public_names_are_pinned() -> None:
     assert sorted(zmqsync.__all__) == zmqsync.__all__
-    assert {"WeightSyncScheme", "ZMQWeightSyncScheme", "NoWeightSyncScheme", "WeightSender",
-            "WeightReceiver", "SyncTimeout", "FrameError"} <= set(zmqsync.__all__)
+    assert {
+        "WeightSyncScheme",
+        "ZMQWeightSyncScheme",
+        "NoWeightSyncScheme",
+        "WeightSender",
+        "WeightReceiver",
+        "SyncTimeout",
+        "FrameError",
+    } <= set(zmqsync.__all__)
     for name in zmqsync.__all__:
         assert hasattr(zmqsync, name), name
 
@@ -27,8 +34,13 @@ def test_error_tree() -> None:
     assert issubclass(zmqsync.FrameError, ValueError)
     assert issubclass(zmqsync.SchemaMismatchError, ValueError)
     assert issubclass(zmqsync.TransportClosed, zmqsync.TransportError)
-    for err in (zmqsync.SyncTimeout, zmqsync.FrameError, zmqsync.TransportError,
-                zmqsync.WeightsRejected, zmqsync.EndpointError):
+    for err in (
+        zmqsync.SyncTimeout,
+        zmqsync.FrameError,
+        zmqsync.TransportError,
+        zmqsync.WeightsRejected,
+        zmqsync.EndpointError,
+    ):
         assert issubclass(err, zmqsync.ZMQSyncError)
 
 
@@ -55,9 +67,13 @@ def test_bad_arguments_are_explained() -> None:
     with pytest.raises(ValueError, match="strategy"):
         ZMQWeightSyncScheme("pickle")  # type: ignore[arg-type]
     with pytest.raises(zmqsync.EndpointError, match="tcp://HOST:PORT"):
-        ZMQWeightSyncScheme(endpoint="localhost:5555").init_on_sender("policy", model=nn.Linear(1, 1))
+        ZMQWeightSyncScheme(endpoint="localhost:5555").init_on_sender(
+            "policy", model=nn.Linear(1, 1)
+        )
     with pytest.raises(zmqsync.EndpointError, match="needs a host and a port"):
-        ZMQWeightSyncScheme(endpoint="tcp://localhost").init_on_sender("policy", model=nn.Linear(1, 1))
+        ZMQWeightSyncScheme(endpoint="tcp://localhost").init_on_sender(
+            "policy", model=nn.Linear(1, 1)
+        )
 
 
 @pytest.mark.parametrize("dumps", [pickle.dumps, cloudpickle.dumps])

@@ -30,7 +30,9 @@ def keys():  # type: ignore[no-untyped-def]
     return server, good, unknown, wrong_server
 
 
-@pytest.mark.parametrize(("hub_cls", "spoke_cls"), [(PubSubHub, PubSubSpoke), (RouterHub, RouterSpoke)])
+@pytest.mark.parametrize(
+    ("hub_cls", "spoke_cls"), [(PubSubHub, PubSubSpoke), (RouterHub, RouterSpoke)]
+)
 def test_transports_pass_the_contract_with_curve(keys, hub_cls, spoke_cls) -> None:  # type: ignore[no-untyped-def]
     server, good, _, _ = keys
 
@@ -46,13 +48,16 @@ def test_transports_pass_the_contract_with_curve(keys, hub_cls, spoke_cls) -> No
 def test_wrong_or_unknown_keys_get_nothing_through(keys, mode) -> None:  # type: ignore[no-untyped-def]
     server, good, unknown, wrong_server = keys
     model = nn.Linear(4, 4)
-    scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint="tcp://127.0.0.1:*",
-                                 timeout=3, curve_server=server)
+    scheme = ZMQWeightSyncScheme(
+        "state_dict", mode=mode, endpoint="tcp://127.0.0.1:*", timeout=3, curve_server=server
+    )
     scheme.init_on_sender("policy", model=model)
     workers = []
     try:
         # A worker with the allowed key syncs.
-        ok = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=scheme.endpoint, curve_client=good)
+        ok = ZMQWeightSyncScheme(
+            "state_dict", mode=mode, endpoint=scheme.endpoint, curve_client=good
+        )
         ok.init_on_receiver(model_id="policy", model=nn.Linear(4, 4), worker_idx=0)
         ok.connect(timeout=10)
         ok.start_receiver_thread()
@@ -63,8 +68,9 @@ def test_wrong_or_unknown_keys_get_nothing_through(keys, mode) -> None:  # type:
         # Unknown client key, or the wrong server key: connect never gets an answer,
         # so no weights are received and no ack or request reaches the sender.
         for bad_keys in (unknown, wrong_server, None):
-            bad = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=scheme.endpoint,
-                                      curve_client=bad_keys)
+            bad = ZMQWeightSyncScheme(
+                "state_dict", mode=mode, endpoint=scheme.endpoint, curve_client=bad_keys
+            )
             bad.init_on_receiver(model_id="policy", model=nn.Linear(4, 4), worker_idx=9)
             workers.append(bad)
             with pytest.raises(SyncTimeout, match="no sender answered"):
@@ -80,9 +86,15 @@ def test_wrong_or_unknown_keys_get_nothing_through(keys, mode) -> None:  # type:
             unknown.apply(dealer)
             push.connect(announced["ack_endpoint"])
             dealer.connect(scheme.endpoint)
-            ack = zmqsync.protocol.Ack("policy", 99, scheme.get_sender().epoch, worker=0, applied=True)
-            push.send_multipart(encode(ack), flags=zmq.NOBLOCK) if push.poll(100, zmq.POLLOUT) else None
-            dealer.send_multipart(encode(StatusRequest()), flags=zmq.NOBLOCK) if dealer.poll(100, zmq.POLLOUT) else None
+            ack = zmqsync.protocol.Ack(
+                "policy", 99, scheme.get_sender().epoch, worker=0, applied=True
+            )
+            push.send_multipart(encode(ack), flags=zmq.NOBLOCK) if push.poll(
+                100, zmq.POLLOUT
+            ) else None
+            dealer.send_multipart(encode(StatusRequest()), flags=zmq.NOBLOCK) if dealer.poll(
+                100, zmq.POLLOUT
+            ) else None
             assert dealer.poll(1000) == 0, "an unauthenticated status request was answered"
         status = scheme.status()
         assert {w["worker"] for w in status["workers"]} == {0}
@@ -115,7 +127,7 @@ def test_key_files_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
     server_pub, server_sec = zmq.auth.create_certificates(tmp_path, "server")
     clients = tmp_path / "clients"
     clients.mkdir()
-    client_pub, client_sec = zmq.auth.create_certificates(clients, "worker")
+    _, client_sec = zmq.auth.create_certificates(clients, "worker")
     server = CurveServer.from_files(server_sec, allowed_clients_dir=clients)
     client = CurveClient.from_files(client_sec, server_public_file=server_pub)
     assert client.server_key == server.public_key

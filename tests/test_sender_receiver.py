@@ -25,19 +25,31 @@ def _model(seed: int) -> nn.Module:
 class Rig:
     """A sender and receivers over the memory transport; receivers run in background."""
 
-    def __init__(self, n: int = 2, *, num_workers: int | None = None, timeout: float = 3.0,
-                 **options) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self, n: int = 2, *, num_workers: int | None = None, timeout: float = 3.0, **options
+    ) -> None:  # type: ignore[no-untyped-def]
         self.model = _model(0)
-        self.sender = WeightSender(MemoryHub(), model=self.model, strategy="state_dict",
-                                   num_workers=num_workers, timeout=timeout, **options)
+        self.sender = WeightSender(
+            MemoryHub(),
+            model=self.model,
+            strategy="state_dict",
+            num_workers=num_workers,
+            timeout=timeout,
+            **options,
+        )
         self.workers: list[tuple[WeightReceiver, nn.Module]] = []
         for i in range(n):
             self.add_worker(i)
 
     def add_worker(self, i: int, *, start: bool = True) -> tuple[WeightReceiver, nn.Module]:
         model = _model(100 + i)
-        receiver = WeightReceiver(MemorySpoke(self.sender.endpoint), model=model,
-                                  strategy="state_dict", worker_idx=i, timeout=5)
+        receiver = WeightReceiver(
+            MemorySpoke(self.sender.endpoint),
+            model=model,
+            strategy="state_dict",
+            worker_idx=i,
+            timeout=5,
+        )
         receiver.connect()
         if start:
             receiver.start()
@@ -125,10 +137,13 @@ def test_duplicates_and_stale_versions_are_ignored_and_counted(rig: Rig) -> None
     # Replay version 1 (stale) and version 2 (duplicate) straight down the transport.
     flat = Flattener("state_dict").flatten(extract(_model(7), "state_dict"))
     for version in (1, 2):
-        frames = encode(Weights("policy", version, rig.sender.epoch, flat.schema, tuple(flat.buffers)))
+        frames = encode(
+            Weights("policy", version, rig.sender.epoch, flat.schema, tuple(flat.buffers))
+        )
         with rig.sender._holding_baton():
             rig.sender.transport.send_frames(frames)
     deadline = time.monotonic() + 5
+
     def ignored() -> int:
         return receiver.stats["duplicates"] + receiver.stats["stale"]
 
@@ -210,8 +225,9 @@ def test_new_epoch_is_followed_and_old_epoch_frames_dropped() -> None:
         flat = Flattener("state_dict").flatten(extract(_model(3), "state_dict"))
         stale = encode(Weights("policy", 99, old_epoch, flat.schema, tuple(flat.buffers)))
         first.close()
-        second = WeightSender(MemoryHub(hub_name), model=_model(1), strategy="state_dict",
-                              num_workers=1, timeout=5)
+        second = WeightSender(
+            MemoryHub(hub_name), model=_model(1), strategy="state_dict", num_workers=1, timeout=5
+        )
         try:
             second.send()
             assert (receiver.epoch, receiver.version) == (second.epoch, 1)
@@ -290,8 +306,12 @@ def test_forward_pass_under_the_lock_never_sees_half_a_version() -> None:
     def forward() -> None:
         while not stop.is_set():
             with receiver.lock:
-                seen.append({float(p.detach().flatten()[0] - q.flatten()[0])
-                             for p, q in zip(model.parameters(), rig_params, strict=True)})
+                seen.append(
+                    {
+                        float(p.detach().flatten()[0] - q.flatten()[0])
+                        for p, q in zip(model.parameters(), rig_params, strict=True)
+                    }
+                )
 
     with torch.no_grad():
         for p in rig.model.parameters():
@@ -324,8 +344,9 @@ def test_status_reports_the_fleet(rig: Rig) -> None:
     assert totals["versions_sent"] == 1 and totals["latency_p50_s"] is not None
 
 
-def _inproc_fleet(name: str, strategy: str, receivers: list[WeightReceiver]
-                  ) -> tuple[PubSubHub, WeightSender, nn.Module]:
+def _inproc_fleet(
+    name: str, strategy: str, receivers: list[WeightReceiver]
+) -> tuple[PubSubHub, WeightSender, nn.Module]:
     """A ZeroMQ sender over inproc and 2 background receivers (appended to
     ``receivers`` as they start, so the caller closes whatever started)."""
     hub = PubSubHub(f"inproc://{name}")
@@ -333,8 +354,12 @@ def _inproc_fleet(name: str, strategy: str, receivers: list[WeightReceiver]
     sender = WeightSender(hub, model=model, strategy=strategy, num_workers=2, timeout=5)
     try:
         for i in range(2):
-            r = WeightReceiver(PubSubSpoke(hub.endpoint, identity=str(i)), model=_model(i + 1),
-                               strategy=strategy, worker_idx=i)
+            r = WeightReceiver(
+                PubSubSpoke(hub.endpoint, identity=str(i)),
+                model=_model(i + 1),
+                strategy=strategy,
+                worker_idx=i,
+            )
             receivers.append(r)
             r.connect()
             r.start()
@@ -390,20 +415,30 @@ def test_one_sender_serves_a_mixed_fleet(tmp_path) -> None:  # type: ignore[no-u
 
     memory, zmq_hub = MemoryHub(), PubSubHub(f"ipc://{tmp_path}/mixed")
     model = _model(0)
-    sender = WeightSender([memory, zmq_hub], model=model, strategy="state_dict",
-                          num_workers=5, timeout=2.0)
+    sender = WeightSender(
+        [memory, zmq_hub], model=model, strategy="state_dict", num_workers=5, timeout=2.0
+    )
     receivers: list[WeightReceiver] = []
     try:
-        for i, spoke in enumerate([MemorySpoke(memory.endpoint), MemorySpoke(memory.endpoint),
-                                   PubSubSpoke(zmq_hub.endpoint, identity="2"),
-                                   PubSubSpoke(zmq_hub.endpoint, identity="3")]):
+        for i, spoke in enumerate(
+            [
+                MemorySpoke(memory.endpoint),
+                MemorySpoke(memory.endpoint),
+                PubSubSpoke(zmq_hub.endpoint, identity="2"),
+                PubSubSpoke(zmq_hub.endpoint, identity="3"),
+            ]
+        ):
             r = WeightReceiver(spoke, model=_model(10 + i), strategy="state_dict", worker_idx=i)
             r.connect()
             r.start()
             receivers.append(r)
         # Worker ids are unique across the fleet: a second worker 1 on the other hub is refused.
-        clash = WeightReceiver(PubSubSpoke(zmq_hub.endpoint, identity="1"), model=_model(9),
-                               strategy="state_dict", worker_idx=1)
+        clash = WeightReceiver(
+            PubSubSpoke(zmq_hub.endpoint, identity="1"),
+            model=_model(9),
+            strategy="state_dict",
+            worker_idx=1,
+        )
         with pytest.raises(ZMQSyncError, match="worker ids must be unique"):
             clash.connect(timeout=5)
         clash.close()
@@ -437,8 +472,12 @@ def test_workers_without_ids_are_assigned_the_lowest_free_ones() -> None:
     hub = MemoryHub()
     # Heartbeats every 0.1 s: a worker unheard for 3 of them has left, and its id is free.
     sender = WeightSender(hub, model=_model(0), strategy="state_dict", timeout=5, heartbeat=0.1)
-    receivers = [WeightReceiver(MemorySpoke(hub.endpoint), model=_model(i), strategy="state_dict",
-                                worker_idx=None) for i in range(3)]
+    receivers = [
+        WeightReceiver(
+            MemorySpoke(hub.endpoint), model=_model(i), strategy="state_dict", worker_idx=None
+        )
+        for i in range(3)
+    ]
     try:
         for r in receivers:
             r.connect()
@@ -448,8 +487,9 @@ def test_workers_without_ids_are_assigned_the_lowest_free_ones() -> None:
         assert all(r.version == 1 for r in receivers)
         receivers[1].close()
         time.sleep(0.5)  # outlive the closed worker's liveness window (3 heartbeats)
-        late = WeightReceiver(MemorySpoke(hub.endpoint), model=_model(7), strategy="state_dict",
-                              worker_idx=None)
+        late = WeightReceiver(
+            MemorySpoke(hub.endpoint), model=_model(7), strategy="state_dict", worker_idx=None
+        )
         receivers.append(late)
         late.connect()
         assert late.worker_idx == receivers[1].worker_idx and late.version == 1
@@ -537,7 +577,8 @@ def test_the_pump_waits_holding_nothing_and_sends_do_not_wake_it(monkeypatch) ->
 
 
 def test_a_worker_keeps_the_last_versions_buffers_until_the_next_arrives(
-    tmp_path, monkeypatch  # type: ignore[no-untyped-def]
+    tmp_path,
+    monkeypatch,  # type: ignore[no-untyped-def]
 ) -> None:
     """Freed at once, a version's receive buffers go back to the kernel and the next
     version faults its pages in again; so a worker holds them until the next version is
@@ -549,11 +590,13 @@ def test_a_worker_keeps_the_last_versions_buffers_until_the_next_arrives(
 
     model = {"big": torch.randn(128, 1024), "small": torch.randn(8)}  # 512 KiB + 32 B
     hub = PubSubHub(f"ipc://{tmp_path}/hold")
-    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=1, timeout=5,
-                          retain_snapshot=False)
+    sender = WeightSender(
+        hub, model=model, strategy="state_dict", num_workers=1, timeout=5, retain_snapshot=False
+    )
     worker = {k: torch.zeros_like(v) for k, v in model.items()}
-    receiver = WeightReceiver(PubSubSpoke(hub.endpoint, identity="0"), model=worker,
-                              strategy="state_dict", worker_idx=0)
+    receiver = WeightReceiver(
+        PubSubSpoke(hub.endpoint, identity="0"), model=worker, strategy="state_dict", worker_idx=0
+    )
     try:
         receiver.connect()
         receiver.start()
@@ -587,8 +630,9 @@ def test_a_worker_holds_nothing_of_versions_read_from_shared_memory(tmp_path) ->
     hub = PubSubHub(f"ipc://{tmp_path}/lent")
     sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=1, timeout=5)
     worker = {"big": torch.zeros(128, 1024)}
-    receiver = WeightReceiver(PubSubSpoke(hub.endpoint, identity="0"), model=worker,
-                              strategy="state_dict", worker_idx=0)
+    receiver = WeightReceiver(
+        PubSubSpoke(hub.endpoint, identity="0"), model=worker, strategy="state_dict", worker_idx=0
+    )
     try:
         receiver.connect()
         receiver.start()
@@ -597,7 +641,9 @@ def test_a_worker_holds_nothing_of_versions_read_from_shared_memory(tmp_path) ->
             sender.send()
             assert torch.equal(worker["big"], model["big"])
             assert receiver._held == []
-        assert hub.counters().get("shm_bytes", 0) > 0, "the version did not go through shared memory"
+        assert hub.counters().get("shm_bytes", 0) > 0, (
+            "the version did not go through shared memory"
+        )
     finally:
         receiver.close()
         sender.close()
@@ -615,11 +661,23 @@ def test_a_sender_that_packs_nothing_sends_every_tensor_from_its_own_memory() ->
     )
 
     hub = PubSubHub("tcp://127.0.0.1:*")
-    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=1, timeout=5,
-                          pack_threshold=0, retain_snapshot=False)
+    sender = WeightSender(
+        hub,
+        model=model,
+        strategy="state_dict",
+        num_workers=1,
+        timeout=5,
+        pack_threshold=0,
+        retain_snapshot=False,
+    )
     target = _model(1)
-    receiver = WeightReceiver(PubSubSpoke(hub.endpoint, identity="0"), model=target,
-                              strategy="state_dict", worker_idx=0, timeout=5)
+    receiver = WeightReceiver(
+        PubSubSpoke(hub.endpoint, identity="0"),
+        model=target,
+        strategy="state_dict",
+        worker_idx=0,
+        timeout=5,
+    )
     try:
         assert hub._pub.copy_threshold == 0 and hub._router.copy_threshold == 0
         receiver.connect()

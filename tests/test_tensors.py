@@ -19,16 +19,31 @@ from zmqsync.tensors import (
 )
 
 ALL_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 ]
 
 
 def _wire(tensors, strategy, **kw):  # type: ignore[no-untyped-def]
     flat = Flattener(strategy, **kw).flatten(tensors)
-    frames = encode(Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes)
+    frames = encode(
+        Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes
+    )
     return decode([bytes(f) for f in frames])
 
 
@@ -37,8 +52,14 @@ def _model() -> nn.Module:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.reshape(-1).contiguous().view(torch.uint8),
+            b.reshape(-1).contiguous().view(torch.uint8),
+        )
+    )
 
 
 def test_extract_from_every_source_kind() -> None:
@@ -50,7 +71,8 @@ def test_extract_from_every_source_kind() -> None:
     assert extract(None, "state_dict", model=model).keys() == sd.keys()
     assert extract(TensorDict.from_module(model), "tensordict").keys() == td.keys()
     assert extract(TensorDict.from_module(model), "state_dict").keys() == {
-        (".".join(k),) for k in td}
+        (".".join(k),) for k in td
+    }
     nested = {"a": {"b": torch.ones(2)}, "c": torch.zeros(1)}
     assert set(extract(nested, "tensordict")) == {("a", "b"), ("c",)}
     assert set(extract(nested, "state_dict")) == {("a.b",), ("c",)}
@@ -61,7 +83,7 @@ def test_extract_from_every_source_kind() -> None:
 def test_extract_errors_say_what_to_pass() -> None:
     with pytest.raises(ValueError, match="give the scheme a model"):
         extract(None, "state_dict")
-    with pytest.raises(TypeError, match="pass an nn.Module"):
+    with pytest.raises(TypeError, match=r"pass an nn\.Module"):
         extract(42, "state_dict")
     with pytest.raises(TypeError, match="'x' is a str"):
         extract({"x": "nope"}, "state_dict")
@@ -109,8 +131,11 @@ def test_received_weights_alias_nothing() -> None:
     [
         (lambda sd: sd.pop("2.0.bias"), "lack '2.0.bias'", "2.0.bias"),
         (lambda sd: sd.__setitem__("extra", torch.ones(1)), "carry 'extra'", "extra"),
-        (lambda sd: sd.__setitem__("0.weight", torch.ones(4, 3, dtype=torch.float64)),
-         "float64 in the weights but float32", "0.weight"),
+        (
+            lambda sd: sd.__setitem__("0.weight", torch.ones(4, 3, dtype=torch.float64)),
+            "float64 in the weights but float32",
+            "0.weight",
+        ),
         (lambda sd: sd.__setitem__("0.weight", torch.ones(3, 4)), r"shape \[3, 4\]", "0.weight"),
     ],
 )
@@ -214,7 +239,11 @@ def test_both_copy_paths_land_every_dtype_in_place(serial: bool, pack_threshold:
 def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
     from zmqsync.tensors import ModelTensors
 
-    model = {"big": torch.zeros(64, 64), "small": torch.zeros(3), "flag": torch.zeros(2, dtype=torch.bool)}
+    model = {
+        "big": torch.zeros(64, 64),
+        "small": torch.zeros(3),
+        "flag": torch.zeros(2, dtype=torch.bool),
+    }
     cache, flattener = ModelTensors("state_dict"), Flattener("state_dict", pack_threshold=1024)
     first = flattener.flatten(cache.get(model))
     model["big"].add_(1)
@@ -231,8 +260,9 @@ def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
     flattener = Flattener("state_dict", pack_threshold=1024)
     flattener.flatten(cache.get(strided))
     strided["t"].add_(5)
-    assert torch.equal(materialize(_decoded(flattener.flatten(cache.get(strided))))[("t",)],
-                       strided["t"])
+    assert torch.equal(
+        materialize(_decoded(flattener.flatten(cache.get(strided))))[("t",)], strided["t"]
+    )
     # A tensor reshaped in place is seen.
     module = nn.Linear(4, 4)
     cache = ModelTensors("state_dict")
@@ -247,10 +277,10 @@ def test_a_snapshot_keeps_the_buffers_flattening_made_and_copies_the_rest() -> N
     already: the snapshot keeps them (no second copy). A large tensor the caller owns
     is copied, and the snapshot never changes with the model."""
     model = {
-        "big": torch.randn(64, 64),                # 16 KiB: a frame viewing the model
-        "strided": torch.randn(64, 64).t(),        # made contiguous: a copy
-        "small": torch.randn(3),                   # packed
-        "flag": torch.ones(2, dtype=torch.bool),   # packed, another dtype
+        "big": torch.randn(64, 64),  # 16 KiB: a frame viewing the model
+        "strided": torch.randn(64, 64).t(),  # made contiguous: a copy
+        "small": torch.randn(3),  # packed
+        "flag": torch.ones(2, dtype=torch.bool),  # packed, another dtype
     }
     flat = Flattener("state_dict", pack_threshold=1024).flatten(extract(model, "state_dict"))
     # buffers: big, strided's copy, then the pack
@@ -281,5 +311,7 @@ def test_a_snapshot_keeps_the_buffers_flattening_made_and_copies_the_rest() -> N
 
 
 def _decoded(flat):  # type: ignore[no-untyped-def]
-    frames = encode(Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes)
+    frames = encode(
+        Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes
+    )
     return decode([bytes(f) for f in frames])

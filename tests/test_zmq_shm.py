@@ -89,8 +89,9 @@ def _release(hub: ZMQHub, spokes: list[ZMQSpoke], n: int) -> None:
     before = hub.counters().get("shm_releases", 0)
     for spoke in spokes:
         assert spoke.recv_frames(0) is None  # any receive or send flushes releases first
-    _pump(hub, spokes, lambda: hub.counters().get("shm_releases", 0) >= before + n,
-          f"{n} release(s)")
+    _pump(
+        hub, spokes, lambda: hub.counters().get("shm_releases", 0) >= before + n, f"{n} release(s)"
+    )
 
 
 def _first_version(hub: ZMQHub, spokes: list[ZMQSpoke]) -> tuple[bytes, list[Any], Any, list[Any]]:
@@ -195,20 +196,39 @@ def test_a_peer_that_cannot_open_the_blocks_gets_every_byte_inline(
     learner's /proc entries: it declines the offer and gets the same bytes inline,
     while a worker that can reads them in place."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.fail("this test needs root and unshare(1) (util-linux) to start a worker in a "
-                    "pid namespace of its own: run the suite as root, as the netns tests need")
+        pytest.fail(
+            "this test needs root and unshare(1) (util-linux) to start a worker in a "
+            "pid namespace of its own: run the suite as root, as the netns tests need"
+        )
     hub, (local,) = _fleet(mode, tmp_path, 1)
     try:
         _join(hub, [local])
         proc = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-             _NAMESPACED_SPOKE, mode, hub.endpoint, json.dumps(hub.announce())],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                sys.executable,
+                "-c",
+                _NAMESPACED_SPOKE,
+                mode,
+                hub.endpoint,
+                json.dumps(hub.announce()),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         try:
             # Its hello, then its refusal of the offer (which the hub keeps to itself).
-            got = _pump(hub, [local], lambda: hub.counters().get("shm_declined") == 1,
-                        "the namespaced worker", 60.0)
+            got = _pump(
+                hub,
+                [local],
+                lambda: hub.counters().get("shm_declined") == 1,
+                "the namespaced worker",
+                60.0,
+            )
             assert got == [[b"hello"]]
             payload = os.urandom(PAYLOAD)
             frames = _shared(hub, payload)
@@ -284,8 +304,12 @@ def test_forged_and_malformed_records_are_counted_and_change_nothing(
         releases = hub.counters().get("shm_releases", 0)
         ack = encode(Ack("policy", 1, 1, 0, True))
         spokes[0].send_frames(ack)
-        acks = _pump(hub, spokes, lambda: hub.counters().get("shm_releases", 0) > releases,
-                     "the release in front of the ack")
+        acks = _pump(
+            hub,
+            spokes,
+            lambda: hub.counters().get("shm_releases", 0) > releases,
+            "the release in front of the ack",
+        )
         acks += _pump(hub, spokes, lambda: bool(acks), "the ack")
         assert acks == [[bytes(f) for f in ack]]
         assert not block.readers
@@ -336,9 +360,15 @@ def test_a_peer_holding_a_block_past_its_lease_is_dropped_and_the_block_never_re
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("endpoint", "shared_memory", "expected"), [
-    ("ipc", None, True), ("ipc", False, False), ("tcp", None, False), ("tcp", True, True),
-])
+@pytest.mark.parametrize(
+    ("endpoint", "shared_memory", "expected"),
+    [
+        ("ipc", None, True),
+        ("ipc", False, False),
+        ("tcp", None, False),
+        ("tcp", True, True),
+    ],
+)
 def test_shared_memory_is_on_for_ipc_unless_asked_otherwise(
     endpoint: str, shared_memory: bool | None, expected: bool, tmp_path: Any
 ) -> None:

@@ -156,17 +156,29 @@ class WeightReceiver:
         deadline = time.monotonic() + timeout
         endpoint = getattr(self._spoke, "endpoint", "")
         self._session = secrets.token_hex(8)  # its repeated Hellos are one attempt
-        self._wait(deadline, lambda: self._welcomed, self._send_hello,
-                   f"no sender answered at {endpoint} within {timeout:g}s: is the learner running "
-                   "and the endpoint right?")
+        self._wait(
+            deadline,
+            lambda: self._welcomed,
+            self._send_hello,
+            f"no sender answered at {endpoint} within {timeout:g}s: is the learner running "
+            "and the endpoint right?",
+        )
         self._probe_nonce = secrets.token_hex(8)
         self._probe_ok = False
-        self._wait(deadline, lambda: self._probe_ok, self._send_probe,
-                   f"the sender at {endpoint} answered but its fan-out never reached this worker "
-                   f"within {timeout:g}s (blocked data port?)")
+        self._wait(
+            deadline,
+            lambda: self._probe_ok,
+            self._send_probe,
+            f"the sender at {endpoint} answered but its fan-out never reached this worker "
+            f"within {timeout:g}s (blocked data port?)",
+        )
         self._caught_up = False
-        self._wait(deadline, lambda: self._caught_up, self._send_snapshot_request,
-                   f"the sender at {endpoint} did not send its latest version within {timeout:g}s")
+        self._wait(
+            deadline,
+            lambda: self._caught_up,
+            self._send_snapshot_request,
+            f"the sender at {endpoint} did not send its latest version within {timeout:g}s",
+        )
         self._last_heartbeat = time.monotonic()
 
     def _wait(self, deadline: float, done: Any, ask: Any, message: str) -> None:
@@ -190,14 +202,25 @@ class WeightReceiver:
 
     def _send_hello(self) -> None:
         worker = AUTO_WORKER if self.worker_idx is None else self.worker_idx
-        self._send(Hello(self.model_id, self.version, self.epoch, worker, self._pid, self._host,
-                         self._session))
+        self._send(
+            Hello(
+                self.model_id,
+                self.version,
+                self.epoch,
+                worker,
+                self._pid,
+                self._host,
+                self._session,
+            )
+        )
 
     def _send_probe(self) -> None:
-        self._send(ProbeRequest(self.model_id, self.worker_idx, self._probe_nonce))
+        if self.worker_idx is not None:  # probes follow the Welcome that assigns it
+            self._send(ProbeRequest(self.model_id, self.worker_idx, self._probe_nonce))
 
     def _send_snapshot_request(self) -> None:
-        self._send(SnapshotRequest(self.model_id, self.version, self.epoch, self.worker_idx))
+        if self.worker_idx is not None:  # heartbeats follow the Welcome that assigns it
+            self._send(SnapshotRequest(self.model_id, self.version, self.epoch, self.worker_idx))
 
     # --- receiving -------------------------------------------------------------------
 
@@ -288,7 +311,9 @@ class WeightReceiver:
             self._rejected(f"malformed message: {exc}")
             return None
         if message.model_id != self.model_id:
-            self._rejected(f"message for model {message.model_id!r}; this worker holds {self.model_id!r}")
+            self._rejected(
+                f"message for model {message.model_id!r}; this worker holds {self.model_id!r}"
+            )
             return None
         return message
 
@@ -305,8 +330,9 @@ class WeightReceiver:
                 self._rejected(
                     f"sender uses strategy {message.strategy!r}, this worker {self.strategy!r}"
                 )
-            self._spoke.follow({"data_endpoint": message.data_endpoint,
-                                "ack_endpoint": message.ack_endpoint})
+            self._spoke.follow(
+                {"data_endpoint": message.data_endpoint, "ack_endpoint": message.ack_endpoint}
+            )
             self._heartbeat = message.heartbeat_seconds
             self._sender_epoch = message.epoch
             self._welcomed = True
@@ -353,8 +379,12 @@ class WeightReceiver:
                     self.weights = as_weights_object(materialize(message), self.strategy)
             except SchemaMismatchError as exc:
                 self._rejected(f"version {message.version}: {exc}")
-                return {"applied": False, "reason": str(exc), "version": message.version,
-                        "epoch": message.epoch}
+                return {
+                    "applied": False,
+                    "reason": str(exc),
+                    "version": message.version,
+                    "epoch": message.epoch,
+                }
             if message.epoch != self.epoch:
                 if self.epoch:
                     self._retired.append(self.epoch)
@@ -368,8 +398,16 @@ class WeightReceiver:
         self._caught_up = True
         return {"applied": True}
 
-    def _ack(self, *, applied: bool, reason: str = "", version: int | None = None,
-             epoch: int | None = None) -> None:
+    def _ack(
+        self,
+        *,
+        applied: bool,
+        reason: str = "",
+        version: int | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        if self.worker_idx is None:
+            return  # not yet welcomed: no send waits on a worker without a number
         self._send(
             Ack(
                 self.model_id,
@@ -378,9 +416,9 @@ class WeightReceiver:
                 worker=self.worker_idx,
                 applied=applied,
                 reason=reason[:1000],
-                received_bytes=self.stats["received_bytes"],
+                received_bytes=int(self.stats["received_bytes"]),
                 apply_seconds=self.stats["last_apply_s"],
-                rejected_frames=self.stats["rejected_frames"],
+                rejected_frames=int(self.stats["rejected_frames"]),
                 pid=self._pid,
                 host=self._host,
             )
@@ -441,8 +479,9 @@ class WeightReceiver:
         if not self._io_lock.acquire(blocking=False):
             return
         try:
-            self._send(Goodbye(self.model_id, self.version, self.epoch, self.worker_idx,
-                               self._session))
+            self._send(
+                Goodbye(self.model_id, self.version, self.epoch, self.worker_idx, self._session)
+            )
         except Exception:  # a closed or broken transport: the sender finds out anyway
             log.debug("could not say goodbye to the sender", exc_info=True)
         finally:

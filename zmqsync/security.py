@@ -86,7 +86,7 @@ class CurveServer:
 
     def start_authenticator(self, context: zmq.Context[Any]) -> ThreadAuthenticator:
         """The ZAP handler that accepts exactly ``allowed_clients`` (any, when None)."""
-        auth = ThreadAuthenticator(context, log=None)  # type: ignore[arg-type]
+        auth = ThreadAuthenticator(context, log=None)
         auth.start()
         if self.allowed_clients is None:
             auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)

@@ -109,7 +109,7 @@ class _Pending:
     flat: Flat = field(repr=False)
     acked: set[int] = field(default_factory=set)
     rejected: dict[int, str] = field(default_factory=dict)
-    snapshot: concurrent.futures.Future[None] | None = None
+    snapshot: concurrent.futures.Future[list[Buffer]] | None = None
     #: Targets chosen as "every live worker" (``num_workers=None``, no ``worker_ids``):
     #: a target that says goodbye meanwhile is no longer waited for.
     dynamic: bool = False
@@ -190,8 +190,14 @@ class WeightSender:
         self._workers: dict[int, WorkerInfo] = {}
         self._started = time.monotonic()
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._totals = {"versions_sent": 0, "bytes_sent": 0, "timeouts": 0, "rejected_frames": 0,
-                        "goodbyes": 0, "stray_goodbyes": 0}
+        self._totals = {
+            "versions_sent": 0,
+            "bytes_sent": 0,
+            "timeouts": 0,
+            "rejected_frames": 0,
+            "goodbyes": 0,
+            "stray_goodbyes": 0,
+        }
         self._reasons: deque[str] = deque(maxlen=REASONS_KEPT)
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
@@ -235,7 +241,9 @@ class WeightSender:
             if self._async_pending:
                 raise RuntimeError("a send_async() is still pending: call wait_async() first")
             # One hub: keep it from the first frame to the last ack (one thread handoff).
-            with self._runners[0].holding() if len(self._runners) == 1 else contextlib.nullcontext():
+            with (
+                self._runners[0].holding() if len(self._runners) == 1 else contextlib.nullcontext()
+            ):
                 pending = self._start(weights, worker_ids, wait=True)
                 self._finish(pending)
 
@@ -288,8 +296,9 @@ class WeightSender:
                 )
         return frozenset(ids)
 
-    def _start(self, weights: Any, worker_ids: int | list[int] | None, *,
-               wait: bool = False) -> _Pending:
+    def _start(
+        self, weights: Any, worker_ids: int | list[int] | None, *, wait: bool = False
+    ) -> _Pending:
         self._check_open()
         targets = self._targets(worker_ids)
         source = self.model if weights is None else weights
@@ -310,8 +319,15 @@ class WeightSender:
             message = Weights(self.model_id, version, self.epoch, flat.schema, tuple(flat.buffers))
             frames = encode(message, schema_bytes=flat.schema_bytes)
         now = time.monotonic()
-        pending = _Pending(version, targets, now, now + self.timeout, frames, flat,
-                           dynamic=worker_ids is None and self.num_workers is None)
+        pending = _Pending(
+            version,
+            targets,
+            now,
+            now + self.timeout,
+            frames,
+            flat,
+            dynamic=worker_ids is None and self.num_workers is None,
+        )
         with self._cond:
             self.version = version
             self._pending = pending
@@ -414,8 +430,11 @@ class WeightSender:
         knows they are gone for good."""
         with self._cond:
             left = {w for w in workers if w in self._workers and self._workers[w].left is not None}
-            where = {w: (self._workers[w].hub, self._workers[w].peer)
-                     for w in workers if w in self._workers and self._workers[w].peer is not None}
+            where = {
+                w: (self._workers[w].hub, self._workers[w].peer)
+                for w in workers
+                if w in self._workers and self._workers[w].peer is not None
+            }
         lost = {i: self._runners[i].hub.lost_peers() for i in {h for h, _ in where.values()}}
         return left | {w for w, (h, peer) in where.items() if peer in lost[h]}
 
@@ -436,7 +455,9 @@ class WeightSender:
             missing = pending.missing
             rejected = dict(pending.rejected)
         if self._pump_error is not None:
-            raise TransportError(f"the sender's transport failed: {self._pump_error}") from self._pump_error
+            raise TransportError(
+                f"the sender's transport failed: {self._pump_error}"
+            ) from self._pump_error
         if missing:
             self._totals["timeouts"] += 1
             # Messages still queued for the missing workers point into weights the caller
@@ -445,8 +466,12 @@ class WeightSender:
             for runner in self._runners:
                 with runner.holding():
                     runner.hub.purge()
-            raise SyncTimeout(self._timeout_message(pending, missing), missing_workers=missing,
-                              version=pending.version, transports=self._transport_names(missing))
+            raise SyncTimeout(
+                self._timeout_message(pending, missing),
+                missing_workers=missing,
+                version=pending.version,
+                transports=self._transport_names(missing),
+            )
         if rejected:
             details = "; ".join(f"worker {w}: {r}" for w, r in sorted(rejected.items()))
             raise WeightsRejected(
@@ -458,7 +483,10 @@ class WeightSender:
 
     def _transport_names(self, workers: Iterable[int]) -> dict[int, str]:
         with self._cond:
-            return {w: (self._workers[w].transport if w in self._workers else self.mode) for w in workers}
+            return {
+                w: (self._workers[w].transport if w in self._workers else self.mode)
+                for w in workers
+            }
 
     def _timeout_message(self, pending: _Pending, missing: set[int]) -> str:
         now = time.monotonic()
@@ -478,8 +506,14 @@ class WeightSender:
             with self._cond:
                 left = {w for w in gone if self._workers[w].left is not None}
             parts = [
-                part + (" (it said goodbye: its receiver closed)" if w in left
-                        else " (its transport says it is gone)" if w in gone else "")
+                part
+                + (
+                    " (it said goodbye: its receiver closed)"
+                    if w in left
+                    else " (its transport says it is gone)"
+                    if w in gone
+                    else ""
+                )
                 for w, part in zip(sorted(missing), parts, strict=True)
             ]
         waited = "" if gone == missing else f" within {self.timeout:g}s"
@@ -519,14 +553,21 @@ class WeightSender:
             message = decode(incoming.frames)
         except FrameError as exc:
             self._reject(f"malformed message: {exc}")
-            self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "malformed", str(exc)[:500]))
+            self._reply(
+                hub, incoming.peer, ErrorMessage(self.model_id, "malformed", str(exc)[:500])
+            )
             return
         if isinstance(message, StatusRequest):
-            self._reply(hub, incoming.peer,
-                        StatusReply(self.model_id, self.version, self.epoch, self.status()))
+            self._reply(
+                hub,
+                incoming.peer,
+                StatusReply(self.model_id, self.version, self.epoch, self.status()),
+            )
             return
         if message.model_id != self.model_id:
-            reason = f"message for model {message.model_id!r} reached the sender of {self.model_id!r}"
+            reason = (
+                f"message for model {message.model_id!r} reached the sender of {self.model_id!r}"
+            )
             self._reject(reason)
             self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "wrong-model", reason))
             return
@@ -582,8 +623,9 @@ class WeightSender:
         that id, or another hub's worker still holds it (heard from within three
         heartbeats)."""
         now = time.monotonic()
-        if any(worker in other.hub.reserved_workers()
-               for other in self._runners if other is not runner):
+        if any(
+            worker in other.hub.reserved_workers() for other in self._runners if other is not runner
+        ):
             return False
         with self._cond:
             info = self._workers.get(worker)
@@ -675,9 +717,7 @@ class WeightSender:
     ) -> None:
         info = self._seen(request.worker)
         fresh = (
-            request.epoch != self.epoch
-            or request.version == 0
-            or request.version < info.joining_to
+            request.epoch != self.epoch or request.version == 0 or request.version < info.joining_to
         )
         behind = fresh or request.version < self.version
         # A worker left out of a targeted send stays behind (worker_ids means exactly
@@ -747,12 +787,21 @@ class WeightSender:
 
         with self._cond:
             expected = set(range(self.num_workers)) if self.num_workers is not None else set()
-            workers = []
+            workers: list[dict[str, Any]] = []
             for w in sorted(expected | self._workers.keys()):
                 info = self._workers.get(w)
                 if info is None:
-                    workers.append({"worker": w, "connected": False, "live": False, "left": False,
-                                    "expected": True, "version": 0, "lag": self.version})
+                    workers.append(
+                        {
+                            "worker": w,
+                            "connected": False,
+                            "live": False,
+                            "left": False,
+                            "expected": True,
+                            "version": 0,
+                            "lag": self.version,
+                        }
+                    )
                     continue
                 version = info.version if info.epoch in (self.epoch, 0) else 0
                 workers.append(

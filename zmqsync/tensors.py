@@ -192,7 +192,9 @@ class ModelTensors:
         ):
             return False
         count = sum(
-            t is not None for m in modules for table in (m._parameters, m._buffers)
+            t is not None
+            for m in modules
+            for table in (m._parameters, m._buffers)
             for t in table.values()
         )
         return count == len(self._owners) and all(
@@ -221,7 +223,9 @@ def _walk(mapping: Mapping[Any, Any], prefix: KeyPath) -> Iterable[tuple[KeyPath
 
 def _as_tensor(path: KeyPath, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"weights entry {'.'.join(path)!r} is a {type(value).__name__}, not a tensor")
+        raise TypeError(
+            f"weights entry {'.'.join(path)!r} is a {type(value).__name__}, not a tensor"
+        )
     return value.detach()
 
 
@@ -379,7 +383,7 @@ class Flattener:
             # cat would reshape each tensor again and may wake its thread pool).
             packed = np.concatenate(self._pack)
             keepalive.append(torch.from_numpy(packed))
-            buffers.append(memoryview(packed))
+            buffers.append(packed.data)
             nbytes += packed.nbytes
             private = private | {len(buffers) - 1}  # nobody writes it again: a snapshot keeps it
         assert self._schema is not None
@@ -411,7 +415,7 @@ class Flattener:
         self._big_private = frozenset(copied)
         # The large tensors' bytes, as the frames that carry them: the same views every
         # version while the tensors keep their storage.
-        self._big_views = [memoryview(v.numpy()) for v in self._big]
+        self._big_views = [v.numpy().data for v in self._big]
         self._big_nbytes = sum(v.numel() for v in self._big)
         self._pack = []
         offset = 0
@@ -511,7 +515,7 @@ class Flattener:
                 outs.append(dst)
             _synchronize(staged.devices)
         assert self._schema is not None
-        buffers: list[Buffer] = [memoryview(o.numpy()).toreadonly() for o in outs]
+        buffers: list[Buffer] = [o.numpy().data.toreadonly() for o in outs]
         return Flat(self._schema, self._schema_bytes, buffers, staged.nbytes, outs, owned=True)
 
     def _layout(
@@ -550,7 +554,9 @@ def _entry_bytes(views: list[torch.Tensor | None], entry: TensorEntry) -> torch.
     return view[entry.offset : entry.offset + entry.nbytes]
 
 
-def check_fits(schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], strategy: str) -> None:
+def check_fits(
+    schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], strategy: str
+) -> None:
     """Raise :class:`SchemaMismatchError` unless ``schema`` fits ``target`` exactly."""
     if schema.strategy != strategy:
         raise SchemaMismatchError(
@@ -567,7 +573,9 @@ def check_fits(schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], st
     for e in schema.entries:
         dest = target.get(e.key)
         if dest is None:
-            raise SchemaMismatchError(f"weights carry {e.dotted_key!r}, which the model lacks", key=e.dotted_key)
+            raise SchemaMismatchError(
+                f"weights carry {e.dotted_key!r}, which the model lacks", key=e.dotted_key
+            )
         if dtype_name(dest.dtype) != e.dtype:
             raise SchemaMismatchError(
                 f"{e.dotted_key!r} is {e.dtype} in the weights but {dtype_name(dest.dtype)} "
@@ -645,8 +653,9 @@ class ApplyPlan:
     worker receiving 2,000 small tensors per version does no per-tensor Python work.
     """
 
-    def __init__(self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor],
-                 strategy: str) -> None:
+    def __init__(
+        self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], strategy: str
+    ) -> None:
         check_fits(schema, target, strategy)
         self.schema = schema
         self.target = target
@@ -666,9 +675,11 @@ class ApplyPlan:
                 by_buffer.setdefault(e.buffer, []).append(e)
             else:
                 self._device.setdefault((e.buffer, dest.device), []).append(e)
-        self._devices = sorted({d for _, d in self._device} | {
-            dest.device for _, dest in self._slow if dest.device.type != "cpu"
-        }, key=str)
+        self._devices = sorted(
+            {d for _, d in self._device}
+            | {dest.device for _, dest in self._slow if dest.device.type != "cpu"},
+            key=str,
+        )
         self._device_plans = [
             (index, _DevicePlan(entries, [_byte_view(target[e.key]) for e in entries]))
             for (index, _), entries in self._device.items()
@@ -702,9 +713,7 @@ class ApplyPlan:
         # torch views of the frames, for the paths that copy with torch (making them
         # costs more than a small version's serial copies)
         views = (
-            _source_views(message)
-            if not self.serial or self._device_plans or self._slow
-            else []
+            _source_views(message) if not self.serial or self._device_plans or self._slow else []
         )
         with torch.no_grad():
             if self.serial:

@@ -43,7 +43,7 @@ def _b(frames: Sequence[Buffer] | None) -> list[bytes] | None:
     return None if frames is None else [bytes(f) for f in frames]
 
 
-def _hub_recv(hub: HubTransport, timeout: float = ARRIVAL):  # type: ignore[no-untyped-def]
+def _hub_recv(hub: HubTransport, timeout: float = ARRIVAL):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         incoming = hub.recv_frames(max(0.0, deadline - time.monotonic()))
@@ -76,7 +76,9 @@ def _introduce(hub: HubTransport, spokes: Sequence[SpokeTransport]) -> list[Peer
     return peers
 
 
-def _fan_out_until_all(hub: HubTransport, spokes: Sequence[SpokeTransport], frames: list[bytes]) -> None:
+def _fan_out_until_all(
+    hub: HubTransport, spokes: Sequence[SpokeTransport], frames: list[bytes]
+) -> None:
     """Fan-out may miss a spoke whose subscription is not live yet (ZeroMQ's slow
     joiner); like the receiver's probe, repeat until every spoke has one copy."""
     pending = set(range(len(spokes)))

@@ -128,7 +128,9 @@ def _header(
     if not (0 <= version <= _U64_MAX and 0 <= epoch <= _U64_MAX):
         raise ValueError(f"version and epoch must fit in 64 unsigned bits: {version}, {epoch}")
     return (
-        HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, 0, version, epoch, nbufs, len(mid), schema_digest)
+        HEADER.pack(
+            MAGIC, PROTOCOL_VERSION, kind, 0, version, epoch, nbufs, len(mid), schema_digest
+        )
         + mid
     )
 
@@ -164,8 +166,16 @@ def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffe
 def _encode_ack(ack: Ack) -> bytes:
     reason, host = ack.reason.encode(), ack.host.encode()
     try:
-        fixed = ACK_BODY.pack(ack.worker, ack.received_bytes, ack.rejected_frames, ack.pid,
-                              ack.apply_seconds, ack.applied, len(reason), len(host))
+        fixed = ACK_BODY.pack(
+            ack.worker,
+            ack.received_bytes,
+            ack.rejected_frames,
+            ack.pid,
+            ack.apply_seconds,
+            ack.applied,
+            len(reason),
+            len(host),
+        )
     except struct.error as exc:
         raise ValueError(f"an Ack field is out of range: {exc}: {ack!r:.200}") from exc
     return fixed + reason + host
@@ -280,8 +290,19 @@ def _decode_ack(body: bytes, model_id: str, version: int, epoch: int) -> Ack:
     host = body[ACK_BODY.size + n_reason :].decode("utf-8")
     if len(reason) > MAX_TEXT_CHARS or len(host) > MAX_TEXT_CHARS:
         raise FrameError(f"Ack texts are limited to {MAX_TEXT_CHARS} characters")
-    return Ack(model_id, version, epoch, worker, applied == 1, reason, received, seconds, rejected,
-               pid, host)
+    return Ack(
+        model_id,
+        version,
+        epoch,
+        worker,
+        applied == 1,
+        reason,
+        received,
+        seconds,
+        rejected,
+        pid,
+        host,
+    )
 
 
 @functools.cache
@@ -383,7 +404,9 @@ def _parse_schema(body: bytes, nbufs: int) -> WeightsSchema:
 
 def _parse_entry(raw: Any, nbufs: int) -> TensorEntry:
     if not (isinstance(raw, list) and len(raw) == 6):
-        raise FrameError(f"schema entry must be [key, dtype, shape, buffer, offset, nbytes]: {raw!r:.80}")
+        raise FrameError(
+            f"schema entry must be [key, dtype, shape, buffer, offset, nbytes]: {raw!r:.80}"
+        )
     key, dtype, shape, buffer, offset, nbytes = raw
     if not (
         isinstance(key, list)

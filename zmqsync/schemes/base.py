@@ -160,8 +160,9 @@ class WeightSyncScheme:
             return "memory"
         return self._transport_alias
 
-    def create_transport(self, *, role: str = "hub", endpoint: str | None = None,
-                         **options: Any) -> HubTransport | SpokeTransport:
+    def create_transport(
+        self, *, role: str = "hub", endpoint: str | None = None, **options: Any
+    ) -> HubTransport | SpokeTransport:
         """A new transport end: the sender's ``"hub"`` or a worker's ``"spoke"``."""
         endpoint = endpoint if endpoint is not None else self.endpoint
         hub_cls, spoke_cls = resolve(self._alias_for(endpoint))
@@ -196,7 +197,7 @@ class WeightSyncScheme:
         options = {**self.sender_options, **kwargs}
         try:
             self._sender = WeightSender(
-                hub,  # type: ignore[arg-type]
+                hub,
                 model_id=model_id,
                 model=self._model,
                 strategy=self.strategy,
@@ -210,7 +211,9 @@ class WeightSyncScheme:
             raise
         self.endpoint = hub.endpoint
 
-    def _open_hub(self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0) -> HubTransport:
+    def _open_hub(
+        self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0
+    ) -> HubTransport:
         """This scheme's hub for :meth:`init_on_sender`.
 
         Pops from ``kwargs`` what only the hub needs (a pipe scheme's ``pipes=``, a Ray
@@ -273,8 +276,9 @@ class WeightSyncScheme:
 
     # --- receiver side ---------------------------------------------------------------
 
-    def init_on_receiver(self, *, model_id: str = "policy", context: Any = None,
-                         **kwargs: Any) -> None:
+    def init_on_receiver(
+        self, *, model_id: str = "policy", context: Any = None, **kwargs: Any
+    ) -> None:
         """Set up a worker: build its receiver (``connect()`` then joins the fleet).
 
         Args:
@@ -324,8 +328,12 @@ class WeightSyncScheme:
     def create_receiver(self) -> WeightReceiver:
         """The receiver, initialising it with defaults if needed (legacy)."""
         if self._receiver is None:
-            self.init_on_receiver(model_id=self._model_id or "policy", context=self._context,
-                                  model=self._model, worker_idx=self._worker_idx or 0)
+            self.init_on_receiver(
+                model_id=self._model_id or "policy",
+                context=self._context,
+                model=self._model,
+                worker_idx=self._worker_idx or 0,
+            )
         return self.get_receiver()
 
     def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
@@ -379,15 +387,18 @@ class WeightSyncScheme:
 
     # --- local helpers (seeds) -------------------------------------------------------
 
-    def prepare_weights(self, weights: Any, model_id: str, strategy: WeightStrategy | str,
-                        context: Any = None) -> Any:
+    def prepare_weights(
+        self, weights: Any, model_id: str, strategy: WeightStrategy | str, context: Any = None
+    ) -> Any:
         """Resolve ``weights`` (None -> the context's or scheme's model) to a TensorDict
         or state_dict, ready to send."""
         name = strategy if isinstance(strategy, str) else strategy.extract_as
         if weights is None:
             weights = _model_from_context(context, model_id) if context is not None else self._model
         if isinstance(weights, str):
-            weights = _model_from_context(context if context is not None else self._context, weights)
+            weights = _model_from_context(
+                context if context is not None else self._context, weights
+            )
         return WeightStrategy(name).extract_weights(weights)
 
     def apply_weights(self, weights: TensorDictBase | dict[str, Any], inplace: bool = True) -> None:
@@ -398,10 +409,10 @@ class WeightSyncScheme:
         source = extract(weights, self.strategy)
         missing = target.keys() - source.keys()
         if missing:
-            key = ".".join(sorted(missing)[0])
+            name = ".".join(sorted(missing)[0])
             from zmqsync.errors import SchemaMismatchError
 
-            raise SchemaMismatchError(f"weights lack {key!r} that the model has", key=key)
+            raise SchemaMismatchError(f"weights lack {name!r} that the model has", key=name)
         from zmqsync.tensors import Flattener
 
         check_fits(Flattener(self.strategy).flatten(source).schema, target, self.strategy)

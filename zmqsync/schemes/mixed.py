@@ -65,7 +65,9 @@ class MixedWeightSyncScheme(WeightSyncScheme):
         if not schemes:
             raise ValueError("MixedWeightSyncScheme needs at least one member scheme")
         for scheme in schemes:
-            if not isinstance(scheme, WeightSyncScheme) or isinstance(scheme, MixedWeightSyncScheme):
+            if not isinstance(scheme, WeightSyncScheme) or isinstance(
+                scheme, MixedWeightSyncScheme
+            ):
                 raise TypeError(
                     f"members must be zmqsync schemes with a transport (ZMQ, MultiProcess, "
                     f"Ray); got {scheme!r}"
@@ -159,8 +161,9 @@ class MixedWeightSyncScheme(WeightSyncScheme):
         network = [s.endpoint for s in self.schemes if isinstance(s, ZMQWeightSyncScheme)]
         self.endpoint = network[0] if network else self._sender.endpoint
 
-    def init_on_receiver(self, *, model_id: str = "policy", context: Any = None,
-                         **kwargs: Any) -> None:
+    def init_on_receiver(
+        self, *, model_id: str = "policy", context: Any = None, **kwargs: Any
+    ) -> None:
         """Not for a mixed scheme: each worker uses its own transport's member."""
         raise RuntimeError(
             "a worker of a mixed fleet joins through its own transport's scheme: call "

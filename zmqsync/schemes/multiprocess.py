@@ -33,7 +33,7 @@ def _pipes(context: Any, kwargs: dict[str, Any]) -> Pipes:
             "pipes=[...] (the sender's end of one multiprocessing.Pipe() per worker) or a "
             "context with a .pipes attribute"
         )
-    return pipes  # type: ignore[no-any-return]
+    return pipes
 
 
 class MultiProcessWeightSyncScheme(WeightSyncScheme):

@@ -39,8 +39,9 @@ class NoWeightSyncScheme(WeightSyncScheme):
         self._context = context
         self._model = kwargs.get("model")
 
-    def init_on_receiver(self, *, model_id: str = "policy", context: Any = None,
-                         **kwargs: Any) -> None:
+    def init_on_receiver(
+        self, *, model_id: str = "policy", context: Any = None, **kwargs: Any
+    ) -> None:
         self._model_id = model_id
         self._context = context
         self._model = kwargs.get("model")

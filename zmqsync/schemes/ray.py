@@ -107,7 +107,7 @@ def _actors(context: Any, kwargs: dict[str, Any]) -> Sequence[Any] | Mapping[int
             "RayWeightSyncScheme.init_on_sender needs the actors: pass "
             "remote_collectors=[handle, ...] or a context with .remote_collectors"
         )
-    return actors  # type: ignore[no-any-return]
+    return actors
 
 
 class RayWeightSyncScheme(WeightSyncScheme):

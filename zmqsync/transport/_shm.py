@@ -159,9 +159,7 @@ class ShmPool:
     @overload
     def share(self, frames: Sequence[Any]) -> tuple[list[Any], list[Any]]: ...
     @overload
-    def share(
-        self, frames: Sequence[Any], *, copy: bool
-    ) -> tuple[list[Any], list[Any]] | None: ...
+    def share(self, frames: Sequence[Any], *, copy: bool) -> tuple[list[Any], list[Any]] | None: ...
 
     def share(
         self, frames: Sequence[Any], *, copy: bool = True
@@ -313,7 +311,13 @@ class PeerBlocks:
             del self._maps[key]
 
     def view(
-        self, pid: int, block_id: int, fd: int, size: int, start: int, length: int,
+        self,
+        pid: int,
+        block_id: int,
+        fd: int,
+        size: int,
+        start: int,
+        length: int,
         inode: int | None = None,
     ) -> np.ndarray:
         """Bytes ``start .. start + length`` of the block, mapping it first if need be."""

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import zmq
@@ -118,7 +118,7 @@ def derive_endpoint(endpoint: str, suffix: str, port_offset: int) -> str:
     ipc and inproc get a suffix; tcp gets the next ports, or any free port when the main
     one was chosen freely (the real address then travels in the Welcome).
     """
-    scheme, rest = parse_endpoint(endpoint)
+    scheme, _ = parse_endpoint(endpoint)
     if scheme == "tcp":
         m = _TCP.match(endpoint)
         assert m is not None
@@ -210,13 +210,15 @@ def recv_parts(sock: zmq.Socket[Any], *, copy: bool) -> list[Any]:
 
 def _readable(sock: zmq.Socket[Any]) -> bool:
     """Whether a message waits on ``sock`` (reading ZMQ_EVENTS also re-arms its FD)."""
-    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 class _Sockets:
     """A set of sockets, a poller over them, and one wake-up pair for other threads."""
 
-    def __init__(self, context: zmq.Context[Any], curve: CurveServer | CurveClient | None = None) -> None:
+    def __init__(
+        self, context: zmq.Context[Any], curve: CurveServer | CurveClient | None = None
+    ) -> None:
         self.context = context
         self.curve = curve
         self.poller = zmq.Poller()
@@ -282,7 +284,7 @@ def _bind(sock: zmq.Socket[Any], endpoint: str) -> str:
                 port = sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
                 return f"{endpoint.rsplit(':', 1)[0]}:{port}"
             sock.bind(endpoint)
-            return str(sock.last_endpoint.decode())
+            return cast(bytes, sock.last_endpoint).decode()
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                 raise TransportError(
@@ -452,7 +454,9 @@ class ZMQHub(HubTransport):
         """The sockets weights go out on (their ``copy_threshold`` follows the sender's)."""
         return [self._router]
 
-    def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
+    def send_frames(
+        self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None
+    ) -> None:
         self._check_open()
         tracked = self._tracked(frames)
         with translated(f"sending from {self._endpoint}"):
@@ -617,7 +621,7 @@ class ZMQHub(HubTransport):
 
     def wait_handles(self, *, acks: bool = True) -> list[int] | None:
         # Each socket's ZMQ_FD: readable when its mailbox has news (see base).
-        return [] if self._closed else [s.getsockopt(zmq.FD) for s in self._waited(acks)]
+        return [] if self._closed else [cast(int, s.getsockopt(zmq.FD)) for s in self._waited(acks)]
 
     def has_input(self, *, acks: bool = True) -> bool:
         if self._closed:
@@ -743,10 +747,9 @@ class ZMQSpoke(SpokeTransport):
                 record = self._shm.pending_report()
                 if record is not None:
                     frames = [*record, *frames]
-            try:
+            # Not connected yet, or the hub is not reading: a lost request is retried.
+            with contextlib.suppress(zmq.Again):
                 send_parts(sock or self._dealer, frames)
-            except zmq.Again:
-                pass  # not connected yet, or the hub is not reading: a lost request is retried
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         if self._closed:

@@ -282,14 +282,23 @@ class ShmLender:
                 inline.append(f)
         live = self.pool.live_ids()
         base, bits = _bitmap([m.slot for m in members])
-        head = b"".join((
-            _SHARED_HEAD.pack(
-                _SHARED, os.getpid(), self._seq, channel, len(shared), len(live), base, len(bits)
-            ),
-            *entries,
-            *(_ID.pack(i) for i in live),
-            bits,
-        ))
+        head = b"".join(
+            (
+                _SHARED_HEAD.pack(
+                    _SHARED,
+                    os.getpid(),
+                    self._seq,
+                    channel,
+                    len(shared),
+                    len(live),
+                    base,
+                    len(bits),
+                ),
+                *entries,
+                *(_ID.pack(i) for i in live),
+                bits,
+            )
+        )
         self.counters["shared_sends"] += 1
         return [head, *inline]
 

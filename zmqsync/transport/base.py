@@ -77,7 +77,9 @@ class HubTransport(_Closable):
         """The address spokes connect to."""
 
     @abc.abstractmethod
-    def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
+    def send_frames(
+        self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None
+    ) -> None:
         """Send one message to every spoke (``to=None``) or exactly the given peers."""
 
     @abc.abstractmethod

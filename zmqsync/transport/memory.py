@@ -82,13 +82,17 @@ class MemoryHub(HubTransport):
         if not self._closed:
             self._inbox.put(Incoming(frames, peer))
 
-    def send_frames(self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None) -> None:
+    def send_frames(
+        self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None
+    ) -> None:
         if self._closed:
             raise TransportClosed(f"{self._endpoint} is closed")
         with self._lock:
-            spokes = list(self._spokes.values()) if to is None else [
-                self._spokes[p] for p in to if p in self._spokes
-            ]
+            spokes = (
+                list(self._spokes.values())
+                if to is None
+                else [self._spokes[p] for p in to if p in self._spokes]
+            )
         for spoke in spokes:
             spoke._inbox.put(_copy(frames))
 

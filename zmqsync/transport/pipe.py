@@ -184,7 +184,7 @@ def _owned(
     for i, n in zip(mutable, sizes, strict=True):
         view = buf[offset : offset + n]
         np.copyto(view, np.frombuffer(frames[i], dtype=np.uint8))  # type: ignore[arg-type]
-        out[i] = memoryview(view)
+        out[i] = view.data
         offset += n
     return out, buf
 
@@ -230,7 +230,7 @@ def _recv_raw(
     conn: Connection, sock: socket.socket, nbytes: int, pool: _BufferPool | None = None
 ) -> Any:
     """``nbytes`` raw bytes, read straight into one buffer (from ``pool``, if given)."""
-    buf = pool.lend(nbytes)[:nbytes] if pool is not None else bytearray(nbytes)
+    buf: Any = pool.lend(nbytes)[:nbytes] if pool is not None else bytearray(nbytes)
     view = memoryview(buf)
     got = 0
     while got < nbytes:
@@ -311,7 +311,7 @@ def _read_message(
     if max_message_bytes is not None and total > max_message_bytes:
         raise OSError(f"a message of {total} bytes exceeds the limit of {max_message_bytes}")
     inline = iter(_inline_frames(_recv_raw(conn, sock, total, pool), sizes, pool))
-    frames: list[Buffer] = []
+    frames: list[Any] = []  # buffers; views of shared blocks stay numpy arrays (see lent())
     shared: dict[int, list[np.ndarray]] = {}
     for n, block_id, offset in refs:
         if block_id < 0:
@@ -319,8 +319,10 @@ def _read_message(
             continue
         mapped = blocks.get(block_id) if blocks is not None else None
         if mapped is None or offset + n > mapped.nbytes:
-            raise OSError(f"a frame names bytes {offset}..{offset + n} of block {block_id}, "
-                          "which this worker does not have")
+            raise OSError(
+                f"a frame names bytes {offset}..{offset + n} of block {block_id}, "
+                "which this worker does not have"
+            )
         view = mapped[offset : offset + n]
         shared.setdefault(block_id, []).append(view)
         frames.append(view)
@@ -452,11 +454,14 @@ class _Writer:
                     if not self._announce_blocks(frames):
                         continue
                     self._conn.send_bytes(_HEADER.pack(_SHARED, len(frames)))
-                    self._conn.send_bytes(b"".join(
-                        _REF.pack(f.length, f.block.id, f.offset) if isinstance(f, _Ref)
-                        else _REF.pack(memoryview(f).nbytes, -1, 0)
-                        for f in frames
-                    ))
+                    self._conn.send_bytes(
+                        b"".join(
+                            _REF.pack(f.length, f.block.id, f.offset)
+                            if isinstance(f, _Ref)
+                            else _REF.pack(memoryview(f).nbytes, -1, 0)
+                            for f in frames
+                        )
+                    )
                 else:
                     self._conn.send_bytes(_HEADER.pack(_MESSAGE, len(frames)))
                     self._conn.send_bytes(

@@ -230,7 +230,7 @@ class RaySpoke(SpokeTransport):
     def _probe(self, record: bytes) -> bool:
         """Whether this process can read the hub's shared blocks."""
         try:
-            pid, fd, token = _PROBE_BODY.unpack(record[len(_PROBE):])
+            pid, fd, token = _PROBE_BODY.unpack(record[len(_PROBE) :])
             mapped = map_peer_block(pid, fd, len(token))
             return bytes(mapped[: len(token)]) == token
         except (OSError, ValueError, struct.error):
@@ -821,7 +821,7 @@ class RayHub(HubTransport):
 _WOKEN: Final = object()
 
 
-class _SharedPayload(list):  # type: ignore[type-arg]
+class _SharedPayload(list):
     """A shared-memory message (what Ray sends: a list of bytes), with the blocks it
     names and what keeps them lent until it is sent."""
 
