@@ -297,23 +297,17 @@ def run_cell(
     taking turns send by send (A B C ..., C B A ...), check the workers."""
     variants: list[Variant] = [
         BaselineVariant(cell.mode, cell.transport, workdir, tag, timeout),
-        ZmqsyncVariant(
-            cell.mode,
-            cell.transport,
-            workdir,
-            tag,
-            timeout,
-            retain_snapshot=True,
-            pack_threshold=pack_threshold,
-        ),
-        ZmqsyncVariant(
-            cell.mode,
-            cell.transport,
-            workdir,
-            tag,
-            timeout,
-            retain_snapshot=False,
-            pack_threshold=pack_threshold,
+        *(
+            ZmqsyncVariant(
+                cell.mode,
+                cell.transport,
+                workdir,
+                tag,
+                timeout,
+                retain_snapshot=retain,
+                pack_threshold=pack_threshold,
+            )
+            for retain in (True, False)
         ),
     ]
     assert len(variants) == VARIANTS

@@ -47,6 +47,18 @@ def test_unknown_alias_suggests_the_closest() -> None:
         resolve("zmq-routr")
 
 
+def _until_subscribed(hub, sub) -> None:  # type: ignore[no-untyped-def]
+    """Probe until ``sub``'s subscription reached the hub's PUB, then drain the probes."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while not sub.poll(10):  # the subscription takes a moment to reach the PUB
+        hub.send_frames([b"probe"])
+        assert time.monotonic() < deadline, "the subscription never reached the PUB"
+    while sub.poll(0):
+        sub.recv_multipart()
+
+
 def test_zmq_hub_knows_while_zeromq_holds_the_callers_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A send timeout purges only when ZeroMQ still holds memory the caller may change
     next: the hub must see that (a subscriber that stopped reading), and see it end."""
@@ -65,12 +77,7 @@ def test_zmq_hub_knows_while_zeromq_holds_the_callers_memory(tmp_path) -> None: 
         sub.subscribe(b"")
         sub.connect(hub.announce()["data_endpoint"])
         weights = np.ones(4 << 20, dtype=np.uint8)  # the caller's (writable) tensor memory
-        deadline = time.monotonic() + 10
-        while not sub.poll(10):  # the subscription takes a moment to reach the PUB
-            hub.send_frames([b"probe"])
-            assert time.monotonic() < deadline
-        while sub.poll(0):
-            sub.recv_multipart()
+        _until_subscribed(hub, sub)
         for _ in range(12):  # more than the subscriber's queue and the kernel's buffers
             hub.send_frames([b"head", memoryview(weights)])
         assert hub.holds_caller_memory()
@@ -110,12 +117,7 @@ def test_a_zmq_hub_sends_small_buffers_from_the_callers_memory_when_told() -> No
     try:
         sub.subscribe(b"")
         sub.connect(hub.announce()["data_endpoint"])
-        deadline = time.monotonic() + 10
-        while not sub.poll(10):  # the subscription takes a moment to reach the PUB
-            hub.send_frames([b"probe"])
-            assert time.monotonic() < deadline
-        while sub.poll(0):
-            sub.recv_multipart()
+        _until_subscribed(hub, sub)
 
         def sent_then_changed() -> bytes:
             weights = np.zeros(4096, dtype=np.uint8)  # a small tensor's (writable) memory
