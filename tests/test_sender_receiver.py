@@ -170,8 +170,8 @@ def test_a_late_repeat_of_a_workers_hello_neither_rewinds_it_nor_earns_a_resend(
         receiver, _ = rig.workers[0]
         # What the worker sent while connecting, delivered only now.
         stale = [
-            Hello("policy", 0, 0, 0, receiver._pid, receiver._host, receiver._session),
-            SnapshotRequest("policy", 0, 0, 0),
+            Hello("policy", 0, 0, 0, receiver._pid, receiver._host, receiver._attempt),
+            SnapshotRequest("policy", 0, 0, 0, receiver._session),
         ]
         with receiver._io_lock:
             for message in stale:
@@ -183,12 +183,20 @@ def test_a_late_repeat_of_a_workers_hello_neither_rewinds_it_nor_earns_a_resend(
         (worker,) = rig.sender.status()["workers"]
         assert worker["version"] == 3
 
-        # A new connect attempt (a restarted worker, same process) still starts over.
-        fresh = Hello("policy", 0, 0, 0, receiver._pid, receiver._host, "another-attempt")
+        # A new connect attempt (a restarted worker, same process) still starts over:
+        # a new session, and the latest version for a worker that says it holds nothing.
+        old_session = receiver._session
         with receiver._io_lock:
+            receiver._new_attempt()
+            fresh = Hello("policy", 0, 0, 0, receiver._pid, receiver._host, receiver._attempt)
             receiver.transport.send_frames(encode(fresh))
-            receiver.transport.send_frames(encode(SnapshotRequest("policy", 0, 0, 0)))
         deadline = time.monotonic() + 5
+        while not receiver._session and time.monotonic() < deadline:
+            time.sleep(0.01)  # its background thread takes the Welcome
+        assert receiver._session and receiver._session != old_session
+        with receiver._io_lock:
+            request = SnapshotRequest("policy", 0, 0, 0, receiver._session)
+            receiver.transport.send_frames(encode(request))
         while receiver.stats["duplicates"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert receiver.stats["duplicates"] == 1, "a restarted worker did not get the latest"
@@ -264,35 +272,41 @@ def test_late_joiner(retain: bool) -> None:
         rig.close()
 
 
-def test_the_snapshot_reuses_its_memory_until_a_transport_was_given_it() -> None:
-    # Weights of 64 bytes and up are frames of their own (copied into the snapshot);
-    # the biases are packed, and the snapshot keeps each version's fresh pack as it is.
+def test_the_sender_rewrites_its_copy_only_once_no_transport_holds_it() -> None:
+    """Every version is sent from a copy the sender owns. Its memory is reused for a
+    later version only once nobody holds it any more: a worker that still holds (or has
+    yet to read) a version always reads that version's bytes, whole."""
+    # Weights of 64 bytes and up are frames of their own (copied); the biases are packed,
+    # and each version's fresh pack is kept as it is.
     rig = Rig(1, pack_threshold=64)
     try:
         rig.bump()
         rig.sender.send()
 
-        def snapshot_pointers() -> list[int]:
+        def copy_pointers() -> list[int]:
             snapshot = rig.sender._snapshot
             assert snapshot is not None
-            assert len(snapshot[2].keepalive) == 3  # two weights and the pack
-            return [t.data_ptr() for t in snapshot[2].keepalive[:-1]]
+            assert len(snapshot.flat.keepalive) == 3  # two weights and the pack
+            return [t.data_ptr() for t in snapshot.flat.keepalive[:-1]]
 
-        first = snapshot_pointers()
+        first = copy_pointers()
         rig.bump()
         rig.sender.send()
-        assert snapshot_pointers() == first  # nobody was sent it: overwritten in place
-        # A late joiner is sent the snapshot: from then on those bytes are never changed.
-        late, late_model = rig.add_worker(1)
-        assert late.version == rig.sender.version
-        handed = rig.sender._snapshot
-        assert handed is not None
-        kept = [bytes(b) for b in handed[1][2:]]
+        assert copy_pointers() == first  # nobody holds the last copy: written over
+        # A transport that still holds a version (a stopped worker's queue) is lent it:
+        lent = rig.sender._latest_frames()
+        assert lent is not None
+        kept = [bytes(b) for b in lent[2:]]
         rig.bump()
         rig.sender.send()
-        assert snapshot_pointers() != first  # fresh memory for the new snapshot
-        assert [bytes(b) for b in handed[1][2:]] == kept  # the one handed out is intact
-        assert checksum(late_model) == checksum(rig.model)
+        second = copy_pointers()
+        assert second != first  # fresh memory for the next version
+        assert [bytes(b) for b in lent[2:]] == kept  # what was lent is intact
+        del lent  # let go: the memory is free again
+        rig.bump()
+        rig.sender.send()
+        assert copy_pointers() == second
+        assert checksum(rig.workers[0][1]) == checksum(rig.model)
     finally:
         rig.close()
 
@@ -589,7 +603,7 @@ def test_a_worker_keeps_the_last_versions_buffers_until_the_next_arrives(
     import zmqsync.receiver as receiver_module
 
     model = {"big": torch.randn(128, 1024), "small": torch.randn(8)}  # 512 KiB + 32 B
-    hub = PubSubHub(f"ipc://{tmp_path}/hold")
+    hub = PubSubHub(f"ipc://{tmp_path}/hold", shared_memory=False)  # frames off the socket
     sender = WeightSender(
         hub, model=model, strategy="state_dict", num_workers=1, timeout=5, retain_snapshot=False
     )

@@ -122,7 +122,11 @@ class WeightReceiver:
         self._welcomed = False
         self._probe_nonce = ""
         self._probe_ok = False
+        #: One attempt to connect (its repeated Hellos), and the secret of its Welcome.
+        self._attempt = ""
         self._session = ""
+        #: Whether the sender picks this worker's id (and may pick another one later).
+        self._auto_id = worker_idx is None
         self._retired: deque[int] = deque(maxlen=RETIRED_EPOCHS)
         self._pid = os.getpid()
         self._host = socket.gethostname()
@@ -155,7 +159,7 @@ class WeightReceiver:
     def _connect(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         endpoint = getattr(self._spoke, "endpoint", "")
-        self._session = secrets.token_hex(8)  # its repeated Hellos are one attempt
+        self._new_attempt()
         self._wait(
             deadline,
             lambda: self._welcomed,
@@ -197,6 +201,11 @@ class WeightReceiver:
                 interval = min(RETRY_INTERVAL, interval * 2)
             self._process(min(RETRY_INTERVAL, deadline - now, max(0.0, next_ask - now)))
 
+    def _new_attempt(self) -> None:
+        """Start connecting afresh: a new attempt id, no session until welcomed."""
+        self._attempt = secrets.token_hex(8)
+        self._session = ""
+
     def _send(self, message: Message) -> None:
         self._spoke.send_frames(encode(message))
 
@@ -210,17 +219,29 @@ class WeightReceiver:
                 worker,
                 self._pid,
                 self._host,
-                self._session,
+                self._attempt,
             )
         )
 
     def _send_probe(self) -> None:
-        if self.worker_idx is not None:  # probes follow the Welcome that assigns it
-            self._send(ProbeRequest(self.model_id, self.worker_idx, self._probe_nonce))
+        if self.worker_idx is not None and self._session:  # probes follow the Welcome
+            self._send(
+                ProbeRequest(
+                    self.model_id, self.worker_idx, self._probe_nonce, session=self._session
+                )
+            )
 
     def _send_snapshot_request(self) -> None:
-        if self.worker_idx is not None:  # heartbeats follow the Welcome that assigns it
-            self._send(SnapshotRequest(self.model_id, self.version, self.epoch, self.worker_idx))
+        if self.worker_idx is None or not self._session:
+            # Heartbeats follow the Welcome; one that never came is asked for again.
+            if self._welcomed:
+                self._send_hello()
+            return
+        self._send(
+            SnapshotRequest(
+                self.model_id, self.version, self.epoch, self.worker_idx, self._session
+            )
+        )
 
     # --- receiving -------------------------------------------------------------------
 
@@ -324,8 +345,12 @@ class WeightReceiver:
 
     def _on_control(self, message: Message) -> None:
         if isinstance(message, Welcome):
+            if message.attempt != self._attempt:
+                self.stats["stale"] += 1  # the answer to an earlier attempt
+                return
             if self.worker_idx is None:
                 self.worker_idx = message.worker  # assigned by the sender
+            self._session = message.session
             if message.strategy != self.strategy:
                 self._rejected(
                     f"sender uses strategy {message.strategy!r}, this worker {self.strategy!r}"
@@ -343,7 +368,7 @@ class WeightReceiver:
             if message.epoch != self._sender_epoch and self._welcomed:
                 # A restarted sender: say hello again (its data address may be new).
                 self._sender_epoch = message.epoch
-                self._session = secrets.token_hex(8)
+                self._new_attempt()
                 self._send_hello()
             # Nothing is coming (or the sender keeps no snapshot): caught up. If the latest
             # is already on its way, wait for it instead.
@@ -351,8 +376,18 @@ class WeightReceiver:
                 self._caught_up = True
         elif isinstance(message, ErrorMessage):
             self._rejected(f"sender said {message.code}: {message.message}")
-            if message.code == "duplicate-worker":
-                self._refused = message.message
+            if message.code == "unknown-session" and self._welcomed:
+                # Expired while this worker was stopped, or taken over: join again.
+                self._new_attempt()
+                self._send_hello()
+            elif message.code == "duplicate-worker":
+                if self._auto_id and self._welcomed:
+                    # Its id went to another worker while this one was away: ask anew.
+                    self.worker_idx = None
+                    self._new_attempt()
+                    self._send_hello()
+                else:
+                    self._refused = message.message
         else:
             self._rejected(f"unexpected {type(message).__name__} at a worker")
 
@@ -406,8 +441,8 @@ class WeightReceiver:
         version: int | None = None,
         epoch: int | None = None,
     ) -> None:
-        if self.worker_idx is None:
-            return  # not yet welcomed: no send waits on a worker without a number
+        if self.worker_idx is None or not self._session:
+            return  # not welcomed (yet, or again): no send waits on it, no ack counts
         self._send(
             Ack(
                 self.model_id,
@@ -421,6 +456,7 @@ class WeightReceiver:
                 rejected_frames=int(self.stats["rejected_frames"]),
                 pid=self._pid,
                 host=self._host,
+                session=self._session,
             )
         )
 
@@ -473,7 +509,7 @@ class WeightReceiver:
         Best effort and never blocking: a sender that misses it waits out its timeout
         (a fleet of known size) or stops counting this worker once its heartbeats stop
         (a fleet that is whoever connected)."""
-        if not self._welcomed or self.worker_idx is None:
+        if not self._welcomed or self.worker_idx is None or not self._session:
             return
         # Not while the background thread (if it did not stop in time) uses the spoke.
         if not self._io_lock.acquire(blocking=False):

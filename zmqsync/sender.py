@@ -1,22 +1,23 @@
 """WeightSender: versions one model's weights and gets them to workers, acked.
 
+The I/O shell around :class:`~zmqsync.fleet.Fleet`, which makes every decision about
+the workers (sessions, claims, acks, repairs, expiry); this module moves bytes and waits.
+
 Threads: the hub transport is owned by whoever holds the *baton* (a lock). A background
 pump holds it almost always, reading acks and requests; ``send()`` asks for it (waking
 the pump), hands the frames to the transport, gives it back, and waits for acks on a
 condition the pump signals.
 
-Late joiners and lost messages (ZeroMQ's Clone pattern): every worker asks for a
-snapshot when it connects and again on each heartbeat, saying which version it holds.
-A worker that is behind gets the latest version addressed to it, from a copy the sender
-keeps (``retain_snapshot=True``), so it catches up without a resend to everyone.
+Caller memory never reaches a transport: each version is first copied into buffers the
+sender owns (the snapshot late joiners and repairs are served from), and those are what
+every transport sends. A buffer is written again only once every transport has let go
+of it, so a worker that reads a message late (stopped, slow link) still reads one whole
+version.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import dataclasses
-import itertools
 import logging
 import os
 import secrets
@@ -24,35 +25,33 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import numpy as np
+
 from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
+from zmqsync.fleet import FanOut, Fleet, Forget, Origin, Reply, Send, SendLatest
 from zmqsync.protocol import (
-    AUTO_WORKER,
-    Ack,
     Buffer,
     ErrorMessage,
-    Goodbye,
     Hello,
+    Kind,
     Message,
-    Probe,
-    ProbeRequest,
-    SnapshotRequest,
     StatusReply,
     StatusRequest,
-    UpToDate,
     Weights,
-    Welcome,
     decode,
     encode,
+    peek_kind,
 )
 from zmqsync.tensors import DEFAULT_PACK_THRESHOLD, Flat, Flattener, ModelTensors, extract
 from zmqsync.transport.base import HubTransport, Incoming, PeerId
 
-__all__ = ["WeightSender", "WorkerInfo"]
+__all__ = ["WeightSender"]
 
 log = logging.getLogger("zmqsync.sender")
 
@@ -60,11 +59,11 @@ log = logging.getLogger("zmqsync.sender")
 PUMP_TICK: Final = 0.05
 #: Latencies kept for the percentiles in status().
 LATENCY_WINDOW: Final = 1000
-#: Rejection reasons kept per worker and for the sender itself.
-REASONS_KEPT: Final = 8
-#: A worker heard from within this many heartbeats is live: a fleet that is whoever
-#: connected (``num_workers=None``) waits for it, and nobody else may take its id.
-LIVE_HEARTBEATS: Final = 3
+#: What a worker may send to a sender; anything else is refused before it is decoded
+#: (a weights message sent to a sender would otherwise be parsed and held for nothing).
+ACCEPTED: Final = frozenset(
+    {Kind.ACK, Kind.HELLO, Kind.SNAPSHOT_REQUEST, Kind.PROBE_REQUEST, Kind.GOODBYE}
+)
 
 
 def new_epoch() -> int:
@@ -72,55 +71,50 @@ def new_epoch() -> int:
     return secrets.randbits(63) | 1
 
 
-@dataclass
-class WorkerInfo:
-    """What the sender knows of one worker (what ``status()`` reports)."""
+class _Lease:
+    """Tracks the views of sender-owned buffers that were handed to transports.
 
-    worker: int
-    transport: str
-    peer: PeerId | None = None
-    pid: int = 0
-    host: str = ""
-    version: int = 0
-    epoch: int = 0
-    first_seen: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
-    last_ack: float | None = None
-    last_latency: float | None = None
-    received_bytes: int = 0
-    rejected_frames: int = 0
-    rejections: deque[str] = field(default_factory=lambda: deque(maxlen=REASONS_KEPT))
-    last_repair: float = 0.0
-    hub: int = 0
-    entitled: int = 0  # the newest version a targeted send meant for this worker
-    refused: tuple[int, int] = (0, 0)  # (epoch, version) it last rejected
-    joining_to: int = 0  # said hello when this was the latest: it gets (at least) that
-    session: str = ""  # the connect attempt its last Hello belonged to
-    left: float | None = None  # when it said goodbye (None: it has not, or came back)
+    A transport that sends without copying keeps the view object until it let go of
+    the bytes (pyzmq does, until ZeroMQ's I/O thread is done with the message), so a
+    weak reference to each view says when nobody reads the buffers any more.
+    """
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[np.ndarray]] = []
+
+    def lend(self, frames: Sequence[Buffer]) -> list[Any]:
+        """``frames`` with every buffer after the header and body as a fresh view."""
+        out: list[Any] = list(frames)
+        for i in range(2, len(out)):
+            view = np.frombuffer(out[i], dtype=np.uint8)
+            self._refs.append(weakref.ref(view))
+            out[i] = view
+        return out
+
+    @property
+    def released(self) -> bool:
+        self._refs = [r for r in self._refs if r() is not None]
+        return not self._refs
+
+
+@dataclass
+class _Copy:
+    """One version's bytes in memory the sender owns: what every transport sends."""
+
+    version: int
+    frames: list[Buffer] = field(repr=False)
+    flat: Flat = field(repr=False)
+    #: Carved from memory a hub lends (shared blocks): the hub recycles it, not us.
+    lent_by_hub: bool = False
+    lease: _Lease = field(default_factory=_Lease)
 
 
 @dataclass
 class _Pending:
-    version: int
-    targets: frozenset[int]
-    started: float
-    deadline: float
-    frames: list[Buffer] = field(repr=False)
-    flat: Flat = field(repr=False)
-    acked: set[int] = field(default_factory=set)
-    rejected: dict[int, str] = field(default_factory=dict)
-    snapshot: concurrent.futures.Future[list[Buffer]] | None = None
-    #: Targets chosen as "every live worker" (``num_workers=None``, no ``worker_ids``):
-    #: a target that says goodbye meanwhile is no longer waited for.
-    dynamic: bool = False
-
-    @property
-    def done(self) -> bool:
-        return self.targets <= (self.acked | self.rejected.keys())
-
-    @property
-    def missing(self) -> set[int]:
-        return set(self.targets - self.acked - self.rejected.keys())
+    send: Send
+    copy: _Copy = field(repr=False)
 
 
 class WeightSender:
@@ -137,9 +131,9 @@ class WeightSender:
             ``None`` targets every live worker: connected, heard from within the last
             ``LIVE_HEARTBEATS`` heartbeats, and not gone (closed its receiver).
         timeout: seconds ``send()`` waits for acks before raising :class:`SyncTimeout`.
-        retain_snapshot: keep a copy of the latest version for late joiners and repairs
-            (costs one model's worth of memory; without it a late joiner waits for the
-            next send).
+        retain_snapshot: keep the copy of the latest version for late joiners and
+            repairs after its send (one model's worth of memory); without it the copy
+            lives only while its send does, and a late joiner waits for the next send.
         heartbeat: seconds between workers' heartbeats (told to them in the Welcome).
         repair_after: a worker still behind this long after a version was sent to it
             gets it again, addressed.
@@ -171,39 +165,37 @@ class WeightSender:
         self.model_id = model_id
         self.model = model
         self.strategy = strategy
-        self.num_workers = num_workers
         self.timeout = float(timeout)
         self.retain_snapshot = retain_snapshot
         self.heartbeat = heartbeat
         self.repair_after = repair_after
         self.mode = mode or "+".join(h.name for h in hubs)
         self.epoch = epoch if epoch is not None else new_epoch()
-        self.version = 0
+        self.fleet = Fleet(
+            model_id,
+            self.epoch,
+            mode=self.mode,
+            strategy=strategy,
+            transports=[h.name for h in hubs],
+            announced=[h.announce() for h in hubs],
+            num_workers=num_workers,
+            heartbeat=heartbeat,
+            repair_after=repair_after,
+        )
         self._flattener = Flattener(strategy, pack_threshold=pack_threshold)
         self._model_tensors = ModelTensors(strategy)
-        self._snapshot: tuple[int, list[Buffer], Flat] | None = None
+        self._snapshot: _Copy | None = None
         self._snapshot_lock = threading.Lock()
-        self._snapshot_handed_out = False  # the snapshot's frames went to a transport
         self._pending: _Pending | None = None
         self._async_pending = False
-        self._broadcast_version = 0  # the newest version sent to every worker
-        self._workers: dict[int, WorkerInfo] = {}
         self._started = time.monotonic()
+        self._last_expiry = self._started
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._totals = {
-            "versions_sent": 0,
-            "bytes_sent": 0,
-            "timeouts": 0,
-            "rejected_frames": 0,
-            "goodbyes": 0,
-            "stray_goodbyes": 0,
-        }
-        self._reasons: deque[str] = deque(maxlen=REASONS_KEPT)
+        self._totals = {"versions_sent": 0, "bytes_sent": 0, "timeouts": 0}
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._closed = False
         self._pump_error: BaseException | None = None
-        self._snapshot_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._runners = [_HubRunner(self, h, i) for i, h in enumerate(hubs)]
         for h in hubs:
             h.zero_copy_from(pack_threshold)  # what is not packed goes from its own memory
@@ -211,6 +203,22 @@ class WeightSender:
             runner.start()
 
     # --- public API (seeds) ----------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int | None:
+        """Workers ``0..num_workers-1`` that a send targets by default (None: every
+        live worker)."""
+        return self.fleet.num_workers
+
+    @num_workers.setter
+    def num_workers(self, value: int | None) -> None:
+        with self._cond:
+            self.fleet.num_workers = value
+
+    @property
+    def version(self) -> int:
+        """The latest version sent (0 before the first send)."""
+        return self.fleet.version
 
     @property
     def endpoint(self) -> str:
@@ -235,7 +243,8 @@ class WeightSender:
 
         Raises :class:`SyncTimeout` (a ``TimeoutError``) naming the workers that did not
         ack within ``timeout``, or :class:`WeightsRejected` if some refused the version.
-        The sender stays usable after either.
+        The sender stays usable after either, and no transport holds ``weights``' memory
+        once it returned or raised.
         """
         with self._send_lock:
             if self._async_pending:
@@ -244,14 +253,14 @@ class WeightSender:
             with (
                 self._runners[0].holding() if len(self._runners) == 1 else contextlib.nullcontext()
             ):
-                pending = self._start(weights, worker_ids, wait=True)
+                pending = self._start(weights, worker_ids)
                 self._finish(pending)
 
     def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
-        """Start a send and return at once; :meth:`wait_async` completes it.
+        """Start a send and return once the weights are copied; :meth:`wait_async`
+        completes it. The weights may change as soon as this returns.
 
-        Until then, do not change the weights in place: they are sent from their own
-        memory (zero-copy). Raises ``RuntimeError`` if a previous send_async is pending.
+        Raises ``RuntimeError`` if a previous send_async is pending.
         """
         with self._send_lock:
             if self._async_pending:
@@ -279,28 +288,11 @@ class WeightSender:
 
     # --- the send path ---------------------------------------------------------------
 
-    def _targets(self, worker_ids: int | list[int] | None) -> frozenset[int]:
-        if worker_ids is None:
-            if self.num_workers is not None:
-                return frozenset(range(self.num_workers))
-            now = time.monotonic()
-            with self._cond:
-                return frozenset(w for w, info in self._workers.items() if self._live(info, now))
-        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
-        for w in ids:
-            if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-                raise ValueError(f"worker_ids must be non-negative ints; got {w!r}")
-            if self.num_workers is not None and w >= self.num_workers:
-                raise ValueError(
-                    f"worker {w} does not exist: this sender has workers 0..{self.num_workers - 1}"
-                )
-        return frozenset(ids)
-
-    def _start(
-        self, weights: Any, worker_ids: int | list[int] | None, *, wait: bool = False
-    ) -> _Pending:
+    def _start(self, weights: Any, worker_ids: int | list[int] | None) -> _Pending:
         self._check_open()
-        targets = self._targets(worker_ids)
+        with self._cond:
+            self.fleet.targets(worker_ids, time.monotonic())  # bad ids raise before any work
+            version = self.fleet.version + 1
         source = self.model if weights is None else weights
         tensors = (
             self._model_tensors.get(source)
@@ -308,39 +300,18 @@ class WeightSender:
             else extract(None, self.strategy)  # raises: says what to pass
         )
         flat = self._flattener.flatten(tensors)
-        version = self.version + 1
-        shared = self._shared_runner() if self.retain_snapshot else None
+        shared = self._shared_runner()
         if shared is not None:
-            # A hub whose workers read shared memory in place: the snapshot, written once
-            # into memory it lent, IS the transfer (no copy of the model per send beyond it).
+            # A hub whose workers read shared memory in place: the copy, written once
+            # into memory it lent, IS the transfer.
             with shared.holding():
-                frames = self._take_snapshot(version, flat, alloc=shared.hub.shared_buffer)
+                copy = self._own(version, flat, alloc=shared.hub.shared_buffer)
         else:
-            message = Weights(self.model_id, version, self.epoch, flat.schema, tuple(flat.buffers))
-            frames = encode(message, schema_bytes=flat.schema_bytes)
-        now = time.monotonic()
-        pending = _Pending(
-            version,
-            targets,
-            now,
-            now + self.timeout,
-            frames,
-            flat,
-            dynamic=worker_ids is None and self.num_workers is None,
-        )
+            copy = self._own(version, flat)
         with self._cond:
-            self.version = version
-            self._pending = pending
-            peers: dict[int, list[PeerId]] = {}
-            for i, w in self._workers.items():
-                if i in targets and w.peer is not None:
-                    peers.setdefault(w.hub, []).append(w.peer)
-            if worker_ids is None:
-                self._broadcast_version = version
-            for i in targets & self._workers.keys():
-                self._workers[i].last_repair = now
-                self._workers[i].entitled = version
-        # Encoded once above; every hub sends the same buffers.
+            send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
+            pending = self._pending = _Pending(send, copy)
+        frames = copy.lease.lend(copy.frames)
         for runner in self._runners:
             with runner.holding():
                 if worker_ids is None:
@@ -348,26 +319,8 @@ class WeightSender:
                 elif peers.get(runner.index):
                     runner.hub.send_frames(frames, to=peers[runner.index])
         self._totals["versions_sent"] += 1
-        self._totals["bytes_sent"] += flat.nbytes * max(1, len(targets))
-        if self.retain_snapshot and shared is None:
-            # The copy that late joiners and repairs get runs beside the transfer (ZeroMQ's
-            # I/O thread reads the model's memory meanwhile). A blocking send() copies on
-            # this thread, which would only wait for acks otherwise (a handoff to another
-            # thread costs more than a small copy on a busy machine); send_async() hands
-            # it to a thread so that it returns at once. Either way it is done before the
-            # caller may change its tensors again.
-            if wait:
-                self._take_snapshot(version, flat)
-            else:
-                pending.snapshot = self._snapshotter().submit(self._take_snapshot, version, flat)
+        self._totals["bytes_sent"] += flat.nbytes * max(1, len(send.targets))
         return pending
-
-    def _snapshotter(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._snapshot_pool is None:
-            self._snapshot_pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"zmqsync-snapshot-{self.model_id}"
-            )
-        return self._snapshot_pool
 
     def _shared_runner(self) -> _HubRunner | None:
         """The first hub that lends shared memory to send from, if any."""
@@ -376,28 +329,37 @@ class WeightSender:
                 return runner
         return None
 
-    def _take_snapshot(
-        self, version: int, flat: Flat, alloc: Callable[[int], Any] | None = None
-    ) -> list[Buffer]:
-        """Keep a copy of this version; ``alloc``: memory a hub lends to hold it (the
-        copy is then sent, too). Returns the copy's frames."""
+    def _own(self, version: int, flat: Flat, alloc: Callable[[int], Any] | None = None) -> _Copy:
+        """Copy ``flat`` into memory the sender owns (``alloc``: memory a hub lends)."""
         with self._snapshot_lock:
-            old, self._snapshot = self._snapshot, None  # at most one copy alive at a time
-            # The previous copy's memory is reused unless it was ever handed to a
-            # transport (a late joiner's or a repair's send may still read it).
-            spare = old[2] if old is not None and not self._snapshot_handed_out else None
-            self._snapshot_handed_out = False
-        old = None  # a copy handed out is freed (here) before the new one is allocated
-        # Lent memory comes back to the hub's pool once its workers let go of it.
+            old, self._snapshot = self._snapshot, None  # at most one kept copy at a time
+        # The previous copy's memory is reused once no transport reads it any more
+        # (fresh memory costs a page fault per page); else it is left to whoever still
+        # holds it, and freed when they let go.
+        spare = old.flat if old is not None and not old.lent_by_hub and old.lease.released else None
+        old = None
         copy = flat.owned_copy(into=spare if alloc is None else None, alloc=alloc)
         message = Weights(self.model_id, version, self.epoch, copy.schema, tuple(copy.buffers))
         frames = encode(message, schema_bytes=copy.schema_bytes)
-        with self._snapshot_lock:
-            self._snapshot = (version, frames, copy)
-            self._snapshot_handed_out = alloc is not None  # sent right after this
-        return frames
+        owned = _Copy(version, frames, copy, lent_by_hub=alloc is not None)
+        if self.retain_snapshot:
+            with self._snapshot_lock:
+                self._snapshot = owned
+        return owned
 
-    def _await_acks(self, pending: _Pending) -> None:
+    def _latest_frames(self) -> list[Any] | None:
+        """The latest version's frames, lent afresh, or None if the sender has none."""
+        version = self.fleet.version
+        with self._snapshot_lock:
+            snapshot = self._snapshot
+            if snapshot is not None and snapshot.version == version:
+                return snapshot.lease.lend(snapshot.frames)
+            pending = self._pending
+            if pending is not None and pending.copy.version == version:
+                return pending.copy.lease.lend(pending.copy.frames)
+        return None
+
+    def _await_acks(self, pending: Send) -> None:
         if len(self._runners) == 1:
             # One hub: read the acks on this thread rather than be woken by the pump,
             # which saves two thread switches per send.
@@ -428,97 +390,65 @@ class WeightSender:
     def _lost(self, workers: Iterable[int]) -> set[int]:
         """Those of ``workers`` known to be gone: they said goodbye, or their transport
         knows they are gone for good."""
+        lost = {r.index: r.hub.lost_peers() for r in self._runners}
         with self._cond:
-            left = {w for w in workers if w in self._workers and self._workers[w].left is not None}
-            where = {
-                w: (self._workers[w].hub, self._workers[w].peer)
-                for w in workers
-                if w in self._workers and self._workers[w].peer is not None
-            }
-        lost = {i: self._runners[i].hub.lost_peers() for i in {h for h, _ in where.values()}}
-        return left | {w for w, (h, peer) in where.items() if peer in lost[h]}
+            return self.fleet.gone(workers, lost)
 
-    def _missing_are_lost(self, pending: _Pending) -> bool:
+    def _missing_are_lost(self, pending: Send) -> bool:
         """True when every worker still missing is known to be gone: waiting on is futile."""
         missing = pending.missing
         return bool(missing) and self._lost(missing) == missing
 
     def _finish(self, pending: _Pending) -> None:
-        try:
-            self._await_acks(pending)
-        finally:
-            if pending.snapshot is not None:
-                pending.snapshot.result()
+        send = pending.send
+        self._await_acks(send)
         with self._cond:
             if self._pending is pending:
                 self._pending = None
-            missing = pending.missing
-            rejected = dict(pending.rejected)
+            missing = send.missing
+            rejected = dict(send.rejected)
         if self._pump_error is not None:
             raise TransportError(
                 f"the sender's transport failed: {self._pump_error}"
             ) from self._pump_error
         if missing:
             self._totals["timeouts"] += 1
-            # Messages still queued for the missing workers point into weights the caller
-            # may now change: drop them, so nobody ever applies a torn version. They catch
-            # up from the snapshot on their next heartbeat.
-            for runner in self._runners:
-                with runner.holding():
-                    runner.hub.purge()
+            with self._cond:
+                transports = {w: self.fleet.transport_of(w) for w in missing}
             raise SyncTimeout(
-                self._timeout_message(pending, missing),
+                self._timeout_message(send, missing),
                 missing_workers=missing,
-                version=pending.version,
-                transports=self._transport_names(missing),
+                version=send.version,
+                transports=transports,
             )
         if rejected:
             details = "; ".join(f"worker {w}: {r}" for w, r in sorted(rejected.items()))
             raise WeightsRejected(
-                f"version {pending.version} was rejected by {len(rejected)} worker(s): {details}",
+                f"version {send.version} was rejected by {len(rejected)} worker(s): {details}",
                 rejections=rejected,
-                version=pending.version,
+                version=send.version,
             )
-        self._latencies.append(time.monotonic() - pending.started)
+        self._latencies.append(time.monotonic() - send.started)
 
-    def _transport_names(self, workers: Iterable[int]) -> dict[int, str]:
-        with self._cond:
-            return {
-                w: (self._workers[w].transport if w in self._workers else self.mode)
-                for w in workers
-            }
-
-    def _timeout_message(self, pending: _Pending, missing: set[int]) -> str:
-        now = time.monotonic()
-        parts = []
-        with self._cond:
-            for w in sorted(missing):
-                info = self._workers.get(w)
-                if info is None:
-                    parts.append(f"worker {w} never connected")
-                else:
-                    parts.append(
-                        f"worker {w} ({info.transport}, pid {info.pid or '?'}) holds version "
-                        f"{info.version}, last heard {now - info.last_seen:.1f}s ago"
-                    )
+    def _timeout_message(self, send: Send, missing: set[int]) -> str:
         gone = self._lost(missing)
-        if gone:
-            with self._cond:
-                left = {w for w in gone if self._workers[w].left is not None}
-            parts = [
-                part
-                + (
-                    " (it said goodbye: its receiver closed)"
-                    if w in left
-                    else " (its transport says it is gone)"
-                    if w in gone
-                    else ""
-                )
-                for w, part in zip(sorted(missing), parts, strict=True)
-            ]
+        with self._cond:
+            lines = self.fleet.describe(sorted(missing), time.monotonic())
+            left = {w for w in gone if self.fleet.workers[w].left is not None}
+        parts = [
+            lines[w]
+            + (
+                " (it said goodbye: its receiver closed)"
+                if w in left
+                else " (its transport says it is gone)"
+                if w in gone
+                else ""
+            )
+            for w in sorted(missing)
+        ]
         waited = "" if gone == missing else f" within {self.timeout:g}s"
         return (
-            f"{len(missing)} worker(s) did not ack version {pending.version} of "
+            f"{len(missing)} worker(s) did not ack version {send.version} of "
             f"{self.model_id!r}{waited}: " + "; ".join(parts)
         )
 
@@ -535,250 +465,104 @@ class WeightSender:
             with self._cond:
                 self._cond.notify_all()
 
-    def _reject(self, reason: str, worker: int | None = None) -> None:
-        self._totals["rejected_frames"] += 1
-        self._reasons.append(reason)
-        if worker is not None and worker in self._workers:
-            self._workers[worker].rejected_frames += 1
-            self._workers[worker].rejections.append(reason)
+    def _refuse(self, runner: _HubRunner, peer: PeerId | None, code: str, reason: str) -> None:
+        with self._cond:
+            self.fleet.reject(reason)
         log.warning("rejected a message: %s", reason)
-
-    def _reply(self, hub: HubTransport, peer: PeerId | None, message: Message) -> None:
         if peer is not None:
-            hub.send_frames(encode(message), to=[peer])
+            runner.hub.send_frames(
+                encode(ErrorMessage(self.model_id, code, reason[:500])), to=[peer]
+            )
 
     def _handle(self, incoming: Incoming, runner: _HubRunner) -> None:
-        hub = runner.hub
+        """One message from a hub: refuse what is never accepted unread, let the fleet
+        core decide the rest, and carry out its effects."""
+        frames, peer = incoming.frames, incoming.peer
+        kind = peek_kind(frames[0]) if frames else None
+        if peer is None and kind is not Kind.ACK:
+            # The ack channel carries acks only, from nobody in particular: no reply.
+            with self._cond:
+                self.fleet.counters["forged"] += 1
+            self._refuse(runner, None, "", f"{kind} message on the ack channel, dropped unread")
+            return
+        if kind is not None and kind not in ACCEPTED and kind is not Kind.STATUS_REQUEST:
+            self._refuse(runner, peer, "unexpected", f"{kind.name} message at a sender, unread")
+            return
         try:
-            message = decode(incoming.frames)
+            message = decode(frames)
         except FrameError as exc:
-            self._reject(f"malformed message: {exc}")
-            self._reply(
-                hub, incoming.peer, ErrorMessage(self.model_id, "malformed", str(exc)[:500])
-            )
+            self._refuse(runner, peer, "malformed", f"malformed message: {exc}")
             return
         if isinstance(message, StatusRequest):
-            self._reply(
-                hub,
-                incoming.peer,
-                StatusReply(self.model_id, self.version, self.epoch, self.status()),
+            if peer is not None:
+                reply = StatusReply(self.model_id, self.version, self.epoch, self.status())
+                runner.hub.send_frames(encode(reply), to=[peer])
+            return
+        reserved = (
+            {r.index: r.hub.reserved_workers() for r in self._runners}
+            if isinstance(message, Hello)
+            else None
+        )
+        with self._cond:
+            effects = self.fleet.handle(
+                message, Origin(runner.index, peer), time.monotonic(), reserved
             )
-            return
-        if message.model_id != self.model_id:
-            reason = (
-                f"message for model {message.model_id!r} reached the sender of {self.model_id!r}"
-            )
-            self._reject(reason)
-            self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "wrong-model", reason))
-            return
-        if isinstance(message, Goodbye):
-            self._on_goodbye(message, runner, incoming.peer)
-            return
-        if isinstance(message, Hello) and message.worker == AUTO_WORKER:
-            message = dataclasses.replace(message, worker=self._assign(incoming.peer))
-        worker = getattr(message, "worker", None)
-        if worker is not None and not self._claim(worker, runner, incoming.peer):
-            reason = (
-                f"worker id {worker} is already taken by a worker on {self._holder(worker)}: "
-                "worker ids must be unique in a fleet"
-            )
-            self._reject(reason)
-            self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "duplicate-worker", reason))
-            return
-        if isinstance(message, Ack):
-            self._on_ack(message)
-        elif isinstance(message, Hello):
-            self._on_hello(message, runner, incoming.peer)
-        elif isinstance(message, SnapshotRequest):
-            self._on_snapshot_request(message, runner, incoming.peer)
-        elif isinstance(message, ProbeRequest):
-            # Down the fan-out path: arriving proves the worker's subscription is live.
-            hub.send_frames(encode(Probe(self.model_id, message.worker, message.nonce)))
-        else:
-            reason = f"unexpected {type(message).__name__} message at the sender"
-            self._reject(reason)
-            self._reply(hub, incoming.peer, ErrorMessage(self.model_id, "unexpected", reason))
+            if self._pending is not None:
+                self._cond.notify_all()
+        self._carry_out(effects, runner)
+
+    def _carry_out(self, effects: Iterable[Any], runner: _HubRunner) -> None:
+        """Do what the fleet core decided, on this runner's hub (which this thread
+        holds); effects for other hubs wait for their own pump."""
+        for effect in effects:
+            hub_index = effect.hub if isinstance(effect, FanOut) else effect.origin.hub
+            if hub_index != runner.index:
+                self._runners[hub_index].later.append(effect)
+                continue
+            hub = runner.hub
+            if isinstance(effect, Reply):
+                if effect.origin.peer is not None:
+                    hub.send_frames(encode(effect.message), to=[effect.origin.peer])
+            elif isinstance(effect, SendLatest):
+                if effect.origin.peer is None:
+                    continue
+                frames = self._latest_frames()
+                hub.send_frames(
+                    frames if frames is not None else encode(effect.otherwise),
+                    to=[effect.origin.peer],
+                )
+            elif isinstance(effect, FanOut):
+                hub.send_frames(encode(effect.message))
+            elif isinstance(effect, Forget) and effect.origin.peer is not None:
+                hub.peer_left(effect.origin.peer)
+
+    def _housekeeping(self, runner: _HubRunner) -> None:
+        """Between messages (the pump, holding ``runner``'s baton): expire quiet
+        sessions once a heartbeat, and carry out effects meant for this hub."""
+        now = time.monotonic()
+        if now - self._last_expiry >= self.heartbeat:
+            self._last_expiry = now
+            with self._cond:
+                effects = self.fleet.expire(now)
+            self._carry_out(effects, runner)
+        while runner.later:
+            self._carry_out([runner.later.popleft()], runner)
 
     def free_worker_id(self) -> int:
-        """The lowest worker id that no live worker holds and no hub reserves (a pipe's
-        or an actor's index): what a worker that asks for an id gets."""
-        now = time.monotonic()
+        """The lowest worker id that no session holds and no hub reserves (a pipe's or
+        an actor's index): what a worker that asks for an id gets."""
+        reserved = {r.index: r.hub.reserved_workers() for r in self._runners}
         with self._cond:
-            taken = {w for w, info in self._workers.items() if self._live(info, now)}
-        for runner in self._runners:
-            taken |= runner.hub.reserved_workers()
-        return next(i for i in itertools.count() if i not in taken)
-
-    def _assign(self, peer: PeerId | None) -> int:
-        """An id for a worker that asked for one: its own again if it says hello twice,
-        else :meth:`free_worker_id`."""
-        with self._cond:
-            for info in self._workers.values():
-                if peer is not None and info.peer == peer:
-                    return info.worker
-        return self.free_worker_id()
-
-    def _claim(self, worker: int, runner: _HubRunner, peer: PeerId | None) -> bool:
-        """Record that ``worker`` speaks through this hub; False if another hub reserves
-        that id, or another hub's worker still holds it (heard from within three
-        heartbeats)."""
-        now = time.monotonic()
-        if any(
-            worker in other.hub.reserved_workers() for other in self._runners if other is not runner
-        ):
-            return False
-        with self._cond:
-            info = self._workers.get(worker)
-            if info is None:
-                info = self._workers[worker] = WorkerInfo(worker, runner.hub.name, hub=runner.index)
-            elif info.hub != runner.index:
-                if self._live(info, now):
-                    return False
-                info.hub, info.transport, info.peer = runner.index, runner.hub.name, None
-            info.last_seen = now
-            if peer is not None:
-                info.peer = peer
-            return True
-
-    def _live(self, info: WorkerInfo, now: float) -> bool:
-        """Whether a worker counts as present: not gone, and heard from lately."""
-        quiet = now - info.last_seen
-        return info.left is None and quiet < LIVE_HEARTBEATS * max(self.heartbeat, 0.1)
-
-    def _on_goodbye(self, bye: Goodbye, runner: _HubRunner, peer: PeerId | None) -> None:
-        """A worker left: stop waiting for it. One that is not who it says it is (another
-        hub's, another connection's or another connect attempt's) changes nothing."""
-        with self._cond:
-            info = self._workers.get(bye.worker)
-            if (
-                info is None
-                or info.hub != runner.index
-                or (peer is not None and info.peer is not None and peer != info.peer)
-                or (bye.session and info.session and bye.session != info.session)
-            ):
-                self._totals["stray_goodbyes"] += 1
-                return
-            info.left = time.monotonic()
-            self._totals["goodbyes"] += 1
-            pending = self._pending
-            if pending is not None and pending.dynamic and bye.worker in pending.targets:
-                # "every live worker" no longer includes it
-                pending.targets = pending.targets - {bye.worker}
-            self._cond.notify_all()
-        if peer is not None:
-            runner.hub.peer_left(peer)
-
-    def _holder(self, worker: int) -> str:
-        """The transport that holds ``worker``'s id (for error messages)."""
-        for runner in self._runners:
-            if worker in runner.hub.reserved_workers():
-                return runner.hub.name
-        with self._cond:
-            info = self._workers.get(worker)
-        return info.transport if info is not None else "another transport"
-
-    def _seen(self, worker: int) -> WorkerInfo:
-        with self._cond:
-            return self._workers[worker]
-
-    def _on_hello(self, hello: Hello, runner: _HubRunner, peer: PeerId | None) -> None:
-        info = self._seen(hello.worker)
-        if not hello.session or hello.session != info.session:
-            # A worker (re)connecting. A repeat of a Hello already handled (the worker
-            # asks again until welcomed; over Ray several may arrive at once, late) only
-            # gets its Welcome again: it must not rewind what the worker acked since, nor
-            # earn it a repair of a version already on its way.
-            info.session = hello.session
-            info.left = None
-            info.pid, info.host = hello.pid, hello.host
-            info.last_repair = 0.0  # a (re)connecting worker may have its snapshot at once
-            info.joining_to = self.version
-            if hello.epoch == self.epoch:
-                info.version = hello.version
-        announced = runner.hub.announce()
-        self._reply(
-            runner.hub,
-            peer,
-            Welcome(
-                self.model_id,
-                self.version,
-                self.epoch,
-                mode=self.mode,
-                strategy=self.strategy,
-                data_endpoint=str(announced.get("data_endpoint", "")),
-                ack_endpoint=str(announced.get("ack_endpoint", "")),
-                heartbeat_seconds=self.heartbeat,
-                worker=hello.worker,
-            ),
-        )
-
-    def _on_snapshot_request(
-        self, request: SnapshotRequest, runner: _HubRunner, peer: PeerId | None
-    ) -> None:
-        info = self._seen(request.worker)
-        fresh = (
-            request.epoch != self.epoch or request.version == 0 or request.version < info.joining_to
-        )
-        behind = fresh or request.version < self.version
-        # A worker left out of a targeted send stays behind (worker_ids means exactly
-        # those workers); one that is joining (connect) gets the latest version.
-        meant = fresh or max(info.entitled, self._broadcast_version) >= self.version
-        if request.epoch == self.epoch:
-            info.version = max(info.version, request.version)
-        # A worker that refused this very version would only refuse it again.
-        refused = info.refused == (self.epoch, self.version)
-        now = time.monotonic()
-        frames = self._latest_frames() if behind and meant and not refused else None
-        if frames is not None and now - info.last_repair >= self.repair_after:
-            info.last_repair = now
-            runner.hub.send_frames(frames, to=[peer] if peer else None)
-            return
-        in_flight = frames is not None  # sent to it within repair_after: on its way
-        self._reply(runner.hub, peer, UpToDate(self.model_id, self.version, self.epoch, in_flight))
-
-    def _latest_frames(self) -> list[Buffer] | None:
-        with self._snapshot_lock:
-            snapshot = self._snapshot
-            if snapshot is not None and snapshot[0] == self.version:
-                self._snapshot_handed_out = True  # never to be overwritten now
-                return snapshot[1]
-        pending = self._pending
-        if pending is not None and pending.version == self.version:
-            return pending.frames  # still owned by the sender until this send completes
-        return None
-
-    def _on_ack(self, ack: Ack) -> None:
-        now = time.monotonic()
-        info = self._seen(ack.worker)
-        with self._cond:
-            info.pid, info.host = ack.pid or info.pid, ack.host or info.host
-            info.received_bytes = ack.received_bytes
-            info.rejected_frames = max(info.rejected_frames, ack.rejected_frames)
-            if ack.epoch == self.epoch and ack.applied:
-                info.version = max(info.version, ack.version)
-                if info.version >= info.joining_to:
-                    info.joining_to = 0
-                info.epoch = ack.epoch
-                info.last_ack = now
-            if not ack.applied:
-                info.rejections.append(ack.reason)
-                info.refused = (ack.epoch, ack.version)
-            pending = self._pending
-            if pending is not None and ack.worker in pending.targets and ack.epoch == self.epoch:
-                if ack.applied and ack.version >= pending.version:
-                    if ack.worker not in pending.acked:
-                        info.last_latency = now - pending.started
-                    pending.acked.add(ack.worker)
-                    pending.rejected.pop(ack.worker, None)
-                elif not ack.applied and ack.version == pending.version:
-                    pending.rejected[ack.worker] = ack.reason
-                if pending.done:
-                    self._cond.notify_all()
+            return self.fleet.free_worker_id(reserved)
 
     # --- status & lifecycle ----------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """The sync state as a JSON-ready dict (what ``zmqsync status`` shows)."""
+        """The sync state as a JSON-ready dict (what ``zmqsync status`` shows).
+
+        At most :data:`~zmqsync.fleet.STATUS_ROWS` worker rows (the furthest behind
+        first); ``workers_total`` counts them all.
+        """
         now = time.monotonic()
         lat = sorted(self._latencies)
 
@@ -786,45 +570,9 @@ class WeightSender:
             return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else None
 
         with self._cond:
-            expected = set(range(self.num_workers)) if self.num_workers is not None else set()
-            workers: list[dict[str, Any]] = []
-            for w in sorted(expected | self._workers.keys()):
-                info = self._workers.get(w)
-                if info is None:
-                    workers.append(
-                        {
-                            "worker": w,
-                            "connected": False,
-                            "live": False,
-                            "left": False,
-                            "expected": True,
-                            "version": 0,
-                            "lag": self.version,
-                        }
-                    )
-                    continue
-                version = info.version if info.epoch in (self.epoch, 0) else 0
-                workers.append(
-                    {
-                        "worker": w,
-                        "connected": True,
-                        "live": self._live(info, now),
-                        "left": info.left is not None,
-                        "since_left_s": None if info.left is None else now - info.left,
-                        "expected": w in expected,
-                        "transport": info.transport,
-                        "host": info.host,
-                        "pid": info.pid,
-                        "version": version,
-                        "lag": max(0, self.version - version),
-                        "since_last_ack_s": None if info.last_ack is None else now - info.last_ack,
-                        "since_last_seen_s": now - info.last_seen,
-                        "last_latency_s": info.last_latency,
-                        "received_bytes": info.received_bytes,
-                        "rejected_frames": info.rejected_frames,
-                        "rejections": list(info.rejections),
-                    }
-                )
+            workers, counts = self.fleet.status_rows(now)
+            fleet_counters = dict(self.fleet.counters)
+            reasons = list(self.fleet.reasons)
         return {
             "model_id": self.model_id,
             "version": self.version,
@@ -836,13 +584,15 @@ class WeightSender:
             "uptime_s": now - self._started,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            **counts,
             "workers": workers,
             "totals": {
                 **self._totals,
+                **fleet_counters,
                 "latency_p50_s": pct(0.5),
                 "latency_p90_s": pct(0.9),
                 "latency_p99_s": pct(0.99),
-                "rejections": list(self._reasons),
+                "rejections": reasons,
                 **_sum_counters(r.hub.counters() for r in self._runners),
             },
         }
@@ -866,9 +616,8 @@ class WeightSender:
             runner.stop()
         for runner in self._runners:
             runner.hub.close()
-        if self._snapshot_pool is not None:
-            self._snapshot_pool.shutdown(wait=True)
         self._snapshot = None
+        self._pending = None
 
 
 def _sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
@@ -911,6 +660,8 @@ class _HubRunner:
         self._acks = True  # whether the pump wakes for acks (not when send() reads them)
         self._poke_r = self._poke_w = -1
         self.turns = 0  # how often the pump took the baton (tests: sends do not wake it)
+        #: Effects of the fleet core meant for this hub, decided on another hub's thread.
+        self.later: deque[Any] = deque()
         self._thread = threading.Thread(
             target=self._run, name=f"zmqsync-sender-{sender.model_id}-{hub.name}", daemon=True
         )
@@ -973,6 +724,7 @@ class _HubRunner:
                     if self._stopping:
                         break
                     self.turns += 1
+                    self.sender._housekeeping(self)
                     incoming = self.hub.recv_frames(PUMP_TICK)
                     while incoming is not None:
                         self.sender._handle(incoming, self)
@@ -1002,6 +754,7 @@ class _HubRunner:
                 if self._stopping:
                     break
                 self.turns += 1
+                self.sender._housekeeping(self)
                 look = False
                 incoming = self.hub.recv_frames(0)
                 while incoming is not None:

@@ -38,6 +38,7 @@ from zmqsync.protocol.messages import (
     MAX_TENSORS,
     MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
+    SESSION_CHARS,
     STRATEGIES,
     Ack,
     Buffer,
@@ -86,10 +87,10 @@ _JSON_KINDS: Final[dict[Kind, type]] = {
 #: Header fields, which travel in the struct rather than in the JSON body.
 _HEADER_FIELDS: Final = frozenset({"model_id", "version", "epoch"})
 #: An ack's body: worker, received_bytes, rejected_frames, pid, apply_seconds, applied,
-#: and the UTF-8 lengths of reason and host, which follow it. Binary rather than JSON:
+#: and the UTF-8 lengths of reason, host and session, which follow it in that order. Binary rather than JSON:
 #: the sender decodes one per worker per version, on the path every ``send()`` waits on
 #: (a quarter of the JSON decode's cost).
-ACK_BODY: Final = struct.Struct("!QQQQdBHH")
+ACK_BODY: Final = struct.Struct("!QQQQdBHHH")
 
 
 def digest(body: Buffer) -> bytes:
@@ -164,7 +165,7 @@ def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffe
 
 
 def _encode_ack(ack: Ack) -> bytes:
-    reason, host = ack.reason.encode(), ack.host.encode()
+    reason, host, session = ack.reason.encode(), ack.host.encode(), ack.session.encode()
     try:
         fixed = ACK_BODY.pack(
             ack.worker,
@@ -175,10 +176,11 @@ def _encode_ack(ack: Ack) -> bytes:
             ack.applied,
             len(reason),
             len(host),
+            len(session),
         )
     except struct.error as exc:
         raise ValueError(f"an Ack field is out of range: {exc}: {ack!r:.200}") from exc
-    return fixed + reason + host
+    return fixed + reason + host + session
 
 
 # --- decode -------------------------------------------------------------------------
@@ -277,19 +279,24 @@ def _decode(frames: Sequence[Buffer]) -> Message:
 def _decode_ack(body: bytes, model_id: str, version: int, epoch: int) -> Ack:
     if len(body) < ACK_BODY.size:
         raise FrameError(f"ACK body is {len(body)} bytes; at least {ACK_BODY.size} expected")
-    worker, received, rejected, pid, seconds, applied, n_reason, n_host = ACK_BODY.unpack_from(body)
-    if len(body) != ACK_BODY.size + n_reason + n_host:
-        raise FrameError(
-            f"ACK body is {len(body)} bytes; its texts say {ACK_BODY.size + n_reason + n_host}"
-        )
+    worker, received, rejected, pid, seconds, applied, n_reason, n_host, n_session = (
+        ACK_BODY.unpack_from(body)
+    )
+    expected = ACK_BODY.size + n_reason + n_host + n_session
+    if len(body) != expected:
+        raise FrameError(f"ACK body is {len(body)} bytes; its texts say {expected}")
     if applied > 1:
         raise FrameError(f"Ack.applied must be 0 or 1; got {applied}")
     if not math.isfinite(seconds):
         raise FrameError(f"Ack.apply_seconds must be a finite float; got {seconds!r}")
-    reason = body[ACK_BODY.size : ACK_BODY.size + n_reason].decode("utf-8")
-    host = body[ACK_BODY.size + n_reason :].decode("utf-8")
+    start = ACK_BODY.size
+    reason = body[start : start + n_reason].decode("utf-8")
+    host = body[start + n_reason : start + n_reason + n_host].decode("utf-8")
+    session = body[start + n_reason + n_host :].decode("utf-8")
     if len(reason) > MAX_TEXT_CHARS or len(host) > MAX_TEXT_CHARS:
         raise FrameError(f"Ack texts are limited to {MAX_TEXT_CHARS} characters")
+    if len(session) > SESSION_CHARS:
+        raise FrameError(f"Ack.session is at most {SESSION_CHARS} characters")
     return Ack(
         model_id,
         version,
@@ -302,6 +309,7 @@ def _decode_ack(body: bytes, model_id: str, version: int, epoch: int) -> Ack:
         rejected,
         pid,
         host,
+        session,
     )
 
 

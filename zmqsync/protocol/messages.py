@@ -14,8 +14,8 @@ Buffer: TypeAlias = bytes | bytearray | memoryview
 
 #: First bytes of every header. A frame that does not start with them is not ours.
 MAGIC: Final = b"ZSY1"
-#: Bumped on any incompatible change of the header or a body.
-PROTOCOL_VERSION: Final = 1
+#: Bumped on any incompatible change of the header or a body (2: session secrets).
+PROTOCOL_VERSION: Final = 2
 
 # --- limits: each is checked before anything is allocated for it ----------------------
 #: model_ids are short names ("policy"); a longer one is garbage, not a name.
@@ -62,6 +62,9 @@ DTYPE_ITEMSIZE: Final[dict[str, int]] = {
     "float8_e5m2fnuz": 1,
     "float8_e8m0fnu": 1,
 }
+
+#: A session secret travels as this many hex characters (128 random bits).
+SESSION_CHARS: Final = 32
 
 STRATEGIES: Final = ("state_dict", "tensordict")
 #: A Hello from a worker that has no id yet: the sender assigns one in its Welcome.
@@ -131,7 +134,8 @@ class Ack:
     """A worker's report on a version: ``applied`` (it now holds ``version``) or not.
 
     ``version``/``epoch`` are what the worker holds after handling the message; a
-    rejected ack carries the version it refused and ``reason``.
+    rejected ack carries the version it refused and ``reason``. ``session`` is the
+    secret of the worker's Welcome: an ack without its worker's secret counts for nothing.
     """
 
     model_id: str
@@ -145,6 +149,7 @@ class Ack:
     rejected_frames: int = 0
     pid: int = 0
     host: str = ""
+    session: str = ""
 
     kind = Kind.ACK
 
@@ -153,7 +158,7 @@ class Ack:
 class Hello:
     """A worker introduces itself; ``version``/``epoch`` are what it already holds.
 
-    ``session`` names one attempt to connect: a worker repeats its Hello until welcomed,
+    ``attempt`` names one attempt to connect: a worker repeats its Hello until welcomed,
     and a repeat that arrives late (after the worker went on to newer versions) must not
     be taken for a worker starting over.
     """
@@ -164,14 +169,20 @@ class Hello:
     worker: int
     pid: int = 0
     host: str = ""
-    session: str = ""
+    attempt: str = ""
 
     kind = Kind.HELLO
 
 
 @dataclass(frozen=True, slots=True)
 class Welcome:
-    """The sender's answer to :class:`Hello`: where to listen and where to ack."""
+    """The sender's answer to :class:`Hello`: where to listen and where to ack.
+
+    ``session`` is a secret for this worker alone (the Welcome travels to it over its
+    own connection): every ack, request and goodbye it sends carries it, so nobody else
+    can speak for it. ``attempt`` echoes the Hello's, so a late Welcome of an earlier
+    attempt is not mistaken for the current one.
+    """
 
     model_id: str
     version: int
@@ -182,6 +193,8 @@ class Welcome:
     ack_endpoint: str = ""
     heartbeat_seconds: float = 1.0
     worker: int = 0  # the id of the worker welcomed (assigned, if it asked for one)
+    session: str = ""
+    attempt: str = ""
 
     kind = Kind.WELCOME
 
@@ -194,6 +207,7 @@ class SnapshotRequest:
     version: int
     epoch: int
     worker: int
+    session: str = ""
 
     kind = Kind.SNAPSHOT_REQUEST
 
@@ -223,6 +237,7 @@ class ProbeRequest:
     nonce: str
     version: int = 0
     epoch: int = 0
+    session: str = ""
 
     kind = Kind.PROBE_REQUEST
 
@@ -280,8 +295,8 @@ class ErrorMessage:
 class Goodbye:
     """A worker leaves (its receiver closed): it will not ack again until it says hello.
 
-    ``version``/``epoch``: what it held when it left. A sender stops waiting for it at
-    once: a fleet of known size fails a send that targets it, naming it; a fleet that is
+    ``version``/``epoch``: what it held when it left; ``session``: its Welcome's secret.
+    A sender stops waiting for it at once: a fleet of known size fails a send that targets it, naming it; a fleet that is
     whoever connected (``num_workers=None``) simply no longer counts it.
     """
 

@@ -109,8 +109,13 @@ class Ref:
 
 
 def immutable(frame: Any) -> bool:
-    """Whether ``frame`` never changes: bytes, a read-only view, or a place in a block."""
-    return isinstance(frame, bytes | Ref) or (isinstance(frame, memoryview) and frame.readonly)
+    """Whether ``frame`` never changes: bytes, a read-only view (a memoryview or a
+    numpy array, as a sender lends its own copies), or a place in a block."""
+    if isinstance(frame, bytes | Ref):
+        return True
+    if isinstance(frame, memoryview):
+        return frame.readonly
+    return isinstance(frame, np.ndarray) and not frame.flags.writeable
 
 
 class ShmPool:

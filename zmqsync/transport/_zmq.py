@@ -17,7 +17,6 @@ import shutil
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Final, cast
 
@@ -45,16 +44,18 @@ log = logging.getLogger("zmqsync.transport")
 #: Prefix of every spoke's routing id: lets a router hub tell workers from CLI clients.
 SPOKE_PREFIX: Final = b"zmqsync-spoke:"
 #: Queued messages per peer before ZeroMQ drops new ones. Weights messages are large and
-#: a worker only ever wants the newest, so a deep queue would only hold memory.
-DATA_HWM: Final = 8
+#: a worker only ever wants the newest, so a deep queue would only hold memory: a
+#: stopped worker pins at most this many versions' buffers at the sender.
+DATA_HWM: Final = 4
 #: Requests and acks are small; a sender falling behind on them is the problem to see.
 CONTROL_HWM: Final = 10_000
 #: Largest frame a worker accepts unless told otherwise (a scheme with a model sets it
 #: from the model's size): a peer cannot make it allocate more than this.
 DEFAULT_MAX_MESSAGE: Final = 16 * 1024**3
-#: Largest message a socket that reads only small control traffic takes.
+#: Largest message a socket that reads only small control traffic takes (a hub's ROUTER
+#: and PULL): a peer cannot make a sender read, decode or hold more than this at once.
 CONTROL_MAX_MESSAGE: Final = 1024 * 1024
-#: Buffers at least this large are sent zero-copy and tracked (pyzmq copies smaller ones).
+#: Buffers at least this large are sent zero-copy (pyzmq copies smaller ones).
 ZERO_COPY_MIN: Final = 64 * 1024
 #: How long bind() retries an address a just-closed socket may still hold.
 REBIND_SECONDS: Final = 2.0
@@ -168,14 +169,6 @@ def translated(what: str) -> Iterator[None]:
         if exc.errno == zmq.ETERM:
             raise TransportClosed(f"{what}: the ZeroMQ context was terminated") from exc
         raise TransportError(f"{what}: {exc.strerror} (errno {exc.errno})") from exc
-
-
-def _caller_owned(buf: Buffer, zero_copy_min: int = ZERO_COPY_MIN) -> bool:
-    """A buffer sent zero-copy (``zero_copy_min`` bytes or more) that the caller may
-    change later (read-only views and bytes cannot)."""
-    if len(buf) < zero_copy_min or isinstance(buf, bytes):
-        return False
-    return not (isinstance(buf, memoryview) and buf.readonly)
 
 
 def _buffers(frames: list[zmq.Frame]) -> list[Buffer]:
@@ -312,7 +305,7 @@ class ZMQHub(HubTransport):
         *,
         ack_endpoint: str | None = None,
         context: zmq.Context[Any] | None = None,
-        max_request_bytes: int = 64 * 1024 * 1024,
+        max_request_bytes: int = CONTROL_MAX_MESSAGE,
         curve: CurveServer | None = None,
         insecure: bool = False,
         shared_memory: bool | None = None,
@@ -341,8 +334,7 @@ class ZMQHub(HubTransport):
             self._context = context or zmq.Context.instance()
         self._max_request_bytes = max_request_bytes
         self._socks = _Sockets(self._context, curve)
-        self._counters = {"handshake_failures": 0, "dropped_sends": 0, "purges": 0}
-        self._in_flight: list[weakref.ref[np.ndarray]] = []  # see _tracked
+        self._counters = {"handshake_failures": 0, "dropped_sends": 0}
         self._zero_copy_min = ZERO_COPY_MIN  # pyzmq's copy_threshold on the data sockets
         self._peers: set[PeerId] = set()
         self._closed = False
@@ -458,19 +450,16 @@ class ZMQHub(HubTransport):
         self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None
     ) -> None:
         self._check_open()
-        tracked = self._tracked(frames)
         with translated(f"sending from {self._endpoint}"):
-            if self._lender is not None and self._send_shared(frames, tracked, to):
+            if self._lender is not None and self._send_shared(frames, to):
                 return
             if to is None:
-                self._fan_out(tracked)
+                self._fan_out(frames)
             else:
                 for peer in to:
-                    self._send_to(peer, tracked)
+                    self._send_to(peer, frames)
 
-    def _send_shared(
-        self, frames: Sequence[Buffer], tracked: list[Any], to: Collection[PeerId] | None
-    ) -> bool:
+    def _send_shared(self, frames: Sequence[Buffer], to: Collection[PeerId] | None) -> bool:
         """Send large frames as places in shared blocks to the peers that read them, and
         inline to the others. False: nothing went (no such peer, nothing large, or every
         block busy): send as usual."""
@@ -498,53 +487,8 @@ class ZMQHub(HubTransport):
             for peer in counted:
                 self._send_to(peer, shared)
         for peer in others:
-            self._send_to(peer, tracked)
+            self._send_to(peer, frames)
         return True
-
-    def _tracked(self, frames: Sequence[Buffer]) -> list[Any]:
-        """The frames to send, with ZeroMQ's release of the caller's memory watched.
-
-        Large buffers are sent from the caller's memory (pyzmq copies small ones), so
-        :meth:`purge` must know whether ZeroMQ still holds any of them. Read-only
-        buffers (and ``bytes``) are immutable: they need no watching.
-
-        pyzmq keeps a zero-copy frame's object alive until ZeroMQ lets go of the
-        message, so a weak reference to a fresh numpy view of one buffer says when that
-        happened. (pyzmq's own ``track=True`` says the same at several times the cost:
-        a MessageTracker and an event per send.)
-        """
-        self._in_flight = [r for r in self._in_flight if r() is not None]
-        # ZeroMQ writes a message's parts in order: once its last large part is released,
-        # so are the others. Watching one frame per message is enough.
-        last = max(
-            (i for i, b in enumerate(frames) if _caller_owned(b, self._zero_copy_min)), default=-1
-        )
-        out: list[Any] = list(frames)
-        if last >= 0:
-            view = np.frombuffer(frames[last], dtype=np.uint8)
-            self._in_flight.append(weakref.ref(view))
-            out[last] = view
-        return out
-
-    def holds_caller_memory(self) -> bool:
-        """True while ZeroMQ still holds a large buffer a caller sent."""
-        self._in_flight = [r for r in self._in_flight if r() is not None]
-        return bool(self._in_flight)
-
-    def purge(self) -> None:
-        """Drop queued messages that still point into caller memory; a no-op if none do.
-
-        Rebinding a socket is the only way ZeroMQ offers to drop queued messages, and it
-        makes every peer reconnect, so it is done only when needed.
-        """
-        if self._closed or not self.holds_caller_memory():
-            return
-        self._counters["purges"] += 1
-        self._rebind_data()
-        self._in_flight.clear()
-
-    def _rebind_data(self) -> None:
-        raise NotImplementedError
 
     def _send_to(self, peer: PeerId, frames: Sequence[Buffer]) -> None:
         try:

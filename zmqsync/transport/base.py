@@ -110,14 +110,6 @@ class HubTransport(_Closable):
         :meth:`wait_handles`). ``acks=False``: leave out the ack channel."""
         return True
 
-    def purge(self) -> None:
-        """Drop every queued outgoing message.
-
-        Called after a send timed out: queued messages may reference tensors that the
-        caller is about to change, and must not reach a worker later, torn. Adapters that
-        copy on send have nothing to drop.
-        """
-
     def zero_copy_from(self, nbytes: int) -> None:
         """Send buffers of at least ``nbytes`` from the caller's memory, without a copy.
 

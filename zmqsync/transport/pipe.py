@@ -13,9 +13,8 @@ Writes happen on a thread per connection, so ``send_frames`` never blocks on a w
 is busy, or dead with its end of the pipe still held open by some other process. A
 version waiting to be written is replaced by a newer one (a receiver only wants the
 newest). ``send_frames`` copies what it is given once (shared by every worker's queue), so
-the caller may change its tensors as soon as it returns, and a purge never leaves a
-message half-written from changing memory; ``bytes`` and read-only buffers (a sender's
-snapshot), which never change, are not copied. Large copies and large receive buffers
+the caller may change its tensors as soon as it returns; ``bytes`` and read-only buffers
+(a sender's snapshot), which never change, are not copied. Large copies and large receive buffers
 come from a small pool and are reused once nothing views them: fresh memory costs a page
 fault per page, which on some VMs is most of a copy's time.
 
@@ -410,11 +409,6 @@ class _Writer:
             self._cond.notify()
         return True
 
-    def purge(self) -> None:
-        with self._cond:
-            self.dropped += len(self._queue)
-            self._queue.clear()
-
     def _next(self) -> _Outgoing | None:
         with self._cond:
             while not self._stopping:
@@ -755,12 +749,6 @@ class PipeHub(HubTransport):
             # Non-blocking: a full wake pipe already holds a wake-up.
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_w, b"\0")
-
-    def purge(self) -> None:
-        with self._lock:
-            peers = list(self._peers.values())
-        for peer in peers:
-            peer.writer.purge()
 
     def counters(self) -> dict[str, int]:
         with self._lock:

@@ -652,15 +652,6 @@ class RayHub(HubTransport):
                 else:
                     self._call(actor, message, weights=weights)
 
-    def purge(self) -> None:
-        """Drop versions waiting for a busy actor (calls under way cannot be recalled)."""
-        with self._lock:
-            for actor in self._actors.values():
-                if actor.pending_weights is not None:
-                    self._let_go(actor, actor.pending_weights)
-                    actor.pending_weights = None
-                    self._counters["dropped_sends"] += 1
-
     def _poll_due(self, now: float) -> float | None:
         """Poll every idle actor that is due; return when the next one will be."""
         soonest: float | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zmqsync.protocol import Buffer
-from zmqsync.transport._zmq import ZMQHub, ZMQSpoke, _bind
+from zmqsync.transport._zmq import ZMQHub, ZMQSpoke
 
 __all__ = ["RouterHub", "RouterSpoke"]
 
@@ -23,17 +23,6 @@ class RouterHub(ZMQHub):
     def _fan_out(self, frames: Sequence[Buffer]) -> None:
         for peer in list(self._peers):
             self._send_to(peer, frames)
-
-    def _rebind_data(self) -> None:
-        """Close and rebind the ROUTER: drops messages queued for slow or stuck workers.
-
-        Workers' DEALERs reconnect by themselves and are heard again at their next request.
-        """
-        self._unmonitor(self._router)
-        self._socks.discard(self._router)
-        self._router = self._new_router()
-        _bind(self._router, self._endpoint)
-        self._peers.clear()
 
 
 class RouterSpoke(ZMQSpoke):

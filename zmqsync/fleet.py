@@ -1,0 +1,638 @@
+"""The fleet core, sans-IO: who may say what to a sender, and what the sender does then.
+
+:class:`Fleet` takes ``(message, origin, now)`` and returns :data:`Effect` values (reply
+to this peer, send it the latest version, fan a probe out, forget a peer). It holds no
+sockets, threads, locks or torch: :class:`~zmqsync.sender.WeightSender` is the I/O shell
+that feeds it every message and carries out what it returns, under one lock.
+
+The rules, each enforced here and nowhere else:
+
+- A worker's record (a *session*) comes only from a Hello over an identified
+  connection; the Welcome carries a secret that every later ack, request and goodbye
+  must carry, from the same connection (acks may come over the shared ack channel).
+- A claim on an id another live connection holds is refused; auto-assignment hands out
+  only ids that no session holds and no hub reserves.
+- The ack channel carries acks only. No request is answered by a send to the fleet:
+  a snapshot goes to its asker alone, a probe is rate-limited per session.
+- Sessions expire when quiet; the table and the status rows are bounded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeAlias
+
+from zmqsync.protocol import (
+    AUTO_WORKER,
+    Ack,
+    ErrorMessage,
+    Goodbye,
+    Hello,
+    Message,
+    Probe,
+    ProbeRequest,
+    SnapshotRequest,
+    UpToDate,
+    Welcome,
+)
+from zmqsync.transport.base import PeerId
+
+__all__ = [
+    "EXPIRE_HEARTBEATS",
+    "LIVE_HEARTBEATS",
+    "MAX_SESSIONS",
+    "FanOut",
+    "Fleet",
+    "Forget",
+    "Origin",
+    "Reply",
+    "Send",
+    "SendLatest",
+    "Session",
+]
+
+#: A worker heard from within this many heartbeats is live: a fleet that is whoever
+#: connected waits for it, and no other connection may claim its id.
+LIVE_HEARTBEATS: Final = 3
+#: A session not heard from for this many heartbeats (or this long after its goodbye) is
+#: dropped, and its id may be handed out again: a crashed worker says no goodbye.
+EXPIRE_HEARTBEATS: Final = 30
+#: Sessions a sender keeps at most: thousands of workers fit, a flood of hellos does not.
+MAX_SESSIONS: Final = 16_384
+#: Worker rows in a status reply; the rest are counted, so a reply stays far below the
+#: protocol's body limit at any fleet size.
+STATUS_ROWS: Final = 1_000
+#: Rejection reasons kept per worker and for the sender, and the length each is cut to.
+REASONS_KEPT: Final = 8
+REASON_CHARS: Final = 300
+#: A session's probes are answered at most this often (each goes to every subscriber).
+PROBE_INTERVAL: Final = 0.005
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a message came from: a hub and its peer, or ``peer=None`` for the ack
+    channel, where nobody is identified."""
+
+    hub: int
+    peer: PeerId | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Send ``message`` to the peer at ``origin``, and nobody else."""
+
+    origin: Origin
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class SendLatest:
+    """Send the latest version to the peer at ``origin``; ``otherwise`` if there is none."""
+
+    origin: Origin
+    otherwise: Message
+
+
+@dataclass(frozen=True, slots=True)
+class FanOut:
+    """Send ``message`` down hub ``hub``'s data path (a probe proving a subscription)."""
+
+    hub: int
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """The peer at ``origin`` is no longer anyone's: drop what the hub keeps for it."""
+
+    origin: Origin
+
+
+Effect: TypeAlias = Reply | SendLatest | FanOut | Forget
+
+
+@dataclass
+class Session:
+    """One worker's connection as the sender knows it (a row of ``status()``)."""
+
+    worker: int
+    origin: Origin
+    transport: str
+    secret: str
+    attempt: str
+    first_seen: float
+    last_seen: float
+    pid: int = 0
+    host: str = ""
+    version: int = 0
+    epoch: int = 0
+    last_ack: float | None = None
+    last_latency: float | None = None
+    received_bytes: int = 0
+    rejected_frames: int = 0
+    rejections: deque[str] = field(default_factory=lambda: deque(maxlen=REASONS_KEPT))
+    last_repair: float = 0.0
+    last_probe: float = float("-inf")
+    #: The newest version a targeted send meant for this worker.
+    target_version: int = 0
+    #: (epoch, version) it last rejected: sending it again would only be rejected again.
+    refused: tuple[int, int] = (0, 0)
+    #: The latest version when it said hello: it gets (at least) that one.
+    joining_to: int = 0
+    #: When it said goodbye (None: it has not).
+    left: float | None = None
+
+
+@dataclass
+class Send:
+    """One version on its way, and who has answered."""
+
+    version: int
+    targets: frozenset[int]
+    started: float
+    deadline: float
+    #: Targets chosen as "every live worker": one that says goodbye meanwhile is dropped.
+    dynamic: bool = False
+    acked: set[int] = field(default_factory=set)
+    rejected: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.targets <= (self.acked | self.rejected.keys())
+
+    @property
+    def missing(self) -> set[int]:
+        return set(self.targets - self.acked - self.rejected.keys())
+
+
+class Fleet:
+    """The sender's view of its workers, and the rules for every message they send.
+
+    Args:
+        model_id, epoch, mode, strategy: what Welcomes and replies say.
+        transports: each hub's name, by hub index (shown in status).
+        announced: each hub's extra addresses for its Welcome (data and ack endpoints).
+        num_workers: the fleet's size, or None for "whoever connected".
+        heartbeat: the workers' heartbeat interval (liveness and expiry count in it).
+        repair_after: the least time between two sends of the latest version to one worker.
+        max_sessions: the most sessions kept at once.
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        epoch: int,
+        *,
+        mode: str,
+        strategy: str,
+        transports: Sequence[str],
+        announced: Sequence[Mapping[str, Any]] = (),
+        num_workers: int | None = None,
+        heartbeat: float = 1.0,
+        repair_after: float = 1.0,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
+        self.model_id = model_id
+        self.epoch = epoch
+        self.mode = mode
+        self.strategy = strategy
+        self.transports = list(transports)
+        self.announced = list(announced) or [{} for _ in self.transports]
+        self.num_workers = num_workers
+        self.heartbeat = heartbeat
+        self.repair_after = repair_after
+        self.max_sessions = max_sessions
+        self.version = 0
+        #: The newest version sent to every worker (not a targeted send).
+        self.broadcast_version = 0
+        self.pending: Send | None = None
+        self.workers: dict[int, Session] = {}
+        self._by_origin: dict[Origin, int] = {}
+        self.counters: dict[str, int] = {
+            "rejected_frames": 0,
+            "forged": 0,
+            "refused_claims": 0,
+            "expired": 0,
+            "goodbyes": 0,
+            "stray_goodbyes": 0,
+            "probes_limited": 0,
+        }
+        self.reasons: deque[str] = deque(maxlen=REASONS_KEPT)
+
+    # --- liveness ------------------------------------------------------------------
+
+    @property
+    def _beat(self) -> float:
+        return max(self.heartbeat, 0.1)
+
+    def live(self, session: Session, now: float) -> bool:
+        """Whether a worker counts as present: not gone, and heard from lately."""
+        return session.left is None and now - session.last_seen < LIVE_HEARTBEATS * self._beat
+
+    def expire(self, now: float) -> list[Effect]:
+        """Drop sessions quiet for :data:`EXPIRE_HEARTBEATS` heartbeats (or gone that
+        long): their ids are free again, and a late message of theirs counts for nothing."""
+        limit = EXPIRE_HEARTBEATS * self._beat
+        effects: list[Effect] = []
+        for s in list(self.workers.values()):
+            if now - (s.last_seen if s.left is None else s.left) >= limit:
+                self._drop(s)
+                self.counters["expired"] += 1
+                if s.left is None:
+                    effects.append(Forget(s.origin))
+        return effects
+
+    def _drop(self, s: Session) -> None:
+        del self.workers[s.worker]
+        if self._by_origin.get(s.origin) == s.worker:
+            del self._by_origin[s.origin]
+
+    # --- messages ------------------------------------------------------------------
+
+    def handle(
+        self,
+        message: Message,
+        origin: Origin,
+        now: float,
+        reserved: Mapping[int, frozenset[int]] | None = None,
+    ) -> list[Effect]:
+        """Everything a message from a worker changes, and the effects to carry out.
+
+        ``reserved``: per hub, the worker ids bound to its peers (pipe and actor
+        indices); needed for a Hello only.
+        """
+        if message.model_id != self.model_id:
+            reason = f"message for model {message.model_id!r} reached the sender of {self.model_id!r}"
+            return self._refuse(origin, "wrong-model", reason)
+        if origin.peer is None and not isinstance(message, Ack):
+            # The ack channel identifies nobody: anything else there is refused unread.
+            self.reject(f"{type(message).__name__} on the ack channel (acks only)")
+            self.counters["forged"] += 1
+            return []
+        if isinstance(message, Ack):
+            return self._on_ack(message, origin, now)
+        if isinstance(message, Hello):
+            return self._on_hello(message, origin, now, reserved or {})
+        if isinstance(message, SnapshotRequest | ProbeRequest | Goodbye):
+            session = self._authenticate(message.worker, message.session, origin)
+            if session is None:
+                self.counters["forged"] += 1
+                return self._refuse(
+                    origin,
+                    "unknown-session",
+                    f"{type(message).__name__} of worker {message.worker} does not carry the "
+                    "session of its Welcome (expired, taken over, or forged): say hello again",
+                )
+            session.last_seen = now
+            if isinstance(message, SnapshotRequest):
+                return self._on_snapshot_request(message, session, now)
+            if isinstance(message, ProbeRequest):
+                return self._on_probe(message, session, now)
+            return self._on_goodbye(session, now)
+        return self._refuse(
+            origin, "unexpected", f"unexpected {type(message).__name__} message at the sender"
+        )
+
+    def reject(self, reason: str, worker: int | None = None) -> None:
+        """Count a message refused (malformed, forged, stray)."""
+        reason = reason[:REASON_CHARS]
+        self.counters["rejected_frames"] += 1
+        self.reasons.append(reason)
+        s = self.workers.get(worker) if worker is not None else None
+        if s is not None:
+            s.rejected_frames += 1
+            s.rejections.append(reason)
+
+    def _refuse(self, origin: Origin, code: str, reason: str) -> list[Effect]:
+        self.reject(reason)
+        if origin.peer is None:
+            return []
+        return [Reply(origin, ErrorMessage(self.model_id, code, reason))]
+
+    def _authenticate(self, worker: int, secret: str, origin: Origin) -> Session | None:
+        """The session ``worker`` holds, if the message carries its secret and came the
+        way that session did (any peer of the same hub for the ack channel)."""
+        s = self.workers.get(worker)
+        if s is None or not secret or not secrets.compare_digest(secret, s.secret):
+            return None
+        if s.origin.hub != origin.hub:
+            return None
+        if origin.peer is not None and origin != s.origin:
+            return None
+        return s
+
+    # --- hello, claim, welcome -------------------------------------------------------
+
+    def _on_hello(
+        self,
+        hello: Hello,
+        origin: Origin,
+        now: float,
+        reserved: Mapping[int, frozenset[int]],
+    ) -> list[Effect]:
+        if hello.worker == AUTO_WORKER:
+            held = self._by_origin.get(origin)
+            worker = held if held is not None else self.free_worker_id(reserved)
+        else:
+            worker = hello.worker
+            other = next((h for h, ids in reserved.items() if h != origin.hub and worker in ids), None)
+            if other is not None:
+                return self._refuse_claim(
+                    origin, worker, f"a {self.transports[other]} worker holds that index"
+                )
+        effects: list[Effect] = []
+        s = self.workers.get(worker)
+        if s is not None and s.origin == origin and s.left is None and hello.attempt == s.attempt:
+            # A repeat of a Hello already handled (a worker asks again until welcomed;
+            # over Ray several may arrive at once, late): its Welcome again, and nothing
+            # rewound (what the worker acked since, the repair interval).
+            s.last_seen = now
+            return [self._welcome(s)]
+        if s is not None and s.origin != origin:
+            if self.live(s, now):
+                where = f"{s.transport}, pid {s.pid or '?'} on {s.host or '?'}"
+                return self._refuse_claim(origin, worker, f"a live worker holds it ({where})")
+            effects.append(Forget(s.origin))  # taken over: its secret means nothing now
+        if s is not None:
+            self._drop(s)
+        previous = self._by_origin.get(origin)
+        if previous is not None and previous in self.workers:
+            self._drop(self.workers[previous])  # one connection speaks for one worker
+        if len(self.workers) >= self.max_sessions:
+            effects += self.expire(now)
+            if len(self.workers) >= self.max_sessions:
+                return effects + self._refuse(
+                    origin, "fleet-full", f"this sender keeps at most {self.max_sessions} workers"
+                )
+        s = Session(
+            worker,
+            origin,
+            self.transports[origin.hub],
+            secret=secrets.token_hex(16),
+            attempt=hello.attempt,
+            first_seen=now,
+            last_seen=now,
+            pid=hello.pid,
+            host=hello.host,
+            version=hello.version if hello.epoch == self.epoch else 0,
+            epoch=hello.epoch if hello.epoch == self.epoch else 0,
+            joining_to=self.version,
+        )
+        self.workers[worker] = s
+        self._by_origin[origin] = worker
+        effects.append(self._welcome(s))
+        return effects
+
+    def _refuse_claim(self, origin: Origin, worker: int, why: str) -> list[Effect]:
+        self.counters["refused_claims"] += 1
+        return self._refuse(
+            origin,
+            "duplicate-worker",
+            f"worker id {worker} is already taken: {why}; worker ids must be unique in a fleet",
+        )
+
+    def _welcome(self, s: Session) -> Reply:
+        announced = self.announced[s.origin.hub]
+        return Reply(
+            s.origin,
+            Welcome(
+                self.model_id,
+                self.version,
+                self.epoch,
+                mode=self.mode,
+                strategy=self.strategy,
+                data_endpoint=str(announced.get("data_endpoint", "")),
+                ack_endpoint=str(announced.get("ack_endpoint", "")),
+                heartbeat_seconds=self.heartbeat,
+                worker=s.worker,
+                session=s.secret,
+                attempt=s.attempt,
+            ),
+        )
+
+    def free_worker_id(self, reserved: Mapping[int, frozenset[int]] | None = None) -> int:
+        """The lowest id no session holds and no hub reserves: what a worker that asks
+        for an id gets. A holder that stopped answering keeps its id until its session
+        expires; one that said goodbye gives it back at once."""
+        taken = {w for w, s in self.workers.items() if s.left is None}
+        for ids in (reserved or {}).values():
+            taken |= ids
+        return next(i for i in itertools.count() if i not in taken)
+
+    # --- acks ------------------------------------------------------------------------
+
+    def _on_ack(self, ack: Ack, origin: Origin, now: float) -> list[Effect]:
+        s = self._authenticate(ack.worker, ack.session, origin)
+        if s is None:
+            self.counters["forged"] += 1
+            self.reject(f"ack for worker {ack.worker} without its session (stale or forged)")
+            return []
+        if ack.epoch == self.epoch and ack.version > self.version:
+            self.counters["forged"] += 1
+            self.reject(
+                f"worker {ack.worker} acked version {ack.version}; the latest is {self.version}",
+                ack.worker,
+            )
+            return []
+        s.last_seen = now
+        s.pid, s.host = ack.pid or s.pid, ack.host or s.host
+        s.received_bytes = ack.received_bytes
+        s.rejected_frames = max(s.rejected_frames, ack.rejected_frames)
+        if ack.epoch == self.epoch and ack.applied:
+            s.version = max(s.version, ack.version)
+            if s.version >= s.joining_to:
+                s.joining_to = 0
+            s.epoch = ack.epoch
+            s.last_ack = now
+        if not ack.applied:
+            s.rejections.append(ack.reason[:REASON_CHARS])
+            s.refused = (ack.epoch, ack.version)
+        p = self.pending
+        if p is not None and ack.worker in p.targets and ack.epoch == self.epoch:
+            if ack.applied and ack.version >= p.version:
+                if ack.worker not in p.acked:
+                    s.last_latency = now - p.started
+                p.acked.add(ack.worker)
+                p.rejected.pop(ack.worker, None)
+            elif not ack.applied and ack.version == p.version:
+                p.rejected[ack.worker] = ack.reason
+        return []
+
+    # --- requests --------------------------------------------------------------------
+
+    def _on_snapshot_request(
+        self, request: SnapshotRequest, s: Session, now: float
+    ) -> list[Effect]:
+        fresh = (
+            request.epoch != self.epoch or request.version == 0 or request.version < s.joining_to
+        )
+        behind = fresh or request.version < self.version
+        # A worker left out of a targeted send stays behind (worker_ids means exactly
+        # those workers); one that is joining gets the latest version.
+        meant = fresh or max(s.target_version, self.broadcast_version) >= self.version
+        if request.epoch == self.epoch:
+            s.version = max(s.version, min(request.version, self.version))
+        refused = s.refused == (self.epoch, self.version)
+        if behind and meant and not refused and self.version > 0:
+            if now - s.last_repair >= self.repair_after:
+                s.last_repair = now
+                up_to_date = UpToDate(self.model_id, self.version, self.epoch, False)
+                return [SendLatest(s.origin, up_to_date)]
+            # Sent to it within repair_after: on its way.
+            return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, True))]
+        return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, False))]
+
+    def _on_probe(self, request: ProbeRequest, s: Session, now: float) -> list[Effect]:
+        if now - s.last_probe < PROBE_INTERVAL:
+            self.counters["probes_limited"] += 1
+            return []
+        s.last_probe = now
+        return [FanOut(s.origin.hub, Probe(self.model_id, s.worker, request.nonce[:64]))]
+
+    def _on_goodbye(self, s: Session, now: float) -> list[Effect]:
+        if s.left is not None:
+            self.counters["stray_goodbyes"] += 1
+            return []
+        s.left = now
+        self.counters["goodbyes"] += 1
+        if self._by_origin.get(s.origin) == s.worker:
+            del self._by_origin[s.origin]
+        p = self.pending
+        if p is not None and p.dynamic and s.worker in p.targets:
+            p.targets = p.targets - {s.worker}  # "every live worker" no longer includes it
+        return [Forget(s.origin)]
+
+    # --- sends -----------------------------------------------------------------------
+
+    def targets(self, worker_ids: int | Iterable[int] | None, now: float) -> frozenset[int]:
+        """The workers a send to ``worker_ids`` waits for (checked)."""
+        if worker_ids is None:
+            if self.num_workers is not None:
+                return frozenset(range(self.num_workers))
+            return frozenset(w for w, s in self.workers.items() if self.live(s, now))
+        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        for w in ids:
+            if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+                raise ValueError(f"worker_ids must be non-negative ints; got {w!r}")
+            if self.num_workers is not None and w >= self.num_workers:
+                raise ValueError(
+                    f"worker {w} does not exist: this sender has workers 0..{self.num_workers - 1}"
+                )
+        return frozenset(ids)
+
+    def begin_send(
+        self, worker_ids: int | Iterable[int] | None, now: float, timeout: float
+    ) -> tuple[Send, dict[int, list[PeerId]]]:
+        """Start the next version: returns it, and per hub the peers an addressed send
+        (``worker_ids`` given) goes to."""
+        targets = self.targets(worker_ids, now)
+        self.version += 1
+        send = Send(
+            self.version,
+            targets,
+            now,
+            now + timeout,
+            dynamic=worker_ids is None and self.num_workers is None,
+        )
+        self.pending = send
+        if worker_ids is None:
+            self.broadcast_version = self.version
+        peers: dict[int, list[PeerId]] = {}
+        for w in targets:
+            s = self.workers.get(w)
+            if s is None:
+                continue
+            s.last_repair = now
+            s.target_version = self.version
+            if s.origin.peer is not None and s.left is None:
+                peers.setdefault(s.origin.hub, []).append(s.origin.peer)
+        return send, peers
+
+    def gone(self, workers: Iterable[int], lost: Mapping[int, frozenset[PeerId]]) -> set[int]:
+        """Those of ``workers`` that said goodbye, or whose hub says their peer is lost."""
+        out = set()
+        for w in workers:
+            s = self.workers.get(w)
+            if s is None:
+                continue
+            if s.left is not None or s.origin.peer in lost.get(s.origin.hub, frozenset()):
+                out.add(w)
+        return out
+
+    # --- status ----------------------------------------------------------------------
+
+    def status_rows(self, now: float) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """Worker rows for ``status()`` (the furthest behind first, at most
+        :data:`STATUS_ROWS`) and counts over the whole fleet."""
+        expected = set(range(self.num_workers)) if self.num_workers is not None else set()
+        rows: list[dict[str, Any]] = []
+        for w in sorted(expected | self.workers.keys()):
+            s = self.workers.get(w)
+            if s is None:
+                rows.append(
+                    {
+                        "worker": w,
+                        "connected": False,
+                        "live": False,
+                        "left": False,
+                        "expected": True,
+                        "version": 0,
+                        "lag": self.version,
+                    }
+                )
+                continue
+            version = s.version if s.epoch in (self.epoch, 0) else 0
+            rows.append(
+                {
+                    "worker": w,
+                    "connected": True,
+                    "live": self.live(s, now),
+                    "left": s.left is not None,
+                    "since_left_s": None if s.left is None else now - s.left,
+                    "expected": w in expected,
+                    "transport": s.transport,
+                    "host": s.host,
+                    "pid": s.pid,
+                    "version": version,
+                    "lag": max(0, self.version - version),
+                    "since_last_ack_s": None if s.last_ack is None else now - s.last_ack,
+                    "since_last_seen_s": now - s.last_seen,
+                    "last_latency_s": s.last_latency,
+                    "received_bytes": s.received_bytes,
+                    "rejected_frames": s.rejected_frames,
+                    "rejections": list(s.rejections),
+                }
+            )
+        counts = {
+            "workers_total": len(rows),
+            "workers_live": sum(1 for r in rows if r["live"]),
+            "workers_shown": min(len(rows), STATUS_ROWS),
+        }
+        if len(rows) > STATUS_ROWS:
+            # Keep the rows worth a look: furthest behind first, then by id.
+            rows = sorted(rows, key=lambda r: (-r["lag"], r["worker"]))[:STATUS_ROWS]
+            rows.sort(key=lambda r: r["worker"])
+        return rows, counts
+
+    def describe(self, workers: Iterable[int], now: float) -> dict[int, str]:
+        """A line per worker for error messages: where it is and what it holds."""
+        out = {}
+        for w in workers:
+            s = self.workers.get(w)
+            out[w] = (
+                f"worker {w} never connected"
+                if s is None
+                else f"worker {w} ({s.transport}, pid {s.pid or '?'}) holds version "
+                f"{s.version}, last heard {now - s.last_seen:.1f}s ago"
+            )
+        return out
+
+    def transport_of(self, worker: int) -> str:
+        s = self.workers.get(worker)
+        return s.transport if s is not None else self.mode
+
