@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from zmqsync.protocol import (
     ACK_BODY,
     DTYPE_ITEMSIZE,
     HEADER,
+    MAGIC,
     MAX_SCHEMA_BYTES,
     MAX_TEXT_CHARS,
     Ack,
@@ -32,6 +34,7 @@ from zmqsync.protocol import (
     Weights,
     WeightsSchema,
     Welcome,
+    codec,
     decode,
     encode,
     peek_kind,
@@ -236,3 +239,207 @@ def test_frame_error_is_a_value_error() -> None:
     assert issubclass(FrameError, ValueError)
     assert HEADER.size == 46
     assert Kind.WEIGHTS == 1
+
+
+# --- receiver bombs: a schema that would make a receiver allocate what the wire lacks ---
+
+
+def _frames(entries: list[TensorEntry], buffers: list[bytes]) -> list[bytes]:
+    """A weights message as a hostile sender would build it: any entries, valid digest."""
+    schema = WeightsSchema("state_dict", tuple(entries))
+    return [bytes(f) for f in encode(Weights("p", 1, 0, schema, tuple(buffers)))]
+
+
+_TIB = 1 << 40
+
+
+@pytest.mark.parametrize(
+    ("entries", "buffers"),
+    [
+        pytest.param(
+            [
+                TensorEntry(("a",), "float32", (2,), 0, 0, 8),
+                TensorEntry(("b",), "float32", (2,), 0, 4, 8),
+            ],
+            [bytes(12)],
+            id="overlapping-entries",
+        ),
+        pytest.param(
+            [TensorEntry(("a",), "float32", (2,), 0, 4, 8)], [bytes(8)], id="past-buffer-end"
+        ),
+        pytest.param(
+            # 200 tensors of the same kilobyte: 200 KiB to allocate for 1 KiB on the wire
+            [TensorEntry((f"t{i}",), "uint8", (1024,), 0, 0, 1024) for i in range(200)],
+            [bytes(1024)],
+            id="total-larger-than-buffers",
+        ),
+        pytest.param(
+            [TensorEntry(("a",), "float32", (2, 3), 0, 0, 8)], [bytes(24)], id="nbytes-not-shape"
+        ),
+        pytest.param(
+            # holds no element, yet torch's stride computation overflows on it
+            [TensorEntry(("a",), "float32", (0, _TIB, _TIB), 0, 0, 0)],
+            [b""],
+            id="overflowing-shape",
+        ),
+        pytest.param(
+            [TensorEntry(("a",), "float32", (_TIB, _TIB), 0, 0, _TIB * _TIB * 4)],
+            [b""],
+            id="shape-product-past-limit",
+        ),
+        pytest.param(
+            [TensorEntry(("a",), "float32", (-1, -2), 0, 0, 8)], [bytes(8)], id="negative-dim"
+        ),
+    ],
+)
+def test_receiver_bombs_are_refused(entries: list[TensorEntry], buffers: list[bytes]) -> None:
+    with pytest.raises(FrameError):
+        decode(_frames(entries, buffers))
+
+
+def test_empty_tensors_share_no_bytes() -> None:
+    """Zero-byte entries may sit anywhere inside their buffer, next to others or on them."""
+    entries = [
+        TensorEntry(("a",), "float32", (2,), 0, 0, 8),
+        TensorEntry(("b",), "float32", (0, 3), 0, 4, 0),
+        TensorEntry(("c",), "float32", (0,), 0, 8, 0),
+    ]
+    decoded = decode(_frames(entries, [bytes(8)]))
+    assert isinstance(decoded, Weights)
+    assert decoded.schema.entries == tuple(entries)
+
+
+def test_a_schema_is_cached_only_once_a_whole_message_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = codec._SchemaCache()
+    monkeypatch.setattr(codec, "_schema_cache", cache)
+    entry = TensorEntry(("w",), "float32", (4,), 0, 0, 16)
+    short = _frames([entry], [bytes(12)])
+    with pytest.raises(FrameError, match="does not have them"):
+        decode(short)
+    with pytest.raises(FrameError, match="overlap"):
+        decode(_frames([entry, dataclasses.replace(entry, key=("v",))], [bytes(16)]))
+    assert len(cache) == 0
+    decode(_frames([entry], [bytes(16)]))
+    assert short[1] in cache
+    # Buffers differ per message: a cached schema is still checked against them.
+    with pytest.raises(FrameError, match="does not have them"):
+        decode(short)
+    with pytest.raises(FrameError, match="does not have them"):
+        decode(_frames([entry], []))
+
+
+def test_the_schema_cache_holds_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream of large schemas, each valid, cannot pin more than the budget."""
+    cache = codec._SchemaCache(max_bytes=4096)
+    monkeypatch.setattr(codec, "_schema_cache", cache)
+    bodies = []
+    for i in range(40):
+        # ~1 KiB of schema each: 40 of them are ten times the budget
+        entry = TensorEntry((f"t{i}", "x" * 1000), "uint8", (1,), 0, 0, 1)
+        frames = _frames([entry], [b"\0"])
+        decode(frames)
+        bodies.append(frames[1])
+        assert cache.nbytes <= cache.max_bytes
+        assert cache.nbytes == sum(len(b) for b in bodies if b in cache)
+    assert bodies[-1] in cache and bodies[0] not in cache
+    assert 0 < len(cache) < 5
+    huge = _frames([TensorEntry(("big", "x" * 4000, "y" * 1000), "uint8", (1,), 0, 0, 1)], [b"\0"])
+    decode(huge)
+    assert huge[1] not in cache  # larger than the whole budget: never kept
+    assert bodies[-1] in cache
+    assert codec._SchemaCache().max_bytes == codec.SCHEMA_CACHE_BYTES
+
+
+_MUTATIONS = ("offset", "nbytes", "shape", "buffer", "alias", "resize")
+
+
+@st.composite
+def mutated_weights(draw) -> list[bytes]:  # type: ignore[no-untyped-def]
+    """A valid weights message, then a few hostile edits of its schema or its buffers;
+    re-encoded with a valid digest so that the decoder's checks, not the digest, decide."""
+    message = draw(weights_messages().filter(lambda m: m.schema.entries))
+    entries, buffers = list(message.schema.entries), list(message.buffers)
+    ints = st.one_of(st.integers(-2, 40), st.sampled_from([_TIB, _TIB + 1, 1 << 63, -(1 << 63)]))
+    for _ in range(draw(st.integers(1, 3))):
+        i = draw(st.integers(0, len(entries) - 1))
+        e = entries[i]
+        what = draw(st.sampled_from(_MUTATIONS))
+        if what == "shape":
+            e = dataclasses.replace(e, shape=tuple(draw(st.lists(ints, max_size=4))))
+        elif what == "alias":  # another tensor's bytes, under this one's key
+            other = entries[draw(st.integers(0, len(entries) - 1))]
+            e = dataclasses.replace(other, key=e.key)
+        elif what == "resize":
+            j = draw(st.integers(0, len(buffers) - 1))
+            buffers[j] = bytes(draw(st.integers(0, len(buffers[j]) + 8)))
+        else:
+            e = dataclasses.replace(e, **{what: draw(ints)})
+        entries[i] = e
+    return _frames(entries, buffers)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_weights())
+def test_mutated_weights_decode_inside_their_buffers_or_raise(frames: list[bytes]) -> None:
+    try:
+        message = decode(frames)
+    except FrameError:
+        return
+    assert isinstance(message, Weights)
+    sizes = [len(b) for b in message.buffers]
+    taken: dict[int, list[tuple[int, int]]] = {}
+    for e in message.schema.entries:
+        assert 0 <= e.buffer < len(sizes)
+        assert e.offset >= 0 and e.offset + e.nbytes <= sizes[e.buffer]
+        assert e.nbytes == math.prod(e.shape) * DTYPE_ITEMSIZE[e.dtype]
+        assert math.prod(max(d, 1) for d in e.shape) * DTYPE_ITEMSIZE[e.dtype] <= _TIB
+        if e.nbytes:
+            taken.setdefault(e.buffer, []).append((e.offset, e.offset + e.nbytes))
+    for spans in taken.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert sum(e.nbytes for e in message.schema.entries) <= sum(sizes)
+
+
+# --- routing before decoding -----------------------------------------------------------
+
+
+def test_decode_refuses_kinds_not_accepted_before_parsing_the_body() -> None:
+    frames = _weights_frames()
+    assert isinstance(decode(frames, accept={Kind.WEIGHTS}), Weights)
+    with pytest.raises(FrameError, match="unexpected kind WEIGHTS"):
+        decode([frames[0], b"not even json", *frames[2:]], accept=(Kind.ACK, Kind.HELLO))
+    ack = _ack_frames()
+    assert isinstance(decode(ack, accept=frozenset({Kind.ACK})), Ack)
+    with pytest.raises(FrameError, match="unexpected kind ACK"):
+        decode(ack, accept=())
+
+
+@settings(max_examples=300)
+@given(
+    st.one_of(
+        st.binary(max_size=80),
+        st.binary(min_size=HEADER.size, max_size=HEADER.size + 8).map(lambda b: MAGIC + b[4:]),
+    )
+)
+def test_peek_kind_never_raises(header: bytes) -> None:
+    kind = peek_kind(header)
+    assert kind is None or (isinstance(kind, Kind) and header[:4] == MAGIC)
+    assert peek_kind(memoryview(header)) is kind
+    assert peek_kind(bytearray(header)) is kind
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        None,
+        7,
+        "ZSY1" + "x" * 60,
+        memoryview(MAGIC + bytes(60)).cast("B", (64, 1)),  # indexing it raises
+        memoryview(b""),
+    ],
+)
+def test_peek_kind_returns_none_for_what_is_not_a_frame(garbage: object) -> None:
+    assert peek_kind(garbage) is None  # type: ignore[arg-type]

@@ -19,10 +19,11 @@ import functools
 import hashlib
 import json
 import math
+import operator
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Final
 
 from zmqsync.errors import FrameError
@@ -59,7 +60,15 @@ from zmqsync.protocol.messages import (
     Welcome,
 )
 
-__all__ = ["ACK_BODY", "HEADER", "decode", "encode", "encode_schema", "peek_kind"]
+__all__ = [
+    "ACK_BODY",
+    "HEADER",
+    "SCHEMA_CACHE_BYTES",
+    "decode",
+    "encode",
+    "encode_schema",
+    "peek_kind",
+]
 
 #: magic, protocol version, kind, flags, version, epoch, buffer count,
 #: model_id length, schema digest (blake2b-128 of the body; zeros for non-weights).
@@ -67,6 +76,10 @@ HEADER: Final = struct.Struct("!4sBBHQQIH16s")
 _U64_MAX: Final = (1 << 64) - 1
 _NO_DIGEST: Final = bytes(16)
 _SCHEMA_CACHE_SIZE: Final = 32
+#: Schema JSON the decoder keeps parsed, in all: twice the largest schema the protocol
+#: allows; parsed, a schema takes up to ~10x its JSON, so however many hostile schemas
+#: arrive, the cache pins at most ~350 MB (a count alone let 32 of 16 MiB pin gigabytes).
+SCHEMA_CACHE_BYTES: Final = 32 * 1024 * 1024
 _KINDS: Final[dict[int, Kind]] = {k.value: k for k in Kind}
 #: Control-message bodies: compact JSON (one encoder, not one per message).
 _JSON: Final = json.JSONEncoder(separators=(",", ":"))
@@ -189,49 +202,85 @@ def _encode_ack(ack: Ack) -> bytes:
 def peek_kind(header: Buffer) -> Kind | None:
     """The kind of a message from its first frame, or ``None`` if it is not ours.
 
-    Cheap (no validation beyond magic and kind); transports use it to route acks.
+    O(1) and never raises, whatever it is given (no validation beyond magic and kind):
+    transports use it to route acks, and a hub to drop kinds it never accepts unparsed.
     """
-    if len(header) < HEADER.size or bytes(header[:4]) != MAGIC:
-        return None
     try:
-        return Kind(header[5])
-    except ValueError:
+        if len(header) < HEADER.size or bytes(header[:4]) != MAGIC:
+            return None
+        return _KINDS.get(header[5])
+    # What a non-bytes "frame" raises: a str, a multi-dimensional memoryview, None.
+    except (TypeError, ValueError, IndexError, NotImplementedError):
         return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Layout:
+    """A schema checked on its own, and what checking it against buffers takes."""
+
+    schema: WeightsSchema
+    digest: bytes  # of the schema's bytes: a cache hit needs no hashing again
+    # By buffer index, where its last tensor ends: one comparison per buffer, not per
+    # tensor, on every message (2,000 tensors often sit in a few buffers).
+    extents: tuple[int, ...]
 
 
 class _SchemaCache:
     """Recently decoded schemas by their exact bytes: a sender sends one layout over and
-    over, and parsing 2,000 entries of JSON per version would dominate small-tensor syncs."""
+    over, and parsing 2,000 entries of JSON per version would dominate small-tensor syncs.
 
-    def __init__(self) -> None:
-        # schema bytes -> (the schema, their digest): a hit needs no hashing again
-        self._items: OrderedDict[bytes, tuple[WeightsSchema, bytes]] = OrderedDict()
+    Bounded by count and by bytes: schemas may be up to :data:`MAX_SCHEMA_BYTES` each.
+    """
+
+    def __init__(
+        self, max_bytes: int = SCHEMA_CACHE_BYTES, max_items: int = _SCHEMA_CACHE_SIZE
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.max_items = max_items
+        self.nbytes = 0  # the schema bytes held
+        self._items: OrderedDict[bytes, _Layout] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: bytes) -> tuple[WeightsSchema, bytes] | None:
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._items
+
+    def get(self, key: bytes) -> _Layout | None:
         with self._lock:
             item = self._items.get(key)
             if item is not None:
                 self._items.move_to_end(key)
             return item
 
-    def put(self, key: bytes, schema: WeightsSchema, key_digest: bytes) -> None:
+    def put(self, key: bytes, layout: _Layout) -> None:
+        """Keep ``layout``: only ever one that a whole message was checked against."""
+        if len(key) > self.max_bytes:
+            return  # it would evict everything and still not fit
         with self._lock:
-            self._items[key] = (schema, key_digest)
-            while len(self._items) > _SCHEMA_CACHE_SIZE:
-                self._items.popitem(last=False)
+            old = self._items.pop(key, None)  # two threads decoded the same new schema
+            if old is not None:
+                self.nbytes -= len(key)
+            self._items[key] = layout
+            self.nbytes += len(key)
+            while len(self._items) > self.max_items or self.nbytes > self.max_bytes:
+                evicted, _ = self._items.popitem(last=False)
+                self.nbytes -= len(evicted)
 
 
 _schema_cache = _SchemaCache()
 
 
-def decode(frames: Sequence[Buffer]) -> Message:
+def decode(frames: Sequence[Buffer], *, accept: Collection[Kind] | None = None) -> Message:
     """Decode ``[header, body, *buffers]`` into a message.
 
     Raises :class:`FrameError` for anything that is not a valid message, and nothing else.
+    ``accept``: the kinds the caller handles; any other is refused before its body is
+    parsed (a hub that never takes weights need not parse a 16 MiB schema to drop it).
     """
     try:
-        return _decode(frames)
+        return _decode(frames, accept)
     except FrameError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as exc:
@@ -239,7 +288,7 @@ def decode(frames: Sequence[Buffer]) -> Message:
         raise FrameError(f"malformed message: {type(exc).__name__}: {exc}") from exc
 
 
-def _decode(frames: Sequence[Buffer]) -> Message:
+def _decode(frames: Sequence[Buffer], accept: Collection[Kind] | None) -> Message:
     if len(frames) < 2:
         raise FrameError(f"a message has at least 2 frames (header, body); got {len(frames)}")
     head = frames[0]
@@ -258,6 +307,9 @@ def _decode(frames: Sequence[Buffer]) -> Message:
     kind = _KINDS.get(kind_byte)
     if kind is None:
         raise FrameError(f"unknown message kind {kind_byte}")
+    if accept is not None and kind not in accept:
+        expected = ", ".join(sorted(k.name for k in accept))
+        raise FrameError(f"unexpected kind {kind.name}; this end accepts {expected or 'none'}")
     if mid_len > MAX_MODEL_ID_BYTES or len(head) != HEADER.size + mid_len:
         raise FrameError(f"header length {len(head)} does not match model_id length {mid_len}")
     model_id = bytes(head[HEADER.size :]).decode("utf-8")
@@ -369,25 +421,61 @@ def _decode_weights(
     if len(body) > MAX_SCHEMA_BYTES:
         raise FrameError(f"schema is {len(body)} bytes; the limit is {MAX_SCHEMA_BYTES}")
     body_bytes = bytes(body)
-    cached = _schema_cache.get(body_bytes)
-    if cached is None:
+    layout = _schema_cache.get(body_bytes)
+    fresh = layout is None
+    if layout is None:
         if digest(body_bytes) != schema_digest:
             raise FrameError("schema digest does not match the schema: corrupted message")
-        schema = _parse_schema(body_bytes, nbufs)
-        _schema_cache.put(body_bytes, schema, schema_digest)
-    else:
-        schema, known = cached
-        if schema_digest != known:
-            raise FrameError("schema digest does not match the schema: corrupted message")
+        layout = _parse_layout(body_bytes, schema_digest, nbufs)
+    elif schema_digest != layout.digest:
+        raise FrameError("schema digest does not match the schema: corrupted message")
     buffers = tuple(frames[2:])
+    # Buffers differ per message, so this runs on cache hits too. With entries inside
+    # their buffers and apart from each other (checked once per schema), the tensors
+    # cannot describe more bytes than the message carries.
     sizes = [len(b) for b in buffers]
+    if len(layout.extents) > len(sizes) or any(map(operator.gt, layout.extents, sizes)):
+        raise _outside(layout.schema, sizes)
+    if fresh:
+        _schema_cache.put(body_bytes, layout)
+    return Weights(model_id, version, epoch, layout.schema, buffers)
+
+
+def _outside(schema: WeightsSchema, sizes: list[int]) -> FrameError:
+    """The error naming the first tensor whose bytes the buffers lack."""
     for e in schema.entries:
-        if e.buffer >= nbufs or e.offset + e.nbytes > sizes[e.buffer]:
-            raise FrameError(
+        if e.buffer >= len(sizes) or e.offset + e.nbytes > sizes[e.buffer]:
+            return FrameError(
                 f"tensor {e.dotted_key!r} needs bytes {e.offset}..{e.offset + e.nbytes} of "
                 f"buffer {e.buffer}, which does not have them"
             )
-    return Weights(model_id, version, epoch, schema, buffers)
+    return FrameError(f"the schema does not fit the message's {len(sizes)} buffers")
+
+
+def _parse_layout(body: bytes, schema_digest: bytes, nbufs: int) -> _Layout:
+    schema = _parse_schema(body, nbufs)
+    extents = [0] * (max((e.buffer for e in schema.entries), default=-1) + 1)
+    for e in schema.entries:
+        extents[e.buffer] = max(extents[e.buffer], e.offset + e.nbytes)
+    _check_apart(schema.entries)
+    return _Layout(schema, schema_digest, tuple(extents))
+
+
+def _check_apart(entries: Sequence[TensorEntry]) -> None:
+    """Refuse entries that share bytes: a receiver allocates each entry on its own, so
+    entries stacked on one megabyte of the wire could make it allocate hundreds. Empty
+    tensors have no bytes to share. Sorted once: O(n log n) for 100k entries."""
+    spans = sorted(
+        (e.buffer, e.offset, e.offset + e.nbytes, i) for i, e in enumerate(entries) if e.nbytes
+    )
+    last_buffer, last_end, last = -1, 0, 0
+    for buffer, start, end, i in spans:
+        if buffer == last_buffer and start < last_end:
+            raise FrameError(
+                f"tensors {entries[last].dotted_key!r} and {entries[i].dotted_key!r} "
+                f"overlap in buffer {buffer}"
+            )
+        last_buffer, last_end, last = buffer, end, i
 
 
 def _parse_schema(body: bytes, nbufs: int) -> WeightsSchema:
@@ -424,19 +512,39 @@ def _parse_entry(raw: Any, nbufs: int) -> TensorEntry:
         raise FrameError(f"tensor key must be a non-empty list of names: {key!r:.80}")
     if dtype not in DTYPE_ITEMSIZE:
         raise FrameError(f"tensor {'.'.join(key)!r} has unknown dtype {dtype!r:.40}")
-    if not (
-        isinstance(shape, list)
-        and len(shape) <= MAX_NDIM
-        and all(type(d) is int and 0 <= d <= MAX_TENSOR_BYTES for d in shape)
-    ):
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM):
         raise FrameError(f"tensor {'.'.join(key)!r} has an invalid shape {shape!r:.80}")
+    expected = _shape_bytes(shape, DTYPE_ITEMSIZE[dtype])
+    if expected is None:
+        raise FrameError(
+            f"tensor {'.'.join(key)!r} has an invalid shape {shape!r:.80} (negative, or "
+            f"more than {MAX_TENSOR_BYTES} bytes counting empty dimensions as 1)"
+        )
     for name, value, bound in (("buffer", buffer, nbufs - 1), ("offset", offset, MAX_TENSOR_BYTES)):
         if type(value) is not int or not 0 <= value <= bound:
             raise FrameError(f"tensor {'.'.join(key)!r} has an invalid {name} {value!r:.40}")
-    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
-    if type(nbytes) is not int or nbytes != expected or nbytes > MAX_TENSOR_BYTES:
+    if type(nbytes) is not int or nbytes != expected:
         raise FrameError(
             f"tensor {'.'.join(key)!r}: nbytes {nbytes!r:.40} does not match "
             f"shape {shape} of {dtype} ({expected} bytes)"
         )
     return TensorEntry(tuple(key), dtype, tuple(shape), buffer, offset, nbytes)
+
+
+def _shape_bytes(shape: list[Any], itemsize: int) -> int | None:
+    """The bytes a shape of ``itemsize`` elements holds, or ``None`` if it is not one the
+    receiver can allocate: a dimension that is not a non-negative int, or a shape that
+    spans more than :data:`MAX_TENSOR_BYTES` with empty dimensions counted as 1 (torch
+    computes strides that way: ``(0, 2**40, 2**40)`` holds nothing, yet overflows them).
+
+    Checked after each multiplication, so no product ever exceeds the limit by more than
+    one dimension's factor.
+    """
+    span = itemsize
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_TENSOR_BYTES:
+            return None
+        span *= d or 1
+        if span > MAX_TENSOR_BYTES:
+            return None
+    return 0 if 0 in shape else span
