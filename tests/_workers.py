@@ -24,6 +24,8 @@ def make_model(kind: str = "mlp", seed: int | None = None) -> nn.Module:
         model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
     elif kind == "wide":  # 64 KiB weights: large enough for shared memory over ipc
         model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Linear(256, 64))
+    elif kind == "big":  # 32 MiB: more than the kernel's socket buffers hold
+        model = nn.Sequential(nn.Linear(2048, 4096), nn.Linear(4096, 4))
     else:
         raise ValueError(kind)
     return model.to(device) if device else model
@@ -56,8 +58,16 @@ def run_worker(
         model = make_model(kind, seed=1000 + worker_idx)  # differs from the sender's
         options = {"model": model, "worker_idx": worker_idx, **(init_kwargs or {})}
         scheme.init_on_receiver(model_id="policy", **options)
-        scheme.connect(timeout=connect_timeout)
         receiver = scheme.get_receiver()
+        # Every version applied, with the checksum of what the model then held: called
+        # under the receiver's lock, right after the version is in.
+        applied: list[tuple[int, int, str]] = []
+        receiver.on_applied.append(
+            lambda epoch, version: applied.append(
+                (epoch, version, zmqsync.checksum(model, scheme.strategy))
+            )
+        )
+        scheme.connect(timeout=connect_timeout)
         scheme.start_receiver_thread()
         conn.send("ready")
         while True:
@@ -69,6 +79,8 @@ def run_worker(
             with scheme.lock:
                 if command == "checksum":
                     conn.send(zmqsync.checksum(model, scheme.strategy))
+                elif command == "applied":
+                    conn.send(list(applied))
                 elif command == "state":
                     conn.send(
                         {

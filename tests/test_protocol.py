@@ -88,8 +88,9 @@ control_messages = st.one_of(
         rejected_frames=u64,
         pid=u64,
         host=text,
+        session=st.text(alphabet="0123456789abcdef", max_size=32),
     ),
-    st.builds(Hello, model_ids, u64, u64, worker=u64, pid=u64, host=text),
+    st.builds(Hello, model_ids, u64, u64, worker=u64, pid=u64, host=text, attempt=text),
     st.builds(
         Welcome,
         model_ids,
@@ -100,10 +101,14 @@ control_messages = st.one_of(
         data_endpoint=text,
         ack_endpoint=text,
         heartbeat_seconds=st.floats(0, 100),
+        session=text,
+        attempt=text,
     ),
-    st.builds(SnapshotRequest, model_ids, u64, u64, worker=u64),
+    st.builds(SnapshotRequest, model_ids, u64, u64, worker=u64, session=text),
     st.builds(UpToDate, model_ids, u64, u64),
-    st.builds(ProbeRequest, model_ids, worker=u64, nonce=text, version=u64, epoch=u64),
+    st.builds(
+        ProbeRequest, model_ids, worker=u64, nonce=text, version=u64, epoch=u64, session=text
+    ),
     st.builds(Probe, model_ids, worker=u64, nonce=text, version=u64, epoch=u64),
     st.builds(StatusRequest, model_ids, u64, u64),
     st.builds(
@@ -193,11 +198,20 @@ def _ack_frames(**fields: object) -> list[bytes]:
 
 def _ack_body(**values: object) -> bytes:
     fields = dict(
-        worker=1, received=8, rejected=0, pid=7, seconds=0.5, applied=1, reason=b"", host=b"h"
+        worker=1,
+        received=8,
+        rejected=0,
+        pid=7,
+        seconds=0.5,
+        applied=1,
+        reason=b"",
+        host=b"h",
+        session=b"s" * 32,
     )
     fields.update(values)
-    reason, host = fields.pop("reason"), fields.pop("host")
-    return ACK_BODY.pack(*fields.values(), len(reason), len(host)) + reason + host  # type: ignore[arg-type]
+    texts = [fields.pop("reason"), fields.pop("host"), fields.pop("session")]
+    lengths = [len(t) for t in texts]  # type: ignore[arg-type]
+    return ACK_BODY.pack(*fields.values(), *lengths) + b"".join(texts)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -210,12 +224,14 @@ def _ack_body(**values: object) -> bytes:
         (_ack_body(seconds=float("nan")), "finite"),
         (_ack_body(reason=b"\xff\xfe"), "UnicodeDecodeError"),
         (_ack_body(host=b"h" * (MAX_TEXT_CHARS + 1)), "limited to"),
+        (_ack_body(session=b"s" * 33), "session is at most"),
     ],
 )
 def test_malformed_acks_say_what_is_wrong(body: bytes, match: str) -> None:
     """An ack's body is a binary struct (the sender decodes one per worker per send)."""
     head = _ack_frames()[0]
-    assert decode([head, _ack_body()]) == Ack("p", 3, 4, 1, True, "", 8, 0.5, 0, 7, "h")
+    expected = Ack("p", 3, 4, 1, True, "", 8, 0.5, 0, 7, "h", "s" * 32)
+    assert decode([head, _ack_body()]) == expected
     with pytest.raises(FrameError, match=match):
         decode([head, body])
 

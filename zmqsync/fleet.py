@@ -43,6 +43,7 @@ from zmqsync.transport.base import PeerId
 
 __all__ = [
     "EXPIRE_HEARTBEATS",
+    "EXPIRE_MIN_SECONDS",
     "LIVE_HEARTBEATS",
     "MAX_SESSIONS",
     "FanOut",
@@ -58,9 +59,12 @@ __all__ = [
 #: A worker heard from within this many heartbeats is live: a fleet that is whoever
 #: connected waits for it, and no other connection may claim its id.
 LIVE_HEARTBEATS: Final = 3
-#: A session not heard from for this many heartbeats (or this long after its goodbye) is
-#: dropped, and its id may be handed out again: a crashed worker says no goodbye.
+#: A session not heard from for this many heartbeats, and at least EXPIRE_MIN_SECONDS
+#: (or that long after its goodbye), is dropped, and its id may be handed out again: a
+#: crashed worker says no goodbye. The floor spares a worker paused for a few seconds
+#: (a long GC, a stopped container) where heartbeats are short.
 EXPIRE_HEARTBEATS: Final = 30
+EXPIRE_MIN_SECONDS: Final = 30.0
 #: Sessions a sender keeps at most: thousands of workers fit, a flood of hellos does not.
 MAX_SESSIONS: Final = 16_384
 #: Worker rows in a status reply; the rest are counted, so a reply stays far below the
@@ -237,7 +241,7 @@ class Fleet:
     def expire(self, now: float) -> list[Effect]:
         """Drop sessions quiet for :data:`EXPIRE_HEARTBEATS` heartbeats (or gone that
         long): their ids are free again, and a late message of theirs counts for nothing."""
-        limit = EXPIRE_HEARTBEATS * self._beat
+        limit = max(EXPIRE_HEARTBEATS * self._beat, EXPIRE_MIN_SECONDS)
         effects: list[Effect] = []
         for s in list(self.workers.values()):
             if now - (s.last_seen if s.left is None else s.left) >= limit:
@@ -267,7 +271,9 @@ class Fleet:
         indices); needed for a Hello only.
         """
         if message.model_id != self.model_id:
-            reason = f"message for model {message.model_id!r} reached the sender of {self.model_id!r}"
+            reason = (
+                f"message for model {message.model_id!r} reached the sender of {self.model_id!r}"
+            )
             return self._refuse(origin, "wrong-model", reason)
         if origin.peer is None and not isinstance(message, Ack):
             # The ack channel identifies nobody: anything else there is refused unread.
@@ -340,7 +346,9 @@ class Fleet:
             worker = held if held is not None else self.free_worker_id(reserved)
         else:
             worker = hello.worker
-            other = next((h for h, ids in reserved.items() if h != origin.hub and worker in ids), None)
+            other = next(
+                (h for h, ids in reserved.items() if h != origin.hub and worker in ids), None
+            )
             if other is not None:
                 return self._refuse_claim(
                     origin, worker, f"a {self.transports[other]} worker holds that index"
@@ -635,4 +643,3 @@ class Fleet:
     def transport_of(self, worker: int) -> str:
         s = self.workers.get(worker)
         return s.transport if s is not None else self.mode
-

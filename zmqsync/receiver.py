@@ -238,9 +238,7 @@ class WeightReceiver:
                 self._send_hello()
             return
         self._send(
-            SnapshotRequest(
-                self.model_id, self.version, self.epoch, self.worker_idx, self._session
-            )
+            SnapshotRequest(self.model_id, self.version, self.epoch, self.worker_idx, self._session)
         )
 
     # --- receiving -------------------------------------------------------------------

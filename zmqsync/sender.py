@@ -40,7 +40,6 @@ from zmqsync.protocol import (
     ErrorMessage,
     Hello,
     Kind,
-    Message,
     StatusReply,
     StatusRequest,
     Weights,
@@ -468,7 +467,8 @@ class WeightSender:
     def _refuse(self, runner: _HubRunner, peer: PeerId | None, code: str, reason: str) -> None:
         with self._cond:
             self.fleet.reject(reason)
-        log.warning("rejected a message: %s", reason)
+        # Counted in status; not a warning each, or a flood of junk would flood the log.
+        log.debug("rejected a message: %s", reason)
         if peer is not None:
             runner.hub.send_frames(
                 encode(ErrorMessage(self.model_id, code, reason[:500])), to=[peer]
@@ -483,7 +483,8 @@ class WeightSender:
             # The ack channel carries acks only, from nobody in particular: no reply.
             with self._cond:
                 self.fleet.counters["forged"] += 1
-            self._refuse(runner, None, "", f"{kind} message on the ack channel, dropped unread")
+            what = kind.name if kind is not None else "a non-zmqsync"
+            self._refuse(runner, None, "", f"{what} message on the ack channel, dropped unread")
             return
         if kind is not None and kind not in ACCEPTED and kind is not Kind.STATUS_REQUEST:
             self._refuse(runner, peer, "unexpected", f"{kind.name} message at a sender, unread")

@@ -1,0 +1,449 @@
+"""A fleet that no fault or hostile peer can fool: real processes, real sockets.
+
+Each test is one way the promises broke before the fleet core and sessions: a stopped
+worker applying a torn version, forged messages on the ack channel, a learner that
+rebound its ports, state grown by strangers, two processes holding one worker id, and
+weights messages thrown at the learner's control socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+from _workers import bump, make_model
+
+import zmqsync
+from zmqsync import SyncTimeout, ZMQWeightSyncScheme
+from zmqsync.protocol import (
+    MAX_BODY_BYTES,
+    Ack,
+    Goodbye,
+    ProbeRequest,
+    SnapshotRequest,
+    StatusReply,
+    TensorEntry,
+    Weights,
+    WeightsSchema,
+    encode,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+def _start(fleet: Any, scheme: Any, workers: range, **kw: Any) -> None:
+    for i in workers:
+        fleet.start(scheme, i, **kw)
+    for i in workers:
+        fleet.wait_ready(i)
+
+
+def _send_recording(scheme: Any, model: Any, sent: dict[int, str], **kw: Any) -> None:
+    """Send the model as it is now, recording what this version's bytes are."""
+    checksum = zmqsync.checksum(model)
+    sender = scheme.get_sender()
+    try:
+        scheme.send(**kw)
+    finally:
+        sent[sender.version] = checksum
+
+
+def _applied_exactly(fleet: Any, worker: int, sent: dict[int, str]) -> list[int]:
+    """Every version ``worker`` applied had the bytes the learner sent for it, and
+    versions only went up. Returns the versions applied."""
+    versions = []
+    for _epoch, version, checksum in fleet.ask(worker, "applied"):
+        assert version in sent, f"worker {worker} applied version {version}, never sent"
+        assert checksum == sent[version], f"worker {worker} applied a torn version {version}"
+        versions.append(version)
+    assert versions == sorted(set(versions)), f"worker {worker} went backwards: {versions}"
+    return versions
+
+
+@contextlib.contextmanager
+def _stopped(fleet: Any, worker: int) -> Iterator[None]:
+    """SIGSTOP a worker process for the block (SIGCONT after, whatever happens)."""
+    pid = fleet.procs[worker].pid
+    os.kill(pid, signal.SIGSTOP)
+
+    def state() -> str:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    try:
+        _until(lambda: state() == "T", 5, f"worker {worker} stopped")
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _raw(*sockets: tuple[int, str]) -> Iterator[list[zmq.Socket[Any]]]:
+    """Plain pyzmq sockets connected where a hostile local process would connect."""
+    ctx = zmq.Context.instance()
+    socks = []
+    try:
+        for kind, address in sockets:
+            sock = ctx.socket(kind)
+            sock.linger = 0
+            sock.connect(address)
+            socks.append(sock)
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+
+
+def _flood(sock: zmq.Socket[Any], messages: list[Any]) -> None:
+    for message in messages:
+        sock.send_multipart(encode(message))
+
+
+# --- 1. torn versions ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("mode", "transport", "retain"),
+    [
+        ("pubsub", "tcp", False),
+        ("pubsub", "tcp", True),
+        ("router", "tcp", False),
+        ("pubsub", "ipc", False),
+    ],
+)
+def test_a_stopped_worker_never_applies_a_torn_version(
+    fleet: Any, tmp_path: Any, mode: str, transport: str, retain: bool
+) -> None:
+    """A worker stopped with a version queued for it (the model exceeds the kernel's
+    socket buffers) is left behind by timed-out sends and then by sends that no longer
+    count it; the learner changes its tensors in place meanwhile. When it resumes,
+    every version it applies holds exactly the bytes sent for that version."""
+    endpoint = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp_path}/torn"
+    model = make_model("big", seed=0)
+    scheme = ZMQWeightSyncScheme(
+        "state_dict", mode=mode, endpoint=endpoint, timeout=1.5, retain_snapshot=retain
+    )
+    scheme.init_on_sender("policy", model=model, num_workers=None)
+    sender = scheme.get_sender()
+    sent: dict[int, str] = {}
+    try:
+        _start(fleet, scheme, range(2), kind="big")
+        bump(model)
+        _send_recording(scheme, model, sent)
+        with _stopped(fleet, 0):
+            for step in range(4):
+                bump(model)
+                try:
+                    # A targeted send to the stopped worker, then sends to everyone.
+                    kw = {"worker_ids": [0, 1]} if step == 0 else {}
+                    _send_recording(scheme, model, sent, **kw)
+                except SyncTimeout as exc:
+                    assert exc.missing_workers == [0]
+                bump(model)  # the next training step, in place, sent by nobody
+        bump(model)
+        _send_recording(scheme, model, sent)
+        _until(
+            lambda: fleet.ask(0, "state")["version"] == sender.version,
+            60,
+            "the resumed worker caught up",
+        )
+        for worker in range(2):
+            versions = _applied_exactly(fleet, worker, sent)
+            assert versions[-1] == sender.version
+    finally:
+        scheme.shutdown()
+
+
+# --- 2. the ack channel -------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_forgeries_on_the_ack_channel_change_nothing(fleet: Any, mode: str) -> None:
+    """From a PUSH socket with no keys: fresh-id snapshot requests, a goodbye for a live
+    worker and an ack of version 2**64-1 for a stopped one. No worker is sent anything,
+    nobody is marked gone, and a send still waits for the stopped worker."""
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint="tcp://127.0.0.1:*", timeout=2)
+    scheme.init_on_sender("policy", model=model, num_workers=None)
+    sender = scheme.get_sender()
+    sent: dict[int, str] = {}
+    try:
+        _start(fleet, scheme, range(2))
+        _send_recording(scheme, model, sent)
+        before = [fleet.ask(i, "state")["stats"]["received_bytes"] for i in range(2)]
+        bytes_sent = sender.status()["totals"]["bytes_sent"]
+        ack_endpoint = sender.transport.announce()["ack_endpoint"]
+        with _raw((zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (push, dealer):
+            requests = [SnapshotRequest("policy", 0, 0, 1000 + i) for i in range(300)]
+            _flood(push, requests)
+            _flood(push, [Goodbye("policy", 1, sender.epoch, 1, "0" * 32)])
+            # The same over the identified connection, without a session: refused too.
+            _flood(
+                dealer, [SnapshotRequest("policy", 0, 0, 5000), ProbeRequest("policy", 777, "x")]
+            )
+            _until(
+                lambda: sender.status()["totals"]["forged"] >= 303,
+                10,
+                "the forgeries were counted",
+            )
+            status = sender.status()
+            assert [w["worker"] for w in status["workers"]] == [0, 1]
+            assert all(w["live"] and not w["left"] for w in status["workers"])
+            assert status["totals"]["bytes_sent"] == bytes_sent
+            after = [fleet.ask(i, "state")["stats"]["received_bytes"] for i in range(2)]
+            assert after == before, "a forged request made the learner send to workers"
+
+            with _stopped(fleet, 1):
+                bump(model)
+                forged = Ack("policy", 2**64 - 1, sender.epoch, 1, True, session="f" * 32)
+                _flood(push, [forged] * 5)
+                with pytest.raises(SyncTimeout) as info:
+                    _send_recording(scheme, model, sent, worker_ids=[1])
+                assert info.value.missing_workers == [1]
+                row = next(w for w in sender.status()["workers"] if w["worker"] == 1)
+                assert row["version"] < 2**63
+        bump(model)
+        _send_recording(scheme, model, sent)  # both answer: nobody left, nobody lost
+        for worker in range(2):
+            _applied_exactly(fleet, worker, sent)
+            assert fleet.ask(worker, "state")["checksum"] == zmqsync.checksum(model)
+    finally:
+        scheme.shutdown()
+
+
+# --- 3. listening sockets are bound once --------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_no_port_is_ever_free_for_a_squatter(fleet: Any, mode: str) -> None:
+    """A send that times out on a stopped worker leaves every listening socket bound:
+    a second process binding the learner's ports throughout never gets one."""
+    model = make_model("big", seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint="tcp://127.0.0.1:*", timeout=1)
+    scheme.init_on_sender("policy", model=model, num_workers=1)
+    sender = scheme.get_sender()
+    sent: dict[int, str] = {}
+    addresses = [sender.endpoint, *sender.transport.announce().values()]
+    squatted: list[str] = []
+    done = threading.Event()
+
+    def squat() -> None:
+        ctx = zmq.Context.instance()
+        while not done.is_set():
+            for address in addresses:
+                sock = ctx.socket(zmq.ROUTER)
+                sock.linger = 0
+                try:
+                    sock.bind(address)
+                    squatted.append(address)
+                except zmq.ZMQError:
+                    pass
+                finally:
+                    sock.close(linger=0)
+            done.wait(0.002)
+
+    try:
+        _start(fleet, scheme, range(1), kind="big")
+        _send_recording(scheme, model, sent)
+        squatter = threading.Thread(target=squat, daemon=True)
+        squatter.start()
+        try:
+            with _stopped(fleet, 0):
+                for _ in range(3):
+                    bump(model)
+                    with pytest.raises(SyncTimeout):
+                        _send_recording(scheme, model, sent)
+            bump(model)
+            _send_recording(scheme, model, sent)
+        finally:
+            done.set()
+            squatter.join(10)
+        assert not squatted, f"another process bound {squatted} while the learner lived"
+        assert "purges" not in sender.status()["totals"]
+        _applied_exactly(fleet, 0, sent)
+    finally:
+        scheme.shutdown()
+
+
+# --- 4. state from strangers ----------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_strangers_grow_no_state_and_status_stays_bounded(fleet: Any) -> None:
+    """Forged rejecting acks for thousands of ids and a probe for worker 777 create no
+    record: status keeps its two rows, and a dynamic fleet's send does not wait for 777."""
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", endpoint="tcp://127.0.0.1:*", timeout=5)
+    scheme.init_on_sender("policy", model=model, num_workers=None)
+    sender = scheme.get_sender()
+    sent: dict[int, str] = {}
+    try:
+        _start(fleet, scheme, range(2))
+        ack_endpoint = sender.transport.announce()["ack_endpoint"]
+        with _raw((zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (push, dealer):
+            reason = "r" * 4000
+            _flood(push, [Ack("policy", 1, 1, 10 + i, False, reason) for i in range(3000)])
+            _flood(dealer, [ProbeRequest("policy", 777, "nonce")])
+            _until(
+                lambda: sender.status()["totals"]["forged"] >= 3001,
+                20,
+                "the forgeries were counted",
+            )
+        status = sender.status()
+        assert [w["worker"] for w in status["workers"]] == [0, 1]
+        assert status["workers_total"] == 2
+        reply = encode(StatusReply("policy", sender.version, sender.epoch, status))
+        assert len(reply[1]) < 64 * 1024, "forged reasons blew up the status reply"
+        bump(model)
+        start = time.monotonic()
+        _send_recording(scheme, model, sent)  # waits for 0 and 1 only
+        assert time.monotonic() - start < 5
+        for worker in range(2):
+            _applied_exactly(fleet, worker, sent)
+    finally:
+        scheme.shutdown()
+
+
+def test_status_stays_bounded_for_thousands_of_workers() -> None:
+    """The fleet core keeps thousands of sessions, and status shows a bounded number of
+    rows (furthest behind first) with counts, far below the protocol's body limit."""
+    from zmqsync.fleet import STATUS_ROWS, Fleet, Origin
+    from zmqsync.protocol import Hello
+
+    core = Fleet("policy", 7, mode="zmq", strategy="state_dict", transports=["zmq"])
+    for i in range(5000):
+        effects = core.handle(
+            Hello("policy", 0, 0, i, attempt="a"), Origin(0, f"peer-{i}".encode()), 0.0
+        )
+        assert effects, "a hello is answered"
+    rows, counts = core.status_rows(0.1)
+    assert counts["workers_total"] == 5000 and len(rows) == STATUS_ROWS
+    reply = encode(StatusReply("policy", 0, 7, {"workers": rows, **counts}))
+    assert len(reply[1]) < MAX_BODY_BYTES // 4
+
+
+# --- 5. one id, one process -------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_a_paused_worker_keeps_its_id(fleet: Any) -> None:
+    """A worker paused for several heartbeats keeps its id: a new replica is assigned
+    another, an explicit claim on it is refused while it is live, and a send to it
+    returns only once that very process applied the version."""
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme(
+        "state_dict", endpoint="tcp://127.0.0.1:*", timeout=3, heartbeat=0.2
+    )
+    scheme.init_on_sender("policy", model=model, num_workers=None)
+    sender = scheme.get_sender()
+    sent: dict[int, str] = {}
+    try:
+        fleet.start(scheme, 0, init_kwargs={"worker_idx": None})
+        fleet.wait_ready(0)
+        assert fleet.ask(0, "state")["worker_idx"] == 0
+        with _stopped(fleet, 0):
+            time.sleep(1.0)  # five heartbeats: no longer live, still holding its id
+            fleet.start(scheme, 1, init_kwargs={"worker_idx": None})
+            fleet.wait_ready(1)
+            assert fleet.ask(1, "state")["worker_idx"] == 1
+        _until(
+            lambda: next(w for w in sender.status()["workers"] if w["worker"] == 0)["live"],
+            10,
+            "the resumed worker is live again",
+        )
+        # Claiming a live worker's id is refused: connect() says so.
+        fleet.start(scheme, 2, init_kwargs={"worker_idx": 0}, connect_timeout=10)
+        with pytest.raises(AssertionError, match="already taken"):
+            fleet.wait_ready(2)
+        bump(model)
+        _send_recording(scheme, model, sent, worker_ids=[0])
+        assert fleet.ask(0, "state")["checksum"] == zmqsync.checksum(model)
+        rows = {w["worker"]: w for w in sender.status()["workers"]}
+        assert rows[0]["pid"] == fleet.procs[0].pid
+        assert rows[1]["pid"] == fleet.procs[1].pid
+        for worker in range(2):
+            _applied_exactly(fleet, worker, sent)
+    finally:
+        scheme.shutdown()
+
+
+# --- 6. weights thrown at the learner -------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.timeout(120)
+def test_weights_sent_to_the_learner_are_refused_unread(fleet: Any) -> None:
+    """Weights messages at the learner's control socket, each with a large schema, are
+    refused before they are decoded and nothing of them is kept; larger ones are cut off
+    by the socket's size limit. Status answers at once throughout."""
+    entries = tuple(TensorEntry((f"t{i}",), "float32", (1,), 0, 4 * i, 4) for i in range(20_000))
+    hostile = Weights("policy", 1, 1, WeightsSchema("state_dict", entries), (bytes(80_000),))
+    frames = encode(hostile)
+    assert 700_000 < sum(len(f) for f in frames) < 1024 * 1024  # under the control limit
+    model = make_model(seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", endpoint="tcp://127.0.0.1:*", timeout=5)
+    scheme.init_on_sender("policy", model=model, num_workers=1)
+    sender = scheme.get_sender()
+    sent: dict[int, str] = {}
+    try:
+        _start(fleet, scheme, range(1))
+        rejected = sender.status()["totals"]["rejected_frames"]
+        rss = _rss_bytes()
+        with _raw((zmq.DEALER, sender.endpoint)) as (dealer,):
+            for _ in range(40):
+                dealer.send_multipart(frames)
+            dealer.send_multipart([b"x" * (2 * 1024 * 1024)])  # over the limit: cut off
+            _until(
+                lambda: sender.status()["totals"]["rejected_frames"] >= rejected + 40,
+                20,
+                "the weights messages were refused",
+            )
+        start = time.monotonic()
+        sender.status()
+        assert time.monotonic() - start < 1.0
+        assert _rss_bytes() - rss < 100 * 1024 * 1024
+        bump(model)
+        _send_recording(scheme, model, sent)
+        _applied_exactly(fleet, 0, sent)
+    finally:
+        scheme.shutdown()
+
+
+def test_a_worker_welcome_carries_a_secret_that_differs_per_session() -> None:
+    """Sessions are unguessable and per worker: two workers' secrets differ, and a
+    worker that says hello again (a new attempt) gets a new one."""
+    from zmqsync.fleet import Fleet, Origin, Reply
+    from zmqsync.protocol import Hello, Welcome
+
+    core = Fleet("policy", 7, mode="zmq", strategy="state_dict", transports=["zmq"])
+
+    def welcome(worker: int, peer: bytes, attempt: str) -> Welcome:
+        (effect,) = core.handle(Hello("policy", 0, 0, worker, attempt=attempt), Origin(0, peer), 0)
+        assert isinstance(effect, Reply) and isinstance(effect.message, Welcome)
+        return effect.message
+
+    a, b = welcome(0, b"a", "1"), welcome(1, b"b", "1")
+    assert a.session != b.session and len(a.session) == 32
+    assert welcome(0, b"a", "1").session == a.session  # a repeat of the same attempt
+    assert welcome(0, b"a", "2").session != a.session  # a new attempt: a new session
