@@ -692,6 +692,9 @@ class WeightSender:
             info.left = None
             info.pid, info.host = hello.pid, hello.host
             info.last_repair = 0.0  # a (re)connecting worker may have its snapshot at once
+            # It may hold another model now (a restarted worker), or be asking again
+            # whether the latest fits: either way it must see the latest, not "up to date".
+            info.refused = (0, 0)
             info.joining_to = self.version
             if hello.epoch == self.epoch:
                 info.version = hello.version
