@@ -73,7 +73,7 @@ def test_mixed_scheme_in_one_process_numbers_workers_and_refuses_clashes(tmp_pat
         # A ZeroMQ worker claiming a pipe's id is refused, clearly.
         clash = pickle.loads(pickle.dumps(zmq_member))
         clash.init_on_receiver(model_id="policy", model=_workers.make_model(seed=4), worker_idx=0)
-        with pytest.raises(ZMQSyncError, match="worker id 0 is already taken by a worker on pipe"):
+        with pytest.raises(ZMQSyncError, match="worker id 0 is already taken: a pipe worker holds"):
             clash.connect(timeout=5)
         clash.shutdown()
         for w in workers:
@@ -95,6 +95,74 @@ def test_mixed_scheme_in_one_process_numbers_workers_and_refuses_clashes(tmp_pat
             w.shutdown()
         mixed.shutdown()
         mixed.shutdown()  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_mixed_fleet_workers_whose_model_does_not_fit_fail_connect(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A pipe worker whose model has a layer more and a ZeroMQ worker whose model is
+    float64: each connect() used to return as if synced. The learner, serving both
+    transports from one sender, counts both refusals and goes on serving a worker that
+    fits."""
+    model = _workers.make_model(seed=0)
+    pipes = [SPAWN.Pipe() for _ in range(2)]
+    pipe_member = MultiProcessWeightSyncScheme("state_dict")
+    zmq_member = ZMQWeightSyncScheme("state_dict", mode="router", endpoint=f"ipc://{tmp_path}/m")
+    mixed = MixedWeightSyncScheme(pipe_member, zmq_member, timeout=10)
+    mixed.init_on_sender("policy", model=model, num_workers=None, pipes=[p for p, _ in pipes])
+    workers: list[Any] = []
+    try:
+        _bump(model)
+        mixed.send()  # version 1: nobody has joined yet, so it waits for nobody
+
+        longer = torch.nn.Sequential(*_workers.make_model(seed=1), torch.nn.Linear(4, 2))
+        wider = _workers.make_model(seed=2).double()
+        misfits = [
+            (pickle.loads(pickle.dumps(pipe_member)), {"pipe": pipes[0][1]}, longer, "4.weight"),
+            (pickle.loads(pickle.dumps(zmq_member)), {"worker_idx": 2}, wider, "0.weight"),
+        ]
+        says = {
+            "4.weight": "weights lack '4.weight' (and 1 more) that the model has",
+            "0.weight": "'0.weight' is float32 in the weights but float64 in the model",
+        }
+        for scheme, options, net, key in misfits:
+            workers.append(scheme)
+            before = zmqsync.checksum(net)
+            scheme.init_on_worker("policy", model=net, **options)
+            with pytest.raises(zmqsync.SchemaMismatchError) as info:
+                scheme.connect(timeout=10)
+            assert info.value.key == key and says[key] in str(info.value)
+            assert zmqsync.checksum(net) == before and scheme.get_receiver().version == 0
+
+        def rejections() -> dict[int, list[str]]:
+            return {w["worker"]: w["rejections"] for w in mixed.status()["workers"]}
+
+        deadline = time.monotonic() + 10
+        while not all(rejections().get(w) for w in (0, 2)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert says["4.weight"] in rejections()[0][-1]
+        assert says["0.weight"] in rejections()[2][-1]
+
+        good = _pipe_worker(pipe_member, pipes[1][1], seed=3)
+        workers.append(good)
+        good.connect(timeout=10)
+        assert good.get_receiver().version == 1
+        assert zmqsync.checksum(good.model) == zmqsync.checksum(model)
+        good.start_receiver_thread()
+        _bump(model)
+        mixed.send(worker_ids=[1])
+        assert good.get_receiver().version == 2
+        assert zmqsync.checksum(good.model) == zmqsync.checksum(model)
+        start = time.monotonic()
+        for scheme, *_ in misfits:
+            scheme.shutdown()
+        assert time.monotonic() - start < 5.0
+    finally:
+        for w in workers:
+            w.shutdown()
+        mixed.shutdown()
+        for parent, child in pipes:
+            parent.close()
+            child.close()
 
 
 def test_mixed_scheme_says_what_is_wrong() -> None:

@@ -450,6 +450,80 @@ def test_pipe_scheme_from_context_objects_tensordict(pipe_fleet) -> None:  # typ
         scheme.shutdown()
 
 
+def misfit_pipe_worker(scheme: MultiProcessWeightSyncScheme, pipe: Any, control: Any) -> None:
+    """A worker process whose model is not the learner's (its last layer has 5 outputs,
+    not 4): reports what connect() did and whether its model kept its weights, then, on
+    "stop", how long shutting down took."""
+    try:
+        torch.manual_seed(5)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 5))
+        before = zmqsync.checksum(model)
+        scheme.init_on_worker("policy", pipe=pipe, model=model)
+        outcome: tuple[Any, ...]
+        try:
+            scheme.connect(timeout=60)
+            outcome = ("returned", scheme.get_receiver().version)
+        except zmqsync.SchemaMismatchError as exc:
+            outcome = ("raised", str(exc), exc.key)
+        control.send((outcome, zmqsync.checksum(model) == before))
+        control.recv()
+        start = time.monotonic()
+        scheme.shutdown()
+        control.send(("closed", time.monotonic() - start))
+    except BaseException:  # report to the test, then exit
+        control.send(("error", traceback.format_exc()))
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_pipe_worker_whose_model_does_not_fit_fails_connect(pipe_fleet) -> None:  # type: ignore[no-untyped-def]
+    """Its connect() used to return as if synced while it kept its own weights."""
+    fleet = pipe_fleet(2)
+    model = make_model(0)
+    scheme = MultiProcessWeightSyncScheme(timeout=20)
+    scheme.init_on_sender("policy", pipes=fleet.sender_ends, model=model, num_workers=None)
+    try:
+        bump(model)
+        scheme.send()  # version 1: nobody has joined yet, so it waits for nobody
+        control, child_control = SPAWN.Pipe()
+        proc = SPAWN.Process(
+            target=misfit_pipe_worker, args=(scheme, fleet.pipes[1][1], child_control), daemon=True
+        )
+        proc.start()
+        fleet.pipes[1][1].close()
+        child_control.close()
+        fleet.procs[1], fleet.controls[1] = proc, control
+        outcome, unchanged = fleet._reply(1, 90.0)
+        assert outcome[0] == "raised", outcome
+        assert "'3.weight' has shape [4, 32] in the weights but [5, 32]" in outcome[1]
+        assert outcome[2] == "3.weight" and unchanged
+
+        # The learner counted the refusal, and serves a worker that fits as before.
+        deadline = time.monotonic() + 30
+        while not _rejections(scheme, 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "'3.weight' has shape" in _rejections(scheme, 1)[-1]
+        fleet.start(scheme, 0)
+        assert fleet.ready(0) == 0
+        assert fleet.state(0) == (1, zmqsync.checksum(model))
+        bump(model)
+        scheme.send(worker_ids=[0])
+        assert fleet.state(0) == (2, zmqsync.checksum(model))
+
+        control.send("stop")
+        closed, took = fleet._reply(1, 30.0)
+        assert closed == "closed" and took < 5.0
+    finally:
+        scheme.shutdown()
+
+
+def _rejections(scheme: MultiProcessWeightSyncScheme, worker: int) -> list[str]:
+    status = {w["worker"]: w for w in scheme.status()["workers"]}
+    return list(status.get(worker, {}).get("rejections", []))
+
+
 def test_large_messages_reuse_buffers_only_once_nobody_holds_them() -> None:
     """Without shared memory, large messages go through the socket into pooled buffers."""
     import gc

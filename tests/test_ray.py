@@ -416,6 +416,85 @@ def test_an_actor_that_calls_init_on_worker_late_joins_at_the_latest_version(act
         scheme.shutdown()
 
 
+@ray.remote(num_cpus=0, max_concurrency=4)
+class MisfitActor(WeightSyncActorMixin):
+    """A threaded actor (so it can wait in connect()) whose model lacks the learner's
+    last layer."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(7)
+        self.model = nn.Sequential(
+            nn.Linear(16, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256)
+        )
+        self.before = zmqsync.checksum(self.model)
+        self.scheme: RayWeightSyncScheme | None = None
+
+    def setup(self, scheme: RayWeightSyncScheme) -> None:
+        self.scheme = scheme
+        scheme.init_on_worker("policy", model=self.model)
+
+    def join(self, timeout: float) -> tuple[Any, ...]:
+        """What connect() did: ("raised", message, key) or ("returned", version)."""
+        assert self.scheme is not None
+        try:
+            self.scheme.connect(timeout=timeout)
+        except zmqsync.SchemaMismatchError as exc:
+            return ("raised", str(exc), exc.key)
+        return ("returned", self.scheme.get_receiver().version)
+
+    def unchanged(self) -> bool:
+        return zmqsync.checksum(self.model) == self.before
+
+    def leave(self) -> float:
+        """Seconds closing this actor's receiver took."""
+        assert self.scheme is not None
+        start = time.monotonic()
+        self.scheme.shutdown()
+        return time.monotonic() - start
+
+
+@pytest.mark.timeout(240)
+def test_an_actor_whose_model_does_not_fit_fails_connect(actors) -> None:  # type: ignore[no-untyped-def]
+    """Its connect() used to return as if it had joined while it kept its own weights."""
+    model = make_model(0)
+    scheme = RayWeightSyncScheme(timeout=30)
+    (good,) = _sender_and_actors(scheme, model, actors, seeds=[400])
+    try:
+        scheme.connect(timeout=CALL_TIMEOUT)
+        bump(model)
+        scheme.send()  # version 1
+        misfit = MisfitActor.remote()
+        actors.append(misfit)
+        ray.get(misfit.setup.remote(scheme), timeout=CALL_TIMEOUT)
+        assert scheme.add_remote_collector(misfit) == 1
+        outcome = ray.get(misfit.join.remote(CALL_TIMEOUT), timeout=2 * CALL_TIMEOUT)
+        assert outcome[0] == "raised", outcome
+        assert "weights carry '4.weight', which the model lacks" in outcome[1]
+        assert outcome[2] == "4.weight"
+        assert ray.get(misfit.unchanged.remote(), timeout=CALL_TIMEOUT)
+
+        # The learner counted the refusal; a send names the actor that refuses it (at
+        # once, not at the timeout) and reaches the one that fits.
+        def rejections() -> list[str]:
+            status = {w["worker"]: w for w in scheme.status()["workers"]}
+            return list(status.get(1, {}).get("rejections", []))
+
+        _wait_for(rejections, "the refusal reaching the learner")
+        assert "'4.weight'" in rejections()[-1]
+        bump(model)
+        with pytest.raises(zmqsync.WeightsRejected) as info:
+            scheme.send()
+        assert list(info.value.rejections) == [1] and "'4.weight'" in info.value.rejections[1]
+        assert ray.get(good.state.remote(), timeout=CALL_TIMEOUT) == (
+            2,
+            zmqsync.checksum(model, scheme.strategy),
+        )
+        assert ray.get(misfit.unchanged.remote(), timeout=CALL_TIMEOUT)
+        assert ray.get(misfit.leave.remote(), timeout=CALL_TIMEOUT) < 5.0
+    finally:
+        scheme.shutdown()
+
+
 def test_scheme_surface_before_init() -> None:
     scheme = RayWeightSyncScheme()
     assert scheme.strategy == "state_dict"

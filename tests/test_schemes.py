@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
 
 import cloudpickle
 import pytest
@@ -149,3 +153,81 @@ def test_no_weight_sync_scheme_does_nothing() -> None:
     assert scheme.create_transport().name == "none"
     scheme.shutdown()
     scheme.shutdown()
+
+
+def _rejections_of(scheme: ZMQWeightSyncScheme, worker: int, timeout: float = 10.0) -> list[str]:
+    """The refusals the learner counted for ``worker``, once there are any (the ack
+    travels on its own socket and may still be on its way)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = {w["worker"]: w for w in scheme.status()["workers"]}
+        rejections: list[str] = status.get(worker, {}).get("rejections", [])
+        if rejections or time.monotonic() >= deadline:
+            return rejections
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+@pytest.mark.parametrize(
+    ("make_model", "key", "says"),
+    [
+        (lambda: nn.Linear(4, 5), "weight", "'weight' has shape [3, 4] in the weights but [5, 4]"),
+        (
+            lambda: nn.Linear(4, 3, bias=False),
+            "bias",
+            "weights carry 'bias', which the model lacks",
+        ),
+    ],
+    ids=["shape", "key"],
+)
+def test_a_worker_whose_model_does_not_fit_fails_connect(
+    tmp_path: Path,
+    mode: Literal["pubsub", "router"],
+    make_model: Callable[[], nn.Module],
+    key: str,
+    says: str,
+) -> None:
+    """connect() used to return as if synced while the worker kept its own weights."""
+    learner = ZMQWeightSyncScheme(
+        "state_dict", mode=mode, endpoint=f"ipc://{tmp_path}/learner", timeout=10
+    )
+    model = nn.Linear(4, 3)
+    learner.init_on_sender("policy", model=model, num_workers=None)
+    workers: list[ZMQWeightSyncScheme] = []
+    try:
+        learner.send()  # version 1; nobody has joined yet, so it waits for nobody
+        wrong = make_model()
+        before = checksum(wrong, "state_dict")
+        bad = pickle.loads(pickle.dumps(learner))
+        workers.append(bad)
+        bad.init_on_receiver(model_id="policy", model=wrong, worker_idx=1)
+        with pytest.raises(SchemaMismatchError) as info:
+            bad.connect(timeout=10)
+        assert says in str(info.value) and f"at {learner.endpoint} " in str(info.value)
+        assert info.value.key == key
+        assert checksum(wrong, "state_dict") == before
+        assert bad.get_receiver().version == 0
+        # The learner was told, and counted it.
+        assert says in _rejections_of(learner, 1)[-1]
+        start = time.monotonic()
+        bad.shutdown()
+        assert time.monotonic() - start < 2.0
+
+        # The learner serves a worker that fits, on connect and on the next send.
+        good = pickle.loads(pickle.dumps(learner))
+        workers.append(good)
+        right = nn.Linear(4, 3)
+        good.init_on_receiver(model_id="policy", model=right, worker_idx=0)
+        good.connect(timeout=10)
+        assert checksum(right, "state_dict") == checksum(model, "state_dict")
+        good.start_receiver_thread()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        learner.send(worker_ids=[0])
+        assert good.get_receiver().version == 2
+        assert checksum(right, "state_dict") == checksum(model, "state_dict")
+    finally:
+        for w in workers:
+            w.shutdown()
+        learner.shutdown()

@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from zmqsync import SyncTimeout, WeightReceiver, WeightSender, WeightsRejected, checksum
+from zmqsync import (
+    SchemaMismatchError,
+    SyncTimeout,
+    WeightReceiver,
+    WeightSender,
+    WeightsRejected,
+    checksum,
+)
 from zmqsync.protocol import Hello, SnapshotRequest, Weights, encode
 from zmqsync.tensors import Flattener, extract
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
@@ -216,6 +223,77 @@ def test_a_rejected_version_is_reported_with_its_reason() -> None:
         rig.sender.send()  # still fine afterwards
     finally:
         rig.close()
+
+
+def _rejections_of(sender: WeightSender, worker: int, timeout: float = 10.0) -> list[str]:
+    """The refusals ``sender`` counted for ``worker``, once there are any (acks travel
+    on their own path: the one a worker sent last may still be on its way)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = {w["worker"]: w for w in sender.status()["workers"]}
+        rejections: list[str] = status.get(worker, {}).get("rejections", [])
+        if rejections or time.monotonic() >= deadline:
+            return rejections
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_connect_raises_when_the_latest_version_does_not_fit_the_model() -> None:
+    """The refusal used to end connect() as if caught up: the worker kept its initial
+    weights and nothing said so. Now connect() names the key; asking again, or as a
+    restarted worker with the same id, the sender answers afresh."""
+    hub = MemoryHub()
+    sender = WeightSender(hub, model=_model(0), strategy="state_dict", timeout=5)
+    receivers: list[WeightReceiver] = []
+
+    def worker(model: nn.Module) -> WeightReceiver:
+        receivers.append(
+            WeightReceiver(MemorySpoke(hub.endpoint), model=model, strategy="state_dict", timeout=5)
+        )
+        return receivers[-1]
+
+    try:
+        sender.send(worker_ids=[])  # version 1, for whoever joins
+        wrong = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))  # 1.weight is [3, 8]
+        before = checksum(wrong)
+        receiver = worker(wrong)
+        for _ in range(2):  # the second time the sender knows it was refused
+            with pytest.raises(SchemaMismatchError, match=r"'1\.weight' has shape") as info:
+                receiver.connect()
+            assert info.value.key == "1.weight" and "version 1" in str(info.value)
+            assert receiver.version == 0 and checksum(wrong) == before
+        assert "'1.weight' has shape" in _rejections_of(sender, 0)[-1]
+        start = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - start < 1.0
+
+        # The same worker id again, now with a model that fits: it gets version 1.
+        right = _model(7)
+        worker(right).connect()
+        assert receivers[-1].version == 1 and checksum(right) == checksum(sender.model)
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
+
+
+def test_connect_before_any_version_has_nothing_to_check() -> None:
+    """Version 0 carries no weights: a worker whose model does not fit joins as before,
+    and the first send is where the refusal shows."""
+    hub = MemoryHub()
+    sender = WeightSender(hub, model=_model(0), strategy="state_dict", num_workers=1, timeout=5)
+    receiver = WeightReceiver(
+        MemorySpoke(hub.endpoint), model=nn.Linear(4, 8), strategy="state_dict", timeout=5
+    )
+    try:
+        receiver.connect()
+        assert receiver.version == 0
+        receiver.start()
+        with pytest.raises(WeightsRejected, match="weights lack"):
+            sender.send()
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def test_new_epoch_is_followed_and_old_epoch_frames_dropped() -> None:

@@ -38,7 +38,6 @@ from zmqsync.errors import (
     EndpointError,
     FactoryError,
     FrameError,
-    SchemaMismatchError,
     SyncTimeout,
     TransportError,
     WeightsRejected,
@@ -85,9 +84,6 @@ DEFAULT_STATUS_TIMEOUT: Final = 3.0
 #: A worker the sender has not heard from for this long is reported as silent. Workers
 #: send a heartbeat every second by default, so ten missed ones are not a hiccup.
 DEFAULT_SILENT_AFTER: Final = 10.0
-#: :meth:`ModelWorker.connect` checks for rejected versions this often, so a model that
-#: does not fit the sender's weights fails in about a second, not at the timeout.
-CONNECT_SLICE: Final = 1.0
 #: A worker's refusal reason quoted in :func:`worker_problem` (reasons can be long).
 MAX_REASON_CHARS: Final = 200
 #: How often :class:`LocalFleet` and :class:`CheckpointPublisher` look at progress.
@@ -664,38 +660,18 @@ class ModelWorker:
     def connect(self, timeout: float | None = None) -> int:
         """Join the sender and return the version applied.
 
-        Raises :class:`SchemaMismatchError` as soon as the sender's weights are refused
-        (they do not fit this model), and :class:`SyncTimeout` if no sender answers.
+        Raises :class:`SchemaMismatchError` (the receiver's, naming the offending key) as
+        soon as the sender's weights are refused for not fitting this model, and
+        :class:`SyncTimeout` if no sender answers.
         """
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                self._receiver.connect(min(CONNECT_SLICE, max(remaining, 0.001)))
-                break
-            except SyncTimeout as exc:
-                # A worker whose model does not fit never catches up: say so now, with
-                # the reason it gave the sender, instead of timing out later.
-                refused = self.new_rejections()
-                if refused:
-                    raise SchemaMismatchError(
-                        f"the weights at {self.endpoint} do not fit this worker's model "
-                        f"({refused[-1]}); build the model the learner's weights come from"
-                    ) from exc
-                if time.monotonic() >= deadline:
-                    raise SyncTimeout(
-                        f"no zmqsync sender answered at {self.endpoint} within {timeout:g}s: "
-                        "is the learner running, and is this the endpoint it printed?"
-                    ) from exc
-        # connect() also returns when the sender answers "up to date" to a repeated
-        # request while the version it sent was refused: a refusal means it did not fit.
-        refused = self.new_rejections()
-        if refused:
-            raise SchemaMismatchError(
-                f"the weights at {self.endpoint} do not fit this worker's model "
-                f"({refused[-1]}); build the model the learner's weights come from"
-            )
+        try:
+            self._receiver.connect(timeout)
+        except SyncTimeout as exc:
+            raise SyncTimeout(
+                f"no zmqsync sender answered at {self.endpoint} within {timeout:g}s: "
+                "is the learner running, and is this the endpoint it printed?"
+            ) from exc
         return self.version
 
     def wait_for_version(self, timeout: float = 1.0) -> int | None:

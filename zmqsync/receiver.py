@@ -113,6 +113,10 @@ class WeightReceiver:
             "last_apply_s": 0.0,
         }
         self.rejections: deque[str] = deque(maxlen=8)
+        #: The last version refused for not fitting the model, and why, until one fits:
+        #: what connect() raises. ``_stale_mismatch``: the one refused before it began.
+        self._mismatch: tuple[int, SchemaMismatchError] | None = None
+        self._stale_mismatch: tuple[int, SchemaMismatchError] | None = None
         #: Called as ``fn(epoch, version)`` after each version is applied, still under
         #: :attr:`lock` (so the model holds exactly that version while it runs).
         self.on_applied: list[Callable[[int, int], None]] = []
@@ -150,7 +154,9 @@ class WeightReceiver:
     def connect(self, timeout: float | None = None) -> None:
         """Join the fleet and return with the latest version applied.
 
-        Raises :class:`SyncTimeout` if no sender answers within ``timeout`` seconds.
+        Raises :class:`SyncTimeout` if no sender answers within ``timeout`` seconds, and
+        :class:`SchemaMismatchError` if the sender's latest version does not fit the
+        model (the model keeps its weights; the sender is told, and counts the refusal).
         """
         timeout = self.timeout if timeout is None else timeout
         with self._io_lock:
@@ -160,6 +166,10 @@ class WeightReceiver:
         deadline = time.monotonic() + timeout
         endpoint = getattr(self._spoke, "endpoint", "")
         self._new_attempt()
+        self._welcomed = False  # welcomed anew: a new session for this attempt
+        # A refusal from before this call stands unless a version that fits comes: a
+        # sender that knows of it answers "up to date" instead of resending that version.
+        self._stale_mismatch = self._mismatch
         self._wait(
             deadline,
             lambda: self._welcomed,
@@ -183,12 +193,20 @@ class WeightReceiver:
             self._send_snapshot_request,
             f"the sender at {endpoint} did not send its latest version within {timeout:g}s",
         )
+        if self._mismatch is not None:
+            raise self._mismatch_error()
         self._last_heartbeat = time.monotonic()
 
     def _wait(self, deadline: float, done: Any, ask: Any, message: str) -> None:
         next_ask = 0.0
         interval = FIRST_RETRY
-        while not done():
+        while True:
+            # Before done(): the sender answers "up to date" to a worker that refused its
+            # latest version, and a worker caught up that way does not hold it.
+            if self._mismatch is not None and self._mismatch is not self._stale_mismatch:
+                raise self._mismatch_error()
+            if done():
+                return
             if self._refused:
                 refused, self._refused = self._refused, ""
                 raise ZMQSyncError(f"the sender refused worker {self.worker_idx}: {refused}")
@@ -205,6 +223,21 @@ class WeightReceiver:
         """Start connecting afresh: a new attempt id, no session until welcomed."""
         self._attempt = secrets.token_hex(8)
         self._session = ""
+
+    def _mismatch_error(self) -> SchemaMismatchError:
+        """What connect() raises for :attr:`_mismatch`: the tensors layer's reason (the
+        offending key), with the version and where it came from."""
+        assert self._mismatch is not None
+        version, exc = self._mismatch
+        endpoint = getattr(self._spoke, "endpoint", "")
+        weights = f"the weights at {endpoint}" if endpoint else "the sender's weights"
+        error = SchemaMismatchError(
+            f"{weights} (version {version}) do not fit this worker's model: {exc}; "
+            "build the model the learner's weights come from",
+            key=exc.key,
+        )
+        error.__cause__ = exc
+        return error
 
     def _send(self, message: Message) -> None:
         self._spoke.send_frames(encode(message))
@@ -412,12 +445,14 @@ class WeightReceiver:
                     self.weights = as_weights_object(materialize(message), self.strategy)
             except SchemaMismatchError as exc:
                 self._rejected(f"version {message.version}: {exc}")
+                self._mismatch = (message.version, exc)
                 return {
                     "applied": False,
                     "reason": str(exc),
                     "version": message.version,
                     "epoch": message.epoch,
                 }
+            self._mismatch = None
             if message.epoch != self.epoch:
                 if self.epoch:
                     self._retired.append(self.epoch)

@@ -100,9 +100,9 @@ _JSON_KINDS: Final[dict[Kind, type]] = {
 #: Header fields, which travel in the struct rather than in the JSON body.
 _HEADER_FIELDS: Final = frozenset({"model_id", "version", "epoch"})
 #: An ack's body: worker, received_bytes, rejected_frames, pid, apply_seconds, applied,
-#: and the UTF-8 lengths of reason, host and session, which follow it in that order. Binary rather than JSON:
-#: the sender decodes one per worker per version, on the path every ``send()`` waits on
-#: (a quarter of the JSON decode's cost).
+#: and the UTF-8 lengths of reason, host and session, which follow it in that order.
+#: Binary rather than JSON: the sender decodes one per worker per version, on the path
+#: every ``send()`` waits on (a quarter of the JSON decode's cost).
 ACK_BODY: Final = struct.Struct("!QQQQdBHHH")
 
 

@@ -296,8 +296,9 @@ class Goodbye:
     """A worker leaves (its receiver closed): it will not ack again until it says hello.
 
     ``version``/``epoch``: what it held when it left; ``session``: its Welcome's secret.
-    A sender stops waiting for it at once: a fleet of known size fails a send that targets it, naming it; a fleet that is
-    whoever connected (``num_workers=None``) simply no longer counts it.
+    A sender stops waiting for it at once: a fleet of known size fails a send that
+    targets it, naming it; a fleet that is whoever connected (``num_workers=None``)
+    simply no longer counts it.
     """
 
     model_id: str

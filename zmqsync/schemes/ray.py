@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal
 
-from zmqsync.errors import SyncTimeout
+from zmqsync.errors import SchemaMismatchError, SyncTimeout
 from zmqsync.receiver import WeightReceiver
 from zmqsync.schemes.base import WeightSyncScheme, _model_from_context
 from zmqsync.transport.ray import (
@@ -55,14 +55,21 @@ class _ActorReceiver:
         self._lock = threading.Lock()
         self._joining: threading.Thread | None = None
         self.error: str | None = None
+        #: Why joining failed when the sender's weights do not fit the model: what the
+        #: actor's connect() raises, until a version that fits is applied. Meanwhile the
+        #: receiver stays in the fleet (it was welcomed), handling what the calls bring,
+        #: rather than joining again on every call only to refuse the same version.
+        self.mismatch: SchemaMismatchError | None = None
+        self._settled = threading.Condition()
+        receiver.on_applied.append(self._on_applied)
 
     def on_delivery(self) -> None:
-        if not self.connected.is_set():
+        if not self.connected.is_set() and self.mismatch is None:
             self._join()
             # The joining thread answers what was just delivered; wait for that answer so
             # it goes back with this call.
             self.spoke.wait_reply(HANDSHAKE_STEP_SECONDS)
-            if not self.connected.is_set():
+            if not self.connected.is_set() and self.mismatch is None:
                 return
         if not self.receiver.closed:
             self.receiver.poll()
@@ -83,13 +90,52 @@ class _ActorReceiver:
     def _connect(self) -> None:
         try:
             self.receiver.connect()
-        except Exception as exc:  # the next call from the sender retries
+        except Exception as exc:  # the sender's next call retries (a mismatch: see .mismatch)
             if not self.receiver.closed:
-                self.error = f"{type(exc).__name__}: {exc}"
-                log.warning("joining the sender failed (retried on its next call): %s", self.error)
+                with self._settled:
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    if isinstance(exc, SchemaMismatchError):
+                        self.mismatch = exc
+                    self._settled.notify_all()
+                if self.mismatch is not None:
+                    log.warning("joining the sender: %s; this actor keeps its weights", exc)
+                else:
+                    log.warning(
+                        "joining the sender failed (retried on its next call): %s", self.error
+                    )
             return
-        self.error = None
-        self.connected.set()
+        with self._settled:
+            self.error = None
+            self.mismatch = None
+            self.connected.set()
+            self._settled.notify_all()
+
+    def _on_applied(self, epoch: int, version: int) -> None:
+        """A version fits after all (the sender sent another model): joined."""
+        if self.mismatch is None:
+            return  # joining as usual: connect() says when it is done
+        with self._settled:
+            self.mismatch = None
+            self.error = None
+            self.connected.set()
+            self._settled.notify_all()
+
+    def wait_joined(self, timeout: float) -> bool:
+        """Wait until this actor has joined (True) or ``timeout`` passed (False).
+
+        Raises :class:`SchemaMismatchError` as soon as a join found that the sender's
+        weights do not fit the model: waiting longer would not make them fit.
+        """
+        with self._settled:
+            self._settled.wait_for(
+                lambda: self.connected.is_set() or self.mismatch is not None, timeout
+            )
+            if self.connected.is_set():
+                return True
+            mismatch = self.mismatch
+        if mismatch is not None:
+            raise SchemaMismatchError(str(mismatch), key=mismatch.key) from mismatch
+        return False
 
     def stop(self, timeout: float = 5.0) -> None:
         joining = self._joining
@@ -295,13 +341,16 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
         """On the sender: wait until every actor has joined. In an actor: wait until it
         has joined (only a threaded actor, ``max_concurrency > 1``, can wait: a plain
-        actor runs the sender's calls only between its methods, so it never needs to)."""
+        actor runs the sender's calls only between its methods, so it never needs to).
+
+        In an actor, raises :class:`SchemaMismatchError` if the sender's latest version
+        does not fit the model (the model keeps its weights)."""
         side = self._actor_side
         if side is None:
             super().connect(worker_idx=worker_idx, timeout=timeout)
             return
         timeout = self.timeout if timeout is None else timeout
-        if not side.connected.wait(timeout):
+        if not side.wait_joined(timeout):
             raise SyncTimeout(
                 f"this actor did not join the sender of {self._model_id!r} within {timeout:g}s"
                 + (f" (last error: {side.error})" if side.error else "")
