@@ -8,11 +8,12 @@ worker copies straight from the block into its model.
 
 Nothing here trusts that a peer can read the blocks, or that it keeps up:
 
-1. **Offer.** The first time a spoke speaks, the hub sends it (over the ROUTER) its pid,
-   the descriptor and inode of a small probe block, and the random token written in it.
+1. **Offer.** The first time a spoke speaks, the hub sends it (over the ROUTER) its pid
+   and the descriptor and inode of a small probe block, which holds a random token. The
+   offer does not carry the token: knowing it proves a peer opened the block.
 2. **Join.** A spoke that can open ``/proc/<pid>/fd/<fd>`` (same host, same pid
-   namespace, allowed to) and reads the token there answers with the token. Others stay
-   silent and keep getting every byte inline.
+   namespace, allowed to) reads the token there and answers with it. Others decline
+   and keep getting every byte inline.
 3. **Registered.** The hub gives the spoke a *slot*, a secret, and the first sequence
    number of the shared messages whose holds are counted for it.
 4. **Shared messages** name, for each frame, its block (id, descriptor, inode), offset
@@ -68,9 +69,11 @@ __all__ = ["SHM_AVAILABLE", "ShmLender", "ShmReader", "is_record"]
 log = logging.getLogger("zmqsync.transport")
 
 _OFFER: Final = b"ZSHO"
-_OFFER_BODY: Final = struct.Struct("<qqQ16s")  # pid, fd, inode, token
+_OFFER_BODY: Final = struct.Struct("<qqQ")  # pid, fd, inode of the probe block
 _JOIN: Final = b"ZSHJ"
 _JOIN_BODY: Final = struct.Struct("<16s")  # the token read from the probe block
+#: Bytes of the token at the start of the probe block.
+_TOKEN_BYTES: Final = _JOIN_BODY.size
 _LEAVE: Final = b"ZSHL"
 _REGISTERED: Final = b"ZSHS"
 _REGISTERED_BODY: Final = struct.Struct("<IQ8s")  # slot, first counted seq, secret
@@ -145,13 +148,13 @@ class ShmLender:
 
     def __init__(self, pool: ShmPool | None = None) -> None:
         self.pool = pool or ShmPool()
-        self._token = secrets.token_bytes(16)
+        self._token = secrets.token_bytes(_TOKEN_BYTES)
         probe = Block(0, 4096)
-        probe.array[:16] = np.frombuffer(self._token, dtype=np.uint8)
+        probe.array[:_TOKEN_BYTES] = np.frombuffer(self._token, dtype=np.uint8)
         self._probe = probe
-        self._offer = _OFFER + _OFFER_BODY.pack(
-            os.getpid(), probe.fd, os.fstat(probe.fd).st_ino, self._token
-        )
+        # Where the token lies, never the token: a peer proves it can open our blocks by
+        # reading it there.
+        self._offer = _OFFER + _OFFER_BODY.pack(os.getpid(), probe.fd, probe.inode)
         self._members: dict[bytes, _Member] = {}
         self._by_slot: dict[int, _Member] = {}
         self._slots = iter(range(1, 1 << 31))
@@ -340,7 +343,8 @@ class ShmReader:
 
     def __init__(self, request: Callable[[list[bytes]], None]) -> None:
         self._request = request
-        self._offer: tuple[int, bytes] | None = None  # the hub's pid and token, once joined
+        #: The hub's pid, its probe block's inode, and the token read there, once joined.
+        self._offer: tuple[int, int, bytes] | None = None
         self._slot: int | None = None
         self._joining = False  # a join is on its way; its answer is not
         self._secret = b""
@@ -383,29 +387,26 @@ class ShmReader:
         return None
 
     def _on_offer(self, record: bytes) -> None:
-        pid, fd, inode, token = _OFFER_BODY.unpack(record[4:])
-        if self._offer == (pid, token) and self._joining:
+        pid, fd, inode = _OFFER_BODY.unpack(record[4:])
+        if self._offer is not None and self._offer[:2] == (pid, inode) and self._joining:
             return  # it offered before it heard our join
         # A hub offers to peers it does not count: a new one, or ours, which dropped us.
         self._offer = None
         self._slot = None
         try:
-            probe = map_peer_block(pid, fd, len(token), inode)
-            readable = bytes(probe[: len(token)]) == token
+            token = bytes(map_peer_block(pid, fd, _TOKEN_BYTES, inode)[:_TOKEN_BYTES])
         except (OSError, ValueError):
-            readable = False
-        if not readable:
             self.counters["not_readable"] += 1
             self._request([_LEAVE])
             return
-        self._offer = (pid, token)
+        self._offer = (pid, inode, token)
         self._join()
 
     def _join(self) -> None:
         assert self._offer is not None
         self._slot = None
         self._joining = True
-        self._request([_JOIN + self._offer[1]])
+        self._request([_JOIN + self._offer[2]])
 
     def _resolve(self, frames: Sequence[Buffer]) -> list[Buffer] | None:
         head = bytes(frames[0])
