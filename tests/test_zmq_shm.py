@@ -453,3 +453,42 @@ def test_a_peer_that_never_opened_the_probe_block_cannot_join(mode: str, tmp_pat
         dealer.close(linger=0)
         for end in (hub, *spokes):
             end.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_held_past_its_lease_is_reclaimed_while_other_blocks_are_released(
+    mode: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease runs per lent block: a worker that keeps one old block while it reads
+    and releases newer ones does not renew the old block's lease with those releases."""
+    lease = 1.0
+    monkeypatch.setattr(_zmq_shm, "LEASE", lease)
+    hub, spokes = _fleet(mode, tmp_path, 1)
+    try:
+        first, frames, block, (got,) = _first_version(hub, spokes)
+        held = got[1]  # kept: the worker never lets go of the first block
+        lent_at = time.monotonic()
+        got = frames = None
+        releases = 0
+        deadline = lent_at + 10 * lease
+        while not hub.counters().get("shm_expired"):
+            assert time.monotonic() < deadline, (
+                f"the first block was never reclaimed, though {releases} releases of newer "
+                f"blocks arrived over {time.monotonic() - lent_at:.1f}s (lease {lease:g}s)"
+            )
+            # A newer version in another block, read and let go of: a release each time.
+            frames = _shared(hub, os.urandom(PAYLOAD))
+            assert _block(hub, frames[1]) is not block
+            _send_until_all(hub, spokes, frames)
+            frames = None
+            if not hub.counters().get("shm_expired"):
+                _release(hub, spokes, 1)
+                releases += 1
+        assert releases >= 2, "the test must show releases of other blocks meanwhile"
+        assert block.id not in hub._lender.pool.live_ids()  # type: ignore[union-attr]
+        assert bytes(held) == first, "a block was rewritten under a worker reading it"
+        assert hub.counters()["shm_peers"] == 0
+    finally:
+        for end in (hub, *spokes):
+            end.close()

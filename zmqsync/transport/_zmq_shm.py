@@ -27,8 +27,8 @@ Nothing here trusts that a peer can read the blocks, or that it keeps up:
    blocks still viewed. The hub rewrites a block only once
    every peer it counted has seen a later message and views it no more.
 
-A peer that keeps a block longer than :data:`LEASE` seconds (dead, stopped, stuck) is
-dropped from the bitmap and the blocks it held are retired, never rewritten: its
+A peer that keeps a block longer than :data:`LEASE` seconds after it was lent (dead,
+stopped, stuck) is dropped from the bitmap and the blocks it held are retired, never rewritten: its
 mapping stays valid, the pages are freed when it unmaps them or exits, and the hub makes
 new blocks. Blocks are opened by descriptor number but checked by inode, so a number the
 hub reused for another block is never mistaken for the old one.
@@ -92,9 +92,9 @@ ADDRESSED: Final = 1
 #: Records this module exchanges; no zmqsync protocol message starts like these.
 _MAGICS: Final = frozenset({_OFFER, _JOIN, _LEAVE, _REGISTERED, _SHARED, _RELEASE})
 
-#: Seconds a peer may keep a block (unreleased) before it is dropped from the bitmap and
-#: its blocks retired. A worker releases within milliseconds of reading; this is for the
-#: dead and the stopped.
+#: Seconds a peer may keep a block, from when it was lent, before the peer is dropped
+#: from the bitmap and its blocks retired. A worker releases within milliseconds of
+#: reading; this is for the dead and the stopped.
 LEASE: Final = 10.0
 #: Blocks a spoke keeps mapped; the hub's live list trims it sooner.
 MAX_MAPS: Final = 8
@@ -138,8 +138,10 @@ class _Member:
     #: Block id -> channel -> seq of the last shared message naming it that this peer
     #: was counted for.
     sent: dict[int, dict[int, int]] = field(default_factory=dict)
-    #: When the oldest of ``sent`` went out unreleased (None when it holds nothing).
-    holding_since: float | None = None
+    #: Block id -> when it was lent to this peer (the first message naming it since the
+    #: peer last released it): each block's lease runs from then. Per block, so that
+    #: releasing newer blocks never renews the lease of an old one still held.
+    lent_at: dict[int, float] = field(default_factory=dict)
 
 
 class ShmLender:
@@ -240,7 +242,7 @@ class ShmLender:
             if block_id not in held and all(q <= seen[ch] for ch, q in by_channel.items()):
                 self.pool.drop_hold(block_id, member.peer)
                 del member.sent[block_id]
-        member.holding_since = time.monotonic() if member.sent else None
+                del member.lent_at[block_id]
         self.counters["releases"] += 1
 
     # sending
@@ -272,8 +274,7 @@ class ShmLender:
             for block in blocks.values():
                 if self.pool.hold(block, member.peer):
                     member.sent.setdefault(block.id, {})[channel] = self._seq
-            if member.holding_since is None:
-                member.holding_since = now
+                    member.lent_at.setdefault(block.id, now)  # a block held on keeps its lease
         del keep  # the holds keep the blocks now
         entries, inline = [], []
         for f in shared:
@@ -306,11 +307,12 @@ class ShmLender:
         return [head, *inline]
 
     def expire(self) -> None:
-        """Drop the peers that held a block past :data:`LEASE` (call before choosing
-        whom a message counts)."""
+        """Drop the peers that held a block past :data:`LEASE` since it was lent to
+        them (call before choosing whom a message counts)."""
         now = time.monotonic()
         for member in list(self._members.values()):
-            if member.holding_since is not None and now - member.holding_since > LEASE:
+            oldest = min(member.lent_at.values(), default=None)
+            if oldest is not None and now - oldest > LEASE:
                 self.counters["expired"] += 1
                 self.drop(member.peer, f"held a block for over {LEASE:g}s")
 
