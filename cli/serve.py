@@ -20,11 +20,13 @@ from zmqsync.client import (
 )
 
 from ._common import (
+    SECURITY_LOGGER,
     CurveSecret,
     console,
     fail,
     fmt_bytes,
     fmt_seconds,
+    quiet_logger,
     sigterm_as_interrupt,
     user_errors,
 )
@@ -113,7 +115,8 @@ def serve(
     """
     out = console()
     with user_errors(), sigterm_as_interrupt():
-        curve = curve_server_from_files(curve_secret, curve_clients)
+        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
+            curve = curve_server_from_files(curve_secret, curve_clients)
         if curve is None and not insecure and reachable_from_other_hosts(endpoint):
             fail(
                 f"{endpoint} is reachable from other hosts: give the learner CURVE keys "

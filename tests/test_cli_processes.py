@@ -398,3 +398,27 @@ def test_status_exits_2_when_no_sender_answers(tmp_path: Path, run_id: str) -> N
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and "no zmqsync sender answered" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_secret_key_file_others_can_read_is_warned_about_once(
+    tmp_path: Path, run_id: str
+) -> None:
+    """`zmqsync keys` makes the secret file private; one that others can read still
+    works, with one warning line that says how to fix it (and no logging duplicate)."""
+    made = _run(["keys", str(tmp_path), "--name", "w"], cwd=tmp_path, run_id=run_id, timeout=60)
+    assert made.returncode == 0, made.stderr
+    secret = tmp_path / "w.key_secret"
+    args = ["status", f"ipc://{tmp_path}/nobody", "--timeout", "0.2", "--curve-secret"]
+    args += [str(secret), "--curve-server-key", str(tmp_path / "w.key")]
+    private = _run(args, cwd=tmp_path, run_id=run_id, timeout=60)
+    assert private.returncode == 2
+    assert private.stderr.count("\n") == 1 and "no zmqsync sender answered" in private.stderr
+    secret.chmod(0o640)
+    exposed = _run(args, cwd=tmp_path, run_id=run_id, timeout=60)
+    assert exposed.returncode == 2
+    lines = exposed.stderr.splitlines()
+    assert len(lines) == 2, exposed.stderr
+    assert lines[0].startswith("warning: ") and str(secret) in lines[0]
+    assert "mode 0640" in lines[0] and f"chmod 600 {secret}" in lines[0]
+    assert "no zmqsync sender answered" in lines[1]

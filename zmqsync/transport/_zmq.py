@@ -331,6 +331,15 @@ class ZMQHub(HubTransport):
                     "insecure=True if this network is trusted"
                 )
             log.warning("binding %s without CURVE keys: weights travel in clear", endpoint)
+        elif scheme == "tcp" and curve is None:
+            # Loopback keeps other hosts out, not other users: any local process can
+            # connect, unlike an ipc path in a private directory.
+            log.warning(
+                "binding %s without CURVE keys: every user of this host can connect, read "
+                "the weights and send acks; use an ipc:// endpoint in a private directory "
+                "(the default), or CURVE keys",
+                endpoint,
+            )
         self._auth = None
         self._own_context = curve is not None
         if curve is not None:
