@@ -18,6 +18,7 @@ import os
 import queue
 import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -385,6 +386,28 @@ def test_serve_two_workers_status_change_and_a_killed_worker(
     assert workers[0].stop(signal.SIGTERM) == 0
     assert "zmqsync serve: stopped" in serve.lines
     assert not any("Traceback" in line for cli in (serve, *workers) for line in cli.lines)
+
+
+@pytest.mark.timeout(180)
+def test_serve_without_an_endpoint_listens_on_a_private_ipc_path(
+    tmp_path: Path, spawn: Any, run_id: str
+) -> None:
+    """No --endpoint: an ipc path in a directory only this user can enter (a tcp port
+    on loopback would be open to every user of the host), printed for the workers, and
+    removed when serve stops."""
+    ckpt = tmp_path / "policy.pt"
+    _save_checkpoint(ckpt, seed=1)
+    serve = spawn("serve", str(ckpt), "--poll", "0.2")
+    endpoint = serve.expect(r"zmqsync serve: listening on (\S+) \(", 120)[1]
+    assert endpoint.startswith("ipc://"), endpoint
+    serve.expect(rf"^start workers with: zmqsync worker {re.escape(endpoint)} --model ", 10)
+    directory = Path(endpoint.removeprefix("ipc://")).parent
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    code, doc = _status(endpoint, tmp_path, run_id)
+    assert code == 0 and doc["version"] == 1 and doc["endpoint"] == endpoint
+    assert serve.stop(signal.SIGTERM) == 0
+    assert not directory.exists(), "serve left its private ipc directory behind"
+    assert not any("Traceback" in line or "WARNING" in line for line in serve.lines)
 
 
 @pytest.mark.timeout(180)
