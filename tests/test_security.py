@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import socket
 import stat
 import struct
 import time
@@ -21,6 +22,7 @@ from zmqsync.client import create_curve_keypair
 from zmqsync.protocol import StatusRequest, encode
 from zmqsync.security import CurveClient, CurveServer, generate_keypair
 from zmqsync.testing import check_transport
+from zmqsync.transport._zmq import HANDSHAKE_SECONDS
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
 
@@ -259,3 +261,40 @@ def test_a_tcp_loopback_hub_without_keys_warns_that_local_users_reach_it(
     assert len(caplog.records) == 2
     assert all(r.levelno == logging.WARNING for r in caplog.records)
     assert "every user of this host" in caplog.text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hub_cls", [PubSubHub, RouterHub])
+def test_a_connection_that_never_handshakes_is_dropped_quickly(hub_cls) -> None:  # type: ignore[no-untyped-def]
+    """A client that connects to a listening socket and says nothing holds a connection
+    (a descriptor) of the hub only for the handshake interval, not ZeroMQ's 30 s."""
+    hub = hub_cls("tcp://127.0.0.1:*")
+    announced = hub.announce()
+    addresses = [hub.endpoint, announced["ack_endpoint"], announced.get("data_endpoint")]
+    idle = []
+    try:
+        for address in filter(None, addresses):
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+        opened = time.monotonic()
+        deadline = opened + HANDSHAKE_SECONDS + 5
+        open_ones = list(idle)
+        while open_ones:
+            assert time.monotonic() < deadline, (
+                f"{len(open_ones)} of {len(idle)} silent connections still open after "
+                f"{time.monotonic() - opened:.1f}s"
+            )
+            for sock in list(open_ones):
+                sock.settimeout(0.1)
+                try:
+                    if sock.recv(4096) == b"":  # the hub's greeting comes first, then EOF
+                        open_ones.remove(sock)
+                except TimeoutError:
+                    continue
+                except ConnectionResetError:
+                    open_ones.remove(sock)
+        assert time.monotonic() - opened >= HANDSHAKE_SECONDS * 0.5  # not refused at once
+    finally:
+        for sock in idle:
+            sock.close()
+        hub.close()
