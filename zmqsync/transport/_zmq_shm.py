@@ -28,10 +28,10 @@ Nothing here trusts that a peer can read the blocks, or that it keeps up:
    every peer it counted has seen a later message and views it no more.
 
 A peer that keeps a block longer than :data:`LEASE` seconds after it was lent (dead,
-stopped, stuck) is dropped from the bitmap and the blocks it held are retired, never rewritten: its
-mapping stays valid, the pages are freed when it unmaps them or exits, and the hub makes
-new blocks. Blocks are opened by descriptor number but checked by inode, so a number the
-hub reused for another block is never mistaken for the old one.
+stopped, stuck) is dropped from the bitmap and the blocks it held are retired, never
+rewritten: its mapping stays valid, the pages are freed when it unmaps them or exits,
+and the hub makes new blocks. Blocks are opened by descriptor number but checked by
+inode, so a number the hub reused for another block is never mistaken for the old one.
 
 Only hub and spoke of this module speak these records; each starts with a magic that no
 zmqsync message starts with. A malformed or forged one (wrong secret) is counted and
