@@ -23,11 +23,27 @@ from rich.text import Text
 
 from zmqsync.client import worker_problem
 from zmqsync.errors import ZMQSyncError
+from zmqsync.security import exposed_secret_file
 
 #: Width of output that goes to a file or a pipe (rich would pick 80 columns, which
 #: folds the status table); a terminal's own width wins.
 PIPE_WIDTH: Final = 120
 SILENT_HELP: Final = "Report a worker unheard for this many seconds as silent."
+
+
+#: The library logger that warns about key files; commands print those warnings
+#: themselves (see :func:`warn_if_exposed`), so they silence it while loading keys.
+SECURITY_LOGGER: Final = "zmqsync.security"
+
+
+def warn_if_exposed(path: Path | None) -> Path | None:
+    """Print a warning when a secret key file given on the command line is open to other
+    users (it still works: refusing would break fleets already deployed)."""
+    if path is not None:
+        why = exposed_secret_file(path)
+        if why is not None:
+            console(stderr=True).print(Text(f"warning: {why}", style="yellow"), soft_wrap=True)
+    return path
 
 
 #: CURVE options, shared by the commands that connect (status, watch, worker) and serve.
@@ -37,6 +53,7 @@ CurveSecret = Annotated[
         "--curve-secret",
         envvar="ZMQSYNC_CURVE_SECRET",
         dir_okay=False,
+        callback=warn_if_exposed,
         help="This side's CURVE secret key file (NAME.key_secret from `zmqsync "
         "keys`), for a sender that other hosts can reach.",
     ),

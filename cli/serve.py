@@ -20,18 +20,19 @@ from zmqsync.client import (
 )
 
 from ._common import (
+    SECURITY_LOGGER,
     CurveSecret,
     console,
     fail,
     fmt_bytes,
     fmt_seconds,
+    quiet_logger,
     sigterm_as_interrupt,
     user_errors,
 )
 
 #: Sends of at least this many bytes show a progress bar (acks so far) on a terminal.
 LARGE_SEND: Final = 64 * 1024 * 1024
-DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5555"
 
 
 class Mode(str, enum.Enum):
@@ -49,13 +50,15 @@ def serve(
         ),
     ],
     endpoint: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="Where to listen: tcp://HOST:PORT (the next "
-            "two ports are used too), tcp://HOST:* for free "
-            "ports, or ipc:///PATH."
+            help="Where to listen: tcp://HOST:PORT (the next two ports are used too), "
+            "tcp://HOST:* for free ports, or ipc:///PATH. Default: an ipc path in a new "
+            "private directory (workers on this host only, and only this user's), "
+            "printed at start.",
+            show_default=False,
         ),
-    ] = DEFAULT_ENDPOINT,
+    ] = None,
     mode: Annotated[
         Mode,
         typer.Option(
@@ -107,14 +110,22 @@ def serve(
     """Publish the weights of a checkpoint file, and republish them whenever it changes.
 
     Prints 'zmqsync serve: listening on ENDPOINT' once it listens; start workers with
-    `zmqsync worker ENDPOINT --model module:factory`. Write new checkpoints to a
+    `zmqsync worker ENDPOINT --model module:factory`. Without --endpoint it listens on
+    an ipc path in a private directory (removed when it stops): workers on other hosts
+    need --endpoint tcp://HOST:PORT (with CURVE keys). Write new checkpoints to a
     temporary name and rename them into place, so a half-written file is never read.
     Runs until Ctrl-C.
     """
     out = console()
     with user_errors(), sigterm_as_interrupt():
-        curve = curve_server_from_files(curve_secret, curve_clients)
-        if curve is None and not insecure and reachable_from_other_hosts(endpoint):
+        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
+            curve = curve_server_from_files(curve_secret, curve_clients)
+        if (
+            curve is None
+            and not insecure
+            and endpoint is not None
+            and reachable_from_other_hosts(endpoint)
+        ):
             fail(
                 f"{endpoint} is reachable from other hosts: give the learner CURVE keys "
                 "(--curve-secret, made with `zmqsync keys`), or --insecure on a trusted "
@@ -136,6 +147,12 @@ def serve(
             out.print(
                 f"zmqsync serve: listening on {publisher.endpoint} "
                 f"({mode.value}, state_dict, model 'policy'{secured})",
+                soft_wrap=True,
+            )
+            keys = " --curve-secret KEY_SECRET --curve-server-key SERVER_KEY" if curve else ""
+            out.print(
+                f"start workers with: zmqsync worker {publisher.endpoint} --model "
+                f"module:factory{keys}",
                 soft_wrap=True,
             )
             out.print(

@@ -15,7 +15,16 @@ from zmqsync.client import (
     query_status,
 )
 
-from ._common import SILENT_HELP, CurveSecret, CurveServerKey, console, status_view, user_errors
+from ._common import (
+    SECURITY_LOGGER,
+    SILENT_HELP,
+    CurveSecret,
+    CurveServerKey,
+    console,
+    quiet_logger,
+    status_view,
+    user_errors,
+)
 
 #: Exit codes, documented in the help text: scripts branch on them.
 EXIT_OK, EXIT_LAGGING, EXIT_NO_SENDER = 0, 1, 2
@@ -47,7 +56,8 @@ def status(
     behind, has not connected or went silent, 2 when no sender answered.
     """
     with user_errors(code=EXIT_NO_SENDER):
-        curve = curve_client_from_files(curve_secret, curve_server_key)
+        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
+            curve = curve_client_from_files(curve_secret, curve_server_key)
         state = query_status(endpoint, timeout, curve=curve)
     problems = assess(state, silent_after=silent_after)
     if as_json:

@@ -22,10 +22,12 @@ from zmqsync.errors import ZMQSyncError
 from zmqsync.security import CurveClient
 
 from ._common import (
+    SECURITY_LOGGER,
     SILENT_HELP,
     CurveSecret,
     CurveServerKey,
     console,
+    quiet_logger,
     sigterm_as_interrupt,
     status_view,
     user_errors,
@@ -65,7 +67,8 @@ def watch(
     out = console()
     with user_errors(code=2):
         check_connectable(endpoint)  # a malformed endpoint is an error, not a retry loop
-        curve = curve_client_from_files(curve_secret, curve_server_key)
+        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
+            curve = curve_client_from_files(curve_secret, curve_server_key)
     refreshes = 0
     try:
         with sigterm_as_interrupt():

@@ -10,6 +10,7 @@ import typer
 from zmqsync.client import ModelWorker, build_model, curve_client_from_files
 
 from ._common import (
+    SECURITY_LOGGER,
     CurveSecret,
     CurveServerKey,
     console,
@@ -77,7 +78,8 @@ def worker(
     out, err = console(), console(stderr=True)
     # The receiver logs each refused message; this command reports them itself, once.
     with user_errors(), sigterm_as_interrupt(), quiet_logger("zmqsync.receiver"):
-        curve = curve_client_from_files(curve_secret, curve_server_key)
+        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
+            curve = curve_client_from_files(curve_secret, curve_server_key)
         net = build_model(model)
         follower = ModelWorker(
             endpoint,

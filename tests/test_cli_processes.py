@@ -18,6 +18,7 @@ import os
 import queue
 import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -388,6 +389,28 @@ def test_serve_two_workers_status_change_and_a_killed_worker(
 
 
 @pytest.mark.timeout(180)
+def test_serve_without_an_endpoint_listens_on_a_private_ipc_path(
+    tmp_path: Path, spawn: Any, run_id: str
+) -> None:
+    """No --endpoint: an ipc path in a directory only this user can enter (a tcp port
+    on loopback would be open to every user of the host), printed for the workers, and
+    removed when serve stops."""
+    ckpt = tmp_path / "policy.pt"
+    _save_checkpoint(ckpt, seed=1)
+    serve = spawn("serve", str(ckpt), "--poll", "0.2")
+    endpoint = serve.expect(r"zmqsync serve: listening on (\S+) \(", 120)[1]
+    assert endpoint.startswith("ipc://"), endpoint
+    serve.expect(rf"^start workers with: zmqsync worker {re.escape(endpoint)} --model ", 10)
+    directory = Path(endpoint.removeprefix("ipc://")).parent
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    code, doc = _status(endpoint, tmp_path, run_id)
+    assert code == 0 and doc["version"] == 1 and doc["endpoint"] == endpoint
+    assert serve.stop(signal.SIGTERM) == 0
+    assert not directory.exists(), "serve left its private ipc directory behind"
+    assert not any("Traceback" in line or "WARNING" in line for line in serve.lines)
+
+
+@pytest.mark.timeout(180)
 def test_status_exits_2_when_no_sender_answers(tmp_path: Path, run_id: str) -> None:
     result = _run(
         ["status", f"ipc://{tmp_path}/nobody", "--timeout", "0.5"],
@@ -398,3 +421,27 @@ def test_status_exits_2_when_no_sender_answers(tmp_path: Path, run_id: str) -> N
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and "no zmqsync sender answered" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_secret_key_file_others_can_read_is_warned_about_once(
+    tmp_path: Path, run_id: str
+) -> None:
+    """`zmqsync keys` makes the secret file private; one that others can read still
+    works, with one warning line that says how to fix it (and no logging duplicate)."""
+    made = _run(["keys", str(tmp_path), "--name", "w"], cwd=tmp_path, run_id=run_id, timeout=60)
+    assert made.returncode == 0, made.stderr
+    secret = tmp_path / "w.key_secret"
+    args = ["status", f"ipc://{tmp_path}/nobody", "--timeout", "0.2", "--curve-secret"]
+    args += [str(secret), "--curve-server-key", str(tmp_path / "w.key")]
+    private = _run(args, cwd=tmp_path, run_id=run_id, timeout=60)
+    assert private.returncode == 2
+    assert private.stderr.count("\n") == 1 and "no zmqsync sender answered" in private.stderr
+    secret.chmod(0o640)
+    exposed = _run(args, cwd=tmp_path, run_id=run_id, timeout=60)
+    assert exposed.returncode == 2
+    lines = exposed.stderr.splitlines()
+    assert len(lines) == 2, exposed.stderr
+    assert lines[0].startswith("warning: ") and str(secret) in lines[0]
+    assert "mode 0640" in lines[0] and f"chmod 600 {secret}" in lines[0]
+    assert "no zmqsync sender answered" in lines[1]

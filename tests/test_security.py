@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import socket
+import stat
+import struct
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +18,11 @@ from torch import nn
 
 import zmqsync
 from zmqsync import EndpointError, SyncTimeout, ZMQWeightSyncScheme
+from zmqsync.client import create_curve_keypair
 from zmqsync.protocol import StatusRequest, encode
 from zmqsync.security import CurveClient, CurveServer, generate_keypair
 from zmqsync.testing import check_transport
+from zmqsync.transport._zmq import HANDSHAKE_SECONDS
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
 
@@ -145,3 +154,147 @@ def test_the_server_secret_never_travels_to_workers(keys) -> None:  # type: igno
     scheme = ZMQWeightSyncScheme(curve_server=server, curve_client=good)
     clone = pickle.loads(pickle.dumps(scheme))
     assert clone.curve_server is None and clone.curve_client == good
+
+
+# --- key files ---------------------------------------------------------------------
+
+_IN_ATTRIB = 0x004  # inotify: a file's metadata (its mode, among others) changed
+_IN_CREATE = 0x100  # inotify: a file was created in the watched directory
+_INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, name length
+
+
+def _inotify_watch(directory: Path) -> int:
+    """An inotify descriptor (non-blocking) watching ``directory`` for new files and
+    changed metadata. The kernel queues events during the very syscalls that cause
+    them, so reading after the code under test returns sees all of them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "inotify_init1")
+    if libc.inotify_add_watch(fd, str(directory).encode(), _IN_CREATE | _IN_ATTRIB) < 0:
+        os.close(fd)
+        raise OSError(ctypes.get_errno(), "inotify_add_watch")
+    return fd
+
+
+def _inotify_events(fd: int) -> list[tuple[str, int]]:
+    """The (file name, event mask) pairs queued on ``fd`` so far."""
+    try:
+        data = os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return []
+    events, offset = [], 0
+    while offset < len(data):
+        _, mask, _, length = _INOTIFY_EVENT.unpack_from(data, offset)
+        offset += _INOTIFY_EVENT.size
+        name = data[offset : offset + length].rstrip(b"\0").decode()
+        offset += length
+        events.append((name, mask))
+    return events
+
+
+def test_a_secret_key_file_is_private_from_its_creation(tmp_path: Path) -> None:
+    """The secret file is created with mode 0600, not created readable and chmodded
+    after: no change of its metadata ever follows its creation."""
+    watch = _inotify_watch(tmp_path)
+    try:
+        public, secret = create_curve_keypair(tmp_path, "learner")
+        events = [mask for name, mask in _inotify_events(watch) if name == secret.name]
+    finally:
+        os.close(watch)
+    assert events == [_IN_CREATE], f"the secret file changed after its creation: {events}"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert not stat.S_IMODE(public.stat().st_mode) & 0o022  # nobody else writes it
+    server = CurveServer.from_files(secret)
+    assert CurveClient.from_files(secret, server_public_file=public).server_key == (
+        server.public_key
+    )
+
+
+def test_new_keys_never_go_into_an_existing_file_or_link(tmp_path: Path) -> None:
+    """--force makes a fresh file (a reader that held the old one open never sees the
+    new key), and a planted link is never followed."""
+    _, secret = create_curve_keypair(tmp_path, "learner")
+    secret.chmod(0o644)  # an old key file, once readable by others
+    with secret.open("rb") as old:
+        _, again = create_curve_keypair(tmp_path, "learner", force=True)
+        new_key = zmq.auth.load_certificate(again)[1]
+        assert new_key is not None and new_key not in old.read()
+    assert stat.S_IMODE(again.stat().st_mode) == 0o600
+    elsewhere = tmp_path / "elsewhere"
+    (tmp_path / "planted.key_secret").symlink_to(elsewhere)
+    with pytest.raises(FileExistsError):
+        create_curve_keypair(tmp_path, "planted")
+    assert not elsewhere.exists(), "the secret key was written through a planted link"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_loading_a_secret_key_file_others_can_read_warns(
+    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    public, secret = create_curve_keypair(tmp_path, "learner")
+    with caplog.at_level(logging.WARNING, logger="zmqsync.security"):
+        CurveServer.from_files(secret)
+    assert not caplog.records, "a private secret key file needs no warning"
+    secret.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="zmqsync.security"):
+        CurveServer.from_files(secret)
+        CurveClient.from_files(secret, server_public_file=public)
+    assert len(caplog.records) == 2
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+    assert str(secret) in caplog.text and f"chmod 600 {secret}" in caplog.text
+
+
+def test_a_tcp_loopback_hub_without_keys_warns_that_local_users_reach_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server_pub, server_sec = generate_keypair()
+    with caplog.at_level(logging.WARNING, logger="zmqsync.transport"):
+        for quiet in (
+            PubSubHub(f"ipc://{tmp_path}/hub"),
+            RouterHub("tcp://127.0.0.1:*", curve=CurveServer(server_pub, server_sec)),
+        ):
+            quiet.close()
+        assert not caplog.records, caplog.text
+        for hub_cls in (PubSubHub, RouterHub):
+            hub_cls("tcp://127.0.0.1:*").close()
+    assert len(caplog.records) == 2
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+    assert "every user of this host" in caplog.text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hub_cls", [PubSubHub, RouterHub])
+def test_a_connection_that_never_handshakes_is_dropped_quickly(hub_cls) -> None:  # type: ignore[no-untyped-def]
+    """A client that connects to a listening socket and says nothing holds a connection
+    (a descriptor) of the hub only for the handshake interval, not ZeroMQ's 30 s."""
+    hub = hub_cls("tcp://127.0.0.1:*")
+    announced = hub.announce()
+    addresses = [hub.endpoint, announced["ack_endpoint"], announced.get("data_endpoint")]
+    idle = []
+    try:
+        for address in filter(None, addresses):
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+        opened = time.monotonic()
+        deadline = opened + HANDSHAKE_SECONDS + 5
+        open_ones = list(idle)
+        while open_ones:
+            assert time.monotonic() < deadline, (
+                f"{len(open_ones)} of {len(idle)} silent connections still open after "
+                f"{time.monotonic() - opened:.1f}s"
+            )
+            for sock in list(open_ones):
+                sock.settimeout(0.1)
+                try:
+                    if sock.recv(4096) == b"":  # the hub's greeting comes first, then EOF
+                        open_ones.remove(sock)
+                except TimeoutError:
+                    continue
+                except ConnectionResetError:
+                    open_ones.remove(sock)
+        assert time.monotonic() - opened >= HANDSHAKE_SECONDS * 0.5  # not refused at once
+    finally:
+        for sock in idle:
+            sock.close()
+        hub.close()

@@ -400,3 +400,95 @@ def test_shared_memory_is_on_for_ipc_unless_asked_otherwise(
     finally:
         hub.close()
         spoke.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_peer_that_never_opened_the_probe_block_cannot_join(mode: str, tmp_path: Any) -> None:
+    """Joining proves that a peer read the token in the hub's probe block, so the offer
+    must not carry it: a client that answers with whatever the offer holds is not
+    counted as a reader of shared blocks, while a real worker on this host still is."""
+    hub, spokes = _fleet(mode, tmp_path, 1)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.routing_id = SPOKE_PREFIX + b"mapless"  # it claims to be a worker
+    try:
+        _join(hub, spokes)
+        dealer.connect(hub.endpoint)
+        dealer.send(b"hello", zmq.NOBLOCK)
+        deadline = time.monotonic() + DEADLINE
+        offer = None
+        while offer is None:
+            assert time.monotonic() < deadline, "the hub made no offer to a new peer"
+            hub.recv_frames(0.02)  # reads the hello, and answers it with an offer
+            if dealer.poll(10):
+                record = dealer.recv_multipart(zmq.NOBLOCK)
+                if bytes(record[0][:4]) == b"ZSHO":
+                    offer = record[0]
+        token_size = _zmq_shm._JOIN_BODY.size
+        body = offer[4:]
+        # Every token-sized piece of the offer (at any alignment), as a join.
+        guesses = {body[i : i + token_size] for i in range(len(body) - token_size + 1)}
+        guesses.add(body[-token_size:].rjust(token_size, b"\0"))
+        for guess in guesses:
+            dealer.send(b"ZSHJ" + guess, zmq.NOBLOCK)
+        bad = hub.counters().get("shm_bad_records", 0)
+        deadline = time.monotonic() + DEADLINE
+        while hub.counters().get("shm_bad_records", 0) < bad + len(guesses):
+            assert time.monotonic() < deadline, (
+                f"{hub.counters().get('shm_bad_records', 0) - bad} of {len(guesses)} joins "
+                "refused; the others registered a peer that never opened the probe block"
+            )
+            hub.recv_frames(0.02)
+        assert dealer.routing_id not in hub._lender.members()  # type: ignore[union-attr]
+        assert hub.counters()["shm_joined"] == 1
+        assert hub.counters()["shm_peers"] == 1
+        assert spokes[0].lends_memory
+        # The real worker still reads in place.
+        payload = os.urandom(PAYLOAD)
+        (got,) = _send_until_all(hub, spokes, _shared(hub, payload))
+        assert bytes(got[1]) == payload
+        assert spokes[0].counters()["shm_shared_frames"] >= 1
+    finally:
+        dealer.close(linger=0)
+        for end in (hub, *spokes):
+            end.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_held_past_its_lease_is_reclaimed_while_other_blocks_are_released(
+    mode: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease runs per lent block: a worker that keeps one old block while it reads
+    and releases newer ones does not renew the old block's lease with those releases."""
+    lease = 1.0
+    monkeypatch.setattr(_zmq_shm, "LEASE", lease)
+    hub, spokes = _fleet(mode, tmp_path, 1)
+    try:
+        first, frames, block, (got,) = _first_version(hub, spokes)
+        held = got[1]  # kept: the worker never lets go of the first block
+        lent_at = time.monotonic()
+        got = frames = None
+        releases = 0
+        deadline = lent_at + 10 * lease
+        while not hub.counters().get("shm_expired"):
+            assert time.monotonic() < deadline, (
+                f"the first block was never reclaimed, though {releases} releases of newer "
+                f"blocks arrived over {time.monotonic() - lent_at:.1f}s (lease {lease:g}s)"
+            )
+            # A newer version in another block, read and let go of: a release each time.
+            frames = _shared(hub, os.urandom(PAYLOAD))
+            assert _block(hub, frames[1]) is not block
+            _send_until_all(hub, spokes, frames)
+            frames = None
+            if not hub.counters().get("shm_expired"):
+                _release(hub, spokes, 1)
+                releases += 1
+        assert releases >= 2, "the test must show releases of other blocks meanwhile"
+        assert block.id not in hub._lender.pool.live_ids()  # type: ignore[union-attr]
+        assert bytes(held) == first, "a block was rewritten under a worker reading it"
+        assert hub.counters()["shm_peers"] == 0
+    finally:
+        for end in (hub, *spokes):
+            end.close()

@@ -44,7 +44,7 @@ from zmqsync.errors import (
     ZMQSyncError,
 )
 from zmqsync.protocol import ErrorMessage, StatusReply, StatusRequest, decode, encode
-from zmqsync.security import CurveClient, CurveServer
+from zmqsync.security import CurveClient, CurveServer, write_keypair
 from zmqsync.transport._zmq import is_loopback, parse_endpoint, translated
 
 if TYPE_CHECKING:
@@ -889,25 +889,22 @@ def create_curve_keypair(
 ) -> tuple[Path, Path]:
     """Write a ZeroMQ CURVE key pair: ``NAME.key`` (public) and ``NAME.key_secret``.
 
-    The secret file is made readable by its owner only. Refuses to overwrite an existing
-    pair unless ``force``. Returns ``(public_file, secret_file)``.
+    The secret file is created readable by its owner only (mode 0600 from the start).
+    Refuses to overwrite an existing pair unless ``force``. Returns
+    ``(public_file, secret_file)``.
     """
-    import zmq.auth
-
     if not zmq.has("curve"):
         raise ZMQSyncError("this libzmq was built without CURVE support; install pyzmq's wheel")
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"key name {name!r} must be a plain file name, like 'learner'")
     d = Path(directory)
     public, secret = d / f"{name}.key", d / f"{name}.key_secret"
-    if not force and (public.exists() or secret.exists()):
+    if not force and (os.path.lexists(public) or os.path.lexists(secret)):  # links too
         raise FileExistsError(
             f"{public} or {secret} already exists; pick another --name, or --force to replace"
         )
     d.mkdir(parents=True, exist_ok=True)
-    pub, sec = zmq.auth.create_certificates(d, name)
-    os.chmod(sec, 0o600)
-    return Path(pub), Path(sec)
+    return write_keypair(d, name, force=force)
 
 
 def curve_server_from_files(

@@ -4,7 +4,9 @@ The sender holds a server key pair; each worker holds a client key pair and the 
 public key. With ``allowed_clients`` the sender accepts only those client public keys
 (checked by a ZAP handler): anyone else can neither receive weights nor send acks or
 status requests. Key files are the ones ``zmqsync keys`` (``zmq.auth.create_certificates``)
-writes: ``NAME.key`` (public) and ``NAME.key_secret`` (both keys).
+writes: ``NAME.key`` (public) and ``NAME.key_secret`` (both keys). A secret key file is
+created readable by its owner only (:func:`write_keypair`), and loading one that other
+users can read logs a warning.
 
 ::
 
@@ -14,25 +16,111 @@ writes: ``NAME.key`` (public) and ``NAME.key_secret`` (both keys).
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import logging
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-__all__ = ["ZAP_DOMAIN", "CurveClient", "CurveServer", "generate_keypair"]
+__all__ = [
+    "ZAP_DOMAIN",
+    "CurveClient",
+    "CurveServer",
+    "exposed_secret_file",
+    "generate_keypair",
+    "write_keypair",
+]
+
+log = logging.getLogger("zmqsync.security")
 
 #: The ZAP domain every zmqsync server socket authenticates in.
 ZAP_DOMAIN = "zmqsync"
+#: Mode of a secret key file: whoever reads it can pose as its owner.
+SECRET_FILE_MODE: Final = 0o600
+#: Mode of a public key file: meant to be handed out, but changed by its owner only.
+PUBLIC_FILE_MODE: Final = 0o644
+#: Permission bits that open a secret key file to users other than its owner.
+_OTHERS: Final = stat.S_IRWXG | stat.S_IRWXO
+# The layout pyzmq's zmq.auth.create_certificates writes (and load_certificate reads).
+_BANNER: Final = (
+    "#   ****  Generated on {now} by zmqsync  ****\n"
+    "#   ZeroMQ CURVE {what} Certificate\n"
+    "#   {advice}\n\n"
+)
 
 
 def generate_keypair() -> tuple[bytes, bytes]:
     """A new (public, secret) CURVE key pair, Z85-encoded."""
     return zmq.curve_keypair()
+
+
+def _certificate(public: bytes, secret: bytes | None) -> str:
+    """A key file's text, as ``zmq.auth.load_certificate`` reads it."""
+    if secret is None:
+        what, advice = "Public", "Exchange securely, or check its contents after exchange."
+    else:
+        what, advice = "**Secret**", "DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its mode."
+    lines = [
+        _BANNER.format(now=datetime.datetime.now(), what=what, advice=advice),
+        "metadata\ncurve\n",
+        f'    public-key = "{public.decode()}"\n',
+    ]
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"\n')
+    return "".join(lines)
+
+
+def _create(path: Path, text: str, mode: int, *, replace: bool) -> None:
+    """Write a new file at ``path`` with ``mode`` from its creation (never chmodded after,
+    so it is never readable by others even for a moment). O_EXCL: never write through an
+    existing file or a planted link. ``replace``: remove what is there first, so that a
+    reader holding the old file open never sees the new contents."""
+    if replace:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def write_keypair(
+    directory: str | os.PathLike[str], name: str, *, force: bool = False
+) -> tuple[Path, Path]:
+    """Write a new key pair: ``NAME.key`` (public, mode 0644) and ``NAME.key_secret``
+    (both keys, mode 0600 from its creation), in the format ``zmq.auth`` reads.
+
+    Raises ``FileExistsError`` if either file (or a link) is there, unless ``force``,
+    which replaces them with new files. Returns ``(public_file, secret_file)``.
+    """
+    d = Path(directory)
+    public_file, secret_file = d / f"{name}.key", d / f"{name}.key_secret"
+    public, secret = generate_keypair()
+    _create(secret_file, _certificate(public, secret), SECRET_FILE_MODE, replace=force)
+    _create(public_file, _certificate(public, None), PUBLIC_FILE_MODE, replace=force)
+    return public_file, secret_file
+
+
+def exposed_secret_file(path: str | os.PathLike[str]) -> str | None:
+    """Why the secret key file at ``path`` is not private (users other than its owner may
+    read or change it), or None when it is (or cannot be looked at)."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return None
+    if not mode & _OTHERS:
+        return None
+    return (
+        f"CURVE secret key file {path} is open to other users (mode {mode:04o}): whoever "
+        f"reads it can pose as this side; chmod 600 {path}"
+    )
 
 
 def _load(path: str | os.PathLike[str], *, secret: bool) -> tuple[bytes, bytes | None]:
@@ -47,6 +135,10 @@ def _load(path: str | os.PathLike[str], *, secret: bool) -> tuple[bytes, bytes |
         raise ValueError(f"{p} is not a ZeroMQ certificate file: {exc}") from exc
     if secret and not secret_key:
         raise ValueError(f"{p} holds no secret key; pass the NAME.key_secret file")
+    if secret:
+        exposed = exposed_secret_file(p)
+        if exposed is not None:
+            log.warning("%s", exposed)
     return public, secret_key
 
 

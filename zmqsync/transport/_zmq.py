@@ -59,6 +59,12 @@ CONTROL_MAX_MESSAGE: Final = 1024 * 1024
 ZERO_COPY_MIN: Final = 64 * 1024
 #: How long bind() retries an address a just-closed socket may still hold.
 REBIND_SECONDS: Final = 2.0
+#: Seconds a peer has to complete its ZMTP (and CURVE) handshake on a hub's listening
+#: socket. ZeroMQ's default (30 s) lets anyone who connects and says nothing hold one of
+#: the hub's descriptors that long; an honest peer takes milliseconds, and reconnects.
+HANDSHAKE_SECONDS: Final = 2.0
+#: The socket types a hub binds (spokes connect DEALER, PUSH and SUB).
+_LISTENING: Final = frozenset({zmq.ROUTER, zmq.PULL, zmq.PUB})
 #: How long ZeroMQ's I/O thread may still try to deliver a closing spoke's last request
 #: (its goodbye). The caller never waits for it; only a context's term() would.
 CLOSE_LINGER_MS: Final = 100
@@ -229,6 +235,8 @@ class _Sockets:
         sock.linger = 0
         sock.sndhwm = hwm
         sock.rcvhwm = hwm
+        if kind in _LISTENING:
+            sock.handshake_ivl = int(HANDSHAKE_SECONDS * 1000)
         if self.curve is not None and kind != zmq.PAIR:
             self.curve.apply(sock)  # before bind/connect, or it does not take
         self.sockets.append(sock)
@@ -324,6 +332,15 @@ class ZMQHub(HubTransport):
                     "insecure=True if this network is trusted"
                 )
             log.warning("binding %s without CURVE keys: weights travel in clear", endpoint)
+        elif scheme == "tcp" and curve is None:
+            # Loopback keeps other hosts out, not other users: any local process can
+            # connect, unlike an ipc path in a private directory.
+            log.warning(
+                "binding %s without CURVE keys: every user of this host can connect, read "
+                "the weights and send acks; use an ipc:// endpoint in a private directory "
+                "(the default), or CURVE keys",
+                endpoint,
+            )
         self._auth = None
         self._own_context = curve is not None
         if curve is not None:

@@ -8,11 +8,12 @@ worker copies straight from the block into its model.
 
 Nothing here trusts that a peer can read the blocks, or that it keeps up:
 
-1. **Offer.** The first time a spoke speaks, the hub sends it (over the ROUTER) its pid,
-   the descriptor and inode of a small probe block, and the random token written in it.
+1. **Offer.** The first time a spoke speaks, the hub sends it (over the ROUTER) its pid
+   and the descriptor and inode of a small probe block, which holds a random token. The
+   offer does not carry the token: knowing it proves a peer opened the block.
 2. **Join.** A spoke that can open ``/proc/<pid>/fd/<fd>`` (same host, same pid
-   namespace, allowed to) and reads the token there answers with the token. Others stay
-   silent and keep getting every byte inline.
+   namespace, allowed to) reads the token there and answers with it. Others decline
+   and keep getting every byte inline.
 3. **Registered.** The hub gives the spoke a *slot*, a secret, and the first sequence
    number of the shared messages whose holds are counted for it.
 4. **Shared messages** name, for each frame, its block (id, descriptor, inode), offset
@@ -26,11 +27,11 @@ Nothing here trusts that a peer can read the blocks, or that it keeps up:
    blocks still viewed. The hub rewrites a block only once
    every peer it counted has seen a later message and views it no more.
 
-A peer that keeps a block longer than :data:`LEASE` seconds (dead, stopped, stuck) is
-dropped from the bitmap and the blocks it held are retired, never rewritten: its
-mapping stays valid, the pages are freed when it unmaps them or exits, and the hub makes
-new blocks. Blocks are opened by descriptor number but checked by inode, so a number the
-hub reused for another block is never mistaken for the old one.
+A peer that keeps a block longer than :data:`LEASE` seconds after it was lent (dead,
+stopped, stuck) is dropped from the bitmap and the blocks it held are retired, never
+rewritten: its mapping stays valid, the pages are freed when it unmaps them or exits,
+and the hub makes new blocks. Blocks are opened by descriptor number but checked by
+inode, so a number the hub reused for another block is never mistaken for the old one.
 
 Only hub and spoke of this module speak these records; each starts with a magic that no
 zmqsync message starts with. A malformed or forged one (wrong secret) is counted and
@@ -68,9 +69,11 @@ __all__ = ["SHM_AVAILABLE", "ShmLender", "ShmReader", "is_record"]
 log = logging.getLogger("zmqsync.transport")
 
 _OFFER: Final = b"ZSHO"
-_OFFER_BODY: Final = struct.Struct("<qqQ16s")  # pid, fd, inode, token
+_OFFER_BODY: Final = struct.Struct("<qqQ")  # pid, fd, inode of the probe block
 _JOIN: Final = b"ZSHJ"
 _JOIN_BODY: Final = struct.Struct("<16s")  # the token read from the probe block
+#: Bytes of the token at the start of the probe block.
+_TOKEN_BYTES: Final = _JOIN_BODY.size
 _LEAVE: Final = b"ZSHL"
 _REGISTERED: Final = b"ZSHS"
 _REGISTERED_BODY: Final = struct.Struct("<IQ8s")  # slot, first counted seq, secret
@@ -89,9 +92,9 @@ ADDRESSED: Final = 1
 #: Records this module exchanges; no zmqsync protocol message starts like these.
 _MAGICS: Final = frozenset({_OFFER, _JOIN, _LEAVE, _REGISTERED, _SHARED, _RELEASE})
 
-#: Seconds a peer may keep a block (unreleased) before it is dropped from the bitmap and
-#: its blocks retired. A worker releases within milliseconds of reading; this is for the
-#: dead and the stopped.
+#: Seconds a peer may keep a block, from when it was lent, before the peer is dropped
+#: from the bitmap and its blocks retired. A worker releases within milliseconds of
+#: reading; this is for the dead and the stopped.
 LEASE: Final = 10.0
 #: Blocks a spoke keeps mapped; the hub's live list trims it sooner.
 MAX_MAPS: Final = 8
@@ -135,8 +138,10 @@ class _Member:
     #: Block id -> channel -> seq of the last shared message naming it that this peer
     #: was counted for.
     sent: dict[int, dict[int, int]] = field(default_factory=dict)
-    #: When the oldest of ``sent`` went out unreleased (None when it holds nothing).
-    holding_since: float | None = None
+    #: Block id -> when it was lent to this peer (the first message naming it since the
+    #: peer last released it): each block's lease runs from then. Per block, so that
+    #: releasing newer blocks never renews the lease of an old one still held.
+    lent_at: dict[int, float] = field(default_factory=dict)
 
 
 class ShmLender:
@@ -145,13 +150,13 @@ class ShmLender:
 
     def __init__(self, pool: ShmPool | None = None) -> None:
         self.pool = pool or ShmPool()
-        self._token = secrets.token_bytes(16)
+        self._token = secrets.token_bytes(_TOKEN_BYTES)
         probe = Block(0, 4096)
-        probe.array[:16] = np.frombuffer(self._token, dtype=np.uint8)
+        probe.array[:_TOKEN_BYTES] = np.frombuffer(self._token, dtype=np.uint8)
         self._probe = probe
-        self._offer = _OFFER + _OFFER_BODY.pack(
-            os.getpid(), probe.fd, os.fstat(probe.fd).st_ino, self._token
-        )
+        # Where the token lies, never the token: a peer proves it can open our blocks by
+        # reading it there.
+        self._offer = _OFFER + _OFFER_BODY.pack(os.getpid(), probe.fd, probe.inode)
         self._members: dict[bytes, _Member] = {}
         self._by_slot: dict[int, _Member] = {}
         self._slots = iter(range(1, 1 << 31))
@@ -237,7 +242,7 @@ class ShmLender:
             if block_id not in held and all(q <= seen[ch] for ch, q in by_channel.items()):
                 self.pool.drop_hold(block_id, member.peer)
                 del member.sent[block_id]
-        member.holding_since = time.monotonic() if member.sent else None
+                del member.lent_at[block_id]
         self.counters["releases"] += 1
 
     # sending
@@ -269,8 +274,7 @@ class ShmLender:
             for block in blocks.values():
                 if self.pool.hold(block, member.peer):
                     member.sent.setdefault(block.id, {})[channel] = self._seq
-            if member.holding_since is None:
-                member.holding_since = now
+                    member.lent_at.setdefault(block.id, now)  # a block held on keeps its lease
         del keep  # the holds keep the blocks now
         entries, inline = [], []
         for f in shared:
@@ -303,11 +307,12 @@ class ShmLender:
         return [head, *inline]
 
     def expire(self) -> None:
-        """Drop the peers that held a block past :data:`LEASE` (call before choosing
-        whom a message counts)."""
+        """Drop the peers that held a block past :data:`LEASE` since it was lent to
+        them (call before choosing whom a message counts)."""
         now = time.monotonic()
         for member in list(self._members.values()):
-            if member.holding_since is not None and now - member.holding_since > LEASE:
+            oldest = min(member.lent_at.values(), default=None)
+            if oldest is not None and now - oldest > LEASE:
                 self.counters["expired"] += 1
                 self.drop(member.peer, f"held a block for over {LEASE:g}s")
 
@@ -340,7 +345,8 @@ class ShmReader:
 
     def __init__(self, request: Callable[[list[bytes]], None]) -> None:
         self._request = request
-        self._offer: tuple[int, bytes] | None = None  # the hub's pid and token, once joined
+        #: The hub's pid, its probe block's inode, and the token read there, once joined.
+        self._offer: tuple[int, int, bytes] | None = None
         self._slot: int | None = None
         self._joining = False  # a join is on its way; its answer is not
         self._secret = b""
@@ -383,29 +389,26 @@ class ShmReader:
         return None
 
     def _on_offer(self, record: bytes) -> None:
-        pid, fd, inode, token = _OFFER_BODY.unpack(record[4:])
-        if self._offer == (pid, token) and self._joining:
+        pid, fd, inode = _OFFER_BODY.unpack(record[4:])
+        if self._offer is not None and self._offer[:2] == (pid, inode) and self._joining:
             return  # it offered before it heard our join
         # A hub offers to peers it does not count: a new one, or ours, which dropped us.
         self._offer = None
         self._slot = None
         try:
-            probe = map_peer_block(pid, fd, len(token), inode)
-            readable = bytes(probe[: len(token)]) == token
+            token = bytes(map_peer_block(pid, fd, _TOKEN_BYTES, inode)[:_TOKEN_BYTES])
         except (OSError, ValueError):
-            readable = False
-        if not readable:
             self.counters["not_readable"] += 1
             self._request([_LEAVE])
             return
-        self._offer = (pid, token)
+        self._offer = (pid, inode, token)
         self._join()
 
     def _join(self) -> None:
         assert self._offer is not None
         self._slot = None
         self._joining = True
-        self._request([_JOIN + self._offer[1]])
+        self._request([_JOIN + self._offer[2]])
 
     def _resolve(self, frames: Sequence[Buffer]) -> list[Buffer] | None:
         head = bytes(frames[0])
