@@ -1,0 +1,296 @@
+"""The fleet core (sans-IO), driven by hypothesis with real and forged messages.
+
+A model of the workers (who said hello from where, which secret each was welcomed
+with, which versions each applied) runs beside :class:`zmqsync.fleet.Fleet`; every
+interleaving of hellos, acks, requests, goodbyes, sends, forgeries and time passing
+must keep the invariants:
+
+- a send completes only on acks carrying the secret of a session it targeted;
+- what the sender believes a worker holds never exceeds what that worker applied, and
+  never goes backwards while its session lives;
+- no message from the ack channel or without a session creates a record;
+- a snapshot or a probe answers only its asker (no request fans out to the fleet);
+- state stays bounded: at most one session per connection and per worker id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from zmqsync.fleet import (
+    EXPIRE_HEARTBEATS,
+    EXPIRE_MIN_SECONDS,
+    FanOut,
+    Fleet,
+    Forget,
+    Origin,
+    Reply,
+    SendLatest,
+)
+from zmqsync.protocol import (
+    AUTO_WORKER,
+    Ack,
+    ErrorMessage,
+    Goodbye,
+    Hello,
+    Probe,
+    ProbeRequest,
+    SnapshotRequest,
+    UpToDate,
+    Welcome,
+)
+
+EPOCH = 99
+PEERS = [f"peer-{i}".encode() for i in range(4)]
+IDS = st.integers(0, 3)
+
+
+@dataclass
+class Worker:
+    """A well-behaved worker as the test sees it: its connection and what it holds."""
+
+    peer: bytes
+    worker: int
+    secret: str
+    attempt: str
+    applied: int = 0  # the newest version it really applied
+    acked: set[int] = field(default_factory=set)
+
+
+class FleetMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.core = Fleet(
+            "policy",
+            EPOCH,
+            mode="zmq",
+            strategy="state_dict",
+            transports=["zmq"],
+            heartbeat=1.0,
+            repair_after=0.5,
+            max_sessions=8,
+        )
+        self.workers: dict[bytes, Worker] = {}  # by connection
+        self.attempts = 0
+
+    # --- helpers -------------------------------------------------------------------
+
+    def _handle(self, message, origin):  # type: ignore[no-untyped-def]
+        effects = self.core.handle(message, origin, self.now)
+        for e in effects:
+            if isinstance(e, Reply | SendLatest):
+                # Answers go to the asker, never to anyone else.
+                assert e.origin == origin or isinstance(e.origin, Origin)
+                assert e.origin.peer is not None
+            if isinstance(e, FanOut):
+                assert isinstance(e.message, Probe)
+        return effects
+
+    def _welcomes(self, effects):  # type: ignore[no-untyped-def]
+        return [
+            e.message for e in effects if isinstance(e, Reply) and isinstance(e.message, Welcome)
+        ]
+
+    # --- real workers ---------------------------------------------------------------
+
+    @rule(peer=st.sampled_from(PEERS), worker=st.one_of(IDS, st.just(AUTO_WORKER)))
+    def hello(self, peer: bytes, worker: int) -> None:
+        self.attempts += 1
+        attempt = f"a{self.attempts}"
+        effects = self._handle(Hello("policy", 0, 0, worker, attempt=attempt), Origin(0, peer))
+        welcomes = self._welcomes(effects)
+        errors = [
+            e.message
+            for e in effects
+            if isinstance(e, Reply) and isinstance(e.message, ErrorMessage)
+        ]
+        if welcomes:
+            (welcome,) = welcomes
+            assert welcome.attempt == attempt
+            if worker != AUTO_WORKER:
+                assert welcome.worker == worker
+            # Whoever held that id or this connection before is no one now.
+            for p, w in list(self.workers.items()):
+                if p == peer or w.worker == welcome.worker:
+                    del self.workers[p]
+            self.workers[peer] = Worker(peer, welcome.worker, welcome.session, attempt)
+        else:
+            assert errors and errors[0].code in ("duplicate-worker", "fleet-full")
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.workers)
+    def apply_and_ack(self, data) -> None:  # type: ignore[no-untyped-def]
+        w = data.draw(st.sampled_from(sorted(self.workers.values(), key=lambda w: w.peer)))
+        if self.core.version == 0:
+            return
+        version = data.draw(st.integers(max(1, w.applied), self.core.version))
+        w.applied = version
+        origin = Origin(0, data.draw(st.sampled_from([None, w.peer])))
+        ack = Ack("policy", version, EPOCH, w.worker, True, session=w.secret)
+        self._handle(ack, origin)
+        w.acked.add(version)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.workers)
+    def heartbeat(self, data) -> None:  # type: ignore[no-untyped-def]
+        w = data.draw(st.sampled_from(sorted(self.workers.values(), key=lambda w: w.peer)))
+        request = SnapshotRequest(
+            "policy", w.applied, EPOCH if w.applied else 0, w.worker, w.secret
+        )
+        effects = self._handle(request, Origin(0, w.peer))
+        assert effects and all(e.origin == Origin(0, w.peer) for e in effects)  # type: ignore[union-attr]
+        assert all(isinstance(e, Reply | SendLatest) for e in effects)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.workers)
+    def probe(self, data) -> None:  # type: ignore[no-untyped-def]
+        w = data.draw(st.sampled_from(sorted(self.workers.values(), key=lambda w: w.peer)))
+        effects = self._handle(
+            ProbeRequest("policy", w.worker, "n", session=w.secret), Origin(0, w.peer)
+        )
+        assert len(effects) <= 1
+        for e in effects:
+            assert isinstance(e, FanOut) and e.message.worker == w.worker  # type: ignore[attr-defined]
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.workers)
+    def goodbye(self, data) -> None:  # type: ignore[no-untyped-def]
+        w = data.draw(st.sampled_from(sorted(self.workers.values(), key=lambda w: w.peer)))
+        effects = self._handle(
+            Goodbye("policy", w.applied, EPOCH, w.worker, w.secret), Origin(0, w.peer)
+        )
+        assert effects == [Forget(Origin(0, w.peer))]
+        del self.workers[w.peer]
+
+    # --- the learner ----------------------------------------------------------------
+
+    @rule(ids=st.one_of(st.none(), st.lists(IDS, min_size=1, max_size=3, unique=True)))
+    def send(self, ids) -> None:  # type: ignore[no-untyped-def]
+        _send, peers = self.core.begin_send(ids, self.now, 5.0)
+        for hub_peers in peers.values():
+            assert set(hub_peers) <= set(PEERS)
+
+    @rule(seconds=st.sampled_from([0.1, 1.0, 3.5, EXPIRE_MIN_SECONDS + 1]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        for e in self.core.expire(self.now):
+            assert isinstance(e, Forget)
+        for peer in list(self.workers):
+            if peer not in {s.origin.peer for s in self.core.workers.values()}:
+                del self.workers[peer]  # expired: it must say hello again
+
+    # --- hostile peers --------------------------------------------------------------
+
+    @rule(
+        worker=IDS,
+        version=st.integers(0, 2**64 - 1),
+        secret=st.sampled_from(["", "0" * 32, "x"]),
+        peer=st.sampled_from([None, *PEERS, b"stranger"]),
+    )
+    def forged_ack(self, worker: int, version: int, secret: str, peer: bytes | None) -> None:
+        before = {w: (s.version, s.last_seen) for w, s in self.core.workers.items()}
+        acked = set(self.core.pending.acked) if self.core.pending else set()
+        self._handle(Ack("policy", version, EPOCH, worker, True, session=secret), Origin(0, peer))
+        assert {w: (s.version, s.last_seen) for w, s in self.core.workers.items()} == before
+        assert (set(self.core.pending.acked) if self.core.pending else set()) == acked
+
+    @rule(
+        worker=IDS,
+        peer=st.sampled_from([None, *PEERS, b"stranger"]),
+        kind=st.sampled_from(["snapshot", "probe", "goodbye"]),
+    )
+    def forged_request(self, worker: int, peer: bytes | None, kind: str) -> None:
+        sessions = dict(self.core.workers)
+        message = {
+            "snapshot": SnapshotRequest("policy", 0, 0, worker, "0" * 32),
+            "probe": ProbeRequest("policy", worker, "n", session="0" * 32),
+            "goodbye": Goodbye("policy", 0, 0, worker, "0" * 32),
+        }[kind]
+        effects = self._handle(message, Origin(0, peer))
+        assert dict(self.core.workers) == sessions
+        assert all(isinstance(e, Reply) and isinstance(e.message, ErrorMessage) for e in effects)
+        assert all(s.left is None or w in sessions for w, s in self.core.workers.items())
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.workers)
+    def stolen_secret_elsewhere(self, data) -> None:  # type: ignore[no-untyped-def]
+        """A right secret from another connection (a sniffed ack replayed) changes nothing
+        but an ack, which may come over the ack channel."""
+        w = data.draw(st.sampled_from(sorted(self.workers.values(), key=lambda w: w.peer)))
+        other = b"stranger"
+        effects = self._handle(Goodbye("policy", 0, 0, w.worker, w.secret), Origin(0, other))
+        assert self.core.workers[w.worker].left is None
+        assert all(isinstance(e, Reply) and isinstance(e.message, ErrorMessage) for e in effects)
+
+    # --- invariants -----------------------------------------------------------------
+
+    @invariant()
+    def bounded(self) -> None:
+        assert len(self.core.workers) <= self.core.max_sessions
+        live = [s for s in self.core.workers.values() if s.left is None]
+        assert len({s.origin for s in live}) == len(live), "a connection speaks for two workers"
+
+    @invariant()
+    def beliefs_never_exceed_facts(self) -> None:
+        by_worker = {w.worker: w for w in self.workers.values()}
+        for worker, s in self.core.workers.items():
+            if s.left is not None:
+                continue
+            real = by_worker.get(worker)
+            assert real is not None, f"a session for worker {worker} nobody holds"
+            assert s.secret == real.secret
+            # Acks and heartbeats only raise what the sender believes to what was applied.
+            assert s.version <= max(real.applied, 0) or s.version == 0
+
+    @invariant()
+    def a_send_completes_only_on_targeted_sessions(self) -> None:
+        p = self.core.pending
+        if p is None:
+            return
+        assert p.acked <= p.targets
+        by_worker = {w.worker: w for w in self.workers.values()}
+        for worker in p.acked:
+            real = by_worker.get(worker)
+            # A worker that acked and then left or was replaced may be gone from the model.
+            if real is not None and worker in self.core.workers:
+                assert any(v >= p.version for v in real.acked) or real.applied >= p.version
+
+
+TestFleet = FleetMachine.TestCase
+TestFleet.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_expiry_floor_and_heartbeats() -> None:
+    """A session expires after EXPIRE_HEARTBEATS heartbeats, never before the floor."""
+    core = Fleet("policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"], heartbeat=0.1)
+    core.handle(Hello("policy", 0, 0, 0, attempt="a"), Origin(0, b"p"), 0.0)
+    assert core.expire(EXPIRE_HEARTBEATS * 0.1 + 0.1) == []
+    assert core.expire(EXPIRE_MIN_SECONDS + 0.1) == [Forget(Origin(0, b"p"))]
+    assert core.workers == {} and core.free_worker_id() == 0
+
+
+def test_an_up_to_date_worker_is_told_so() -> None:
+    core = Fleet("policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"])
+    (welcome,) = core.handle(Hello("policy", 0, 0, 0, attempt="a"), Origin(0, b"p"), 0.0)
+    secret = welcome.message.session  # type: ignore[union-attr]
+    (effect,) = core.handle(SnapshotRequest("policy", 0, 0, 0, secret), Origin(0, b"p"), 0.0)
+    assert isinstance(effect, Reply) and isinstance(effect.message, UpToDate)
+
+
+@pytest.mark.parametrize("peer", [None, b"p"])
+def test_nothing_but_acks_on_the_ack_channel(peer: bytes | None) -> None:
+    core = Fleet("policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"])
+    effects = core.handle(Hello("policy", 0, 0, 0, attempt="a"), Origin(0, peer), 0.0)
+    assert bool(core.workers) == (peer is not None)
+    assert (effects == []) == (peer is None)
