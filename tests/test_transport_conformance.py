@@ -59,53 +59,12 @@ def _until_subscribed(hub, sub) -> None:  # type: ignore[no-untyped-def]
         sub.recv_multipart()
 
 
-def test_zmq_hub_knows_while_zeromq_holds_the_callers_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A send timeout purges only when ZeroMQ still holds memory the caller may change
-    next: the hub must see that (a subscriber that stopped reading), and see it end."""
-    import time
-
-    import numpy as np
-    import zmq
-
-    from zmqsync.transport.zmq_pubsub import PubSubHub
-
-    hub = PubSubHub(f"ipc://{tmp_path}/hub")
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    try:
-        sub.rcvhwm = 1
-        sub.subscribe(b"")
-        sub.connect(hub.announce()["data_endpoint"])
-        weights = np.ones(4 << 20, dtype=np.uint8)  # the caller's (writable) tensor memory
-        _until_subscribed(hub, sub)
-        for _ in range(12):  # more than the subscriber's queue and the kernel's buffers
-            hub.send_frames([b"head", memoryview(weights)])
-        assert hub.holds_caller_memory()
-        hub.purge()  # drops what is queued for the stuck subscriber
-        assert hub.counters()["purges"] == 1
-        assert not hub.holds_caller_memory()
-
-        hub.send_frames([b"head", memoryview(weights)])
-        deadline = time.monotonic() + 10
-        while hub.holds_caller_memory():  # a subscriber that reads lets go of it
-            while sub.poll(10):
-                sub.recv_multipart()
-            assert time.monotonic() < deadline, "ZeroMQ never released a delivered message"
-        hub.send_frames([b"head", memoryview(weights).toreadonly()])
-        assert not hub.holds_caller_memory()  # read-only memory needs no watching
-    finally:
-        sub.close(linger=0)
-        ctx.term()
-        hub.close()
-
-
 def test_a_zmq_hub_sends_small_buffers_from_the_callers_memory_when_told() -> None:
     """pyzmq copies parts under 64 KiB; a sender that packs nothing (``pack_threshold=0``)
     tells its hub ``zero_copy_from(0)``, and then even a 4 KiB tensor goes from its own
     memory. Over inproc a queued message still points at what was sent, so a change made
-    after the send shows whether it was copied."""
-    import time
-
+    after the send shows whether it was copied. (A sender lends a transport only memory
+    it owns and never rewrites while lent; this is the transport's own behaviour.)"""
     import numpy as np
     import zmq
 
@@ -122,15 +81,9 @@ def test_a_zmq_hub_sends_small_buffers_from_the_callers_memory_when_told() -> No
         def sent_then_changed() -> bytes:
             weights = np.zeros(4096, dtype=np.uint8)  # a small tensor's (writable) memory
             hub.send_frames([b"head", memoryview(weights)])
-            held = hub.holds_caller_memory()
             weights[:] = 7  # the caller changes its tensor after the send
             assert sub.poll(5000), "the message never arrived"
             _, body = sub.recv_multipart()
-            assert held == (body[0] == 7)  # the hub knows when ZeroMQ holds its memory
-            deadline = time.monotonic() + 10
-            while hub.holds_caller_memory():  # pyzmq lets go of a frame on its own thread
-                time.sleep(0.01)
-                assert time.monotonic() < deadline, "ZeroMQ never released a delivered message"
             return body
 
         assert sent_then_changed() == bytes(4096)  # copied: the send's values

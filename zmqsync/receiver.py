@@ -117,6 +117,8 @@ class WeightReceiver:
         #: what connect() raises. ``_stale_mismatch``: the one refused before it began.
         self._mismatch: tuple[int, SchemaMismatchError] | None = None
         self._stale_mismatch: tuple[int, SchemaMismatchError] | None = None
+        #: A rejected ack from before the Welcome: sent once the session exists.
+        self._unsent_refusal: dict[str, Any] | None = None
         #: Called as ``fn(epoch, version)`` after each version is applied, still under
         #: :attr:`lock` (so the model holds exactly that version while it runs).
         self.on_applied: list[Callable[[int, int], None]] = []
@@ -203,7 +205,12 @@ class WeightReceiver:
         while True:
             # Before done(): the sender answers "up to date" to a worker that refused its
             # latest version, and a worker caught up that way does not hold it.
-            if self._mismatch is not None and self._mismatch is not self._stale_mismatch:
+            if (
+                self._mismatch is not None
+                and self._mismatch is not self._stale_mismatch
+                and (self._session or time.monotonic() >= deadline)
+            ):
+                # Once welcomed: its rejected ack, sent then, tells the sender why.
                 raise self._mismatch_error()
             if done():
                 return
@@ -382,6 +389,9 @@ class WeightReceiver:
             if self.worker_idx is None:
                 self.worker_idx = message.worker  # assigned by the sender
             self._session = message.session
+            if self._unsent_refusal is not None:
+                refusal, self._unsent_refusal = self._unsent_refusal, None
+                self._ack(applied=False, **refusal)
             if message.strategy != self.strategy:
                 self._rejected(
                     f"sender uses strategy {message.strategy!r}, this worker {self.strategy!r}"
@@ -475,7 +485,10 @@ class WeightReceiver:
         epoch: int | None = None,
     ) -> None:
         if self.worker_idx is None or not self._session:
-            return  # not welcomed (yet, or again): no send waits on it, no ack counts
+            # Not welcomed (yet, or again): no ack counts now. A refusal is told once it is.
+            if not applied:
+                self._unsent_refusal = {"reason": reason, "version": version, "epoch": epoch}
+            return
         self._send(
             Ack(
                 self.model_id,
