@@ -264,8 +264,8 @@ class FleetMachine(RuleBasedStateMachine):
 
 TestFleet = FleetMachine.TestCase
 TestFleet.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=400,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

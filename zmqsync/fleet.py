@@ -255,6 +255,11 @@ class Fleet:
         del self.workers[s.worker]
         if self._by_origin.get(s.origin) == s.worker:
             del self._by_origin[s.origin]
+        p = self.pending
+        if p is not None:
+            # What it answered counted for that session only: a new one answers anew.
+            p.acked.discard(s.worker)
+            p.rejected.pop(s.worker, None)
 
     # --- messages ------------------------------------------------------------------
 
@@ -513,6 +518,8 @@ class Fleet:
         p = self.pending
         if p is not None and p.dynamic and s.worker in p.targets:
             p.targets = p.targets - {s.worker}  # "every live worker" no longer includes it
+            p.acked.discard(s.worker)
+            p.rejected.pop(s.worker, None)
         return [Forget(s.origin)]
 
     # --- sends -----------------------------------------------------------------------
