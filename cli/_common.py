@@ -272,12 +272,15 @@ def verdict(status: Mapping[str, Any], problems: Mapping[int, str]) -> Text:
     """The last line: all good, or what is wrong with whom."""
     workers = status.get("workers", [])
     version = status.get("version", 0)
+    # A large fleet's status carries its furthest-behind rows only, and counts them all.
+    total = int(status.get("workers_total", len(workers)))
+    shown = f" ({len(workers)} shown, the furthest behind)" if total > len(workers) else ""
     if not workers:
         return Text(f"no workers yet (version {version} is ready for them)", style="yellow")
     if not problems:
-        return Text(f"all {len(workers)} workers hold version {version}", style="green")
+        return Text(f"all {total} workers hold version {version}{shown}", style="green")
     return Text(
-        f"{len(problems)} of {len(workers)} workers need attention: "
+        f"{len(problems)} of {total} workers need attention{shown}: "
         + "; ".join(problems[w] for w in sorted(problems)),
         style="red",
     )

@@ -673,3 +673,16 @@ def test_status_and_worker_with_curve_keys(runner: CliRunner, tmp_path: Path) ->
                 refused = runner.invoke(app, ["status", pub.endpoint, "--timeout", "0.5", *extra])
                 assert refused.exit_code == 2
                 assert "no zmqsync sender answered" in _one_error_line(refused)
+
+
+def test_the_verdict_counts_every_worker_of_a_trimmed_status() -> None:
+    """A large fleet's status carries its furthest-behind rows only: the verdict counts
+    the whole fleet and says how many rows it shows."""
+    from zmqsync_cli._common import verdict
+
+    rows = [{"worker": w, "connected": True, "version": 3, "lag": 0} for w in (0, 1)]
+    status = {"version": 3, "workers": rows, "workers_total": 5000}
+    text = verdict(status, {}).plain
+    assert text == "all 5000 workers hold version 3 (2 shown, the furthest behind)"
+    behind = verdict(status, {1: "worker 1 holds version 2 of 3 (1 behind)"}).plain
+    assert behind.startswith("1 of 5000 workers need attention (2 shown, the furthest behind)")
