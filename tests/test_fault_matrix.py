@@ -13,15 +13,12 @@ backwards, no send outlived its timeout, and the learner's memory stayed bounded
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import signal
 import socket
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +26,7 @@ import _workers
 import pytest
 import ray
 import zmq
+from _faults import raw_sockets, rss_bytes, squatter, stop, until
 from _workers import bump, make_model
 from conftest import Fleet
 
@@ -52,28 +50,6 @@ SLACK = 3.0
 RSS_BOUND = 256 * 1024 * 1024
 ZMQ_FAULTS = ("sigkill", "sigstop", "forged", "squatter", "garbage", "oversized", "wrong_curve")
 PROCESS_FAULTS = ("sigkill", "sigstop")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
-
-
-def _stop(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-
-    def state() -> str:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-
-    _until(lambda: state() == "T", 5, f"process {pid} stopped")
 
 
 @dataclass
@@ -139,23 +115,6 @@ def curve() -> tuple[CurveServer, CurveClient, CurveClient]:
     )
 
 
-@contextlib.contextmanager
-def _sockets(keys: CurveClient, *targets: tuple[int, str]) -> Iterator[list[zmq.Socket[Any]]]:
-    ctx = zmq.Context.instance()
-    socks = []
-    try:
-        for kind, address in targets:
-            sock = ctx.socket(kind)
-            sock.linger = 0
-            keys.apply(sock)
-            sock.connect(address)
-            socks.append(sock)
-        yield socks
-    finally:
-        for sock in socks:
-            sock.close(linger=0)
-
-
 def _fault(
     fault: str, fleet: Fleet, learner: Learner, keys: tuple[CurveClient, CurveClient]
 ) -> None:
@@ -164,13 +123,14 @@ def _fault(
     sender = learner.scheme.get_sender()
     addresses = [sender.endpoint, *sender.transport.announce().values()]
     ack_endpoint = sender.transport.announce()["ack_endpoint"]
+    both = [(zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)]  # acks, requests
     if fault == "sigkill":
         fleet.kill(1)
         learner.send()  # worker 1 is missing: a timeout that names it
         fleet.start(learner.scheme, 1, kind="wide")  # restarted: same id, new process
         fleet.wait_ready(1)
     elif fault == "sigstop":
-        _stop(fleet.procs[1].pid)  # type: ignore[arg-type]
+        stop(fleet.procs[1].pid)  # type: ignore[arg-type]
         try:
             learner.send()
             bump(learner.model)  # the next step changes the tensors in place, unsent
@@ -178,13 +138,13 @@ def _fault(
         finally:
             os.kill(fleet.procs[1].pid, signal.SIGCONT)  # type: ignore[arg-type]
     elif fault == "forged":
-        with _sockets(good, (zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (p, d):
+        with raw_sockets(*both, keys=good) as (p, d):
             forged = [SnapshotRequest("policy", 0, 0, 100 + i) for i in range(100)]
             forged += [Goodbye("policy", 1, sender.epoch, 1, "0" * 32)]
             for message in forged:
                 p.send_multipart(encode(message))
                 d.send_multipart(encode(message))
-            _stop(fleet.procs[1].pid)  # type: ignore[arg-type]
+            stop(fleet.procs[1].pid)  # type: ignore[arg-type]
             try:
                 ack = Ack("policy", sender.version + 1, sender.epoch, 1, True, session="0" * 32)
                 for _ in range(5):
@@ -194,42 +154,25 @@ def _fault(
             finally:
                 os.kill(fleet.procs[1].pid, signal.SIGCONT)  # type: ignore[arg-type]
     elif fault == "squatter":
-        squatted: list[str] = []
-        done = threading.Event()
-
-        def squat() -> None:
-            ctx = zmq.Context.instance()
-            while not done.is_set():
-                for address in addresses:
-                    with ctx.socket(zmq.PULL) as sock:
-                        sock.linger = 0
-                        with contextlib.suppress(zmq.ZMQError):
-                            sock.bind(address)
-                            squatted.append(address)
-                done.wait(0.005)
-
-        thread = threading.Thread(target=squat, daemon=True)
-        thread.start()
-        _stop(fleet.procs[1].pid)  # type: ignore[arg-type]
-        try:
-            learner.send()
-        finally:
-            os.kill(fleet.procs[1].pid, signal.SIGCONT)  # type: ignore[arg-type]
-            done.set()
-            thread.join(10)
+        with squatter(addresses) as squatted:
+            stop(fleet.procs[1].pid)  # type: ignore[arg-type]
+            try:
+                learner.send()
+            finally:
+                os.kill(fleet.procs[1].pid, signal.SIGCONT)  # type: ignore[arg-type]
         assert not squatted, f"a squatter bound {squatted}"
     elif fault == "garbage":
         for address in addresses:
             host, port = address.removeprefix("tcp://").rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=5) as raw:
                 raw.sendall(os.urandom(4096))
-        with _sockets(good, (zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (p, d):
+        with raw_sockets(*both, keys=good) as (p, d):
             for junk in ([b"junk"], [os.urandom(60), b"{}"], [b"ZSY1" + bytes(60)]):
                 p.send_multipart(junk)
                 d.send_multipart(junk)
         learner.send()
     elif fault == "oversized":
-        with _sockets(good, (zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (p, d):
+        with raw_sockets(*both, keys=good) as (p, d):
             big = os.urandom(4 * 1024 * 1024)  # over the control sockets' 1 MiB limit
             for _ in range(20):
                 p.send_multipart([big])
@@ -238,10 +181,10 @@ def _fault(
     elif fault == "wrong_curve":
         wrong_server = CurveClient(good.public_key, good.secret_key, generate_keypair()[0])
         for keys_used in (bad, wrong_server):
-            with _sockets(keys_used, (zmq.DEALER, sender.endpoint)) as (d,):
+            with raw_sockets((zmq.DEALER, sender.endpoint), keys=keys_used) as (d,):
                 d.send_multipart(encode(SnapshotRequest("policy", 0, 0, 1)))
                 assert not d.poll(1000), "a peer with the wrong keys was answered"
-        _until(
+        until(
             lambda: sender.status()["totals"]["handshake_failures"] >= 1,
             10,
             "the failed handshakes were counted",
@@ -274,15 +217,15 @@ def test_zeromq_fleet_under(fault: str, mode: str, fleet: Fleet, curve: Any) -> 
         for i in range(2):
             fleet.wait_ready(i)
         learner.send()
-        rss = _rss()
+        rss = rss_bytes()
         _fault(fault, fleet, learner, (good, bad))
         # Everyone converges: the next sends reach both workers.
-        _until(
+        until(
             lambda: _settled(learner),
             60,
             "both workers acked a send after the fault",
         )
-        growth = _rss() - rss
+        growth = rss_bytes() - rss
         assert growth < RSS_BOUND, f"the learner grew by {growth / 2**20:.0f} MiB"
         for i in range(2):
             learner.exact(fleet.ask(i, "applied"), f"worker {i}")
@@ -318,16 +261,16 @@ def test_pipe_fleet_under(fault: str, fleet: Fleet) -> None:
         for i in range(2):
             fleet.wait_ready(i)
         learner.send()
-        rss = _rss()
+        rss = rss_bytes()
         if fault == "sigkill":
             fleet.kill(1)
             learner.send()  # worker 1's pipe broke: named at once
             assert learner.timeouts == 1
             assert learner.slowest < TIMEOUT, "a broken pipe was waited out"
             live = [0]
-            _until(lambda: _settled_for(learner, [0]), 60, "worker 0 acked")
+            until(lambda: _settled_for(learner, [0]), 60, "worker 0 acked")
         else:
-            _stop(fleet.procs[1].pid)  # type: ignore[arg-type]
+            stop(fleet.procs[1].pid)  # type: ignore[arg-type]
             try:
                 learner.send()
                 bump(model)
@@ -335,8 +278,8 @@ def test_pipe_fleet_under(fault: str, fleet: Fleet) -> None:
             finally:
                 os.kill(fleet.procs[1].pid, signal.SIGCONT)  # type: ignore[arg-type]
             live = [0, 1]
-            _until(lambda: _settled(learner), 60, "both workers acked")
-        growth = _rss() - rss
+            until(lambda: _settled(learner), 60, "both workers acked")
+        growth = rss_bytes() - rss
         assert growth < RSS_BOUND
         for i in live:
             learner.exact(fleet.ask(i, "applied"), f"pipe worker {i}")
@@ -389,15 +332,15 @@ def test_ray_fleet_under(fault: str) -> None:
         scheme.connect(timeout=60)  # the actors have joined
         learner = Learner(scheme, model)
         learner.send()
-        rss = _rss()
+        rss = rss_bytes()
         if fault == "sigkill":
             os.kill(pids[1], signal.SIGKILL)
             learner.send()  # the actor is dead: named
             assert learner.timeouts == 1
             live = [0]
-            _until(lambda: _settled_for(learner, [0]), 60, "actor 0 acked")
+            until(lambda: _settled_for(learner, [0]), 60, "actor 0 acked")
         else:
-            _stop(pids[1])
+            stop(pids[1])
             try:
                 learner.send()
                 bump(model)
@@ -405,8 +348,8 @@ def test_ray_fleet_under(fault: str) -> None:
             finally:
                 os.kill(pids[1], signal.SIGCONT)
             live = [0, 1]
-            _until(lambda: _settled(learner), 60, "both actors acked")
-        growth = _rss() - rss
+            until(lambda: _settled(learner), 60, "both actors acked")
+        growth = rss_bytes() - rss
         assert growth < RSS_BOUND
         for i in live:
             learner.exact(ray.get(actors[i].log.remote(), timeout=60), f"actor {i}")

@@ -8,16 +8,12 @@ weights messages thrown at the learner's control socket.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import zmq
+from _faults import raw_sockets, rss_bytes, squatter, stopped, until
 from _workers import bump, make_model
 
 import zmqsync
@@ -36,13 +32,6 @@ from zmqsync.protocol import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
 
 
 def _start(fleet: Any, scheme: Any, workers: range, **kw: Any) -> None:
@@ -72,40 +61,6 @@ def _applied_exactly(fleet: Any, worker: int, sent: dict[int, str]) -> list[int]
         versions.append(version)
     assert versions == sorted(set(versions)), f"worker {worker} went backwards: {versions}"
     return versions
-
-
-@contextlib.contextmanager
-def _stopped(fleet: Any, worker: int) -> Iterator[None]:
-    """SIGSTOP a worker process for the block (SIGCONT after, whatever happens)."""
-    pid = fleet.procs[worker].pid
-    os.kill(pid, signal.SIGSTOP)
-
-    def state() -> str:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-
-    try:
-        _until(lambda: state() == "T", 5, f"worker {worker} stopped")
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
-@contextlib.contextmanager
-def _raw(*sockets: tuple[int, str]) -> Iterator[list[zmq.Socket[Any]]]:
-    """Plain pyzmq sockets connected where a hostile local process would connect."""
-    ctx = zmq.Context.instance()
-    socks = []
-    try:
-        for kind, address in sockets:
-            sock = ctx.socket(kind)
-            sock.linger = 0
-            sock.connect(address)
-            socks.append(sock)
-        yield socks
-    finally:
-        for sock in socks:
-            sock.close(linger=0)
 
 
 def _flood(sock: zmq.Socket[Any], messages: list[Any]) -> None:
@@ -145,7 +100,7 @@ def test_a_stopped_worker_never_applies_a_torn_version(
         _start(fleet, scheme, range(2), kind="big")
         bump(model)
         _send_recording(scheme, model, sent)
-        with _stopped(fleet, 0):
+        with stopped(fleet.procs[0].pid):
             for step in range(4):
                 bump(model)
                 try:
@@ -157,7 +112,7 @@ def test_a_stopped_worker_never_applies_a_torn_version(
                 bump(model)  # the next training step, in place, sent by nobody
         bump(model)
         _send_recording(scheme, model, sent)
-        _until(
+        until(
             lambda: fleet.ask(0, "state")["version"] == sender.version,
             60,
             "the resumed worker caught up",
@@ -189,7 +144,7 @@ def test_forgeries_on_the_ack_channel_change_nothing(fleet: Any, mode: str) -> N
         before = [fleet.ask(i, "state")["stats"]["received_bytes"] for i in range(2)]
         bytes_sent = sender.status()["totals"]["bytes_sent"]
         ack_endpoint = sender.transport.announce()["ack_endpoint"]
-        with _raw((zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (push, dealer):
+        with raw_sockets((zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (push, dealer):
             requests = [SnapshotRequest("policy", 0, 0, 1000 + i) for i in range(300)]
             _flood(push, requests)
             _flood(push, [Goodbye("policy", 1, sender.epoch, 1, "0" * 32)])
@@ -197,7 +152,7 @@ def test_forgeries_on_the_ack_channel_change_nothing(fleet: Any, mode: str) -> N
             _flood(
                 dealer, [SnapshotRequest("policy", 0, 0, 5000), ProbeRequest("policy", 777, "x")]
             )
-            _until(
+            until(
                 lambda: sender.status()["totals"]["forged"] >= 303,
                 10,
                 "the forgeries were counted",
@@ -209,7 +164,7 @@ def test_forgeries_on_the_ack_channel_change_nothing(fleet: Any, mode: str) -> N
             after = [fleet.ask(i, "state")["stats"]["received_bytes"] for i in range(2)]
             assert after == before, "a forged request made the learner send to workers"
 
-            with _stopped(fleet, 1):
+            with stopped(fleet.procs[1].pid):
                 bump(model)
                 forged = Ack("policy", 2**64 - 1, sender.epoch, 1, True, session="f" * 32)
                 _flood(push, [forged] * 5)
@@ -241,40 +196,17 @@ def test_no_port_is_ever_free_for_a_squatter(fleet: Any, mode: str) -> None:
     sender = scheme.get_sender()
     sent: dict[int, str] = {}
     addresses = [sender.endpoint, *sender.transport.announce().values()]
-    squatted: list[str] = []
-    done = threading.Event()
-
-    def squat() -> None:
-        ctx = zmq.Context.instance()
-        while not done.is_set():
-            for address in addresses:
-                sock = ctx.socket(zmq.ROUTER)
-                sock.linger = 0
-                try:
-                    sock.bind(address)
-                    squatted.append(address)
-                except zmq.ZMQError:
-                    pass
-                finally:
-                    sock.close(linger=0)
-            done.wait(0.002)
-
     try:
         _start(fleet, scheme, range(1), kind="big")
         _send_recording(scheme, model, sent)
-        squatter = threading.Thread(target=squat, daemon=True)
-        squatter.start()
-        try:
-            with _stopped(fleet, 0):
+        with squatter(addresses) as squatted:
+            with stopped(fleet.procs[0].pid):
                 for _ in range(3):
                     bump(model)
                     with pytest.raises(SyncTimeout):
                         _send_recording(scheme, model, sent)
             bump(model)
             _send_recording(scheme, model, sent)
-        finally:
-            done.set()
-            squatter.join(10)
         assert not squatted, f"another process bound {squatted} while the learner lived"
         assert "purges" not in sender.status()["totals"]
         _applied_exactly(fleet, 0, sent)
@@ -297,11 +229,11 @@ def test_strangers_grow_no_state_and_status_stays_bounded(fleet: Any) -> None:
     try:
         _start(fleet, scheme, range(2))
         ack_endpoint = sender.transport.announce()["ack_endpoint"]
-        with _raw((zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (push, dealer):
+        with raw_sockets((zmq.PUSH, ack_endpoint), (zmq.DEALER, sender.endpoint)) as (push, dealer):
             reason = "r" * 4000
             _flood(push, [Ack("policy", 1, 1, 10 + i, False, reason) for i in range(3000)])
             _flood(dealer, [ProbeRequest("policy", 777, "nonce")])
-            _until(
+            until(
                 lambda: sender.status()["totals"]["forged"] >= 3001,
                 20,
                 "the forgeries were counted",
@@ -358,12 +290,12 @@ def test_a_paused_worker_keeps_its_id(fleet: Any) -> None:
         fleet.start(scheme, 0, init_kwargs={"worker_idx": None})
         fleet.wait_ready(0)
         assert fleet.ask(0, "state")["worker_idx"] == 0
-        with _stopped(fleet, 0):
+        with stopped(fleet.procs[0].pid):
             time.sleep(1.0)  # five heartbeats: no longer live, still holding its id
             fleet.start(scheme, 1, init_kwargs={"worker_idx": None})
             fleet.wait_ready(1)
             assert fleet.ask(1, "state")["worker_idx"] == 1
-        _until(
+        until(
             lambda: next(w for w in sender.status()["workers"] if w["worker"] == 0)["live"],
             10,
             "the resumed worker is live again",
@@ -387,11 +319,6 @@ def test_a_paused_worker_keeps_its_id(fleet: Any) -> None:
 # --- 6. weights thrown at the learner -------------------------------------------------
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 @pytest.mark.timeout(120)
 def test_weights_sent_to_the_learner_are_refused_unread(fleet: Any) -> None:
     """Weights messages at the learner's control socket, each with a large schema, are
@@ -409,12 +336,12 @@ def test_weights_sent_to_the_learner_are_refused_unread(fleet: Any) -> None:
     try:
         _start(fleet, scheme, range(1))
         rejected = sender.status()["totals"]["rejected_frames"]
-        rss = _rss_bytes()
-        with _raw((zmq.DEALER, sender.endpoint)) as (dealer,):
+        rss = rss_bytes()
+        with raw_sockets((zmq.DEALER, sender.endpoint)) as (dealer,):
             for _ in range(40):
                 dealer.send_multipart(frames)
             dealer.send_multipart([b"x" * (2 * 1024 * 1024)])  # over the limit: cut off
-            _until(
+            until(
                 lambda: sender.status()["totals"]["rejected_frames"] >= rejected + 40,
                 20,
                 "the weights messages were refused",
@@ -422,7 +349,7 @@ def test_weights_sent_to_the_learner_are_refused_unread(fleet: Any) -> None:
         start = time.monotonic()
         sender.status()
         assert time.monotonic() - start < 1.0
-        assert _rss_bytes() - rss < 100 * 1024 * 1024
+        assert rss_bytes() - rss < 100 * 1024 * 1024
         bump(model)
         _send_recording(scheme, model, sent)
         _applied_exactly(fleet, 0, sent)
