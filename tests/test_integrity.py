@@ -291,7 +291,11 @@ def test_a_paused_worker_keeps_its_id(fleet: Any) -> None:
         fleet.wait_ready(0)
         assert fleet.ask(0, "state")["worker_idx"] == 0
         with stopped(fleet.procs[0].pid):
-            time.sleep(1.0)  # five heartbeats: no longer live, still holding its id
+            until(  # a few heartbeats missed: no longer live, still holding its id
+                lambda: not next(w for w in sender.status()["workers"] if w["worker"] == 0)["live"],
+                10,
+                "the stopped worker no longer counts as live",
+            )
             fleet.start(scheme, 1, init_kwargs={"worker_idx": None})
             fleet.wait_ready(1)
             assert fleet.ask(1, "state")["worker_idx"] == 1
