@@ -277,20 +277,72 @@ def test_connect_raises_when_the_latest_version_does_not_fit_the_model() -> None
         sender.close()
 
 
-def test_connect_before_any_version_has_nothing_to_check() -> None:
-    """Version 0 carries no weights: a worker whose model does not fit joins as before,
-    and the first send is where the refusal shows."""
+def test_connect_before_any_weights_has_nothing_to_check() -> None:
+    """A sender without a model has published nothing: a worker whose model does not
+    fit joins, and the first send is where the refusal shows."""
+    hub = MemoryHub()
+    sender = WeightSender(hub, strategy="state_dict", num_workers=1, timeout=5)
+    receiver = WeightReceiver(
+        MemorySpoke(hub.endpoint), model=nn.Linear(4, 8), strategy="state_dict", timeout=5
+    )
+    try:
+        receiver.connect()
+        assert receiver.version == 0 and receiver.epoch == 0
+        receiver.start()
+        with pytest.raises(WeightsRejected, match="weights lack"):
+            sender.send(_model(0))
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_connect_is_a_rendez_vous_for_the_learners_weights() -> None:
+    """Before any send, a worker's connect() returns holding the weights the learner
+    started with (version 0), not its own initial ones; publish() updates them for
+    workers that connect later; the first send is version 1."""
+    learner = _model(0)
+    hub = MemoryHub()
+    sender = WeightSender(hub, model=learner, strategy="state_dict", num_workers=None)
+    receivers = []
+    try:
+        first = WeightReceiver(
+            MemorySpoke(hub.endpoint), model=_model(5), strategy="state_dict", worker_idx=None
+        )
+        receivers.append(first)
+        first.connect()
+        assert first.version == 0 and first.epoch == sender.epoch
+        assert checksum(first.model) == checksum(learner)
+        with torch.no_grad():
+            learner[0].weight.add_(1.0)  # a checkpoint loaded, say, before training starts
+        sender.publish()
+        late = WeightReceiver(
+            MemorySpoke(hub.endpoint), model=_model(6), strategy="state_dict", worker_idx=None
+        )
+        receivers.append(late)
+        late.connect()
+        assert checksum(late.model) == checksum(learner)
+        for r in receivers:
+            r.start()
+        sender.send()
+        assert sender.version == 1
+        assert all(r.version == 1 and checksum(r.model) == checksum(learner) for r in receivers)
+        with pytest.raises(RuntimeError, match="before the first send"):
+            sender.publish()
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
+
+
+def test_a_worker_whose_model_does_not_fit_the_learners_first_weights_fails_connect() -> None:
     hub = MemoryHub()
     sender = WeightSender(hub, model=_model(0), strategy="state_dict", num_workers=1, timeout=5)
     receiver = WeightReceiver(
         MemorySpoke(hub.endpoint), model=nn.Linear(4, 8), strategy="state_dict", timeout=5
     )
     try:
-        receiver.connect()
-        assert receiver.version == 0
-        receiver.start()
-        with pytest.raises(WeightsRejected, match="weights lack"):
-            sender.send()
+        with pytest.raises(SchemaMismatchError, match=r"version 0\) do not fit"):
+            receiver.connect()
     finally:
         receiver.close()
         sender.close()

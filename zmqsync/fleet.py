@@ -212,6 +212,9 @@ class Fleet:
         self.repair_after = repair_after
         self.max_sessions = max_sessions
         self.version = 0
+        #: Whether the latest version (0: the weights the sender started with) can be
+        #: sent: a joining worker is then given it.
+        self.published = False
         #: The newest version sent to every worker (not a targeted send).
         self.broadcast_version = 0
         self.pending: Send | None = None
@@ -481,9 +484,8 @@ class Fleet:
     def _on_snapshot_request(
         self, request: SnapshotRequest, s: Session, now: float
     ) -> list[Effect]:
-        fresh = (
-            request.epoch != self.epoch or request.version == 0 or request.version < s.joining_to
-        )
+        # Holding nothing of this sender's life, or less than the latest when it joined.
+        fresh = request.epoch != self.epoch or request.version < s.joining_to
         behind = fresh or request.version < self.version
         # A worker left out of a targeted send stays behind (worker_ids means exactly
         # those workers); one that is joining gets the latest version.
@@ -491,7 +493,7 @@ class Fleet:
         if request.epoch == self.epoch:
             s.version = max(s.version, min(request.version, self.version))
         refused = s.refused == (self.epoch, self.version)
-        if behind and meant and not refused and self.version > 0:
+        if behind and meant and not refused and self.published:
             if now - s.last_repair >= self.repair_after:
                 s.last_repair = now
                 up_to_date = UpToDate(self.model_id, self.version, self.epoch, False)
@@ -547,6 +549,7 @@ class Fleet:
         (``worker_ids`` given) goes to."""
         targets = self.targets(worker_ids, now)
         self.version += 1
+        self.published = True
         send = Send(
             self.version,
             targets,

@@ -200,6 +200,8 @@ class WeightSender:
             h.zero_copy_from(pack_threshold)  # what is not packed goes from its own memory
         for runner in self._runners:
             runner.start()
+        if model is not None:
+            self.publish()
 
     # --- public API (seeds) ----------------------------------------------------------
 
@@ -285,6 +287,23 @@ class WeightSender:
         """Send weights to ALL workers (legacy name of ``send(weights)``)."""
         self.send(weights)
 
+    def publish(self, weights: Any = None) -> None:
+        """Make ``weights`` (``None``: the model's) what a worker gets when it connects
+        before the first send, as version 0: ``connect()`` is a rendez-vous for the
+        learner's weights. Waits for nobody. A sender built with a model publishes it
+        at once; call this again (before the first send) to publish newer weights to
+        workers that have not connected yet.
+        """
+        with self._send_lock:
+            self._check_open()
+            if self.fleet.version > 0:
+                raise RuntimeError("publish() is for the weights before the first send()")
+            copy = self._copy_of(weights, 0)
+            with self._snapshot_lock:
+                self._snapshot = copy  # kept until the first send, whatever retain_snapshot
+            with self._cond:
+                self.fleet.published = True
+
     # --- the send path ---------------------------------------------------------------
 
     def _start(self, weights: Any, worker_ids: int | list[int] | None) -> _Pending:
@@ -292,21 +311,8 @@ class WeightSender:
         with self._cond:
             self.fleet.targets(worker_ids, time.monotonic())  # bad ids raise before any work
             version = self.fleet.version + 1
-        source = self.model if weights is None else weights
-        tensors = (
-            self._model_tensors.get(source)
-            if source is not None
-            else extract(None, self.strategy)  # raises: says what to pass
-        )
-        flat = self._flattener.flatten(tensors)
-        shared = self._shared_runner()
-        if shared is not None:
-            # A hub whose workers read shared memory in place: the copy, written once
-            # into memory it lent, IS the transfer.
-            with shared.holding():
-                copy = self._own(version, flat, alloc=shared.hub.shared_buffer)
-        else:
-            copy = self._own(version, flat)
+        copy = self._copy_of(weights, version)
+        flat = copy.flat
         with self._cond:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
             pending = self._pending = _Pending(send, copy)
@@ -320,6 +326,23 @@ class WeightSender:
         self._totals["versions_sent"] += 1
         self._totals["bytes_sent"] += flat.nbytes * max(1, len(send.targets))
         return pending
+
+    def _copy_of(self, weights: Any, version: int) -> _Copy:
+        """``weights`` (``None``: the model's) copied into memory the sender owns."""
+        source = self.model if weights is None else weights
+        tensors = (
+            self._model_tensors.get(source)
+            if source is not None
+            else extract(None, self.strategy)  # raises: says what to pass
+        )
+        flat = self._flattener.flatten(tensors)
+        shared = self._shared_runner()
+        if shared is not None:
+            # A hub whose workers read shared memory in place: the copy, written once
+            # into memory it lent, IS the transfer.
+            with shared.holding():
+                return self._own(version, flat, alloc=shared.hub.shared_buffer)
+        return self._own(version, flat)
 
     def _shared_runner(self) -> _HubRunner | None:
         """The first hub that lends shared memory to send from, if any."""
