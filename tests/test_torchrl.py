@@ -9,6 +9,7 @@ produced can be checked against the weights it should have held:
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from torch import nn
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import EnvBase
+from torchrl.envs.llm.transforms import PolicyVersion
+from torchrl.weight_update import MultiProcessWeightSyncScheme as TorchRLPipeScheme
 
 import zmqsync
 import zmqsync.torchrl
@@ -152,7 +155,7 @@ def policy() -> TensorDictModule:
     return make_policy()
 
 
-def sync_collector(policy: nn.Module, scheme: Any) -> MultiSyncCollector:
+def sync_collector(policy: nn.Module, scheme: Any, **kwargs: Any) -> MultiSyncCollector:
     return MultiSyncCollector(
         [make_env] * NUM_WORKERS,
         policy,
@@ -161,6 +164,7 @@ def sync_collector(policy: nn.Module, scheme: Any) -> MultiSyncCollector:
         cat_results="stack",
         create_env_kwargs=[{"worker": i} for i in range(NUM_WORKERS)],
         weight_sync_schemes={"policy": scheme},
+        **kwargs,
     )
 
 
@@ -453,6 +457,169 @@ def test_worker_side_in_process_meta_policy_lock_and_model_swap(policy: TensorDi
         sender.send()
         assert torch.equal(swapped.module.weight, policy.module.weight)
         assert not torch.equal(local.module.weight, policy.module.weight)
+    finally:
+        worker.shutdown()
+        sender.shutdown()
+
+
+# --- per-frame policy versions (track_policy_version=True) ---------------------------
+
+#: The two updates of the policy-version tests: (weight, bias) of each, in order.
+UPDATES = (((0.5, -2.0), 3.0), ((-1.0, 4.0), -0.25))
+
+
+def version_of_action(
+    step: TensorDictBase, weights: list[tuple[torch.Tensor, torch.Tensor]]
+) -> int:
+    """Which of ``weights`` (listed by torchrl's version number) produced ``step``."""
+    matches = [v for v, wb in enumerate(weights) if from_weights(step, wb)]
+    assert len(matches) == 1, f"the action matches versions {matches}"
+    return matches[0]
+
+
+def collect_around_two_updates(
+    collector: Any, policy: TensorDictModule, *, exact: bool
+) -> tuple[dict[int, list[TensorDictBase]], list[int]]:
+    """Collect a batch, update the policy twice, then collect until every worker has
+    produced a batch wholly from the second update.
+
+    Returns the batches collected after the updates, by worker, and the policy version
+    ``collector.state_dict()`` saved for each worker. ``exact``: also check every frame
+    is tagged with at least the version its action came from (zmqsync sets the tag
+    under the receiver's lock, before a forward pass can see the new weights).
+    """
+    batches = iter(collector)
+    weights = [snapshot(policy)]
+    first = next(batches)
+    assert (first["next", "policy_version"] == 0).all()  # torchrl: the initial weights are 0
+    for weight, bias in UPDATES:
+        set_weights(policy, weight, bias)
+        weights.append(snapshot(policy))
+        collector.update_policy_weights_()
+    after: dict[int, list[TensorDictBase]] = {}
+    caught_up: set[int] = set()
+    for _ in range(16):
+        batch = next(batches)
+        for rows in per_worker(batch).values() if batch.ndim == 2 else [batch]:
+            worker = worker_of(rows)
+            after.setdefault(worker, []).append(rows)
+            if from_weights(rows, weights[-1]):
+                caught_up.add(worker)
+        if len(caught_up) == NUM_WORKERS:
+            break
+    assert sorted(caught_up) == list(range(NUM_WORKERS)), "not every worker took the updates"
+    if exact:
+        for rows in after.values():
+            for step in torch.cat(rows).unbind(0):
+                produced = version_of_action(step, weights)
+                assert produced <= int(step["next", "policy_version"]) <= len(UPDATES)
+    state = collector.state_dict()
+    saved = [int(state[f"worker{i}"]["policy_version"]) for i in range(NUM_WORKERS)]
+    return after, saved
+
+
+@pytest.fixture(scope="module")
+def torchrl_reference() -> tuple[dict[int, list[TensorDictBase]], list[int]]:
+    """What torchrl's own pipe scheme gives in MultiSyncCollector for the same steps."""
+    policy = make_policy()
+    scheme = TorchRLPipeScheme()
+    collector = sync_collector(policy, scheme, track_policy_version=True)
+    try:
+        return collect_around_two_updates(collector, policy, exact=False)
+    finally:
+        close(collector, scheme)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["zmq-pubsub", "pipe"])
+def test_multisync_tags_frames_and_saves_versions_like_torchrl(
+    policy: TensorDictModule,
+    transport: str,
+    torchrl_reference: tuple[dict[int, list[TensorDictBase]], list[int]],
+) -> None:
+    scheme = make_scheme(transport, timeout=10)
+    collector = sync_collector(policy, scheme, track_policy_version=True)
+    try:
+        after, saved = collect_around_two_updates(collector, policy, exact=True)
+    finally:
+        close(collector, scheme)
+    reference, reference_saved = torchrl_reference
+    assert saved == reference_saved == [len(UPDATES)] * NUM_WORKERS
+    for worker in range(NUM_WORKERS):
+        # Workers are idle during the updates: the batch after them is wholly the
+        # second update's (the root key lags one step, in torchrl's as in ours).
+        (ours,), (theirs,) = after[worker], reference[worker]
+        assert (ours["next", "policy_version"] == len(UPDATES)).all()
+        for key in ("policy_version", ("next", "policy_version")):
+            assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["zmq-router", "pipe"])
+def test_multiasync_tags_frames_with_the_version_applied_in_the_background(
+    policy: TensorDictModule, transport: str
+) -> None:
+    scheme = make_scheme(transport, timeout=10)
+    collector = MultiAsyncCollector(
+        [make_env] * NUM_WORKERS,
+        policy,
+        frames_per_batch=FRAMES_PER_BATCH // NUM_WORKERS,
+        total_frames=-1,
+        create_env_kwargs=[{"worker": i} for i in range(NUM_WORKERS)],
+        weight_sync_schemes={"policy": scheme},
+        track_policy_version=True,
+    )
+    try:
+        # Async workers collect while the background thread applies the updates.
+        after, saved = collect_around_two_updates(collector, policy, exact=True)
+    finally:
+        close(collector, scheme)
+    assert saved == [len(UPDATES)] * NUM_WORKERS  # what torchrl's own pipe scheme saves
+    for batches in after.values():
+        assert (batches[-1]["next", "policy_version"] == len(UPDATES)).all()
+
+
+class _Collector:
+    """Stands in for the collector torchrl hands a worker's scheme (weakly held)."""
+
+    def __init__(self, tracker: PolicyVersion) -> None:
+        self.policy_version_tracker = tracker
+
+
+@pytest.mark.timeout(60)
+def test_version_applied_at_a_late_join_and_in_the_background_reaches_the_tracker(
+    policy: TensorDictModule,
+) -> None:
+    """A torchrl worker connects before its collector exists, then hands the collector
+    over: the tracker gets the version taken at connect (here a late joiner's), and
+    then each one the background thread applies."""
+    sender = zmqsync.torchrl.ZMQWeightSyncScheme(timeout=10, connect_timeout=20)
+    sender.init_on_sender(model_id="policy", model=policy, num_workers=1)  # version 1
+    worker = pickle.loads(pickle.dumps(sender))  # what spawn does
+    try:
+        set_weights(policy, *UPDATES[0])
+        sender.send(worker_ids=[])  # version 2, before the worker joins
+        local = make_policy()
+        worker.init_on_receiver(model_id="policy", model=local, worker_idx=0)
+        worker.connect(worker_idx=0)
+        assert worker.get_receiver().version == 2
+        collector = _Collector(PolicyVersion())
+        worker.context = collector
+        assert collector.policy_version_tracker.version == 1  # torchrl's count: 1 update
+
+        set_weights(policy, *UPDATES[1])
+        sender.connect()
+        sender.send()  # applied (and the tracker set) by the background thread
+        assert collector.policy_version_tracker.version == 2
+
+        # A uuid tracker gets one new id per version, not one per handing over.
+        uuids = _Collector(PolicyVersion("uuid"))
+        worker.context = uuids
+        first = uuids.policy_version_tracker.version
+        worker.context = uuids
+        assert uuids.policy_version_tracker.version == first
+        sender.send()
+        assert uuids.policy_version_tracker.version != first
     finally:
         worker.shutdown()
         sender.shutdown()

@@ -22,6 +22,7 @@ from conftest import kill_actor
 from tensordict.nn import TensorDictModule
 from test_torchrl import (
     NUM_WORKERS,
+    UPDATES,
     check_targeting_and_isolation,
     from_weights,
     make_env,
@@ -55,7 +56,7 @@ def _pid(actor: Any) -> int:
     return os.getpid()
 
 
-def ray_collector(policy: TensorDictModule, scheme: Any) -> RayCollector:
+def ray_collector(policy: TensorDictModule, scheme: Any, **collector_kwargs: Any) -> RayCollector:
     return RayCollector(
         # Each remote collector's env stamps its index on every step.
         [functools.partial(make_env, i) for i in range(NUM_WORKERS)],
@@ -65,7 +66,8 @@ def ray_collector(policy: TensorDictModule, scheme: Any) -> RayCollector:
         sync=True,
         # No CPU reservation: the 2-core test cluster must also fit other tests' actors.
         remote_configs={"num_cpus": 0},
-        collector_kwargs={"auto_register_policy_transforms": False},  # quiet: none needed
+        # quiet: no policy transform is needed
+        collector_kwargs={"auto_register_policy_transforms": False, **collector_kwargs},
         weight_sync_schemes={"policy": scheme},
     )
 
@@ -123,6 +125,31 @@ def test_raycollector_initial_weights_update_targeting_isolation_and_killed_acto
     finally:
         collector.shutdown()  # kills the actors, then shuts the scheme down
         scheme.shutdown()  # idempotent: for a failure before the collector got it
+
+
+@pytest.mark.timeout(180)
+def test_raycollector_tags_frames_and_saves_the_version_each_actor_applied() -> None:
+    """track_policy_version=True: after two updates each remote collector's frames and
+    state_dict() carry 2, torchrl's count of updates (what its own schemes give)."""
+    policy = make_policy()
+    scheme = zmqsync.torchrl.RayWeightSyncScheme(timeout=10)
+    collector = ray_collector(policy, scheme, track_policy_version=True)
+    try:
+        wait_for(lambda: versions(scheme) == {0: 1, 1: 1}, 60, "both actors joining")
+        assert [int(s["policy_version"]) for s in collector.state_dict()] == [0, 0]
+        for weight, bias in UPDATES:
+            set_weights(policy, weight, bias)
+            collector.update_policy_weights_()
+        assert versions(scheme) == {0: 3, 1: 3}  # zmqsync's: the initial weights were 1
+        rows = per_worker(next(iter(collector)))
+        for row in rows.values():
+            assert from_weights(row, snapshot(policy))
+            assert (row["next", "policy_version"] == len(UPDATES)).all()
+        saved = [int(s["policy_version"]) for s in collector.state_dict()]
+        assert saved == [len(UPDATES)] * NUM_WORKERS
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
 
 
 @pytest.mark.timeout(60)

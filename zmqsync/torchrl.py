@@ -194,6 +194,9 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         self.connect_timeout = float(connect_timeout)
         self._forward_lock: _ForwardLock | None = None
         self._local_model: Any = None
+        #: What the collector's policy-version tracker was last told: (tracker id,
+        #: epoch, version), so a uuid tracker gets one new id per version, not per call.
+        self._recorded: tuple[int, int, int] | None = None
 
     # --- pickling into spawned workers -----------------------------------------------
 
@@ -204,6 +207,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         state["_inner"] = copy.copy(self._inner)
         state["_forward_lock"] = None
         state["_local_model"] = None
+        state["_recorded"] = None
         return state
 
     # --- what the inner scheme knows -------------------------------------------------
@@ -409,6 +413,56 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         # thread of its own) before torchrl ever calls connect().
         self._forward_lock = _ForwardLock(receiver.lock)
         self._forward_lock.attach(receiver.model)
+        with receiver.lock:
+            receiver.on_applied.append(self._record_version)
+            self._record_version(receiver.epoch, receiver.version)
+
+    @property
+    def context(self) -> Any | None:
+        """The collector (or other object) this side works for, if still alive."""
+        return _TorchRLWeightSyncScheme.context.fget(self)
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        _TorchRLWeightSyncScheme.context.fset(self, context)
+        # A multiprocess worker connects (and applies its first version, maybe a late
+        # joiner's newer one) before torchrl has built its collector, and hands the
+        # collector over afterwards: tell it what its policy already holds.
+        receiver = _built(self._inner.get_receiver) if hasattr(self, "_inner") else None
+        if receiver is not None:
+            with receiver.lock:
+                self._record_version(receiver.epoch, receiver.version)
+
+    def _record_version(self, epoch: int, version: int) -> None:
+        """Set the collector's policy-version tracker (``track_policy_version=True``)
+        to the version the policy now holds: what torchrl writes under
+        ``"policy_version"`` in each frame and saves in ``state_dict()``.
+
+        torchrl's own schemes bump the tracker from their ``receive()``; zmqsync applies
+        versions in its own thread (or at connect), so it is told here, from the
+        receiver's ``on_applied`` listeners: under the receiver's lock, which every
+        forward pass holds too, so no forward runs on a version the tracker does not
+        name yet. (torchrl writes the tag at the env step that follows the forward, after
+        the lock is let go: a version landing in that gap tags that one frame with the
+        newer version, as with torchrl's own schemes.)
+        """
+        tracker = getattr(self.context, "policy_version_tracker", None)
+        if tracker is None or version <= 0:
+            return
+        recorded = (id(tracker), epoch, version)
+        if recorded == self._recorded:
+            return
+        self._recorded = recorded
+        if getattr(tracker, "version_type", int) in (int, "int"):
+            # torchrl counts updates: the initial weights are 0, two updates make 2.
+            # zmqsync's learner publishes its initial weights as version 1, so version
+            # v is the learner's (v - 1)-th update. Numbering by the learner's version,
+            # not by updates this worker got, keeps equal numbers meaning equal weights
+            # across workers (a worker skipped by worker_ids= jumps ahead); a restarted
+            # learner (a new epoch) numbers from 0 again.
+            tracker.version = version - 1
+        else:
+            tracker.increment_version()  # a uuid tracker: a fresh id per version
 
     def _start_receiver(self, model_id: str, *, model: Any, worker_idx: int | None) -> None:
         """Initialise the inner scheme's receiver."""
