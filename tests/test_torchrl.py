@@ -456,3 +456,21 @@ def test_worker_side_in_process_meta_policy_lock_and_model_swap(policy: TensorDi
     finally:
         worker.shutdown()
         sender.shutdown()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "name", ["ZMQWeightSyncScheme", "MultiProcessWeightSyncScheme", "RayWeightSyncScheme"]
+)
+def test_connect_timeout_is_the_zmqsync_schemes_own(name: str) -> None:
+    """One setting: what the torchrl class waits is what its zmqsync scheme waits (and
+    what a worker's copy of it waits)."""
+    import pickle
+
+    cls = getattr(zmqsync.torchrl, name)
+    assert cls().connect_timeout == cls().zmqsync_scheme.connect_timeout == 120.0
+    scheme = cls(timeout=3, connect_timeout=7)
+    assert (scheme.timeout, scheme.connect_timeout) == (3.0, 7.0)
+    assert scheme.zmqsync_scheme.connect_timeout == 7.0
+    worker = pickle.loads(pickle.dumps(scheme))
+    assert worker.connect_timeout == worker.zmqsync_scheme.connect_timeout == 7.0

@@ -91,6 +91,7 @@ from torch import nn
 
 from zmqsync.errors import SyncTimeout
 from zmqsync.receiver import WeightReceiver
+from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT
 from zmqsync.schemes.base import WeightSyncScheme as _ZmqsyncScheme
 from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme as _PipeScheme
 from zmqsync.schemes.ray import RayWeightSyncScheme as _RayScheme
@@ -101,10 +102,6 @@ from zmqsync.transport.ray import DELIVER_METHOD, POLL_INTERVAL, deliver
 
 __all__ = ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme", "ZMQWeightSyncScheme"]
 
-#: Seconds a worker's ``connect()`` waits for the learner by default (and the Ray
-#: learner's ``connect()`` for its actors). Generous, because under torchrl's ``spawn``
-#: a worker connects while its siblings still import torch.
-DEFAULT_CONNECT_TIMEOUT: Final = 120.0
 #: How often the Ray learner's ``connect()`` looks at where its actors stand.
 _STATUS_POLL: Final = 0.01
 
@@ -184,14 +181,13 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
     scheme (``self._inner``). Subclasses say how the inner scheme's sender and receiver
     are set up (:meth:`_start_sender`, :meth:`_start_receiver`)."""
 
-    def __init__(self, strategy: str, inner: _ZmqsyncScheme, *, connect_timeout: float) -> None:
+    def __init__(self, strategy: str, inner: _ZmqsyncScheme) -> None:
         with warnings.catch_warnings():
             # torchrl warns that ITS state_dict application is experimental; zmqsync
             # applies weights itself (checked, all-or-nothing), so it does not apply here.
             warnings.filterwarnings("ignore", "state_dict strategy is experimental", UserWarning)
             super().__init__(strategy)
         self._inner = inner
-        self.connect_timeout = float(connect_timeout)
         self._forward_lock: _ForwardLock | None = None
         self._local_model: Any = None
 
@@ -217,6 +213,16 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
     def timeout(self) -> float:
         """Seconds ``send()`` waits for acks."""
         return self._inner.timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds ``connect()`` waits, on the learner and in a worker (the inner
+        scheme's: one setting, pickled into the workers with it)."""
+        return self._inner.connect_timeout
+
+    @connect_timeout.setter
+    def connect_timeout(self, value: float) -> None:
+        self._inner.connect_timeout = float(value)
 
     @property
     def zmqsync_scheme(self) -> _ZmqsyncScheme:
@@ -467,7 +473,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 class ZMQWeightSyncScheme(_CollectorScheme):
     """:class:`zmqsync.ZMQWeightSyncScheme` as a torchrl ``WeightSyncScheme``.
 
-    Same arguments as :class:`zmqsync.ZMQWeightSyncScheme`, plus ``connect_timeout``.
+    Same arguments as :class:`zmqsync.ZMQWeightSyncScheme`.
 
     Args:
         strategy: ``"tensordict"`` (default) or ``"state_dict"``.
@@ -477,7 +483,7 @@ class ZMQWeightSyncScheme(_CollectorScheme):
             every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
         curve_server / curve_client / insecure: ZeroMQ CURVE, as in zmqsync.
         connect_timeout: seconds a worker waits in ``connect()`` for the learner and
-            its first version.
+            its first version (and the learner, when it waits, for its workers).
         **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
             stay ``True``: workers take their first weights from the snapshot).
     """
@@ -506,9 +512,10 @@ class ZMQWeightSyncScheme(_CollectorScheme):
             curve_server=curve_server,
             curve_client=curve_client,
             insecure=insecure,
+            connect_timeout=connect_timeout,
             **sender_options,
         )
-        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+        super().__init__(strategy, inner)
 
     @property
     def mode(self) -> str:
@@ -534,17 +541,17 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
     """:class:`zmqsync.MultiProcessWeightSyncScheme` (one duplex pipe per worker) as a
     torchrl ``WeightSyncScheme``, for ``MultiSyncCollector`` / ``MultiAsyncCollector``.
 
-    Same arguments as :class:`zmqsync.MultiProcessWeightSyncScheme`, plus
-    ``connect_timeout``. The scheme makes the pipes itself (``init_on_sender``, with
-    torchrl's multiprocessing context) and they travel to the workers inside the
-    pickled scheme; nothing else is shared with torchrl's own pipes.
+    Same arguments as :class:`zmqsync.MultiProcessWeightSyncScheme`. The scheme makes
+    the pipes itself (``init_on_sender``, with torchrl's multiprocessing context) and
+    they travel to the workers inside the pickled scheme; nothing else is shared with
+    torchrl's own pipes.
 
     Args:
         strategy: ``"state_dict"`` (default) or ``"tensordict"``.
         timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
             every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
         connect_timeout: seconds a worker waits in ``connect()`` for the learner and
-            its first version.
+            its first version (and the learner, when it waits, for its workers).
         **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
             stay ``True``: workers take their first weights from the snapshot).
 
@@ -565,8 +572,10 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
         **sender_options: Any,
     ) -> None:
         _check_retain_snapshot(sender_options)
-        inner = _PipeScheme(strategy, timeout=timeout, **sender_options)
-        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+        inner = _PipeScheme(
+            strategy, timeout=timeout, connect_timeout=connect_timeout, **sender_options
+        )
+        super().__init__(strategy, inner)
         #: The workers' ends of their pipes, by worker index: held by the learner only
         #: until the workers have started (``connect()``), carried into them by pickling.
         self._worker_ends: dict[int, Connection] = {}
@@ -696,7 +705,7 @@ class RayWeightSyncScheme(_CollectorScheme):
     """:class:`zmqsync.RayWeightSyncScheme` as a torchrl ``WeightSyncScheme``, for
     ``torchrl.collectors.distributed.RayCollector``.
 
-    Same arguments as :class:`zmqsync.RayWeightSyncScheme`, plus ``connect_timeout``.
+    Same arguments as :class:`zmqsync.RayWeightSyncScheme`.
 
     Args:
         strategy: ``"state_dict"`` (default) or ``"tensordict"``.
@@ -736,9 +745,10 @@ class RayWeightSyncScheme(_CollectorScheme):
             timeout=timeout,
             method=DELIVER_METHOD if method is None else method,
             poll_interval=poll_interval,
+            connect_timeout=connect_timeout,
             **sender_options,
         )
-        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+        super().__init__(strategy, inner)
         self.method = method
 
     def _start_sender(
