@@ -474,3 +474,32 @@ def test_connect_timeout_is_the_zmqsync_schemes_own(name: str) -> None:
     assert scheme.zmqsync_scheme.connect_timeout == 7.0
     worker = pickle.loads(pickle.dumps(scheme))
     assert worker.connect_timeout == worker.zmqsync_scheme.connect_timeout == 7.0
+
+
+@pytest.mark.timeout(30)
+def test_torchrl_builds_zmqsync_schemes_by_backend_name() -> None:
+    """``from_backend`` knows zmqsync's schemes once zmqsync.torchrl is imported, and
+    torchrl's own names still give torchrl's schemes."""
+    import torchrl.weight_update as trl
+
+    for name, cls in [
+        ("zmq", zmqsync.torchrl.ZMQWeightSyncScheme),
+        ("zmqsync-zmq", zmqsync.torchrl.ZMQWeightSyncScheme),
+        ("zmqsync-pipe", zmqsync.torchrl.MultiProcessWeightSyncScheme),
+        ("zmqsync-ray", zmqsync.torchrl.RayWeightSyncScheme),
+    ]:
+        scheme = trl.WeightSyncScheme.from_backend(name, timeout=4, connect_timeout=9)
+        assert type(scheme) is cls, name
+        assert (scheme.timeout, scheme.connect_timeout) == (4.0, 9.0)
+        assert zmqsync.torchrl.BACKENDS[name] is cls
+    router = trl.WeightSyncScheme.from_backend("zmq", mode="router")
+    assert router.mode == "router"
+
+    for name, torchrl_cls in [
+        ("process", trl.MultiProcessWeightSyncScheme),
+        ("multiprocessing", trl.MultiProcessWeightSyncScheme),
+        ("ray", trl.RayWeightSyncScheme),
+        ("shared", trl.SharedMemWeightSyncScheme),
+        ("none", trl.NoWeightSyncScheme),
+    ]:
+        assert type(trl.WeightSyncScheme.from_backend(name)) is torchrl_cls, name

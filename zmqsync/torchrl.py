@@ -62,6 +62,10 @@ call. The actor joins (hello, snapshot) through those calls, and torchrl's lazy
 
 Each class delegates to the zmqsync scheme of the same name (composition): the torchrl
 class only adapts torchrl's calling conventions and bookkeeping.
+
+Importing this module registers the classes with torchrl's backend registry (see
+:data:`BACKENDS`): ``WeightSyncScheme.from_backend("zmq")`` builds
+:class:`ZMQWeightSyncScheme`.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from typing import Any, Final, Literal
 
 try:
     from torchrl.weight_update import WeightSyncScheme as _TorchRLWeightSyncScheme
+    from torchrl.weight_update import weight_sync_schemes as _torchrl_registry
     from torchrl.weight_update.utils import _resolve_model
 except ImportError as exc:  # pragma: no cover - exercised only without torchrl
     raise ImportError(
@@ -100,7 +105,12 @@ from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
 from zmqsync.transport.ray import DELIVER_METHOD, POLL_INTERVAL, deliver
 
-__all__ = ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme", "ZMQWeightSyncScheme"]
+__all__ = [
+    "BACKENDS",
+    "MultiProcessWeightSyncScheme",
+    "RayWeightSyncScheme",
+    "ZMQWeightSyncScheme",
+]
 
 #: How often the Ray learner's ``connect()`` looks at where its actors stand.
 _STATUS_POLL: Final = 0.01
@@ -823,6 +833,32 @@ class RayWeightSyncScheme(_CollectorScheme):
         if not self.initialized_on_receiver:
             raise RuntimeError(f"{type(self).__name__}: receive() needs init_on_receiver() first")
         return None
+
+
+#: The names ``torchrl.weight_update.WeightSyncScheme.from_backend`` knows zmqsync's
+#: schemes by once this module is imported. torchrl has no ZeroMQ backend, so "zmq" is
+#: zmqsync's; the pipe and Ray schemes take prefixed names, leaving torchrl's own
+#: "process" and "ray" to torchrl's schemes.
+BACKENDS: Final[Mapping[str, type[_CollectorScheme]]] = types.MappingProxyType(
+    {
+        "zmq": ZMQWeightSyncScheme,
+        "zmqsync-zmq": ZMQWeightSyncScheme,
+        "zmqsync-pipe": MultiProcessWeightSyncScheme,
+        "zmqsync-ray": RayWeightSyncScheme,
+    }
+)
+
+
+def _register_backends() -> None:
+    taken = getattr(_torchrl_registry, "_WEIGHT_SYNC_SCHEMES", {})
+    for name, cls in BACKENDS.items():
+        if name in taken and not issubclass(taken[name], _CollectorScheme):
+            # A torchrl with a backend of that name keeps it: "zmqsync-zmq" still works.
+            continue
+        _torchrl_registry.register_weight_sync_backend(name)(cls)
+
+
+_register_backends()
 
 
 def _model_of(context: Any, model_id: str) -> Any:
