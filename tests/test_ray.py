@@ -547,5 +547,6 @@ def test_both_sides_wait_connect_timeout_to_join_not_the_send_timeout(actors) ->
         with pytest.raises(SyncTimeout, match=r"workers \[0\] did not connect within 1s"):
             scheme.connect()
         assert 0.9 <= time.monotonic() - begun < 10.0
+        assert scheme.worker_versions() == {0: 0}  # expected, never joined
     finally:
         scheme.shutdown()

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import cloudpickle
 import pytest
 import torch
 from _workers import bump, make_model
-from conftest import Fleet
+from conftest import SPAWN, Fleet
 from tensordict import TensorDict
 from torch import nn
 
@@ -367,3 +367,55 @@ def test_spawned_workers_join_within_connect_timeout_and_sends_keep_the_short_ti
         late.cancel()
         late.join(10)
         scheme.shutdown()
+
+
+# --- which version each worker acked ---------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["zmq", "pipe"])
+def test_worker_versions_say_what_each_worker_acked(
+    fleet: Fleet, tmp_path: Path, transport: str
+) -> None:
+    model = make_model()
+    ends: list[Connection] = []
+    scheme: WeightSyncScheme
+    if transport == "zmq":
+        scheme = ZMQWeightSyncScheme("state_dict", endpoint=f"ipc://{tmp_path}/learner", timeout=20)
+        scheme.init_on_sender("policy", model=model, num_workers=2)
+        init_kwargs: list[dict[str, Any] | None] = [None, None]
+    else:
+        pipes = [SPAWN.Pipe() for _ in range(2)]
+        ends = [child for _, child in pipes]
+        scheme = zmqsync.MultiProcessWeightSyncScheme(timeout=20)
+        scheme.init_on_sender("policy", model=model, pipes=[parent for parent, _ in pipes])
+        init_kwargs = [{"pipe": child} for child in ends]
+    try:
+        assert scheme.worker_versions() == {0: 0, 1: 0}  # expected, not connected yet
+        for i in range(2):
+            fleet.start(scheme, i, init_kwargs=init_kwargs[i])
+        for end in ends:
+            end.close()  # the worker holds it now
+        scheme.connect()
+        for i in range(2):
+            fleet.wait_ready(i)
+
+        bump(model)
+        scheme.send()
+        assert scheme.worker_versions() == {0: 1, 1: 1}
+        bump(model)
+        scheme.send(worker_ids=[0])
+        assert scheme.worker_versions() == {0: 2, 1: 1}
+        assert scheme.get_sender().worker_versions() == {0: 2, 1: 1}
+
+        # A worker that left holds nothing the learner knows of (its goodbye is on its way).
+        fleet.stop(1)
+        deadline = time.monotonic() + 20
+        while scheme.worker_versions() != {0: 2, 1: 0}:
+            assert time.monotonic() < deadline, scheme.worker_versions()
+            time.sleep(0.02)
+    finally:
+        scheme.shutdown()
+        for end in ends:
+            end.close()

@@ -183,6 +183,7 @@ def check_targeting_and_isolation(
     newest = snapshot(policy)
     collector.update_policy_weights_(worker_ids=[0])
     assert versions(scheme) == {0: 3, 1: 2}
+    assert scheme.worker_versions() == {0: 3, 1: 2}  # what each worker acked
     rows = per_worker(next(batches))
     assert from_weights(rows[0], newest)
     assert from_weights(rows[1], held)
@@ -238,6 +239,7 @@ def test_multisync_initial_weights_update_targeting_isolation(
         collector.update_policy_weights_()
         # Acked by every worker when the call returns.
         assert versions(scheme) == {0: 2, 1: 2}
+        assert scheme.worker_versions() == {0: 2, 1: 2}
         batch = next(batches)
         assert from_weights(batch, new)
 

@@ -251,6 +251,11 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         """The sender's sync state (see :meth:`zmqsync.WeightSender.status`)."""
         return self._inner.status()
 
+    def worker_versions(self) -> dict[int, int]:
+        """Worker id -> the newest version it acked (see
+        :meth:`zmqsync.WeightSender.worker_versions`)."""
+        return self._inner.worker_versions()
+
     @property
     def lock(self) -> Any:
         """The receiver's lock: no version is applied while it is held."""

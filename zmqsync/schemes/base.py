@@ -287,6 +287,11 @@ class WeightSyncScheme:
         """The sender's sync state (see :meth:`WeightSender.status`)."""
         return self.get_sender().status()
 
+    def worker_versions(self) -> dict[int, int]:
+        """Worker id -> the newest version it acked (see
+        :meth:`WeightSender.worker_versions`)."""
+        return self.get_sender().worker_versions()
+
     # --- receiver side ---------------------------------------------------------------
 
     def init_on_receiver(
