@@ -86,6 +86,7 @@ def test_mixed_scheme_in_one_process_numbers_workers_and_refuses_clashes(tmp_pat
         }
         version = mixed.get_sender().version
         assert [w.get_receiver().version for w in workers] == [version] * 3
+        assert mixed.worker_versions() == dict.fromkeys(range(3), version)
         transports = {w["worker"]: w["transport"] for w in mixed.status()["workers"]}
         assert transports == {0: "pipe", 1: "pipe", 2: "zmq-pubsub"}
         # The ZeroMQ member pickles into its workers with the address the sender bound.

@@ -506,3 +506,47 @@ def test_scheme_surface_before_init() -> None:
         scheme.init_on_sender("policy", model=nn.Linear(2, 2))
     weights = scheme.prepare_weights(nn.Linear(2, 3), "policy", "state_dict")
     assert set(weights) == {"weight", "bias"}
+
+
+@ray.remote(num_cpus=0)
+class LonelyActor(WeightSyncActorMixin):
+    """An actor whose learner never calls it."""
+
+    def wait_to_join(self, scheme: RayWeightSyncScheme) -> tuple[str, float]:
+        """What this actor's connect() (no timeout given) raised, and after how long."""
+        scheme.init_on_worker("policy", model=nn.Linear(2, 2))
+        start = time.monotonic()
+        try:
+            scheme.connect()
+        except SyncTimeout as exc:
+            return str(exc), time.monotonic() - start
+        finally:
+            scheme.shutdown()
+        return "joined", time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_both_sides_wait_connect_timeout_to_join_not_the_send_timeout(actors) -> None:  # type: ignore[no-untyped-def]
+    lonely = LonelyActor.remote()
+    actors.append(lonely)
+    said, took = ray.get(
+        lonely.wait_to_join.remote(RayWeightSyncScheme(timeout=0.2, connect_timeout=1.5)),
+        timeout=CALL_TIMEOUT,
+    )
+    assert "did not join the sender of 'policy' within 1.5s" in said
+    assert 1.4 <= took < 5.0
+
+    # A learner whose actor never sets up its receiver gives up after connect_timeout.
+    scheme = RayWeightSyncScheme(timeout=30, connect_timeout=1.0)
+    idle = PolicyActor.remote(0)
+    actors.append(idle)
+    ray.get(idle.__ray_ready__.remote(), timeout=CALL_TIMEOUT)
+    scheme.init_on_sender("policy", remote_collectors=[idle], source_model=make_model(0))
+    try:
+        begun = time.monotonic()
+        with pytest.raises(SyncTimeout, match=r"workers \[0\] did not connect within 1s"):
+            scheme.connect()
+        assert 0.9 <= time.monotonic() - begun < 10.0
+        assert scheme.worker_versions() == {0: 0}  # expected, never joined
+    finally:
+        scheme.shutdown()

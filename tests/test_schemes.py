@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import pickle
+import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import cloudpickle
 import pytest
 import torch
+from _workers import bump, make_model
+from conftest import SPAWN, Fleet
 from tensordict import TensorDict
 from torch import nn
 
 import zmqsync
-from zmqsync import NoWeightSyncScheme, SchemaMismatchError, ZMQWeightSyncScheme, checksum
+from zmqsync import (
+    NoWeightSyncScheme,
+    SchemaMismatchError,
+    WeightSyncScheme,
+    ZMQWeightSyncScheme,
+    checksum,
+)
 
 
 def test_public_names_are_pinned() -> None:
@@ -231,3 +242,180 @@ def test_a_worker_whose_model_does_not_fit_fails_connect(
         for w in workers:
             w.shutdown()
         learner.shutdown()
+
+
+# --- connecting is not syncing: connect_timeout ------------------------------------------
+
+
+def test_a_worker_waits_connect_timeout_for_the_sender_not_the_send_timeout(
+    tmp_path: Path,
+) -> None:
+    """The send timeout is kept short to see dead workers quickly; joining got it too."""
+    learner = ZMQWeightSyncScheme(endpoint=f"ipc://{tmp_path}/nobody", timeout=0.2)
+    assert learner.connect_timeout == zmqsync.schemes.base.DEFAULT_CONNECT_TIMEOUT == 120.0
+    learner.connect_timeout = 1.5
+    worker = pickle.loads(pickle.dumps(learner))  # what spawn does
+    assert (worker.timeout, worker.connect_timeout) == (0.2, 1.5)
+    worker.init_on_receiver(model_id="policy", model=nn.Linear(2, 2), worker_idx=0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(zmqsync.SyncTimeout, match=r"within 1\.5s"):
+            worker.connect()  # nobody is bound there
+        assert 1.4 <= time.monotonic() - start < 5.0
+        start = time.monotonic()
+        with pytest.raises(zmqsync.SyncTimeout, match=r"within 0\.3s"):
+            worker.connect(timeout=0.3)  # an explicit timeout still wins
+        assert time.monotonic() - start < 1.2
+    finally:
+        worker.shutdown()
+
+
+def _pipe_learner(scheme: WeightSyncScheme, model: nn.Module) -> list[Connection]:
+    """A pipe learner for one worker that never starts; returns the ends to close."""
+    parent, child = mp.Pipe()
+    scheme.init_on_sender("policy", model=model, pipes=[parent])
+    return [child]
+
+
+def _mixed_learner(scheme: WeightSyncScheme, model: nn.Module) -> list[Connection]:
+    parent, child = mp.Pipe()
+    scheme.init_on_sender("policy", model=model, pipes=[parent], num_workers=2)
+    return [child]
+
+
+def _zmq_learner(scheme: WeightSyncScheme, model: nn.Module) -> list[Connection]:
+    scheme.init_on_sender("policy", model=model, num_workers=1)
+    return []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("make", "start"),
+    [
+        (lambda: ZMQWeightSyncScheme(mode="pubsub", timeout=10, connect_timeout=0.5), _zmq_learner),
+        (lambda: ZMQWeightSyncScheme(mode="router", timeout=10, connect_timeout=0.5), _zmq_learner),
+        (
+            lambda: zmqsync.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=0.5),
+            _pipe_learner,
+        ),
+        (
+            lambda: zmqsync.MixedWeightSyncScheme(
+                zmqsync.MultiProcessWeightSyncScheme(timeout=10, connect_timeout=0.5),
+                ZMQWeightSyncScheme("state_dict", timeout=10, connect_timeout=0.25),
+            ),
+            _mixed_learner,
+        ),
+    ],
+    ids=["zmq-pubsub", "zmq-router", "pipe", "mixed"],
+)
+def test_a_learner_waits_connect_timeout_for_its_workers(
+    make: Callable[[], WeightSyncScheme],
+    start: Callable[[WeightSyncScheme, nn.Module], list[Connection]],
+) -> None:
+    """With nobody joining, the learner's connect() gives up after connect_timeout
+    (a mixed scheme: its members' longest), not after the send timeout."""
+    scheme = make()
+    assert (scheme.timeout, scheme.connect_timeout) == (10.0, 0.5)
+    ends = start(scheme, nn.Linear(2, 2))
+    try:
+        begun = time.monotonic()
+        with pytest.raises(zmqsync.SyncTimeout, match=r"did not connect within 0\.5s"):
+            scheme.connect()
+        assert 0.4 <= time.monotonic() - begun < 5.0
+    finally:
+        scheme.shutdown()
+        for end in ends:
+            end.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_spawned_workers_join_within_connect_timeout_and_sends_keep_the_short_timeout(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """timeout=2 to see a dead worker within 2 s; joining 4 spawned workers that import
+    torch takes longer than that (the last one here starts after 2.5 s), so the
+    learner's connect() must wait with connect_timeout."""
+    scheme = ZMQWeightSyncScheme("state_dict", endpoint=f"ipc://{tmp_path}/learner", timeout=2)
+    model = make_model()
+    scheme.init_on_sender("policy", model=model, num_workers=4)
+    late = threading.Timer(2.5, fleet.start, (scheme, 3))  # a worker slow to start
+    try:
+        for i in range(3):
+            fleet.start(scheme, i)  # the scheme pickles into each, connect_timeout too
+        late.start()
+        begun = time.monotonic()
+        scheme.connect()
+        assert time.monotonic() - begun > scheme.timeout
+        late.join(10)
+        for i in range(4):
+            fleet.wait_ready(i)
+
+        bump(model)
+        scheme.send()
+        assert all(fleet.ask(i, "state")["version"] == 1 for i in range(4))
+
+        fleet.kill(3)
+        bump(model)
+        begun = time.monotonic()
+        with pytest.raises(zmqsync.SyncTimeout) as info:
+            scheme.send()
+        took = time.monotonic() - begun
+        assert set(info.value.missing_workers) == {3}
+        assert 1.5 <= took < scheme.timeout + 1.5, took
+    finally:
+        late.cancel()
+        late.join(10)
+        scheme.shutdown()
+
+
+# --- which version each worker acked ---------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["zmq", "pipe"])
+def test_worker_versions_say_what_each_worker_acked(
+    fleet: Fleet, tmp_path: Path, transport: str
+) -> None:
+    model = make_model()
+    ends: list[Connection] = []
+    scheme: WeightSyncScheme
+    if transport == "zmq":
+        scheme = ZMQWeightSyncScheme("state_dict", endpoint=f"ipc://{tmp_path}/learner", timeout=20)
+        scheme.init_on_sender("policy", model=model, num_workers=2)
+        init_kwargs: list[dict[str, Any] | None] = [None, None]
+    else:
+        pipes = [SPAWN.Pipe() for _ in range(2)]
+        ends = [child for _, child in pipes]
+        scheme = zmqsync.MultiProcessWeightSyncScheme(timeout=20)
+        scheme.init_on_sender("policy", model=model, pipes=[parent for parent, _ in pipes])
+        init_kwargs = [{"pipe": child} for child in ends]
+    try:
+        assert scheme.worker_versions() == {0: 0, 1: 0}  # expected, not connected yet
+        for i in range(2):
+            fleet.start(scheme, i, init_kwargs=init_kwargs[i])
+        for end in ends:
+            end.close()  # the worker holds it now
+        scheme.connect()
+        for i in range(2):
+            fleet.wait_ready(i)
+
+        bump(model)
+        scheme.send()
+        assert scheme.worker_versions() == {0: 1, 1: 1}
+        bump(model)
+        scheme.send(worker_ids=[0])
+        assert scheme.worker_versions() == {0: 2, 1: 1}
+        assert scheme.get_sender().worker_versions() == {0: 2, 1: 1}
+
+        # A worker that left holds nothing the learner knows of (its goodbye is on its way).
+        fleet.stop(1)
+        deadline = time.monotonic() + 20
+        while scheme.worker_versions() != {0: 2, 1: 0}:
+            assert time.monotonic() < deadline, scheme.worker_versions()
+            time.sleep(0.02)
+    finally:
+        scheme.shutdown()
+        for end in ends:
+            end.close()

@@ -187,6 +187,7 @@ def check_targeting_and_isolation(
     newest = snapshot(policy)
     collector.update_policy_weights_(worker_ids=[0])
     assert versions(scheme) == {0: 3, 1: 2}
+    assert scheme.worker_versions() == {0: 3, 1: 2}  # what each worker acked
     rows = per_worker(next(batches))
     assert from_weights(rows[0], newest)
     assert from_weights(rows[1], held)
@@ -242,6 +243,7 @@ def test_multisync_initial_weights_update_targeting_isolation(
         collector.update_policy_weights_()
         # Acked by every worker when the call returns.
         assert versions(scheme) == {0: 2, 1: 2}
+        assert scheme.worker_versions() == {0: 2, 1: 2}
         batch = next(batches)
         assert from_weights(batch, new)
 
@@ -623,3 +625,50 @@ def test_version_applied_at_a_late_join_and_in_the_background_reaches_the_tracke
     finally:
         worker.shutdown()
         sender.shutdown()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "name", ["ZMQWeightSyncScheme", "MultiProcessWeightSyncScheme", "RayWeightSyncScheme"]
+)
+def test_connect_timeout_is_the_zmqsync_schemes_own(name: str) -> None:
+    """One setting: what the torchrl class waits is what its zmqsync scheme waits (and
+    what a worker's copy of it waits)."""
+    import pickle
+
+    cls = getattr(zmqsync.torchrl, name)
+    assert cls().connect_timeout == cls().zmqsync_scheme.connect_timeout == 120.0
+    scheme = cls(timeout=3, connect_timeout=7)
+    assert (scheme.timeout, scheme.connect_timeout) == (3.0, 7.0)
+    assert scheme.zmqsync_scheme.connect_timeout == 7.0
+    worker = pickle.loads(pickle.dumps(scheme))
+    assert worker.connect_timeout == worker.zmqsync_scheme.connect_timeout == 7.0
+
+
+@pytest.mark.timeout(30)
+def test_torchrl_builds_zmqsync_schemes_by_backend_name() -> None:
+    """``from_backend`` knows zmqsync's schemes once zmqsync.torchrl is imported, and
+    torchrl's own names still give torchrl's schemes."""
+    import torchrl.weight_update as trl
+
+    for name, cls in [
+        ("zmq", zmqsync.torchrl.ZMQWeightSyncScheme),
+        ("zmqsync-zmq", zmqsync.torchrl.ZMQWeightSyncScheme),
+        ("zmqsync-pipe", zmqsync.torchrl.MultiProcessWeightSyncScheme),
+        ("zmqsync-ray", zmqsync.torchrl.RayWeightSyncScheme),
+    ]:
+        scheme = trl.WeightSyncScheme.from_backend(name, timeout=4, connect_timeout=9)
+        assert type(scheme) is cls, name
+        assert (scheme.timeout, scheme.connect_timeout) == (4.0, 9.0)
+        assert zmqsync.torchrl.BACKENDS[name] is cls
+    router = trl.WeightSyncScheme.from_backend("zmq", mode="router")
+    assert router.mode == "router"
+
+    for name, torchrl_cls in [
+        ("process", trl.MultiProcessWeightSyncScheme),
+        ("multiprocessing", trl.MultiProcessWeightSyncScheme),
+        ("ray", trl.RayWeightSyncScheme),
+        ("shared", trl.SharedMemWeightSyncScheme),
+        ("none", trl.NoWeightSyncScheme),
+    ]:
+        assert type(trl.WeightSyncScheme.from_backend(name)) is torchrl_cls, name

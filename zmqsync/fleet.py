@@ -637,6 +637,24 @@ class Fleet:
             rows.sort(key=lambda r: r["worker"])
         return rows, counts
 
+    def acked_versions(self, lost: Mapping[int, frozenset[PeerId]]) -> dict[int, int]:
+        """The newest version each worker acked in this epoch (0: none yet), by worker
+        id: every worker not gone (see :meth:`gone`; ``lost``: each hub's lost peers),
+        and every expected one.
+
+        A gone worker holds nothing the sender can count on: 0 if it is expected, else
+        not listed. A silent one still holds what it acked as far as anyone knows, so it
+        is listed until its session expires (whether it is live is :meth:`status_rows`'
+        business).
+        """
+        expected = range(self.num_workers) if self.num_workers is not None else range(0)
+        versions = dict.fromkeys(expected, 0)
+        gone = self.gone(self.workers, lost)
+        for w, s in self.workers.items():
+            if w not in gone:
+                versions[w] = s.version if s.epoch in (self.epoch, 0) else 0
+        return dict(sorted(versions.items()))
+
     def describe(self, workers: Iterable[int], now: float) -> dict[int, str]:
         """A line per worker for error messages: where it is and what it holds."""
         out = {}

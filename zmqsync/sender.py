@@ -621,6 +621,18 @@ class WeightSender:
             },
         }
 
+    def worker_versions(self) -> dict[int, int]:
+        """The newest version each worker acked in this sender's epoch, by worker id
+        (0: none yet): every connected worker that has not left, and every expected
+        worker ``0..num_workers-1`` (0 if it never connected or left).
+
+        A worker whose transport knows it is gone (a broken pipe, a dead Ray actor)
+        counts as left. Unlike :meth:`status`, never cut short: one entry per worker.
+        """
+        lost = {r.index: r.hub.lost_peers() for r in self._runners}
+        with self._cond:
+            return self.fleet.acked_versions(lost)
+
     @property
     def closed(self) -> bool:
         return self._closed

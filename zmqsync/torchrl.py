@@ -62,6 +62,10 @@ call. The actor joins (hello, snapshot) through those calls, and torchrl's lazy
 
 Each class delegates to the zmqsync scheme of the same name (composition): the torchrl
 class only adapts torchrl's calling conventions and bookkeeping.
+
+Importing this module registers the classes with torchrl's backend registry (see
+:data:`BACKENDS`): ``WeightSyncScheme.from_backend("zmq")`` builds
+:class:`ZMQWeightSyncScheme`.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from typing import Any, Final, Literal
 
 try:
     from torchrl.weight_update import WeightSyncScheme as _TorchRLWeightSyncScheme
+    from torchrl.weight_update import weight_sync_schemes as _torchrl_registry
     from torchrl.weight_update.utils import _resolve_model
 except ImportError as exc:  # pragma: no cover - exercised only without torchrl
     raise ImportError(
@@ -91,6 +96,7 @@ from torch import nn
 
 from zmqsync.errors import SyncTimeout
 from zmqsync.receiver import WeightReceiver
+from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT
 from zmqsync.schemes.base import WeightSyncScheme as _ZmqsyncScheme
 from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme as _PipeScheme
 from zmqsync.schemes.ray import RayWeightSyncScheme as _RayScheme
@@ -99,12 +105,13 @@ from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
 from zmqsync.transport.ray import DELIVER_METHOD, POLL_INTERVAL, deliver
 
-__all__ = ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme", "ZMQWeightSyncScheme"]
+__all__ = [
+    "BACKENDS",
+    "MultiProcessWeightSyncScheme",
+    "RayWeightSyncScheme",
+    "ZMQWeightSyncScheme",
+]
 
-#: Seconds a worker's ``connect()`` waits for the learner by default (and the Ray
-#: learner's ``connect()`` for its actors). Generous, because under torchrl's ``spawn``
-#: a worker connects while its siblings still import torch.
-DEFAULT_CONNECT_TIMEOUT: Final = 120.0
 #: How often the Ray learner's ``connect()`` looks at where its actors stand.
 _STATUS_POLL: Final = 0.01
 
@@ -184,14 +191,13 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
     scheme (``self._inner``). Subclasses say how the inner scheme's sender and receiver
     are set up (:meth:`_start_sender`, :meth:`_start_receiver`)."""
 
-    def __init__(self, strategy: str, inner: _ZmqsyncScheme, *, connect_timeout: float) -> None:
+    def __init__(self, strategy: str, inner: _ZmqsyncScheme) -> None:
         with warnings.catch_warnings():
             # torchrl warns that ITS state_dict application is experimental; zmqsync
             # applies weights itself (checked, all-or-nothing), so it does not apply here.
             warnings.filterwarnings("ignore", "state_dict strategy is experimental", UserWarning)
             super().__init__(strategy)
         self._inner = inner
-        self.connect_timeout = float(connect_timeout)
         self._forward_lock: _ForwardLock | None = None
         self._local_model: Any = None
         #: What the collector's policy-version tracker was last told: (tracker id,
@@ -223,6 +229,16 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         return self._inner.timeout
 
     @property
+    def connect_timeout(self) -> float:
+        """Seconds ``connect()`` waits, on the learner and in a worker (the inner
+        scheme's: one setting, pickled into the workers with it)."""
+        return self._inner.connect_timeout
+
+    @connect_timeout.setter
+    def connect_timeout(self, value: float) -> None:
+        self._inner.connect_timeout = float(value)
+
+    @property
     def zmqsync_scheme(self) -> _ZmqsyncScheme:
         """The zmqsync scheme this one delegates to."""
         return self._inner
@@ -238,6 +254,11 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
     def status(self) -> dict[str, Any]:
         """The sender's sync state (see :meth:`zmqsync.WeightSender.status`)."""
         return self._inner.status()
+
+    def worker_versions(self) -> dict[int, int]:
+        """Worker id -> the newest version it acked (see
+        :meth:`zmqsync.WeightSender.worker_versions`)."""
+        return self._inner.worker_versions()
 
     @property
     def lock(self) -> Any:
@@ -521,7 +542,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 class ZMQWeightSyncScheme(_CollectorScheme):
     """:class:`zmqsync.ZMQWeightSyncScheme` as a torchrl ``WeightSyncScheme``.
 
-    Same arguments as :class:`zmqsync.ZMQWeightSyncScheme`, plus ``connect_timeout``.
+    Same arguments as :class:`zmqsync.ZMQWeightSyncScheme`.
 
     Args:
         strategy: ``"tensordict"`` (default) or ``"state_dict"``.
@@ -531,7 +552,7 @@ class ZMQWeightSyncScheme(_CollectorScheme):
             every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
         curve_server / curve_client / insecure: ZeroMQ CURVE, as in zmqsync.
         connect_timeout: seconds a worker waits in ``connect()`` for the learner and
-            its first version.
+            its first version (and the learner, when it waits, for its workers).
         **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
             stay ``True``: workers take their first weights from the snapshot).
     """
@@ -560,9 +581,10 @@ class ZMQWeightSyncScheme(_CollectorScheme):
             curve_server=curve_server,
             curve_client=curve_client,
             insecure=insecure,
+            connect_timeout=connect_timeout,
             **sender_options,
         )
-        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+        super().__init__(strategy, inner)
 
     @property
     def mode(self) -> str:
@@ -588,17 +610,17 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
     """:class:`zmqsync.MultiProcessWeightSyncScheme` (one duplex pipe per worker) as a
     torchrl ``WeightSyncScheme``, for ``MultiSyncCollector`` / ``MultiAsyncCollector``.
 
-    Same arguments as :class:`zmqsync.MultiProcessWeightSyncScheme`, plus
-    ``connect_timeout``. The scheme makes the pipes itself (``init_on_sender``, with
-    torchrl's multiprocessing context) and they travel to the workers inside the
-    pickled scheme; nothing else is shared with torchrl's own pipes.
+    Same arguments as :class:`zmqsync.MultiProcessWeightSyncScheme`. The scheme makes
+    the pipes itself (``init_on_sender``, with torchrl's multiprocessing context) and
+    they travel to the workers inside the pickled scheme; nothing else is shared with
+    torchrl's own pipes.
 
     Args:
         strategy: ``"state_dict"`` (default) or ``"tensordict"``.
         timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
             every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
         connect_timeout: seconds a worker waits in ``connect()`` for the learner and
-            its first version.
+            its first version (and the learner, when it waits, for its workers).
         **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
             stay ``True``: workers take their first weights from the snapshot).
 
@@ -619,8 +641,10 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
         **sender_options: Any,
     ) -> None:
         _check_retain_snapshot(sender_options)
-        inner = _PipeScheme(strategy, timeout=timeout, **sender_options)
-        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+        inner = _PipeScheme(
+            strategy, timeout=timeout, connect_timeout=connect_timeout, **sender_options
+        )
+        super().__init__(strategy, inner)
         #: The workers' ends of their pipes, by worker index: held by the learner only
         #: until the workers have started (``connect()``), carried into them by pickling.
         self._worker_ends: dict[int, Connection] = {}
@@ -750,7 +774,7 @@ class RayWeightSyncScheme(_CollectorScheme):
     """:class:`zmqsync.RayWeightSyncScheme` as a torchrl ``WeightSyncScheme``, for
     ``torchrl.collectors.distributed.RayCollector``.
 
-    Same arguments as :class:`zmqsync.RayWeightSyncScheme`, plus ``connect_timeout``.
+    Same arguments as :class:`zmqsync.RayWeightSyncScheme`.
 
     Args:
         strategy: ``"state_dict"`` (default) or ``"tensordict"``.
@@ -790,9 +814,10 @@ class RayWeightSyncScheme(_CollectorScheme):
             timeout=timeout,
             method=DELIVER_METHOD if method is None else method,
             poll_interval=poll_interval,
+            connect_timeout=connect_timeout,
             **sender_options,
         )
-        super().__init__(strategy, inner, connect_timeout=connect_timeout)
+        super().__init__(strategy, inner)
         self.method = method
 
     def _start_sender(
@@ -867,6 +892,32 @@ class RayWeightSyncScheme(_CollectorScheme):
         if not self.initialized_on_receiver:
             raise RuntimeError(f"{type(self).__name__}: receive() needs init_on_receiver() first")
         return None
+
+
+#: The names ``torchrl.weight_update.WeightSyncScheme.from_backend`` knows zmqsync's
+#: schemes by once this module is imported. torchrl has no ZeroMQ backend, so "zmq" is
+#: zmqsync's; the pipe and Ray schemes take prefixed names, leaving torchrl's own
+#: "process" and "ray" to torchrl's schemes.
+BACKENDS: Final[Mapping[str, type[_CollectorScheme]]] = types.MappingProxyType(
+    {
+        "zmq": ZMQWeightSyncScheme,
+        "zmqsync-zmq": ZMQWeightSyncScheme,
+        "zmqsync-pipe": MultiProcessWeightSyncScheme,
+        "zmqsync-ray": RayWeightSyncScheme,
+    }
+)
+
+
+def _register_backends() -> None:
+    taken = getattr(_torchrl_registry, "_WEIGHT_SYNC_SCHEMES", {})
+    for name, cls in BACKENDS.items():
+        if name in taken and not issubclass(taken[name], _CollectorScheme):
+            # A torchrl with a backend of that name keeps it: "zmqsync-zmq" still works.
+            continue
+        _torchrl_registry.register_weight_sync_backend(name)(cls)
+
+
+_register_backends()
 
 
 def _model_of(context: Any, model_id: str) -> Any:

@@ -16,7 +16,7 @@ with its endpoint and settings, but not its sockets, threads or model::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -28,7 +28,13 @@ from zmqsync.tensors import check_fits, extract
 from zmqsync.transport import resolve
 from zmqsync.transport.base import HubTransport, SpokeTransport
 
-__all__ = ["WeightStrategy", "WeightSyncScheme"]
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "WeightStrategy", "WeightSyncScheme"]
+
+#: Seconds ``connect()`` waits by default, on either side (torchrl's default too).
+#: Generous, because spawned workers connect only once they have imported torch, and
+#: several of them import it at once; the send ``timeout`` is kept short to see dead
+#: workers quickly, so it cannot serve for joining too.
+DEFAULT_CONNECT_TIMEOUT: Final = 120.0
 
 
 class WeightStrategy:
@@ -63,7 +69,10 @@ class WeightSyncScheme:
         strategy: ``"state_dict"`` or ``"tensordict"``; both ends must agree.
         transport: alias of the transport (see :mod:`zmqsync.transport`).
         endpoint: where the sender binds and workers connect; ``None`` picks a free one.
-        timeout: seconds ``send()`` waits for acks (and ``connect()`` for the sender).
+        timeout: seconds ``send()`` waits for acks.
+        connect_timeout: seconds ``connect()`` waits by default: on the sender for its
+            ``num_workers`` workers to connect, in a worker for the sender and its
+            latest version.
         sender_options: passed on to :class:`WeightSender` (``retain_snapshot``, ...).
     """
 
@@ -76,8 +85,11 @@ class WeightSyncScheme:
         transport: str | None = None,
         endpoint: str | None = None,
         timeout: float = 10.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         **sender_options: Any,
     ) -> None:
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be positive seconds; got {connect_timeout}")
         if strategy not in ("state_dict", "tensordict"):
             raise ValueError(f"strategy must be 'state_dict' or 'tensordict'; got {strategy!r}")
         self.strategy = strategy
@@ -85,6 +97,7 @@ class WeightSyncScheme:
             self._transport_alias = transport
         self.endpoint = endpoint
         self.timeout = float(timeout)
+        self.connect_timeout = float(connect_timeout)
         self.sender_options = sender_options
         self._model_id: str | None = None
         self._context: Any = None
@@ -274,6 +287,11 @@ class WeightSyncScheme:
         """The sender's sync state (see :meth:`WeightSender.status`)."""
         return self.get_sender().status()
 
+    def worker_versions(self) -> dict[int, int]:
+        """Worker id -> the newest version it acked (see
+        :meth:`WeightSender.worker_versions`)."""
+        return self.get_sender().worker_versions()
+
     # --- receiver side ---------------------------------------------------------------
 
     def init_on_receiver(
@@ -338,7 +356,9 @@ class WeightSyncScheme:
 
     def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
         """Join up. A worker returns with the latest weights applied; a sender returns
-        once its ``num_workers`` workers have connected (else raises SyncTimeout)."""
+        once its ``num_workers`` workers have connected (else raises SyncTimeout).
+
+        ``timeout`` defaults to :attr:`connect_timeout`, not the send ``timeout``."""
         if self._receiver is not None:
             if worker_idx is not None and self._receiver.worker_idx is None:
                 self._receiver.worker_idx = worker_idx
@@ -347,10 +367,10 @@ class WeightSyncScheme:
                     f"this receiver was initialised as worker {self._receiver.worker_idx}, "
                     f"not {worker_idx}"
                 )
-            self._receiver.connect(timeout)
+            self._receiver.connect(self.connect_timeout if timeout is None else timeout)
             return
         if self._sender is not None:
-            self._wait_for_workers(self.timeout if timeout is None else timeout)
+            self._wait_for_workers(self.connect_timeout if timeout is None else timeout)
             return
         raise RuntimeError("connect() needs init_on_sender() or init_on_receiver() first")
 

@@ -30,6 +30,8 @@ class MixedWeightSyncScheme(WeightSyncScheme):
             must share one strategy.
         timeout: seconds ``send()`` waits for every targeted worker's ack; by default
             the longest of the members' timeouts.
+        connect_timeout: seconds ``connect()`` waits for every worker to join; by
+            default the longest of the members' ``connect_timeout``.
         **sender_options: passed to :class:`~zmqsync.WeightSender` (``retain_snapshot``,
             ``heartbeat``, ...); they apply to every transport.
 
@@ -60,6 +62,7 @@ class MixedWeightSyncScheme(WeightSyncScheme):
         self,
         *schemes: WeightSyncScheme,
         timeout: float | None = None,
+        connect_timeout: float | None = None,
         **sender_options: Any,
     ) -> None:
         if not schemes:
@@ -84,7 +87,11 @@ class MixedWeightSyncScheme(WeightSyncScheme):
             raise ValueError("the same scheme object was given twice")
         if timeout is None:
             timeout = max(scheme.timeout for scheme in schemes)
-        super().__init__(strategies.pop(), timeout=timeout, **sender_options)
+        if connect_timeout is None:
+            connect_timeout = max(scheme.connect_timeout for scheme in schemes)
+        super().__init__(
+            strategies.pop(), timeout=timeout, connect_timeout=connect_timeout, **sender_options
+        )
         self.schemes: tuple[WeightSyncScheme, ...] = tuple(schemes)
 
     def init_on_sender(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 from zmqsync.receiver import WeightReceiver
-from zmqsync.schemes.base import WeightSyncScheme, _model_from_context
+from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme, _model_from_context
 from zmqsync.transport.pipe import PipeHub, PipeSpoke
 
 __all__ = ["MultiProcessWeightSyncScheme"]
@@ -41,8 +41,10 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
 
     Args:
         strategy: ``"state_dict"`` (default, as torchrl's) or ``"tensordict"``.
-        timeout: seconds ``send()`` waits for every targeted worker's ack (and a worker's
-            ``connect()`` for the sender).
+        timeout: seconds ``send()`` waits for every targeted worker's ack.
+        connect_timeout: seconds ``connect()`` waits by default: the sender for its
+            workers, a worker for the sender (and ``init_on_worker`` without a
+            ``worker_idx`` for the index its pipe assigns).
         **sender_options: passed to :class:`~zmqsync.WeightSender` (``retain_snapshot``,
             ``heartbeat``, ``repair_after``, ...).
 
@@ -75,9 +77,12 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         strategy: Literal["state_dict", "tensordict"] = "state_dict",
         *,
         timeout: float = 10.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         **sender_options: Any,
     ) -> None:
-        super().__init__(strategy, timeout=timeout, **sender_options)
+        super().__init__(
+            strategy, timeout=timeout, connect_timeout=connect_timeout, **sender_options
+        )
 
     # --- transports ------------------------------------------------------------------
 
@@ -184,7 +189,8 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         spoke = PipeSpoke(pipe)
         try:
             if worker_idx is None:
-                worker_idx = spoke.wait_index(self.timeout)
+                # Part of joining: the sender assigns it as it starts serving the pipe.
+                worker_idx = spoke.wait_index(self.connect_timeout)
             self._worker_idx = int(worker_idx)
             self._receiver = WeightReceiver(
                 spoke,

@@ -65,3 +65,7 @@ class NoWeightSyncScheme(WeightSyncScheme):
     def receive(self, timeout: float | None = None) -> None:
         """No-op receive: always returns None."""
         return None
+
+    def worker_versions(self) -> dict[int, int]:
+        """No workers are synchronized: always empty."""
+        return {}

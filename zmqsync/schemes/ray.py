@@ -20,7 +20,7 @@ from typing import Any, Final, Literal
 
 from zmqsync.errors import SchemaMismatchError, SyncTimeout
 from zmqsync.receiver import WeightReceiver
-from zmqsync.schemes.base import WeightSyncScheme, _model_from_context
+from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme, _model_from_context
 from zmqsync.transport.ray import (
     DELIVER_METHOD,
     POLL_INTERVAL,
@@ -162,6 +162,8 @@ class RayWeightSyncScheme(WeightSyncScheme):
     Args:
         strategy: ``"state_dict"`` (default, as torchrl's) or ``"tensordict"``.
         timeout: seconds ``send()`` waits for every targeted actor's ack.
+        connect_timeout: seconds ``connect()`` waits by default: the sender for every
+            actor to join, a (threaded) actor for itself to join.
         method: the actor method the sender calls (:class:`WeightSyncActorMixin`
             provides it).
         poll_interval: longest gap between the sender's polls of an idle actor, which
@@ -200,9 +202,12 @@ class RayWeightSyncScheme(WeightSyncScheme):
         method: str = DELIVER_METHOD,
         poll_interval: float = POLL_INTERVAL,
         shared_memory: bool = True,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         **sender_options: Any,
     ) -> None:
-        super().__init__(strategy, timeout=timeout, **sender_options)
+        super().__init__(
+            strategy, timeout=timeout, connect_timeout=connect_timeout, **sender_options
+        )
         self.method = method
         self.poll_interval = poll_interval
         self.shared_memory = shared_memory
@@ -349,7 +354,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         if side is None:
             super().connect(worker_idx=worker_idx, timeout=timeout)
             return
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.connect_timeout if timeout is None else timeout
         if not side.wait_joined(timeout):
             raise SyncTimeout(
                 f"this actor did not join the sender of {self._model_id!r} within {timeout:g}s"

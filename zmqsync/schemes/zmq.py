@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from zmqsync.schemes.base import WeightSyncScheme
+from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.tensors import ModelTensors
 
@@ -24,6 +24,8 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
             binds (the ack and data sockets take the next ports / suffixed paths);
             ``None`` picks a free ipc path in a private temp dir.
         timeout: seconds ``send()`` waits for every targeted worker's ack.
+        connect_timeout: seconds ``connect()`` waits by default: the sender for its
+            ``num_workers`` workers, a worker for the sender and its latest version.
         curve_server: the sender's CURVE keys (:class:`~zmqsync.security.CurveServer`):
             every socket is encrypted, and only ``allowed_clients`` may connect.
         curve_client: a worker's CURVE keys (:class:`~zmqsync.security.CurveClient`).
@@ -56,6 +58,7 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
         curve_client: CurveClient | None = None,
         insecure: bool = False,
         shared_memory: bool | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         **sender_options: Any,
     ) -> None:
         self.shared_memory = shared_memory
@@ -66,7 +69,12 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
             raise ValueError(f"mode must be 'pubsub' or 'router'; got {mode!r}")
         self.mode = mode
         super().__init__(
-            strategy, transport=_MODES[mode], endpoint=endpoint, timeout=timeout, **sender_options
+            strategy,
+            transport=_MODES[mode],
+            endpoint=endpoint,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            **sender_options,
         )
 
     def __getstate__(self) -> dict[str, Any]:
