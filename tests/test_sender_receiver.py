@@ -835,3 +835,30 @@ def test_a_sender_that_packs_nothing_sends_every_tensor_from_its_own_memory() ->
     finally:
         receiver.close()
         sender.close()
+
+
+def test_connected_workers_and_worker_versions_count_past_the_status_rows() -> None:
+    """status() shows at most STATUS_ROWS workers; connected_workers() and
+    worker_versions(), which a learner's connect() and the CLI's progress read, count
+    them all."""
+    from zmqsync.fleet import STATUS_ROWS
+    from zmqsync.protocol import Hello
+
+    n = STATUS_ROWS + 200
+    hub = MemoryHub()
+    sender = WeightSender(hub, strategy="state_dict", num_workers=None)
+    spokes = [MemorySpoke(hub.endpoint) for _ in range(n)]
+    try:
+        for i, spoke in enumerate(spokes):
+            spoke.send_frames(encode(Hello("policy", 0, 0, i, attempt="a")))
+        deadline = time.monotonic() + 30
+        while len(sender.connected_workers()) < n:
+            assert time.monotonic() < deadline, "the hellos were not all handled"
+            time.sleep(0.02)
+        assert sender.connected_workers() == frozenset(range(n))
+        assert len(sender.worker_versions()) == n
+        assert len(sender.status()["workers"]) == STATUS_ROWS
+    finally:
+        for spoke in spokes:
+            spoke.close()
+        sender.close()

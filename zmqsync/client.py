@@ -467,7 +467,7 @@ class CheckpointPublisher:
         if self.num_workers is not None:
             targets = list(range(self.num_workers))
         else:
-            targets = sorted(w["worker"] for w in sender.status()["workers"] if w["connected"])
+            targets = sorted(sender.connected_workers())
         started = time.monotonic()
         sender.send_async(weights)
         version = sender.version
@@ -494,8 +494,8 @@ class CheckpointPublisher:
     ) -> None:
         wanted = set(targets)
         while True:
-            workers = self._scheme.status()["workers"]
-            acked = sum(1 for w in workers if w["worker"] in wanted and w["version"] >= version)
+            held = self._scheme.get_sender().worker_versions()
+            acked = sum(1 for w in wanted if held.get(w, 0) >= version)
             progress(acked, len(wanted))
             if acked >= len(wanted) or time.monotonic() >= deadline:
                 return
@@ -819,8 +819,7 @@ class LocalFleet:
             self._procs.append(proc)
         deadline = time.monotonic() + self.timeout
         while True:
-            status = self.scheme.status()
-            connected = {w["worker"] for w in status["workers"] if w["connected"]}
+            connected = self.scheme.get_sender().connected_workers()
             if len(connected) >= self.num_workers:
                 return
             for i, proc in enumerate(self._procs):

@@ -621,6 +621,12 @@ class WeightSender:
             },
         }
 
+    def connected_workers(self) -> frozenset[int]:
+        """Ids of the workers that said hello and have not left (never cut short, unlike
+        :meth:`status`'s rows)."""
+        with self._cond:
+            return frozenset(w for w, s in self.fleet.workers.items() if s.left is None)
+
     def worker_versions(self) -> dict[int, int]:
         """The newest version each worker acked in this sender's epoch, by worker id
         (0: none yet): every connected worker that has not left, and every expected

@@ -381,8 +381,7 @@ class WeightSyncScheme:
         expected = set(range(sender.num_workers or 0))
         deadline = time.monotonic() + timeout
         while True:
-            seen = {w["worker"] for w in sender.status()["workers"] if w.get("connected")}
-            missing = expected - seen
+            missing = expected - sender.connected_workers()
             if not missing:
                 return
             if time.monotonic() > deadline:
