@@ -198,3 +198,24 @@ def test_actor_side_joins_without_blocking_torchrl_connect() -> None:
     finally:
         sender.shutdown()
         ray.kill(holder, no_restart=True)
+
+
+@pytest.mark.timeout(180)
+def test_raycollector_with_a_random_policy_has_nothing_to_sync() -> None:
+    """A RandomPolicy has no weights: the scheme is a no-op that works (no sockets, no
+    waiting), and the collector collects and takes updates as with torchrl's schemes."""
+    from torchrl.collectors import RandomPolicy
+
+    policy = RandomPolicy(make_env(0).action_spec)
+    scheme = zmqsync.torchrl.RayWeightSyncScheme(timeout=5, connect_timeout=30)
+    collector = ray_collector(policy, scheme)
+    try:
+        batches = iter(collector)
+        first = next(batches)
+        assert first.numel() > 0
+        collector.update_policy_weights_()
+        assert next(batches).numel() > 0
+        assert scheme.worker_versions() == {}
+        assert scheme.status()["weightless"] is True
+    finally:
+        collector.shutdown()

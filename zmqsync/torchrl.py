@@ -92,6 +92,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchrl
     ) from exc
 
 import torch
+from tensordict import TensorDictBase
 from torch import nn
 
 from zmqsync.errors import SyncTimeout
@@ -198,6 +199,9 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
             warnings.filterwarnings("ignore", "state_dict strategy is experimental", UserWarning)
             super().__init__(strategy)
         self._inner = inner
+        #: The policy has no weights (a RandomPolicy, a module without parameters):
+        #: nothing to synchronize, so every call is a no-op. Pickled into the workers.
+        self._weightless = False
         self._forward_lock: _ForwardLock | None = None
         self._local_model: Any = None
         #: What the collector's policy-version tracker was last told: (tracker id,
@@ -253,12 +257,14 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 
     def status(self) -> dict[str, Any]:
         """The sender's sync state (see :meth:`zmqsync.WeightSender.status`)."""
+        if self._weightless:
+            return {"model_id": self._model_id, "version": 0, "workers": [], "weightless": True}
         return self._inner.status()
 
     def worker_versions(self) -> dict[int, int]:
         """Worker id -> the newest version it acked (see
-        :meth:`zmqsync.WeightSender.worker_versions`)."""
-        return self._inner.worker_versions()
+        :meth:`zmqsync.WeightSender.worker_versions`); empty for a weightless policy."""
+        return {} if self._weightless else self._inner.worker_versions()
 
     @property
     def lock(self) -> Any:
@@ -327,6 +333,9 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
                 "model=... or weights=..., or a context (collector) that holds the policy"
             )
         self._local_model = model
+        if weights is None and _weightless(model):
+            self._weightless = True  # nothing to send, ever: no sockets, pipes or threads
+            return
         self._start_sender(
             model_id, model=model, num_workers=num_workers, context=context, ctx=ctx, **kwargs
         )
@@ -374,7 +383,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 
         With ``weights``, they are sent to every worker (waiting for them to join).
         """
-        if weights is not None:
+        if weights is not None and not self._weightless:
             self._inner.connect(timeout=self.connect_timeout)
             self._inner.send(weights)
 
@@ -384,7 +393,10 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         ``weights``: ``None`` (the collector's policy), an ``nn.Module``, a
         ``TensorDict``, a ``dict`` of tensors, or the name of a model in the context.
         Raises :class:`zmqsync.SyncTimeout` naming workers that did not ack in time.
+        A weightless policy has nothing to send: a no-op.
         """
+        if self._weightless:
+            return
         if isinstance(weights, str):
             if self.context is None:
                 raise ValueError(
@@ -402,11 +414,13 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 
     def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
         """Start a send; :meth:`wait_async` completes it."""
-        self._inner.send_async(weights, worker_ids)
+        if not self._weightless:
+            self._inner.send_async(weights, worker_ids)
 
     def wait_async(self) -> None:
         """Wait for the pending :meth:`send_async`."""
-        self._inner.wait_async()
+        if not self._weightless:
+            self._inner.wait_async()
 
     # --- receiver side ---------------------------------------------------------------
 
@@ -425,8 +439,12 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         self.context = context
         if model is None and context is not None:
             model = _model_of(context, model_id)
-        model = _materialize(model)
         self._worker_idx = worker_idx
+        if self._weightless or _weightless(model):
+            self._weightless = True  # the learner sends nothing: nothing to join
+            self._local_model = model
+            return
+        model = _materialize(model)
         self._local_model = model
         self._start_receiver(model_id, model=model, worker_idx=worker_idx)
         receiver = self._inner.get_receiver()
@@ -493,6 +511,8 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         self, *, worker_idx: int | None = None
     ) -> None:
         """Join the learner, return with real weights applied, then receive in the background."""
+        if self._weightless:
+            return
         receiver = self._inner.get_receiver()
         deadline = time.monotonic() + self.connect_timeout
         self._inner.connect(worker_idx=worker_idx, timeout=self.connect_timeout)
@@ -517,6 +537,8 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         """
         if not self.initialized_on_receiver:
             raise RuntimeError(f"{type(self).__name__}: receive() needs init_on_receiver() first")
+        if self._weightless:
+            return None
         receiver = self._inner.get_receiver()
         if self.synchronized_on_receiver:
             return None  # the background thread receives for us
@@ -712,6 +734,8 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
         """Close the learner's copies of the workers' pipe ends (every worker has been
         started by now): from here on, a worker that dies is seen at once."""
         _close_all(self._worker_ends)
+        if self._weightless:
+            return
         super()._setup_connection_and_weights_on_sender_impl(worker_idx=worker_idx, weights=weights)
 
     def _start_receiver(self, model_id: str, *, model: Any, worker_idx: int | None) -> None:
@@ -855,6 +879,8 @@ class RayWeightSyncScheme(_CollectorScheme):
     ) -> None:
         """Wait until every actor holds the latest version (RayCollector calls this
         before its first update: collection then starts from the learner's weights)."""
+        if self._weightless:
+            return
         self._wait_until_current(self.connect_timeout)
         super()._setup_connection_and_weights_on_sender_impl(worker_idx=worker_idx, weights=weights)
 
@@ -862,22 +888,23 @@ class RayWeightSyncScheme(_CollectorScheme):
         sender = self._inner.get_sender()
         deadline = time.monotonic() + timeout
         while True:
-            status = sender.status()
-            behind = {w["worker"]: w for w in status["workers"] if w["version"] < status["version"]}
+            latest = sender.version
+            # worker_versions(), not status(): status shows a large fleet's rows in part.
+            behind = {w: v for w, v in sender.worker_versions().items() if v < latest}
             if not behind:
                 return
             if time.monotonic() >= deadline:
+                joined = sender.connected_workers()
                 details = "; ".join(
-                    f"worker {w} holds version {info['version']}"
-                    + ("" if info["connected"] else " (never joined)")
-                    for w, info in sorted(behind.items())
+                    f"worker {w} holds version {v}" + ("" if w in joined else " (never joined)")
+                    for w, v in sorted(behind.items())
                 )
                 raise SyncTimeout(
-                    f"{len(behind)} Ray actor(s) did not reach version {status['version']} of "
+                    f"{len(behind)} Ray actor(s) did not reach version {latest} of "
                     f"{self._model_id!r} within {timeout:g}s: {details}. Is each remote "
                     "collector alive, and did it get the scheme (register_scheme_receiver)?",
                     missing_workers=behind,
-                    version=status["version"],
+                    version=latest,
                 )
             time.sleep(_STATUS_POLL)  # status is local bookkeeping: cheap to look at
 
@@ -932,6 +959,21 @@ def _model_of(context: Any, model_id: str) -> Any:
         return _resolve_model(context, model_id)
     except AttributeError:
         return None
+
+
+def _weightless(model: Any) -> bool:
+    """Whether ``model`` holds no weights to synchronize: a module without parameters or
+    buffers, an empty TensorDict or dict, or a policy that is not a module at all and
+    has no ``state_dict`` (torchrl's ``RandomPolicy``)."""
+    if model is None:
+        return False
+    if isinstance(model, nn.Module):
+        return next(model.parameters(), None) is None and next(model.buffers(), None) is None
+    if isinstance(model, TensorDictBase):
+        return next(iter(model.keys(True, True)), None) is None
+    if isinstance(model, Mapping):
+        return not model
+    return not callable(getattr(model, "state_dict", None))
 
 
 def _built(getter: Any) -> Any:
