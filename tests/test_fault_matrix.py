@@ -63,6 +63,10 @@ class Learner:
     slowest: float = 0.0
     timeouts: int = 0
 
+    def __post_init__(self) -> None:
+        # Version 0: the weights the learner started with, what a worker gets at connect.
+        self.sent[0] = zmqsync.checksum(self.model)
+
     def send(self, **kw: Any) -> None:
         """Bump the model (a training step) and send it; a timeout is counted, not
         raised, and every send must return within its timeout."""
@@ -94,7 +98,7 @@ def _report(case: str, learner: Learner, rss: int) -> None:
     totals = learner.scheme.get_sender().status()["totals"]
     counted = {k: totals.get(k, 0) for k in ("rejected_frames", "forged", "handshake_failures")}
     print(
-        f"\nFAULT {case}: {len(learner.sent)} sends, {learner.timeouts} timed out, slowest "
+        f"\nFAULT {case}: {len(learner.sent) - 1} sends, {learner.timeouts} timed out, slowest "
         f"{learner.slowest:.2f}s, counted {counted}, learner RSS +{rss / 2**20:.0f} MiB"
     )
 

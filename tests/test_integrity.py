@@ -95,7 +95,7 @@ def test_a_stopped_worker_never_applies_a_torn_version(
     )
     scheme.init_on_sender("policy", model=model, num_workers=None)
     sender = scheme.get_sender()
-    sent: dict[int, str] = {}
+    sent: dict[int, str] = {0: zmqsync.checksum(model)}  # version 0: what it started with
     try:
         _start(fleet, scheme, range(2), kind="big")
         bump(model)
@@ -137,7 +137,7 @@ def test_forgeries_on_the_ack_channel_change_nothing(fleet: Any, mode: str) -> N
     scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint="tcp://127.0.0.1:*", timeout=2)
     scheme.init_on_sender("policy", model=model, num_workers=None)
     sender = scheme.get_sender()
-    sent: dict[int, str] = {}
+    sent: dict[int, str] = {0: zmqsync.checksum(model)}  # version 0: what it started with
     try:
         _start(fleet, scheme, range(2))
         _send_recording(scheme, model, sent)
@@ -194,7 +194,7 @@ def test_no_port_is_ever_free_for_a_squatter(fleet: Any, mode: str) -> None:
     scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint="tcp://127.0.0.1:*", timeout=1)
     scheme.init_on_sender("policy", model=model, num_workers=1)
     sender = scheme.get_sender()
-    sent: dict[int, str] = {}
+    sent: dict[int, str] = {0: zmqsync.checksum(model)}  # version 0: what it started with
     addresses = [sender.endpoint, *sender.transport.announce().values()]
     try:
         _start(fleet, scheme, range(1), kind="big")
@@ -225,7 +225,7 @@ def test_strangers_grow_no_state_and_status_stays_bounded(fleet: Any) -> None:
     scheme = ZMQWeightSyncScheme("state_dict", endpoint="tcp://127.0.0.1:*", timeout=5)
     scheme.init_on_sender("policy", model=model, num_workers=None)
     sender = scheme.get_sender()
-    sent: dict[int, str] = {}
+    sent: dict[int, str] = {0: zmqsync.checksum(model)}  # version 0: what it started with
     try:
         _start(fleet, scheme, range(2))
         ack_endpoint = sender.transport.announce()["ack_endpoint"]
@@ -285,7 +285,7 @@ def test_a_paused_worker_keeps_its_id(fleet: Any) -> None:
     )
     scheme.init_on_sender("policy", model=model, num_workers=None)
     sender = scheme.get_sender()
-    sent: dict[int, str] = {}
+    sent: dict[int, str] = {0: zmqsync.checksum(model)}  # version 0: what it started with
     try:
         fleet.start(scheme, 0, init_kwargs={"worker_idx": None})
         fleet.wait_ready(0)
@@ -336,7 +336,7 @@ def test_weights_sent_to_the_learner_are_refused_unread(fleet: Any) -> None:
     scheme = ZMQWeightSyncScheme("state_dict", endpoint="tcp://127.0.0.1:*", timeout=5)
     scheme.init_on_sender("policy", model=model, num_workers=1)
     sender = scheme.get_sender()
-    sent: dict[int, str] = {}
+    sent: dict[int, str] = {0: zmqsync.checksum(model)}  # version 0: what it started with
     try:
         _start(fleet, scheme, range(1))
         rejected = sender.status()["totals"]["rejected_frames"]
