@@ -83,7 +83,8 @@ def host_sender(ns: str, options: dict[str, Any], mb: float, num_workers: int, c
         scheme = zmqsync.ZMQWeightSyncScheme("state_dict", **options)
         scheme.init_on_sender("policy", model=model, num_workers=num_workers)
         sender = scheme.get_sender()
-        conn.send(("ready", scheme))
+        # Version 0: the weights it started with, what a worker gets when it connects.
+        conn.send(("ready", scheme, (sender.epoch, 0, zmqsync.checksum(model))))
         while True:
             if not conn.poll(0.05):
                 continue

@@ -48,6 +48,8 @@ class Net:
         )
         reply = self.sender.recv()
         assert reply[0] == "ready"
+        epoch, version, checksum = reply[2]
+        self.sent[(epoch, version)] = checksum
         return reply[1]
 
     def start_worker(self, i: int, scheme: Any, mb: float, slow_apply: float = 0.0) -> None:
@@ -99,7 +101,7 @@ class Net:
             assert history, f"worker {i} applied nothing"
             per_epoch: dict[int, int] = {}
             for epoch, version, checksum in history:
-                assert per_epoch.get(epoch, 0) < version, f"worker {i} went backwards: {history}"
+                assert per_epoch.get(epoch, -1) < version, f"worker {i} went backwards: {history}"
                 per_epoch[epoch] = version
                 assert (epoch, version) in self.sent, f"worker {i} applied an unsent version"
                 assert self.sent[(epoch, version)] == checksum, (
