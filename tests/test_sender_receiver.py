@@ -862,3 +862,50 @@ def test_connected_workers_and_worker_versions_count_past_the_status_rows() -> N
         for spoke in spokes:
             spoke.close()
         sender.close()
+
+
+def test_a_version_applied_before_a_restarted_senders_welcome_is_acked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A restarted sender (new epoch, same endpoint) fans versions out to a worker whose
+    SUB reconnected before the worker has a session with it: the worker applies them,
+    but those acks count for nothing. Once welcomed, the worker acks what it holds
+    again, so a send waiting for it completes."""
+    endpoint = f"ipc://{tmp_path}/restart"
+    # Heartbeats of 2 s: the worker hears of the restart only at its next one.
+    first = WeightSender(
+        PubSubHub(endpoint, shared_memory=False),
+        model=_model(0),
+        strategy="state_dict",
+        heartbeat=2.0,
+    )
+    receiver = WeightReceiver(
+        PubSubSpoke(endpoint, identity="0"), model=_model(9), strategy="state_dict"
+    )
+    second = None
+    try:
+        receiver.connect()
+        receiver.start()
+        first.close()
+        model = _model(1)
+        second = WeightSender(
+            PubSubHub(endpoint, shared_memory=False),
+            model=model,
+            strategy="state_dict",
+            num_workers=None,
+            timeout=10,
+        )
+        # Fan versions out (to nobody the sender knows) until the worker, resubscribed
+        # but not yet welcomed, has applied one.
+        deadline = time.monotonic() + 10
+        while receiver.epoch != second.epoch:
+            assert time.monotonic() < deadline, "the worker never resubscribed"
+            second.send()
+            time.sleep(0.02)
+        assert not second.connected_workers(), "welcomed already: the race did not happen"
+        second.num_workers = 1
+        second.send()  # waits for worker 0's ack under its new session
+        assert receiver.epoch == second.epoch and receiver.version == second.version
+        assert checksum(receiver.model) == checksum(model)
+    finally:
+        receiver.close()
+        if second is not None:
+            second.close()

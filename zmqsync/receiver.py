@@ -392,6 +392,11 @@ class WeightReceiver:
             if self._unsent_refusal is not None:
                 refusal, self._unsent_refusal = self._unsent_refusal, None
                 self._ack(applied=False, **refusal)
+            elif self.epoch == message.epoch:
+                # What it holds of this sender, acked anew: an ack sent while it had no
+                # session (a restarted sender's version, applied before its Welcome) was
+                # never counted, and a send may be waiting for it.
+                self._ack(applied=True)
             if message.strategy != self.strategy:
                 self._rejected(
                     f"sender uses strategy {message.strategy!r}, this worker {self.strategy!r}"
