@@ -155,6 +155,18 @@ def policy() -> TensorDictModule:
     return make_policy()
 
 
+def async_collector(policy: nn.Module, scheme: Any, **kwargs: Any) -> MultiAsyncCollector:
+    return MultiAsyncCollector(
+        [make_env] * NUM_WORKERS,
+        policy,
+        frames_per_batch=FRAMES_PER_BATCH // NUM_WORKERS,
+        total_frames=-1,
+        create_env_kwargs=[{"worker": i} for i in range(NUM_WORKERS)],
+        weight_sync_schemes={"policy": scheme},
+        **kwargs,
+    )
+
+
 def sync_collector(policy: nn.Module, scheme: Any, **kwargs: Any) -> MultiSyncCollector:
     return MultiSyncCollector(
         [make_env] * NUM_WORKERS,
@@ -256,14 +268,7 @@ def test_multisync_initial_weights_update_targeting_isolation(
 @pytest.mark.parametrize("transport", ["zmq-router", "pipe"])
 def test_multiasync_update_reaches_every_worker(policy: TensorDictModule, transport: str) -> None:
     scheme = make_scheme(transport, timeout=10)
-    collector = MultiAsyncCollector(
-        [make_env] * NUM_WORKERS,
-        policy,
-        frames_per_batch=FRAMES_PER_BATCH // NUM_WORKERS,
-        total_frames=-1,
-        create_env_kwargs=[{"worker": i} for i in range(NUM_WORKERS)],
-        weight_sync_schemes={"policy": scheme},
-    )
+    collector = async_collector(policy, scheme)
     try:
         batches = iter(collector)
         initial = snapshot(policy)
@@ -562,15 +567,7 @@ def test_multiasync_tags_frames_with_the_version_applied_in_the_background(
     policy: TensorDictModule, transport: str
 ) -> None:
     scheme = make_scheme(transport, timeout=10)
-    collector = MultiAsyncCollector(
-        [make_env] * NUM_WORKERS,
-        policy,
-        frames_per_batch=FRAMES_PER_BATCH // NUM_WORKERS,
-        total_frames=-1,
-        create_env_kwargs=[{"worker": i} for i in range(NUM_WORKERS)],
-        weight_sync_schemes={"policy": scheme},
-        track_policy_version=True,
-    )
+    collector = async_collector(policy, scheme, track_policy_version=True)
     try:
         # Async workers collect while the background thread applies the updates.
         after, saved = collect_around_two_updates(collector, policy, exact=True)
