@@ -111,6 +111,9 @@ def test_a_stopped_worker_never_applies_a_torn_version(
                     assert exc.missing_workers == [0]
                 bump(model)  # the next training step, in place, sent by nobody
         bump(model)
+        # The resumed worker drains what was queued for it first: on a loaded 2-core
+        # machine that can take longer than the 1.5 s that left it behind.
+        sender.timeout = 30.0
         _send_recording(scheme, model, sent)
         until(
             lambda: fleet.ask(0, "state")["version"] == sender.version,
