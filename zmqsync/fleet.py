@@ -655,6 +655,17 @@ class Fleet:
                 versions[w] = s.version if s.epoch in (self.epoch, 0) else 0
         return dict(sorted(versions.items()))
 
+    def current(self, lost: Mapping[int, frozenset[PeerId]]) -> frozenset[int]:
+        """Workers not gone that hold the latest version of this epoch: they acked it
+        (or said so in their hello). Nothing published: every worker not gone."""
+        gone = self.gone(self.workers, lost)
+        return frozenset(
+            w
+            for w, s in self.workers.items()
+            if w not in gone
+            and (not self.published or (s.epoch == self.epoch and s.version >= self.version))
+        )
+
     def describe(self, workers: Iterable[int], now: float) -> dict[int, str]:
         """A line per worker for error messages: where it is and what it holds."""
         out = {}

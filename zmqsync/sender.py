@@ -639,6 +639,13 @@ class WeightSender:
         with self._cond:
             return self.fleet.acked_versions(lost)
 
+    def current_workers(self) -> frozenset[int]:
+        """Ids of the workers known to hold the latest version (what ``connect()`` and
+        every later send gave them); before anything is published, every connected one."""
+        lost = {r.index: r.hub.lost_peers() for r in self._runners}
+        with self._cond:
+            return self.fleet.current(lost)
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -16,6 +16,8 @@ with its endpoint and settings, but not its sockets, threads or model::
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any, Final
 
 import torch
@@ -51,6 +53,27 @@ class WeightStrategy:
         if self.extract_as == "state_dict":
             return {".".join(k): v for k, v in tensors.items()}
         return TensorDict(dict(tensors.items()), batch_size=[])
+
+
+#: What a scheme passes to :class:`WeightSender` itself; the rest of the sender's
+#: keyword arguments are the options a scheme accepts (``**sender_options``).
+_SET_BY_SCHEME: Final = frozenset(
+    {"self", "hub", "model_id", "model", "strategy", "num_workers", "timeout", "mode"}
+)
+SENDER_OPTIONS: Final = (
+    frozenset(inspect.signature(WeightSender.__init__).parameters) - _SET_BY_SCHEME
+)
+
+
+def _check_sender_options(owner: str, options: Mapping[str, Any]) -> None:
+    """Refuse, when the scheme is built, an option that no part of it takes (it would
+    otherwise fail later, in ``init_on_sender``, or never)."""
+    unknown = sorted(set(options) - SENDER_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{owner} does not support the option(s) {', '.join(map(repr, unknown))}; it "
+            f"takes, besides its own arguments, {', '.join(sorted(SENDER_OPTIONS))}"
+        )
 
 
 def _model_from_context(context: Any, model_id: str) -> Any:
@@ -98,6 +121,7 @@ class WeightSyncScheme:
         self.endpoint = endpoint
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
+        _check_sender_options(type(self).__name__, sender_options)
         self.sender_options = sender_options
         self._model_id: str | None = None
         self._context: Any = None
