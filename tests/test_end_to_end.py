@@ -33,6 +33,12 @@ def test_four_workers_exact_after_every_send(fleet, endpoint, mode, strategy) ->
     scheme.init_on_sender("policy", model=model, num_workers=4)
     try:
         _start_fleet(fleet, scheme, range(4), kind="wide")
+        # connect() is a rendez-vous: before any send, every worker (its model built
+        # from another seed) holds the learner's weights, as version 0.
+        initial = zmqsync.checksum(model, strategy)
+        for i in range(4):
+            assert fleet.ask(i, "state")["checksum"] == initial, f"worker {i} kept its own"
+            assert fleet.ask(i, "state")["version"] == 0
         for version in (1, 2, 3):
             bump(model)
             scheme.send()

@@ -279,6 +279,11 @@ def test_one_scheme_serves_pipe_zmq_and_ray_workers_at_once(
         def latest() -> tuple[int, str]:
             return mixed.get_sender().version, zmqsync.checksum(model, "state_dict")
 
+        # connect() is a rendez-vous on every transport: before any send, every worker
+        # (each built from a seed of its own) holds the learner's weights, version 0.
+        assert states() == {i: latest() for i in range(6)}
+        assert latest()[0] == 0
+
         # Every worker on every transport exact after each send(), one version counter.
         for _ in range(2):
             _bump(model)

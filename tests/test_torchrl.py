@@ -184,6 +184,12 @@ def versions(scheme: Any) -> dict[int, int]:
     return {w["worker"]: w["version"] for w in scheme.status()["workers"]}
 
 
+def current(scheme: Any) -> set[int]:
+    """The workers that acked the learner's latest version (0 included, which
+    :func:`versions` cannot tell from "never joined")."""
+    return set(scheme.get_sender().current_workers())
+
+
 def check_targeting_and_isolation(
     collector: Any,
     batches: Iterator[TensorDictBase],
@@ -192,14 +198,14 @@ def check_targeting_and_isolation(
     *,
     held: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
-    """With every worker at version 2 holding ``held``: ``worker_ids=[0]`` changes
+    """With every worker at version 1 holding ``held``: ``worker_ids=[0]`` changes
     exactly worker 0, and the learner changing its weights without sending changes no
     worker (none aliases the learner's memory)."""
     set_weights(policy, (-1.0, 4.0), -0.25)
     newest = snapshot(policy)
     collector.update_policy_weights_(worker_ids=[0])
-    assert versions(scheme) == {0: 3, 1: 2}
-    assert scheme.worker_versions() == {0: 3, 1: 2}  # what each worker acked
+    assert versions(scheme) == {0: 2, 1: 1}
+    assert scheme.worker_versions() == {0: 2, 1: 1}  # what each worker acked
     rows = per_worker(next(batches))
     assert from_weights(rows[0], newest)
     assert from_weights(rows[1], held)
@@ -254,8 +260,8 @@ def test_multisync_initial_weights_update_targeting_isolation(
         assert not torch.allclose(new[0], initial[0])
         collector.update_policy_weights_()
         # Acked by every worker when the call returns.
-        assert versions(scheme) == {0: 2, 1: 2}
-        assert scheme.worker_versions() == {0: 2, 1: 2}
+        assert versions(scheme) == {0: 1, 1: 1}
+        assert scheme.worker_versions() == {0: 1, 1: 1}
         batch = next(batches)
         assert from_weights(batch, new)
 
@@ -278,7 +284,7 @@ def test_multiasync_update_reaches_every_worker(policy: TensorDictModule, transp
         set_weights(policy, (0.5, -2.0), 3.0)
         new = snapshot(policy)
         collector.update_policy_weights_()
-        assert versions(scheme) == {0: 2, 1: 2}
+        assert versions(scheme) == {0: 1, 1: 1}
         # Async workers run ahead: a batch each may have been (partly) collected before
         # the update landed. After that, every batch comes from the new weights.
         seen_new: dict[int, bool] = {}
@@ -327,10 +333,10 @@ def test_killed_worker_makes_the_update_raise(policy: TensorDictModule, transpor
             # worker) kept a copy of the dead worker's end open.
             assert scheme.status()["totals"]["peers_lost"] == 1
         # The live worker did get it, and can still be updated alone.
-        assert versions(scheme)[0] == 2
+        assert versions(scheme)[0] == 1
         set_weights(policy, (1.0, 1.0), 1.0)
         collector.update_policy_weights_(worker_ids=[0])
-        assert versions(scheme)[0] == 3
+        assert versions(scheme)[0] == 2
     finally:
         close(collector, scheme, raise_on_error=False)  # a worker is dead: expected
 
@@ -407,13 +413,13 @@ def test_pipe_worker_side_in_process_own_end_meta_policy_targeting(
         worker.init_on_receiver(model_id="policy", model=local, worker_idx=1)
         worker.connect(worker_idx=1)
         assert torch.equal(local.module.weight, policy.module.weight)
-        # Joined as worker 1, on its own pipe (its ack of version 1 is on its way).
-        wait_for(lambda: versions(sender) == {0: 0, 1: 1}, 20, "worker 1's ack")
+        # Joined as worker 1, on its own pipe (its ack of version 0 is on its way).
+        wait_for(lambda: current(sender) == {1}, 20, "worker 1's ack")
 
         # (No sender.connect() here: in one process it would close the worker's end.)
         set_weights(policy, (0.5, -2.0), 3.0)
         sender.send(worker_ids=[1])
-        assert versions(sender) == {0: 0, 1: 2}
+        assert versions(sender) == {0: 0, 1: 1}
         assert torch.equal(local.module.weight, policy.module.weight)
     finally:
         worker.shutdown()
@@ -593,15 +599,15 @@ def test_version_applied_at_a_late_join_and_in_the_background_reaches_the_tracke
     over: the tracker gets the version taken at connect (here a late joiner's), and
     then each one the background thread applies."""
     sender = zmqsync.torchrl.ZMQWeightSyncScheme(timeout=10, connect_timeout=20)
-    sender.init_on_sender(model_id="policy", model=policy, num_workers=1)  # version 1
+    sender.init_on_sender(model_id="policy", model=policy, num_workers=1)  # version 0
     worker = pickle.loads(pickle.dumps(sender))  # what spawn does
     try:
         set_weights(policy, *UPDATES[0])
-        sender.send(worker_ids=[])  # version 2, before the worker joins
+        sender.send(worker_ids=[])  # version 1, before the worker joins
         local = make_policy()
         worker.init_on_receiver(model_id="policy", model=local, worker_idx=0)
         worker.connect(worker_idx=0)
-        assert worker.get_receiver().version == 2
+        assert worker.get_receiver().version == 1
         collector = _Collector(PolicyVersion())
         worker.context = collector
         assert collector.policy_version_tracker.version == 1  # torchrl's count: 1 update

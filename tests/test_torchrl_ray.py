@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import ray
 import test_torchrl
+import test_torchrl_factories
 import torch
 from conftest import kill_actor
 from tensordict.nn import TensorDictModule
@@ -24,6 +25,7 @@ from test_torchrl import (
     NUM_WORKERS,
     UPDATES,
     check_targeting_and_isolation,
+    current,
     from_weights,
     make_env,
     make_policy,
@@ -47,7 +49,7 @@ FRAMES_PER_BATCH = 16  # over both remote collectors (sync=True splits it evenly
 def ray_for_collectors(ray_cluster: None) -> Iterator[None]:
     """conftest's session cluster; this module and test_torchrl (env, policy) travel to
     Ray's workers by value: they cannot import test modules."""
-    for module in (sys.modules[__name__], test_torchrl):
+    for module in (sys.modules[__name__], test_torchrl, test_torchrl_factories):
         ray.cloudpickle.register_pickle_by_value(module)
     yield
 
@@ -82,8 +84,8 @@ def test_raycollector_initial_weights_update_targeting_isolation_and_killed_acto
     try:
         initial = snapshot(policy)
         # The actors join through the learner's calls as soon as torchrl hands them the
-        # scheme: each holds version 1, the learner's weights when the collector was built.
-        wait_for(lambda: versions(scheme) == {0: 1, 1: 1}, 60, "both actors joining")
+        # scheme: each holds version 0, the learner's weights when the collector was built.
+        wait_for(lambda: current(scheme) == {0, 1}, 60, "both actors joining")
         # zmqsync's worker ids are RayCollector's worker indices.
         pids = {w["worker"]: w["pid"] for w in scheme.status()["workers"]}
         actor_pids = ray.get(
@@ -92,12 +94,12 @@ def test_raycollector_initial_weights_update_targeting_isolation_and_killed_acto
         assert pids == dict(enumerate(actor_pids))
 
         # First update: torchrl's lazy connect (every actor holds the latest version),
-        # then version 2, applied by both actors when the call returns.
+        # then version 1, applied by both actors when the call returns.
         set_weights(policy, (0.5, -2.0), 3.0)
         new = snapshot(policy)
         assert not torch.allclose(new[0], initial[0])
         collector.update_policy_weights_()
-        assert versions(scheme) == {0: 2, 1: 2}
+        assert versions(scheme) == {0: 1, 1: 1}
         batches = iter(collector)
         rows = per_worker(next(batches))
         assert from_weights(rows[0], new) and from_weights(rows[1], new)
@@ -119,9 +121,9 @@ def test_raycollector_initial_weights_update_targeting_isolation_and_killed_acto
         assert took <= scheme.timeout + 1.0, took
         assert scheme.status()["totals"]["peers_lost"] == 1  # Ray told us it died
         # The live actor did get it, and can still be updated alone.
-        assert versions(scheme)[0] == 4
+        assert versions(scheme)[0] == 3
         collector.update_policy_weights_(worker_ids=[0])
-        assert versions(scheme)[0] == 5
+        assert versions(scheme)[0] == 4
     finally:
         collector.shutdown()  # kills the actors, then shuts the scheme down
         scheme.shutdown()  # idempotent: for a failure before the collector got it
@@ -135,12 +137,12 @@ def test_raycollector_tags_frames_and_saves_the_version_each_actor_applied() -> 
     scheme = zmqsync.torchrl.RayWeightSyncScheme(timeout=10)
     collector = ray_collector(policy, scheme, track_policy_version=True)
     try:
-        wait_for(lambda: versions(scheme) == {0: 1, 1: 1}, 60, "both actors joining")
+        wait_for(lambda: current(scheme) == {0, 1}, 60, "both actors joining")
         assert [int(s["policy_version"]) for s in collector.state_dict()] == [0, 0]
         for weight, bias in UPDATES:
             set_weights(policy, weight, bias)
             collector.update_policy_weights_()
-        assert versions(scheme) == {0: 3, 1: 3}  # zmqsync's: the initial weights were 1
+        assert versions(scheme) == {0: 2, 1: 2}  # the learner's version: updates counted
         rows = per_worker(next(iter(collector)))
         for row in rows.values():
             assert from_weights(row, snapshot(policy))
@@ -187,7 +189,7 @@ def test_actor_side_joins_without_blocking_torchrl_connect() -> None:
         sender.init_on_sender(model_id="policy", model=policy, remote_collectors=[holder])
         ray.get(holder.register.remote(sender), timeout=30)
         sender.connect()  # every actor holds the latest version on return
-        assert versions(sender) == {0: 1}
+        assert current(sender) == {0}
         assert (
             ray.get(holder.weight.remote(), timeout=30) == policy.module.weight.flatten().tolist()
         )
@@ -219,3 +221,50 @@ def test_raycollector_with_a_random_policy_has_nothing_to_sync() -> None:
         assert scheme.status()["weightless"] is True
     finally:
         collector.shutdown()
+
+
+def ray_factory_collector(factory: Any, scheme: Any) -> RayCollector:
+    return RayCollector(
+        [functools.partial(make_env, i) for i in range(NUM_WORKERS)],
+        policy_factory=factory,
+        frames_per_batch=FRAMES_PER_BATCH,
+        total_frames=1000 * FRAMES_PER_BATCH,
+        sync=True,
+        remote_configs={"num_cpus": 0},
+        # One dict per collector: given one dict, torchrl 0.14 shares it between the
+        # remote collectors and writes each one's policy_factory into it, so every
+        # remote collector would build its policy with the last factory.
+        collector_kwargs=[{"auto_register_policy_transforms": False} for _ in range(NUM_WORKERS)],
+        weight_sync_schemes={"policy": scheme},
+    )
+
+
+@pytest.mark.timeout(240)
+def test_factory_only_raycollector_takes_weights_from_the_first_update() -> None:
+    """RayCollector from a policy_factory: the remote collectors do not exist when the
+    learner's scheme starts, and there is no policy to take weights from. The first
+    ``update_policy_weights_(weights)`` reaches every actor; distinct factories give
+    each actor weights of its own, updated by worker."""
+    from test_torchrl_factories import ConstantPolicy, actions_by_worker, constant
+
+    scheme = zmqsync.torchrl.RayWeightSyncScheme(timeout=20)
+    collector = ray_factory_collector(ConstantPolicy(3.0), scheme)
+    try:
+        collector.update_policy_weights_(constant(10.0))
+        assert scheme.worker_versions() == {0: 1, 1: 1}
+        assert actions_by_worker(next(iter(collector))) == {0: 10.0, 1: 10.0}
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+    scheme = zmqsync.torchrl.RayWeightSyncScheme(timeout=20)
+    collector = ray_factory_collector([ConstantPolicy(0.0), ConstantPolicy(1.0)], scheme)
+    try:
+        assert actions_by_worker(next(iter(collector))) == {0: 0.0, 1: 1.0}
+        collector.update_policy_weights_({1: constant(5.0)})
+        assert scheme.per_worker_weights
+        assert scheme.worker_versions() == {0: 0, 1: 1}
+        assert actions_by_worker(next(iter(collector))) == {0: 0.0, 1: 5.0}
+    finally:
+        collector.shutdown()
+        scheme.shutdown()

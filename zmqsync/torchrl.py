@@ -29,13 +29,15 @@ How a multiprocess collector drives a scheme, and what each step does here:
 - learner, ``init_on_sender(model_id=, context=collector, ctx=)``, before any worker
   starts: ZMQ binds its sockets; the pipe scheme makes one duplex ``ctx.Pipe()`` per
   worker and serves the learner's ends. Both publish the policy's current weights
-  as version 1 (kept as the late-joiner snapshot; no worker is waited for).
+  as version 0 (kept as the late-joiner snapshot; no worker is waited for). A
+  collector built from a ``policy_factory`` only has no weights to publish: its
+  workers keep their own until the first explicit update (version 1).
 - the scheme is pickled into each spawned worker: settings and the endpoint, and for
   the pipe scheme the workers' pipe ends (a connection pickles while a process is being
   spawned). No sockets, threads, model or CURVE secret key travel.
 - worker, ``init_on_receiver(model=policy, worker_idx=i)`` then ``connect()``: torchrl
   ships the policy's structure on the ``meta`` device, so the policy is first given real
-  (CPU) storage, then ``connect()`` returns with version 1 (or newer) copied into it,
+  (CPU) storage, then ``connect()`` returns with version 0 (or newer) copied into it,
   and a background thread applies every later version. A pipe worker keeps its own pipe
   end and closes its siblings' at once.
 - learner, ``connect()`` (after every worker started): the pipe scheme closes its copies
@@ -71,12 +73,13 @@ Importing this module registers the classes with torchrl's backend registry (see
 from __future__ import annotations
 
 import copy
+import dataclasses
 import multiprocessing
 import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Final, Literal
 
@@ -192,13 +195,27 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
     scheme (``self._inner``). Subclasses say how the inner scheme's sender and receiver
     are set up (:meth:`_start_sender`, :meth:`_start_receiver`)."""
 
-    def __init__(self, strategy: str, inner: _ZmqsyncScheme) -> None:
+    def __init__(
+        self,
+        strategy: str,
+        inner: _ZmqsyncScheme,
+        *,
+        sync: bool = True,
+        per_worker_weights: bool = False,
+    ) -> None:
         with warnings.catch_warnings():
             # torchrl warns that ITS state_dict application is experimental; zmqsync
             # applies weights itself (checked, all-or-nothing), so it does not apply here.
             warnings.filterwarnings("ignore", "state_dict strategy is experimental", UserWarning)
             super().__init__(strategy)
         self._inner = inner
+        #: Per-worker weights, on the learner: one scheme per worker (see :class:`_Fanout`).
+        self._fanout: _Fanout | None = None
+        #: send() waits for the workers' acks (torchrl's ``sync``).
+        self.sync = bool(sync)
+        self._unsynced = False
+        #: Each worker has weights of its own (one zmqsync sender per worker).
+        self.per_worker_weights = bool(per_worker_weights)
         #: The policy has no weights (a RandomPolicy, a module without parameters):
         #: nothing to synchronize, so every call is a no-op. Pickled into the workers.
         self._weightless = False
@@ -215,9 +232,11 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         # copy.copy goes through the inner scheme's __getstate__: no sockets, threads,
         # model or secret key travel (torchrl also "re-pickles" a scheme in place).
         state["_inner"] = copy.copy(self._inner)
+        state["_fanout"] = copy.copy(self._fanout)
         state["_forward_lock"] = None
         state["_local_model"] = None
         state["_recorded"] = None
+        state["_unsynced"] = False
         return state
 
     # --- what the inner scheme knows -------------------------------------------------
@@ -241,6 +260,8 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
     @connect_timeout.setter
     def connect_timeout(self, value: float) -> None:
         self._inner.connect_timeout = float(value)
+        if self._fanout is not None:
+            self._fanout.connect_timeout = float(value)
 
     @property
     def zmqsync_scheme(self) -> _ZmqsyncScheme:
@@ -248,8 +269,18 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         return self._inner
 
     def get_sender(self) -> WeightSender:
-        """The zmqsync sender. ``RuntimeError`` before ``init_on_sender``."""
+        """The zmqsync sender. ``RuntimeError`` before ``init_on_sender``, and with
+        per-worker weights (each worker has its own: see :meth:`get_senders`)."""
+        if self._fanout is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} has per-worker weights: one sender per worker "
+                "(get_senders())"
+            )
         return self._inner.get_sender()
+
+    def get_senders(self) -> dict[int | None, WeightSender]:
+        """The zmqsync senders by worker with per-worker weights, else ``{None: sender}``."""
+        return self._senders()
 
     def get_receiver(self) -> WeightReceiver:
         """The zmqsync receiver. ``RuntimeError`` before ``init_on_receiver``."""
@@ -259,12 +290,12 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         """The sender's sync state (see :meth:`zmqsync.WeightSender.status`)."""
         if self._weightless:
             return {"model_id": self._model_id, "version": 0, "workers": [], "weightless": True}
-        return self._inner.status()
+        return self._sending().status()
 
     def worker_versions(self) -> dict[int, int]:
         """Worker id -> the newest version it acked (see
         :meth:`zmqsync.WeightSender.worker_versions`); empty for a weightless policy."""
-        return {} if self._weightless else self._inner.worker_versions()
+        return {} if self._weightless else self._sending().worker_versions()
 
     @property
     def lock(self) -> Any:
@@ -299,8 +330,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
                     if self._forward_lock is not None:
                         self._forward_lock.attach(model)
         elif self.initialized_on_sender:
-            sender = _built(self._inner.get_sender)
-            if sender is not None:
+            for sender in (_built(self._senders) or {}).values():
                 sender.model = model
 
     # --- sender side -----------------------------------------------------------------
@@ -308,42 +338,71 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
     def _init_on_sender_impl(
         self,
         *,
-        model_id: str = "policy",
+        model_id: str | None = "policy",
         context: Any = None,
         model: Any = None,
         weights: Any = None,
+        params_map: Mapping[int, Any] | None = None,
+        devices: Sequence[Any] | None = None,
+        device_map_fn: Callable[[int, Any], Any] | None = None,
         num_workers: int | None = None,
         ctx: Any = None,
         **kwargs: Any,
     ) -> None:
-        """Start serving the workers and publish the current weights as version 1.
+        """Start serving the workers and publish the learner's weights as version 0.
 
-        ``ctx`` is torchrl's multiprocessing context (the pipe scheme makes its pipes
-        with it).
+        Takes every keyword form torchrl's schemes take (see :class:`_Plan`); ``ctx`` is
+        torchrl's multiprocessing context (the pipe scheme makes its pipes with it).
+        Without weights (a collector built from a ``policy_factory`` only), nothing is
+        published: each worker keeps the weights its factory made until the first
+        explicit ``update_policy_weights_(weights)``.
         """
-        self._model_id = model_id
+        plan = _Plan.resolve(
+            type(self).__name__,
+            model_id=model_id,
+            context=context,
+            model=model,
+            weights=weights,
+            params_map=params_map,
+            devices=devices,
+            device_map_fn=device_map_fn,
+            num_workers=num_workers,
+            per_worker=self.per_worker_weights,
+        )
+        self._model_id = plan.model_id
         self.context = context
-        if model is None and context is not None:
-            model = _model_of(context, model_id)
-        if num_workers is None and context is not None:
-            num_workers = getattr(context, "num_workers", None)
-        if model is None and weights is None:
-            raise ValueError(
-                f"{type(self).__name__}: no model {model_id!r} to take weights from: pass "
-                "model=... or weights=..., or a context (collector) that holds the policy"
-            )
-        self._local_model = model
-        if weights is None and _weightless(model):
+        self._local_model = plan.model
+        if plan.weightless:
             self._weightless = True  # nothing to send, ever: no sockets, pipes or threads
             return
-        self._start_sender(
-            model_id, model=model, num_workers=num_workers, context=context, ctx=ctx, **kwargs
-        )
-        release = self._releaser()
+        args = self._hub_args(num_workers=plan.num_workers, context=context, ctx=ctx, **kwargs)
+        if plan.per_worker is not None:
+            try:
+                workers = _count_workers(type(self).__name__, plan, args)
+            except BaseException:
+                self._releaser(args)()  # the pipes made for the workers
+                raise
+            self.per_worker_weights = True
+            self._fanout = _Fanout(self._inner, range(workers))
+        release = self._releaser(args)
         try:
-            # Version 1 becomes the snapshot that joining workers fetch (Clone pattern):
-            # targeted at nobody, so nothing is waited for while workers still start.
-            self._inner.get_sender().send(weights, worker_ids=[])
+            if self._fanout is not None:
+                for i, sub in self._fanout.subs.items():
+                    one = {key: {i: _nth(value, i)} for key, value in args.items()}
+                    sub.init_on_sender(plan.model_id, model=plan.model, num_workers=None, **one)
+            else:
+                counted = {} if plan.num_workers is None else {"num_workers": plan.num_workers}
+                self._inner.init_on_sender(plan.model_id, model=plan.model, **counted, **args)
+            # A sender built with a model published it already; given weights, publish
+            # them. Joining workers take what is published (Clone pattern): no worker is
+            # waited for while they still start.
+            for worker, sender in self._senders().items():
+                if plan.per_worker is None or worker is None:
+                    initial = plan.weights
+                else:
+                    initial = plan.per_worker.get(worker)
+                if initial is not None:
+                    sender.publish(initial)
         except BaseException:
             release()
             raise
@@ -352,24 +411,29 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
             # sockets, pipes and threads at the latest when the collector is collected.
             weakref.finalize(context, release)
 
-    def _start_sender(
-        self,
-        model_id: str,
-        *,
-        model: Any,
-        num_workers: int | None,
-        context: Any,
-        ctx: Any,
-        **kwargs: Any,
-    ) -> None:
-        """Initialise the inner scheme's sender. ``kwargs``: what torchrl passed beyond
-        the common arguments (a Ray collector's ``remote_collectors``)."""
+    def _senders(self) -> dict[int | None, WeightSender]:
+        """The zmqsync senders: one per worker with per-worker weights, else one (None)."""
+        if self._fanout is not None:
+            return {i: sub.get_sender() for i, sub in self._fanout.subs.items()}
+        return {None: self._inner.get_sender()}
+
+    def _sending(self) -> _ZmqsyncScheme | _Fanout:
+        """What sends: the inner scheme, or with per-worker weights the fan-out."""
+        return self._fanout if self._fanout is not None else self._inner
+
+    def _hub_args(
+        self, *, num_workers: int | None, context: Any, ctx: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        """What the inner scheme's ``init_on_sender`` needs to reach the workers, each
+        value a list or ``{worker: item}`` (a per-worker fan-out takes item ``i`` for
+        worker ``i``). ``kwargs``: what torchrl passed beyond the common arguments (a
+        Ray collector's ``remote_collectors``)."""
         raise NotImplementedError
 
-    def _releaser(self) -> Callable[[], None]:
+    def _releaser(self, args: Mapping[str, Any]) -> Callable[[], None]:
         """What closes this side's resources; it must not refer to ``self`` (it runs
         from a finalizer)."""
-        return self._inner.shutdown
+        return self._sending().shutdown
 
     @staticmethod
     def _no_more(kwargs: Mapping[str, Any], method: str, owner: str) -> None:
@@ -384,19 +448,34 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         With ``weights``, they are sent to every worker (waiting for them to join).
         """
         if weights is not None and not self._weightless:
-            self._inner.connect(timeout=self.connect_timeout)
-            self._inner.send(weights)
+            self._sending().connect(timeout=self.connect_timeout)
+            self.send(weights)
 
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
         """Send weights; returns once every targeted worker applied them.
 
         ``weights``: ``None`` (the collector's policy), an ``nn.Module``, a
-        ``TensorDict``, a ``dict`` of tensors, or the name of a model in the context.
+        ``TensorDict``, a ``dict`` of tensors, the name of a model in the context, or
+        (per-worker weights) ``{worker_idx: weights}``, each worker getting its own.
         Raises :class:`zmqsync.SyncTimeout` naming workers that did not ack in time.
-        A weightless policy has nothing to send: a no-op.
+        A weightless policy has nothing to send: a no-op. With ``sync=False`` it returns
+        once the version is on its way; the next send (or :meth:`wait_async`) waits for
+        it first, and raises its errors.
         """
         if self._weightless:
             return
+        if weights is None and self.model is None:
+            raise ValueError(
+                f"{type(self).__name__}: no weights to send: the learner holds no "
+                f"{self._model_id!r} (a collector built from a policy_factory only). Pass "
+                "them: update_policy_weights_(weights)"
+            )
+        if _is_per_worker(weights) and self._fanout is None:
+            raise ValueError(
+                f"{type(self).__name__} got weights by worker ({sorted(weights)}) but was not "
+                "built for per-worker weights: pass per_worker_weights=True (or distinct "
+                "policy factories, or a params_map with distinct weights)"
+            )
         if isinstance(weights, str):
             if self.context is None:
                 raise ValueError(
@@ -410,17 +489,30 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
                 raise TypeError(
                     f"{type(self).__name__} targets workers by index, not device: {worker_ids!r}"
                 )
-        self._inner.send(weights, worker_ids)
+        if self.sync:
+            self._sending().send(weights, worker_ids)
+            return
+        self._finish_unsynced()
+        self._sending().send_async(weights, worker_ids)
+        self._unsynced = True
+
+    def _finish_unsynced(self) -> None:
+        """Wait for the version a ``sync=False`` send left on its way."""
+        if self._unsynced:
+            self._unsynced = False
+            self._sending().wait_async()
 
     def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
         """Start a send; :meth:`wait_async` completes it."""
         if not self._weightless:
-            self._inner.send_async(weights, worker_ids)
+            self._finish_unsynced()
+            self._sending().send_async(weights, worker_ids)
 
     def wait_async(self) -> None:
-        """Wait for the pending :meth:`send_async`."""
+        """Wait for the pending :meth:`send_async` (or ``sync=False`` send)."""
         if not self._weightless:
-            self._inner.wait_async()
+            self._unsynced = False
+            self._sending().wait_async()
 
     # --- receiver side ---------------------------------------------------------------
 
@@ -439,7 +531,12 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         self.context = context
         if model is None and context is not None:
             model = _model_of(context, model_id)
+        if worker_idx is None:
+            worker_idx = getattr(context, "worker_idx", None)
         self._worker_idx = worker_idx
+        if self._fanout is not None:
+            # Per-worker weights: this worker joins its own sender only.
+            self._inner, self._fanout = self._fanout.for_worker(worker_idx), None
         if self._weightless or _weightless(model):
             self._weightless = True  # the learner sends nothing: nothing to join
             self._local_model = model
@@ -486,22 +583,21 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         newer version, as with torchrl's own schemes.)
         """
         tracker = getattr(self.context, "policy_version_tracker", None)
-        if tracker is None or version <= 0:
+        if tracker is None:
             return
         recorded = (id(tracker), epoch, version)
-        if recorded == self._recorded:
+        previous, self._recorded = self._recorded, recorded
+        if recorded == previous:
             return
-        self._recorded = recorded
         if getattr(tracker, "version_type", int) in (int, "int"):
-            # torchrl counts updates: the initial weights are 0, two updates make 2.
-            # zmqsync's learner publishes its initial weights as version 1, so version
-            # v is the learner's (v - 1)-th update. Numbering by the learner's version,
-            # not by updates this worker got, keeps equal numbers meaning equal weights
-            # across workers (a worker skipped by worker_ids= jumps ahead); a restarted
-            # learner (a new epoch) numbers from 0 again.
-            tracker.version = version - 1
-        else:
-            tracker.increment_version()  # a uuid tracker: a fresh id per version
+            # torchrl counts updates: the initial weights are 0, two updates make 2, as
+            # the learner numbers its versions (it publishes its initial weights as 0).
+            # Numbering by the learner's version, not by updates this worker got, keeps
+            # equal numbers meaning equal weights across workers (a worker skipped by
+            # worker_ids= jumps ahead); a restarted learner numbers from 0 again.
+            tracker.version = version
+        elif version > 0 or (previous is not None and previous[1] != epoch):
+            tracker.increment_version()  # a uuid tracker: a fresh id per new version
 
     def _start_receiver(self, model_id: str, *, model: Any, worker_idx: int | None) -> None:
         """Initialise the inner scheme's receiver."""
@@ -514,18 +610,10 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         if self._weightless:
             return
         receiver = self._inner.get_receiver()
-        deadline = time.monotonic() + self.connect_timeout
+        # The rendez-vous: returns holding what the learner published (its weights at
+        # init_on_sender, or a newer version), or, if it published nothing (a collector
+        # built from a policy_factory only), this worker's own until the first update.
         self._inner.connect(worker_idx=worker_idx, timeout=self.connect_timeout)
-        # The learner publishes version 1 in init_on_sender, so connect() normally
-        # returns holding it; a learner built by hand may publish later.
-        while receiver.version == 0:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise SyncTimeout(
-                    f"worker {receiver.worker_idx} connected to {self.endpoint} but no weights "
-                    f"came within {self.connect_timeout:g}s: the learner has sent nothing yet"
-                )
-            receiver.receive(remaining)
         self._worker_idx = receiver.worker_idx
         self._inner.start_receiver_thread()
 
@@ -552,9 +640,9 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         forward_lock, self._forward_lock = getattr(self, "_forward_lock", None), None
         if forward_lock is not None:
             forward_lock.detach()
-        inner = getattr(self, "_inner", None)
-        if inner is not None:
-            inner.shutdown()
+        for part in (getattr(self, "_fanout", None), getattr(self, "_inner", None)):
+            if part is not None:
+                part.shutdown()
         super().shutdown()
 
     def __repr__(self) -> str:
@@ -591,7 +679,10 @@ class ZMQWeightSyncScheme(_CollectorScheme):
         curve_server: CurveServer | None = None,
         curve_client: CurveClient | None = None,
         insecure: bool = False,
+        shared_memory: bool | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        sync: bool = True,
+        per_worker_weights: bool = False,
         **sender_options: Any,
     ) -> None:
         _check_retain_snapshot(sender_options)
@@ -603,29 +694,28 @@ class ZMQWeightSyncScheme(_CollectorScheme):
             curve_server=curve_server,
             curve_client=curve_client,
             insecure=insecure,
+            shared_memory=shared_memory,
             connect_timeout=connect_timeout,
             **sender_options,
         )
-        super().__init__(strategy, inner)
+        if per_worker_weights and endpoint is not None:
+            raise ValueError(
+                "per_worker_weights=True serves each worker from an endpoint of its own: "
+                f"leave endpoint=None (got {endpoint!r})"
+            )
+        super().__init__(strategy, inner, sync=sync, per_worker_weights=per_worker_weights)
 
     @property
     def mode(self) -> str:
         """``"pubsub"`` or ``"router"``."""
         return self._inner.mode
 
-    def _start_sender(
-        self,
-        model_id: str,
-        *,
-        model: Any,
-        num_workers: int | None,
-        context: Any,
-        ctx: Any,
-        **kwargs: Any,
-    ) -> None:
+    def _hub_args(
+        self, *, num_workers: int | None, context: Any, ctx: Any, **kwargs: Any
+    ) -> dict[str, Any]:
         # ctx is unused: workers reach the learner over ZeroMQ, not torchrl's pipes.
         self._no_more(kwargs, "init_on_sender", type(self).__name__)
-        self._inner.init_on_sender(model_id, model=model, num_workers=num_workers)
+        return {}
 
 
 class MultiProcessWeightSyncScheme(_CollectorScheme):
@@ -660,13 +750,15 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
         *,
         timeout: float = 10.0,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        sync: bool = True,
+        per_worker_weights: bool = False,
         **sender_options: Any,
     ) -> None:
         _check_retain_snapshot(sender_options)
         inner = _PipeScheme(
             strategy, timeout=timeout, connect_timeout=connect_timeout, **sender_options
         )
-        super().__init__(strategy, inner)
+        super().__init__(strategy, inner, sync=sync, per_worker_weights=per_worker_weights)
         #: The workers' ends of their pipes, by worker index: held by the learner only
         #: until the workers have started (``connect()``), carried into them by pickling.
         self._worker_ends: dict[int, Connection] = {}
@@ -679,21 +771,15 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
         state["_worker_ends"] = {i: c for i, c in self._worker_ends.items() if not c.closed}
         return state
 
-    def _start_sender(
-        self,
-        model_id: str,
-        *,
-        model: Any,
-        num_workers: int | None,
-        context: Any,
-        ctx: Any,
-        **kwargs: Any,
-    ) -> None:
+    def _hub_args(
+        self, *, num_workers: int | None, context: Any, ctx: Any, **kwargs: Any
+    ) -> dict[str, Any]:
         self._no_more(kwargs, "init_on_sender", type(self).__name__)
         if num_workers is None:
             raise ValueError(
                 "MultiProcessWeightSyncScheme.init_on_sender needs the number of workers: "
-                "pass num_workers=N, or a context (collector) with a num_workers attribute"
+                "pass num_workers=N (or devices=[...]), or a context (collector) with a "
+                "num_workers attribute"
             )
         if ctx is not None and ctx.get_start_method() == "fork":
             raise ValueError(
@@ -705,25 +791,15 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
         # Every multiprocessing context makes the same pipes; torchrl's is used for form.
         pairs = [(ctx or multiprocessing).Pipe(duplex=True) for _ in range(num_workers)]
         self._worker_ends = {i: child for i, (_, child) in enumerate(pairs)}
-        try:
-            self._inner.init_on_sender(
-                model_id,
-                pipes=[parent for parent, _ in pairs],
-                model=model,
-                num_workers=num_workers,
-            )
-        except BaseException:
-            for parent, child in pairs:
-                parent.close()
-                child.close()
-            self._worker_ends = {}
-            raise
+        return {"pipes": [parent for parent, _ in pairs]}
 
-    def _releaser(self) -> Callable[[], None]:
-        inner, ends = self._inner, self._worker_ends
+    def _releaser(self, args: Mapping[str, Any]) -> Callable[[], None]:
+        inner, ends, parents = self._sending(), self._worker_ends, list(args.get("pipes", ()))
 
         def release() -> None:
             _close_all(ends)
+            for parent in parents:  # closed by the hub once it owns them; again is a no-op
+                parent.close()
             inner.shutdown()
 
         return release
@@ -830,9 +906,17 @@ class RayWeightSyncScheme(_CollectorScheme):
         method: str | None = None,
         poll_interval: float = POLL_INTERVAL,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        sync: bool = True,
+        per_worker_weights: bool = False,
         **sender_options: Any,
     ) -> None:
         _check_retain_snapshot(sender_options)
+        if "backend" in sender_options:
+            raise TypeError(
+                "zmqsync.torchrl.RayWeightSyncScheme does not take backend=: it moves weights "
+                "through Ray's calls and object store (and shared memory on one host), not "
+                "a torch.distributed process group. Drop the argument."
+            )
         inner = _RayScheme(
             strategy,
             timeout=timeout,
@@ -841,20 +925,18 @@ class RayWeightSyncScheme(_CollectorScheme):
             connect_timeout=connect_timeout,
             **sender_options,
         )
-        super().__init__(strategy, inner)
+        super().__init__(strategy, inner, sync=sync, per_worker_weights=per_worker_weights)
         self.method = method
 
-    def _start_sender(
+    def _hub_args(
         self,
-        model_id: str,
         *,
-        model: Any,
         num_workers: int | None,
         context: Any,
         ctx: Any,
         remote_collectors: Any = None,
         **kwargs: Any,
-    ) -> None:
+    ) -> dict[str, Any]:
         self._no_more(kwargs, "init_on_sender", type(self).__name__)
         actors = (
             remote_collectors
@@ -871,8 +953,7 @@ class RayWeightSyncScheme(_CollectorScheme):
                 actors = {i: _through_ray_call(h) for i, h in actors.items()}
             else:
                 actors = [_through_ray_call(h) for h in actors]
-        options = {} if num_workers is None else {"num_workers": num_workers}
-        self._inner.init_on_sender(model_id, remote_collectors=actors, model=model, **options)
+        return {"remote_collectors": actors}
 
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any | None = None
@@ -885,26 +966,30 @@ class RayWeightSyncScheme(_CollectorScheme):
         super()._setup_connection_and_weights_on_sender_impl(worker_idx=worker_idx, weights=weights)
 
     def _wait_until_current(self, timeout: float) -> None:
-        sender = self._inner.get_sender()
         deadline = time.monotonic() + timeout
         while True:
-            latest = sender.version
-            # worker_versions(), not status(): status shows a large fleet's rows in part.
-            behind = {w: v for w, v in sender.worker_versions().items() if v < latest}
+            behind: dict[int, tuple[int, int, bool]] = {}
+            for mine, sender in self._senders().items():
+                expected = set(sender.worker_versions()) if mine is None else {mine}
+                current = sender.current_workers()
+                if expected <= current:
+                    continue
+                versions, joined = sender.worker_versions(), sender.connected_workers()
+                for w in expected - current:
+                    behind[w] = (versions.get(w, 0), sender.version, w in joined)
             if not behind:
                 return
             if time.monotonic() >= deadline:
-                joined = sender.connected_workers()
                 details = "; ".join(
-                    f"worker {w} holds version {v}" + ("" if w in joined else " (never joined)")
-                    for w, v in sorted(behind.items())
+                    f"worker {w} holds version {v} of {latest}"
+                    + ("" if joined else " (never joined)")
+                    for w, (v, latest, joined) in sorted(behind.items())
                 )
                 raise SyncTimeout(
-                    f"{len(behind)} Ray actor(s) did not reach version {latest} of "
+                    f"{len(behind)} Ray actor(s) did not reach the latest version of "
                     f"{self._model_id!r} within {timeout:g}s: {details}. Is each remote "
                     "collector alive, and did it get the scheme (register_scheme_receiver)?",
                     missing_workers=behind,
-                    version=latest,
                 )
             time.sleep(_STATUS_POLL)  # status is local bookkeeping: cheap to look at
 
@@ -982,3 +1067,301 @@ def _built(getter: Any) -> Any:
         return getter()
     except RuntimeError:
         return None
+
+
+def _is_per_worker(weights: Any) -> bool:
+    """Whether ``weights`` is ``{worker_idx: weights}`` (torchrl's per-worker form)."""
+    return (
+        isinstance(weights, Mapping)
+        and not isinstance(weights, TensorDictBase)
+        and bool(weights)
+        and all(isinstance(k, int) and not isinstance(k, bool) for k in weights)
+    )
+
+
+def _count_workers(owner: str, plan: _Plan, args: Mapping[str, Any]) -> int:
+    """How many workers a per-worker fan-out serves."""
+    workers = plan.num_workers
+    if workers is None and args:
+        workers = len(next(iter(args.values())))  # one pipe or actor per worker
+    if workers is None:
+        raise ValueError(
+            f"{owner}: per-worker weights need the number of workers: pass num_workers=, "
+            "devices=, params_map=, or a context (collector)"
+        )
+    if plan.per_worker and not set(plan.per_worker) <= set(range(workers)):
+        raise ValueError(
+            f"{owner}: weights given for workers {sorted(plan.per_worker)} but there are "
+            f"workers 0..{workers - 1}"
+        )
+    return workers
+
+
+def _nth(value: Any, i: int) -> Any:
+    """Worker ``i``'s item of a list or ``{worker: item}``."""
+    return value[i]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What ``init_on_sender`` was asked for, in any of torchrl's keyword forms.
+
+    - ``context=collector`` (with ``model_id``): the collector's policy; a collector
+      built from ``policy_factory`` only has none (the weights come with the first
+      explicit update), and with distinct factories each worker has its own weights.
+    - ``model=`` or ``weights=``, with ``devices=[...]`` (one per worker), or
+      ``device_map_fn=`` and ``num_workers=``: zmqsync places every tensor on the
+      device of the worker's own model, so devices only count the workers.
+    - ``params_map={worker: weights}``: the same object for every worker is one set
+      of weights; distinct ones are per-worker weights.
+    """
+
+    model_id: str
+    model: Any
+    weights: Any
+    num_workers: int | None
+    per_worker: dict[int, Any] | None
+    weightless: bool
+
+    @classmethod
+    def resolve(
+        cls,
+        owner: str,
+        *,
+        model_id: str | None,
+        context: Any,
+        model: Any,
+        weights: Any,
+        params_map: Mapping[int, Any] | None,
+        devices: Sequence[Any] | None,
+        device_map_fn: Callable[[int, Any], Any] | None,
+        num_workers: int | None,
+        per_worker: bool,
+    ) -> _Plan:
+        model_id = model_id or "policy"
+        if params_map is not None:
+            return cls._from_params_map(
+                owner, model_id, params_map, num_workers, per_worker,
+                others={"context": context, "model": model, "weights": weights,
+                        "devices": devices, "device_map_fn": device_map_fn},
+            )  # fmt: skip
+        if model is not None and weights is not None:
+            raise ValueError(f"{owner}.init_on_sender: pass model= or weights=, not both")
+        if devices is not None:
+            if num_workers is not None and num_workers != len(devices):
+                raise ValueError(
+                    f"{owner}.init_on_sender: num_workers={num_workers} but {len(devices)} "
+                    "devices (one per worker)"
+                )
+            num_workers = len(devices)
+        if device_map_fn is not None:
+            if not callable(device_map_fn):
+                raise TypeError(f"{owner}.init_on_sender: device_map_fn must be callable")
+            if num_workers is None:
+                raise ValueError(f"{owner}.init_on_sender: device_map_fn needs num_workers=")
+        if num_workers is None and context is not None:
+            num_workers = getattr(context, "num_workers", None)
+        if model is None and context is not None:
+            model = _model_of(context, model_id)
+        if model is None and weights is None and context is not None and model_id == "policy":
+            factories = getattr(context, "policy_factory", None)
+            if isinstance(factories, Sequence) and len({id(f) for f in factories}) > 1:
+                per_worker = True  # distinct factories: each worker's weights are its own
+        if weights is None and _weightless(model):
+            return cls(model_id, model, None, num_workers, None, weightless=True)
+        if not per_worker:
+            return cls(model_id, model, weights, num_workers, None, weightless=False)
+        mine: dict[int, Any] = {}
+        base = weights if weights is not None else model
+        if base is not None and num_workers is not None:
+            mine = {
+                i: device_map_fn(i, base) if device_map_fn is not None else base
+                for i in range(num_workers)
+            }
+        return cls(model_id, model, None, num_workers, mine, weightless=False)
+
+    @classmethod
+    def _from_params_map(
+        cls,
+        owner: str,
+        model_id: str,
+        params_map: Mapping[int, Any],
+        num_workers: int | None,
+        per_worker: bool,
+        others: Mapping[str, Any],
+    ) -> _Plan:
+        given = sorted(name for name, value in others.items() if value is not None)
+        if given:
+            raise ValueError(
+                f"{owner}.init_on_sender: params_map= says everything; it cannot be "
+                f"combined with {', '.join(given)}"
+            )
+        if not _is_per_worker(params_map):
+            raise ValueError(
+                f"{owner}.init_on_sender: params_map must be a non-empty "
+                "{worker_idx: weights} dict"
+            )
+        workers = sorted(params_map)
+        if workers != list(range(len(workers))):
+            raise ValueError(
+                f"{owner}.init_on_sender: params_map must name workers 0..n-1; got {workers}"
+            )
+        if num_workers is not None and num_workers != len(workers):
+            raise ValueError(
+                f"{owner}.init_on_sender: num_workers={num_workers} but params_map has "
+                f"{len(workers)} workers"
+            )
+        values = [params_map[i] for i in workers]
+        if not per_worker and all(v is values[0] for v in values):
+            return cls(model_id, None, values[0], len(workers), None, weightless=False)
+        return cls(model_id, None, None, len(workers), dict(params_map), weightless=False)
+
+
+class _Fanout:
+    """Per-worker weights: one zmqsync scheme per worker (copies of ``template``), so
+    each worker has versions, a snapshot (what it gets when it restarts) and acks of its
+    own. A send of ``{worker: weights}`` goes to each named worker at once, a send of
+    one set of weights to every worker (or those in ``worker_ids``)."""
+
+    def __init__(self, template: _ZmqsyncScheme, workers: Iterable[int]) -> None:
+        if getattr(template, "endpoint", None) is not None:
+            raise ValueError(
+                "per-worker weights serve each worker from an endpoint of its own: leave "
+                f"endpoint=None (got {template.endpoint!r})"
+            )
+        self.template = template
+        self.subs: dict[int, _ZmqsyncScheme] = {i: copy.copy(template) for i in workers}
+        self._pending: list[_ZmqsyncScheme] = []
+
+    def __copy__(self) -> _Fanout:
+        # What pickles into the workers: each sub-scheme's settings and endpoint only.
+        clone = _Fanout.__new__(_Fanout)
+        clone.template = copy.copy(self.template)
+        clone.subs = {i: copy.copy(sub) for i, sub in self.subs.items()}
+        clone._pending = []
+        return clone
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__copy__().__dict__
+
+    # --- settings (the template's, kept the same in every sub-scheme) -----------------
+
+    @property
+    def endpoint(self) -> str | None:
+        return None  # one per worker: see endpoints
+
+    @property
+    def endpoints(self) -> dict[int, str | None]:
+        return {i: sub.endpoint for i, sub in self.subs.items()}
+
+    @property
+    def timeout(self) -> float:
+        return self.template.timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        return self.template.connect_timeout
+
+    @connect_timeout.setter
+    def connect_timeout(self, value: float) -> None:
+        for scheme in (self.template, *self.subs.values()):
+            scheme.connect_timeout = value
+
+    def create_transport(self, *args: Any, **kwargs: Any) -> Any:
+        return self.template.create_transport(*args, **kwargs)
+
+    def for_worker(self, worker_idx: int | None) -> _ZmqsyncScheme:
+        """Worker ``worker_idx``'s own scheme (in that worker's process)."""
+        if worker_idx not in self.subs:
+            raise RuntimeError(
+                f"per-worker weights are set up for workers {sorted(self.subs)}; this worker "
+                f"is {worker_idx!r} (pass worker_idx=)"
+            )
+        return self.subs[worker_idx]
+
+    # --- the learner -----------------------------------------------------------------
+
+    def _sends(self, weights: Any, worker_ids: int | list[int] | None) -> dict[int, Any]:
+        """Worker -> what it is sent."""
+        if worker_ids is None:
+            chosen = list(weights) if _is_per_worker(weights) else list(self.subs)
+        else:
+            chosen = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        unknown = sorted(w for w in chosen if w not in self.subs)
+        if unknown:
+            raise ValueError(f"no workers {unknown}: this scheme has workers {sorted(self.subs)}")
+        if not _is_per_worker(weights):
+            return dict.fromkeys(chosen, weights)
+        missing = sorted(w for w in chosen if w not in weights)
+        if missing:
+            raise ValueError(f"no weights given for workers {missing}")
+        return {w: weights[w] for w in chosen}
+
+    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        if self._pending:
+            raise RuntimeError("a send_async() is pending: wait_async() first")
+        for w, own in self._sends(weights, worker_ids).items():
+            try:
+                self.subs[w].send_async(own, [w])
+            except BaseException:
+                self.wait_async()  # what already started completes (or times out)
+                raise
+            self._pending.append(self.subs[w])
+
+    def wait_async(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            raise RuntimeError("no send_async() is pending: nothing to wait for")
+        missing: set[int] = set()
+        failures: list[str] = []
+        first: BaseException | None = None
+        for sub in pending:
+            try:
+                sub.wait_async()
+            except SyncTimeout as exc:
+                missing.update(exc.missing_workers)
+                failures.append(str(exc))
+            except BaseException as exc:  # every sub is waited for before raising
+                first = first or exc
+        if first is not None:
+            raise first
+        if failures:
+            raise SyncTimeout("; ".join(failures), missing_workers=missing)
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        self.send_async(weights, worker_ids)
+        self.wait_async()
+
+    def connect(self, *, timeout: float) -> None:
+        """Wait until every worker has joined its own sender."""
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = {
+                i for i, sub in self.subs.items() if i not in sub.get_sender().connected_workers()
+            }
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise SyncTimeout(
+                    f"workers {sorted(missing)} did not connect within {timeout:g}s",
+                    missing_workers=missing,
+                )
+            time.sleep(_STATUS_POLL)
+
+    def worker_versions(self) -> dict[int, int]:
+        return {i: sub.worker_versions().get(i, 0) for i, sub in self.subs.items()}
+
+    def status(self) -> dict[str, Any]:
+        per = {i: sub.status() for i, sub in self.subs.items()}
+        rows = [row for i, st in per.items() for row in st["workers"] if row["worker"] == i]
+        return {
+            "model_id": self.template.model_id,
+            "per_worker": True,
+            "version": {i: st["version"] for i, st in per.items()},
+            "workers": rows,
+        }
+
+    def shutdown(self) -> None:
+        for sub in self.subs.values():
+            sub.shutdown()
+        self.template.shutdown()
