@@ -304,3 +304,28 @@ def test_per_worker_weights_rendez_vous_and_restart_with_a_workers_own_weights()
         for worker in joined:
             worker.shutdown()
         learner.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_weights_given_at_init_are_what_an_update_without_weights_sends() -> None:
+    """torchrl's meaning of ``params_map=`` (or ``weights=``) without a model: those
+    tensors are the learner's weights, which it may change in place; an update without
+    weights sends what they hold then."""
+    import pickle
+
+    shared = constant(5.0)
+    learner = zmqsync.torchrl.ZMQWeightSyncScheme(timeout=10, connect_timeout=30)
+    learner.init_on_sender(params_map={0: shared})
+    worker = pickle.loads(pickle.dumps(learner))
+    local = make_policy()
+    try:
+        worker.init_on_receiver(model_id="policy", model=local, worker_idx=0)
+        worker.connect(worker_idx=0)
+        assert _action(local) == 5.0
+        shared["module", "bias"].fill_(6.0)
+        learner.send()
+        assert learner.worker_versions() == {0: 1}
+        assert _action(local) == 6.0
+    finally:
+        worker.shutdown()
+        learner.shutdown()

@@ -268,3 +268,38 @@ def test_factory_only_raycollector_takes_weights_from_the_first_update() -> None
     finally:
         collector.shutdown()
         scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_remote_multiprocess_collector_hands_each_update_to_its_own_workers() -> None:
+    """A RayCollector whose remote collector is itself a MultiSyncCollector (with worker
+    processes of its own), built from a policy_factory: the remote collector holds no
+    policy, so the version is kept by its receiver and handed on to its workers
+    (through torchrl's own scheme there) before the actor acks. The learner's update
+    returns once the workers two levels down act with the new weights."""
+    from test_torchrl_factories import ConstantPolicy, acts, constant
+    from torchrl.collectors import MultiSyncCollector
+
+    scheme = zmqsync.torchrl.RayWeightSyncScheme(timeout=60)
+    collector = RayCollector(
+        [make_env],
+        policy_factory=ConstantPolicy(3.0),
+        collector_class=MultiSyncCollector,
+        frames_per_batch=FRAMES_PER_BATCH,
+        total_frames=1000 * FRAMES_PER_BATCH,
+        sync=True,
+        remote_configs={"num_cpus": 0},
+        collector_kwargs={"auto_register_policy_transforms": False},
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        batches = iter(collector)
+        assert acts(next(batches), 3.0)  # the factory's, in the inner workers
+        collector.update_policy_weights_(constant(10.0))
+        assert scheme.worker_versions() == {0: 1}
+        assert acts(next(batches), 10.0)
+        collector.update_policy_weights_(constant(-4.0))
+        assert acts(next(batches), -4.0)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()

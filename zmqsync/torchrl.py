@@ -95,7 +95,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchrl
     ) from exc
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from zmqsync.errors import SyncTimeout
@@ -386,23 +386,22 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
             self._fanout = _Fanout(self._inner, range(workers))
         release = self._releaser(args)
         try:
+            # What a send without weights reads: the model, else the weights given here
+            # (torchrl's meaning: a params_map or weights= object, which the caller may
+            # change in place). A sender with one publishes it at once: joining workers
+            # take what is published (Clone pattern), and no worker is waited for.
             if self._fanout is not None:
                 for i, sub in self._fanout.subs.items():
                     one = {key: {i: _nth(value, i)} for key, value in args.items()}
-                    sub.init_on_sender(plan.model_id, model=plan.model, num_workers=None, **one)
+                    own = (plan.per_worker or {}).get(i)
+                    source = plan.model if plan.model is not None else own
+                    sub.init_on_sender(plan.model_id, model=source, num_workers=None, **one)
+                    if own is not None and own is not source:
+                        sub.get_sender().publish(own)  # device_map_fn's, for this worker
             else:
                 counted = {} if plan.num_workers is None else {"num_workers": plan.num_workers}
-                self._inner.init_on_sender(plan.model_id, model=plan.model, **counted, **args)
-            # A sender built with a model published it already; given weights, publish
-            # them. Joining workers take what is published (Clone pattern): no worker is
-            # waited for while they still start.
-            for worker, sender in self._senders().items():
-                if plan.per_worker is None or worker is None:
-                    initial = plan.weights
-                else:
-                    initial = plan.per_worker.get(worker)
-                if initial is not None:
-                    sender.publish(initial)
+                source = plan.model if plan.model is not None else plan.weights
+                self._inner.init_on_sender(plan.model_id, model=source, **counted, **args)
         except BaseException:
             release()
             raise
@@ -464,7 +463,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         """
         if self._weightless:
             return
-        if weights is None and self.model is None:
+        if weights is None and all(s.model is None for s in self._senders().values()):
             raise ValueError(
                 f"{type(self).__name__}: no weights to send: the learner holds no "
                 f"{self._model_id!r} (a collector built from a policy_factory only). Pass "
@@ -551,6 +550,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         self._forward_lock.attach(receiver.model)
         with receiver.lock:
             receiver.on_applied.append(self._record_version)
+            receiver.on_applied.append(self._cascade)
             self._record_version(receiver.epoch, receiver.version)
 
     @property
@@ -598,6 +598,27 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
             tracker.version = version
         elif version > 0 or (previous is not None and previous[1] != epoch):
             tracker.increment_version()  # a uuid tracker: a fresh id per new version
+
+    def _cascade(self, epoch: int, version: int) -> None:
+        """Hand a version on to the collector's own workers, when this worker is itself a
+        multi-process collector (a ``RayCollector`` remote collector that is a
+        ``MultiSyncCollector``, say): as torchrl's schemes do, through the collector's
+        ``update_policy_weights_``. Runs before this worker acks, so the learner's
+        update returns once the collector's workers hold the version too.
+
+        Such a collector may hold no policy of its own (built from a factory): the
+        version is then kept by the receiver (its ``weights``) and handed on from there.
+        """
+        context = self.context
+        if context is None or not getattr(context, "_weight_sync_schemes", None):
+            return  # a leaf collector: its policy is the model just written
+        receiver = self._inner.get_receiver()
+        weights = receiver.model if receiver.model is not None else receiver.weights
+        if weights is None:
+            return
+        if isinstance(weights, Mapping) and not isinstance(weights, TensorDictBase):
+            weights = TensorDict(dict(weights)).unflatten_keys(".")  # state_dict keys
+        context.update_policy_weights_(policy_or_weights=weights, model_id=self._model_id)
 
     def _start_receiver(self, model_id: str, *, model: Any, worker_idx: int | None) -> None:
         """Initialise the inner scheme's receiver."""
