@@ -96,6 +96,9 @@ def test_compose_fleet_is_scalable_and_keyed() -> None:
         assert service["environment"]["ZMQSYNC_CURVE_SECRET"].startswith("/keys/")
     assert learner["environment"]["ZMQSYNC_CURVE_CLIENTS"] == "/keys/clients"
     assert actor["environment"]["ZMQSYNC_CURVE_SERVER_KEY"] == "/keys/learner.key"
+    # Up to 3 descriptors per actor at the learner: room for thousands of actors.
+    nofile = learner["ulimits"]["nofile"]
+    assert nofile["soft"] >= 3 * 4096 and nofile["hard"] >= nofile["soft"]
 
 
 def _mapped(value: str, tmp: Path, learner_address: str) -> str:
