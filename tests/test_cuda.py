@@ -11,13 +11,14 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from _wire import through_the_wire
 from _workers import bump, make_model
 from test_tensors import ALL_DTYPES
 
 import zmqsync
 from zmqsync import MultiProcessWeightSyncScheme, ZMQWeightSyncScheme
 from zmqsync.errors import SchemaMismatchError
-from zmqsync.protocol import Weights, decode, encode
+from zmqsync.protocol import Weights
 from zmqsync.tensors import ApplyPlan, Flattener
 
 pytestmark = [
@@ -52,11 +53,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wire(flat) -> Weights:  # type: ignore[no-untyped-def]
-    message = Weights("m", 1, 1, flat.schema, tuple(flat.buffers))
-    frames = encode(message, schema_bytes=flat.schema_bytes)
-    received = decode([bytes(f) for f in frames])
-    assert isinstance(received, Weights)
-    return received
+    return through_the_wire(flat)
 
 
 def _equal(a: dict, b: dict) -> None:  # type: ignore[type-arg]
@@ -77,7 +74,6 @@ def test_flatten_and_apply_across_devices(source: str, target: str) -> None:
     # From a GPU the Flat is a private host copy: no second copy for the snapshot.
     assert flat.owned is (source == "cuda")
     if flat.owned:
-        assert flat.owned_copy() is flat
         assert all(isinstance(b, memoryview) and b.readonly for b in flat.buffers)
     dest = {k: torch.zeros_like(v, device=target) for k, v in _weights(target).items()}
     dest[("transposed",)] = torch.zeros(64, 48, device=target).t()  # non-contiguous target

@@ -21,14 +21,16 @@ from zmqsync import SyncTimeout, ZMQWeightSyncScheme
 from zmqsync.protocol import (
     MAX_BODY_BYTES,
     Ack,
+    Chunk,
     Goodbye,
     ProbeRequest,
     SnapshotRequest,
     StatusReply,
     TensorEntry,
-    Weights,
     WeightsSchema,
     encode,
+    encode_schema,
+    layout_digest,
 )
 
 pytestmark = pytest.mark.slow
@@ -332,7 +334,9 @@ def test_weights_sent_to_the_learner_are_refused_unread(fleet: Any) -> None:
     refused before they are decoded and nothing of them is kept; larger ones are cut off
     by the socket's size limit. Status answers at once throughout."""
     entries = tuple(TensorEntry((f"t{i}",), "float32", (1,), 0, 4 * i, 4) for i in range(20_000))
-    hostile = Weights("policy", 1, 1, WeightsSchema("state_dict", entries), (bytes(80_000),))
+    schema = WeightsSchema("state_dict", entries)
+    layout = layout_digest(encode_schema(schema))
+    hostile = Chunk("policy", 1, 1, 0, 1, 0, 80_000, layout, bytes(80_000), schema)
     frames = encode(hostile)
     assert 700_000 < sum(len(f) for f in frames) < 1024 * 1024  # under the control limit
     model = make_model(seed=0)

@@ -22,10 +22,10 @@ from torch import nn
 
 import zmqsync
 from zmqsync import SyncTimeout
+from zmqsync.chunking import version_messages
 from zmqsync.errors import TransportError
-from zmqsync.protocol import Weights, WeightsSchema, decode, encode
+from zmqsync.protocol import Chunk, decode
 from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
-from zmqsync.tensors import Flattener
 from zmqsync.testing import check_transport
 from zmqsync.transport import pipe as pipe_module
 from zmqsync.transport.pipe import PipeHub, PipeSpoke, peer_id
@@ -48,11 +48,14 @@ def test_pipe_transport_conformance(shared_memory: bool) -> None:
 
 
 def _weights_frames(version: int, nbytes: int) -> list[Any]:
-    flat = Flattener("state_dict").flatten({("w",): torch.full((nbytes // 4,), float(version))})
-    schema: WeightsSchema = flat.schema
-    return encode(
-        Weights("policy", version, 7, schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes
+    """One version of ``nbytes`` as a single chunk."""
+    (frames,) = version_messages(
+        {"w": torch.full((nbytes // 4,), float(version))},
+        version=version,
+        epoch=7,
+        chunk_bytes=nbytes,
     )
+    return frames
 
 
 @pytest.mark.timeout(60)
@@ -68,7 +71,7 @@ def test_a_worker_that_does_not_read_never_blocks_the_hub() -> None:
         versions = []
         while (frames := spoke.recv_frames(2.0)) is not None:
             message = decode(frames)
-            assert isinstance(message, Weights)
+            assert isinstance(message, Chunk) and message.first and message.last
             versions.append(message.version)
         assert versions[-1] == 3, versions
         assert versions == sorted(versions) and len(versions) <= 2, versions

@@ -14,12 +14,14 @@ from hypothesis import strategies as st
 from zmqsync.errors import FrameError
 from zmqsync.protocol import (
     ACK_BODY,
+    CHUNK_BODY,
     DTYPE_ITEMSIZE,
     HEADER,
     MAGIC,
     MAX_SCHEMA_BYTES,
     MAX_TEXT_CHARS,
     Ack,
+    Chunk,
     ErrorMessage,
     Goodbye,
     Hello,
@@ -31,13 +33,16 @@ from zmqsync.protocol import (
     StatusRequest,
     TensorEntry,
     UpToDate,
-    Weights,
     WeightsSchema,
     Welcome,
+    checksum,
     codec,
     decode,
     encode,
+    encode_schema,
+    layout_digest,
     peek_kind,
+    starts_version,
 )
 
 u64 = st.integers(min_value=0, max_value=(1 << 64) - 1)
@@ -46,31 +51,69 @@ model_ids = st.text(min_size=0, max_size=30)
 names = st.text(min_size=1, max_size=12)
 
 
+def _chunks(
+    schema: WeightsSchema,
+    stream: bytes,
+    *,
+    model_id: str = "p",
+    version: int = 1,
+    epoch: int = 2,
+    chunk_bytes: int | None = None,
+    checksums: bool = False,
+) -> list[Chunk]:
+    """A version's stream cut into chunks, as a sender cuts it."""
+    size = chunk_bytes or max(1, len(stream))
+    count = max(1, -(-len(stream) // size))
+    layout = layout_digest(encode_schema(schema))
+    out = []
+    for i in range(count):
+        payload = stream[i * size : (i + 1) * size]
+        out.append(
+            Chunk(
+                model_id,
+                version,
+                epoch,
+                i,
+                count,
+                i * size,
+                len(stream),
+                layout,
+                payload,
+                schema if i == 0 else None,
+                checksum(payload) if checksums else 0,
+            )
+        )
+    return out
+
+
 @st.composite
-def weights_messages(draw) -> Weights:  # type: ignore[no-untyped-def]
+def versions(draw) -> list[Chunk]:  # type: ignore[no-untyped-def]
+    """A whole version as its chunks: tensors one after the other in the stream, with
+    gaps (alignment) between them, cut at any chunk size."""
     n = draw(st.integers(0, 6))
     keys = draw(
         st.lists(
             st.lists(names, min_size=1, max_size=3).map(tuple), min_size=n, max_size=n, unique=True
         )
     )
-    entries, buffers = [], []
+    entries, stream = [], b""
     for key in keys:
         dtype = draw(st.sampled_from(sorted(DTYPE_ITEMSIZE)))
         shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
         nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
-        pad = draw(st.integers(0, 8))
-        buffers.append(draw(st.binary(min_size=nbytes + pad, max_size=nbytes + pad)))
-        # Tensors sit at offset `pad` of their buffer, as packed small tensors do.
-        buffers[-1] = bytes(pad) + buffers[-1][:nbytes]
-        entries.append(TensorEntry(key, dtype, shape, len(buffers) - 1, pad, nbytes))
+        stream += bytes(draw(st.integers(0, 8)))
+        entries.append(TensorEntry(key, dtype, shape, 0, len(stream), nbytes))
+        stream += draw(st.binary(min_size=nbytes, max_size=nbytes))
+    end = max((e.offset + e.nbytes for e in entries if e.nbytes), default=0)
     strategy = draw(st.sampled_from(["state_dict", "tensordict"]))
-    return Weights(
-        draw(model_ids),
-        draw(u64),
-        draw(u64),
+    return _chunks(
         WeightsSchema(strategy, tuple(entries)),
-        tuple(buffers),
+        stream[:end],
+        model_id=draw(model_ids),
+        version=draw(u64),
+        epoch=draw(u64),
+        chunk_bytes=draw(st.integers(1, 64)),
+        checksums=draw(st.booleans()),
     )
 
 
@@ -130,19 +173,16 @@ def test_control_messages_round_trip(message) -> None:  # type: ignore[no-untype
     assert decode(frames) == message
 
 
-@given(weights_messages())
-def test_weights_round_trip_without_copying_buffers(message: Weights) -> None:
-    frames = encode(message)
-    assert frames[2:] == list(message.buffers)
-    decoded = decode(frames)
-    assert isinstance(decoded, Weights)
-    assert decoded.schema == message.schema
-    assert (decoded.model_id, decoded.version, decoded.epoch) == (
-        message.model_id,
-        message.version,
-        message.epoch,
-    )
-    assert all(a is b for a, b in zip(decoded.buffers, frames[2:], strict=True))
+@given(versions())
+def test_chunks_round_trip_without_copying_payloads(chunks: list[Chunk]) -> None:
+    for chunk in chunks:
+        frames = encode(chunk)
+        assert peek_kind(frames[0]) is Kind.WEIGHTS
+        assert starts_version(frames[0]) is chunk.first
+        decoded = decode(frames)
+        assert decoded == chunk
+        assert isinstance(decoded, Chunk) and decoded.payload is frames[2]
+    assert sum(len(c.payload) for c in chunks) == chunks[0].total
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -153,7 +193,10 @@ def test_any_bytes_decode_or_raise_frame_error(frames: list[bytes]) -> None:
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(control_messages, weights_messages()), st.data())
+@given(
+    st.one_of(control_messages, versions().map(lambda c: c[-1]), versions().map(lambda c: c[0])),
+    st.data(),
+)
 def test_corrupted_messages_decode_or_raise_frame_error(message, data) -> None:  # type: ignore[no-untyped-def]
     frames = [bytearray(f) for f in encode(message)]
     i = data.draw(st.integers(0, len(frames) - 1))
@@ -168,10 +211,19 @@ def test_corrupted_messages_decode_or_raise_frame_error(message, data) -> None: 
 
 def _weights_frames() -> list[bytes]:
     entry = TensorEntry(("w",), "float32", (2,), 0, 0, 8)
-    return [
-        bytes(f)
-        for f in encode(Weights("p", 1, 2, WeightsSchema("state_dict", (entry,)), (b"\0" * 8,)))
-    ]
+    (chunk,) = _chunks(WeightsSchema("state_dict", (entry,)), b"\0" * 8)
+    return [bytes(f) for f in encode(chunk)]
+
+
+def _set_flags(head: bytes, flags: int) -> bytes:
+    return head[:6] + flags.to_bytes(2, "big") + head[8:]
+
+
+def _set_body(body: bytes, **fields: int) -> bytes:
+    index, count, offset, total, crc = CHUNK_BODY.unpack_from(body)
+    values = {"index": index, "count": count, "offset": offset, "total": total, "crc": crc}
+    values.update(fields)
+    return CHUNK_BODY.pack(*values.values()) + body[CHUNK_BODY.size :]
 
 
 @pytest.mark.parametrize(
@@ -180,15 +232,36 @@ def _weights_frames() -> list[bytes]:
         (lambda f: [b"XXXX" + f[0][4:], *f[1:]], "bad magic"),
         (lambda f: [f[0][:4] + b"\x09" + f[0][5:], *f[1:]], "protocol version 9"),
         (lambda f: [f[0][:5] + b"\x77" + f[0][6:], *f[1:]], "unknown message kind"),
-        (lambda f: f[:2], "announces 1 buffers"),
-        (lambda f: [f[0], f[1], b"\0" * 4], "does not have them"),
+        (lambda f: f[:2], "3 frames"),
+        (lambda f: [f[0], f[1], b"\0" * 4], "ends at 4, not at the total 8"),
         (lambda f: [f[0], f[1].replace(b"float32", b"float99"), f[2]], "digest"),
         (lambda f: f[:1], "at least 2 frames"),
+        (lambda f: [f[0], _set_body(f[1], count=0), f[2]], "out of range"),
+        (lambda f: [f[0], _set_body(f[1], index=3, count=2), f[2]], "out of range"),
+        (lambda f: [f[0], _set_body(f[1], total=1 << 50), f[2]], "limits"),
+        (lambda f: [_set_flags(f[0], 1), *f[1:]], "flags"),  # first, not last: it is both
+        (lambda f: [_set_flags(f[0], 3 | 8), *f[1:]], "flags"),
+        (lambda f: [_set_flags(f[0], 3 | 4), _set_body(f[1], crc=5), f[2]], "checksum"),
+        (lambda f: [f[0], _set_body(f[1], crc=5), f[2]], "do not announce"),
+        (lambda f: [f[0], _set_body(f[1], offset=1, total=9), f[2]], "starts at 1"),
+        (lambda f: [f[0], _set_body(f[1], total=16), b"\0" * 16], "span 8 bytes"),
     ],
 )
-def test_malformed_weights_say_what_is_wrong(mutate, match) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_chunks_say_what_is_wrong(mutate, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(FrameError, match=match):
         decode(mutate(_weights_frames()))
+
+
+def test_only_a_first_chunk_carries_a_schema() -> None:
+    entry = TensorEntry(("w",), "float32", (4,), 0, 0, 16)
+    first, second = _chunks(WeightsSchema("state_dict", (entry,)), bytes(16), chunk_bytes=8)
+    frames = [bytes(f) for f in encode(second)]
+    assert decode(frames) == second
+    with pytest.raises(FrameError, match="only the first chunk"):
+        decode([frames[0], frames[1] + b"{}", frames[2]])
+    head = bytes(encode(first)[0])
+    with pytest.raises(FrameError, match="flags"):  # a middle chunk posing as a first
+        decode([_set_flags(head, 1), frames[1], frames[2]])
 
 
 def _ack_frames(**fields: object) -> list[bytes]:
@@ -245,7 +318,7 @@ def test_limits_are_checked_before_parsing() -> None:
     frames = _weights_frames()
     huge = b" " * (MAX_SCHEMA_BYTES + 1)
     with pytest.raises(FrameError, match="limit"):
-        decode([frames[0], huge, frames[2]])
+        decode([frames[0], frames[1][: CHUNK_BODY.size] + huge, frames[2]])
     deep = b"[" * 100_000
     with pytest.raises(FrameError):
         decode([encode(StatusRequest("p"))[0], deep])
@@ -261,9 +334,11 @@ def test_frame_error_is_a_value_error() -> None:
 
 
 def _frames(entries: list[TensorEntry], buffers: list[bytes]) -> list[bytes]:
-    """A weights message as a hostile sender would build it: any entries, valid digest."""
+    """A one-chunk version as a hostile sender would build it: any entries, a valid
+    digest, the buffers' bytes as the stream."""
     schema = WeightsSchema("state_dict", tuple(entries))
-    return [bytes(f) for f in encode(Weights("p", 1, 0, schema, tuple(buffers)))]
+    (chunk,) = _chunks(schema, b"".join(buffers))
+    return [bytes(f) for f in encode(chunk)]
 
 
 _TIB = 1 << 40
@@ -321,8 +396,8 @@ def test_empty_tensors_share_no_bytes() -> None:
         TensorEntry(("c",), "float32", (0,), 0, 8, 0),
     ]
     decoded = decode(_frames(entries, [bytes(8)]))
-    assert isinstance(decoded, Weights)
-    assert decoded.schema.entries == tuple(entries)
+    assert isinstance(decoded, Chunk)
+    assert decoded.schema is not None and decoded.schema.entries == tuple(entries)
 
 
 def test_a_schema_is_cached_only_once_a_whole_message_passed(
@@ -331,19 +406,18 @@ def test_a_schema_is_cached_only_once_a_whole_message_passed(
     cache = codec._SchemaCache()
     monkeypatch.setattr(codec, "_schema_cache", cache)
     entry = TensorEntry(("w",), "float32", (4,), 0, 0, 16)
-    short = _frames([entry], [bytes(12)])
-    with pytest.raises(FrameError, match="does not have them"):
+    good = _frames([entry], [bytes(16)])
+    short = [good[0], _set_body(good[1], total=12), bytes(12)]
+    with pytest.raises(FrameError, match="span 16 bytes"):
         decode(short)
     with pytest.raises(FrameError, match="overlap"):
         decode(_frames([entry, dataclasses.replace(entry, key=("v",))], [bytes(16)]))
     assert len(cache) == 0
-    decode(_frames([entry], [bytes(16)]))
-    assert short[1] in cache
-    # Buffers differ per message: a cached schema is still checked against them.
-    with pytest.raises(FrameError, match="does not have them"):
+    decode(good)
+    assert short[1][CHUNK_BODY.size :] in cache
+    # Totals differ per message: a cached schema is still checked against them.
+    with pytest.raises(FrameError, match="span 16 bytes"):
         decode(short)
-    with pytest.raises(FrameError, match="does not have them"):
-        decode(_frames([entry], []))
 
 
 def test_the_schema_cache_holds_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -356,14 +430,14 @@ def test_the_schema_cache_holds_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -
         entry = TensorEntry((f"t{i}", "x" * 1000), "uint8", (1,), 0, 0, 1)
         frames = _frames([entry], [b"\0"])
         decode(frames)
-        bodies.append(frames[1])
+        bodies.append(frames[1][CHUNK_BODY.size :])
         assert cache.nbytes <= cache.max_bytes
         assert cache.nbytes == sum(len(b) for b in bodies if b in cache)
     assert bodies[-1] in cache and bodies[0] not in cache
     assert 0 < len(cache) < 5
     huge = _frames([TensorEntry(("big", "x" * 4000, "y" * 1000), "uint8", (1,), 0, 0, 1)], [b"\0"])
     decode(huge)
-    assert huge[1] not in cache  # larger than the whole budget: never kept
+    assert huge[1][CHUNK_BODY.size :] not in cache  # larger than the whole budget: never kept
     assert bodies[-1] in cache
     assert codec._SchemaCache().max_bytes == codec.SCHEMA_CACHE_BYTES
 
@@ -373,10 +447,14 @@ _MUTATIONS = ("offset", "nbytes", "shape", "buffer", "alias", "resize")
 
 @st.composite
 def mutated_weights(draw) -> list[bytes]:  # type: ignore[no-untyped-def]
-    """A valid weights message, then a few hostile edits of its schema or its buffers;
+    """A valid one-chunk version, then a few hostile edits of its schema or its stream;
     re-encoded with a valid digest so that the decoder's checks, not the digest, decide."""
-    message = draw(weights_messages().filter(lambda m: m.schema.entries))
-    entries, buffers = list(message.schema.entries), list(message.buffers)
+    (chunk,) = draw(
+        versions()
+        .map(lambda cs: _chunks(cs[0].schema, b"".join(bytes(c.payload) for c in cs)))
+        .filter(lambda cs: cs[0].schema.entries)
+    )
+    entries, stream = list(chunk.schema.entries), bytes(chunk.payload)
     ints = st.one_of(st.integers(-2, 40), st.sampled_from([_TIB, _TIB + 1, 1 << 63, -(1 << 63)]))
     for _ in range(draw(st.integers(1, 3))):
         i = draw(st.integers(0, len(entries) - 1))
@@ -388,35 +466,32 @@ def mutated_weights(draw) -> list[bytes]:  # type: ignore[no-untyped-def]
             other = entries[draw(st.integers(0, len(entries) - 1))]
             e = dataclasses.replace(other, key=e.key)
         elif what == "resize":
-            j = draw(st.integers(0, len(buffers) - 1))
-            buffers[j] = bytes(draw(st.integers(0, len(buffers[j]) + 8)))
+            stream = bytes(draw(st.integers(0, len(stream) + 8)))
         else:
             e = dataclasses.replace(e, **{what: draw(ints)})
         entries[i] = e
-    return _frames(entries, buffers)
+    return _frames(entries, [stream])
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated_weights())
-def test_mutated_weights_decode_inside_their_buffers_or_raise(frames: list[bytes]) -> None:
+def test_mutated_weights_decode_inside_their_stream_or_raise(frames: list[bytes]) -> None:
     try:
         message = decode(frames)
     except FrameError:
         return
-    assert isinstance(message, Weights)
-    sizes = [len(b) for b in message.buffers]
-    taken: dict[int, list[tuple[int, int]]] = {}
+    assert isinstance(message, Chunk) and message.schema is not None
+    spans = []
     for e in message.schema.entries:
-        assert 0 <= e.buffer < len(sizes)
-        assert e.offset >= 0 and e.offset + e.nbytes <= sizes[e.buffer]
+        assert e.buffer == 0 and e.offset >= 0
+        assert e.offset + e.nbytes <= message.total or not e.nbytes  # empty: no bytes anywhere
         assert e.nbytes == math.prod(e.shape) * DTYPE_ITEMSIZE[e.dtype]
         assert math.prod(max(d, 1) for d in e.shape) * DTYPE_ITEMSIZE[e.dtype] <= _TIB
         if e.nbytes:
-            taken.setdefault(e.buffer, []).append((e.offset, e.offset + e.nbytes))
-    for spans in taken.values():
-        spans.sort()
-        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
-    assert sum(e.nbytes for e in message.schema.entries) <= sum(sizes)
+            spans.append((e.offset, e.offset + e.nbytes))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert sum(e.nbytes for e in message.schema.entries) <= message.total == len(message.payload)
 
 
 # --- routing before decoding -----------------------------------------------------------
@@ -424,7 +499,7 @@ def test_mutated_weights_decode_inside_their_buffers_or_raise(frames: list[bytes
 
 def test_decode_refuses_kinds_not_accepted_before_parsing_the_body() -> None:
     frames = _weights_frames()
-    assert isinstance(decode(frames, accept={Kind.WEIGHTS}), Weights)
+    assert isinstance(decode(frames, accept={Kind.WEIGHTS}), Chunk)
     with pytest.raises(FrameError, match="unexpected kind WEIGHTS"):
         decode([frames[0], b"not even json", *frames[2:]], accept=(Kind.ACK, Kind.HELLO))
     ack = _ack_frames()

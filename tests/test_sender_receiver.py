@@ -18,7 +18,8 @@ from zmqsync import (
     WeightsRejected,
     checksum,
 )
-from zmqsync.protocol import Hello, SnapshotRequest, Weights, encode
+from zmqsync.chunking import version_messages
+from zmqsync.protocol import Hello, SnapshotRequest, encode
 from zmqsync.tensors import Flattener, extract
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
@@ -142,11 +143,8 @@ def test_duplicates_and_stale_versions_are_ignored_and_counted(rig: Rig) -> None
     receiver, model = rig.workers[0]
     before = checksum(model)
     # Replay version 1 (stale) and version 2 (duplicate) straight down the transport.
-    flat = Flattener("state_dict").flatten(extract(_model(7), "state_dict"))
     for version in (1, 2):
-        frames = encode(
-            Weights("policy", version, rig.sender.epoch, flat.schema, tuple(flat.buffers))
-        )
+        (frames,) = version_messages(_model(7), version=version, epoch=rig.sender.epoch)
         with rig.sender._holding_baton():
             rig.sender.transport.send_frames(frames)
     deadline = time.monotonic() + 5
@@ -360,8 +358,7 @@ def test_new_epoch_is_followed_and_old_epoch_frames_dropped() -> None:
         for _ in range(3):
             first.send()
         old_epoch = first.epoch
-        flat = Flattener("state_dict").flatten(extract(_model(3), "state_dict"))
-        stale = encode(Weights("policy", 99, old_epoch, flat.schema, tuple(flat.buffers)))
+        (stale,) = version_messages(_model(3), version=99, epoch=old_epoch)
         first.close()
         second = WeightSender(
             MemoryHub(hub_name), model=_model(1), strategy="state_dict", num_workers=1, timeout=5
@@ -403,39 +400,37 @@ def test_late_joiner(retain: bool) -> None:
 
 
 def test_the_sender_rewrites_its_copy_only_once_no_transport_holds_it() -> None:
-    """Every version is sent from a copy the sender owns. Its memory is reused for a
+    """Every version is streamed from a copy the sender owns. Its memory is reused for a
     later version only once nobody holds it any more: a worker that still holds (or has
     yet to read) a version always reads that version's bytes, whole."""
-    # Weights of 64 bytes and up are frames of their own (copied); the biases are packed,
-    # and each version's fresh pack is kept as it is.
-    rig = Rig(1, pack_threshold=64)
+    rig = Rig(1)
     try:
         rig.bump()
         rig.sender.send()
 
-        def copy_pointers() -> list[int]:
+        def copy_pointer() -> int:
             snapshot = rig.sender._snapshot
             assert snapshot is not None
-            assert len(snapshot.flat.keepalive) == 3  # two weights and the pack
-            return [t.data_ptr() for t in snapshot.flat.keepalive[:-1]]
+            return int(snapshot.data.ctypes.data)
 
-        first = copy_pointers()
+        first = copy_pointer()
         rig.bump()
         rig.sender.send()
-        assert copy_pointers() == first  # nobody holds the last copy: written over
+        assert copy_pointer() == first  # nobody holds the last copy: written over
         # A transport that still holds a version (a stopped worker's queue) is lent it:
-        lent = rig.sender._latest_frames()
-        assert lent is not None
-        kept = [bytes(b) for b in lent[2:]]
+        latest = rig.sender._latest()
+        assert latest is not None
+        lent, _ = latest.frames(0)
+        kept = bytes(lent[2])
         rig.bump()
         rig.sender.send()
-        second = copy_pointers()
+        second = copy_pointer()
         assert second != first  # fresh memory for the next version
-        assert [bytes(b) for b in lent[2:]] == kept  # what was lent is intact
+        assert bytes(lent[2]) == kept  # what was lent is intact
         del lent  # let go: the memory is free again
         rig.bump()
         rig.sender.send()
-        assert copy_pointers() == second
+        assert copy_pointer() == second
         assert checksum(rig.workers[0][1]) == checksum(rig.model)
     finally:
         rig.close()
@@ -720,56 +715,10 @@ def test_the_pump_waits_holding_nothing_and_sends_do_not_wake_it(monkeypatch) ->
         sender.close()
 
 
-def test_a_worker_keeps_the_last_versions_buffers_until_the_next_arrives(
-    tmp_path,
-    monkeypatch,  # type: ignore[no-untyped-def]
-) -> None:
-    """Freed at once, a version's receive buffers go back to the kernel and the next
-    version faults its pages in again; so a worker holds them until the next version is
-    in, then lets them go (within HOLD_MAX_* bounds; never a transport's lent memory)."""
-    import gc
-    import weakref
-
-    import zmqsync.receiver as receiver_module
-
-    model = {"big": torch.randn(128, 1024), "small": torch.randn(8)}  # 512 KiB + 32 B
-    hub = PubSubHub(f"ipc://{tmp_path}/hold", shared_memory=False)  # frames off the socket
-    sender = WeightSender(
-        hub, model=model, strategy="state_dict", num_workers=1, timeout=5, retain_snapshot=False
-    )
-    worker = {k: torch.zeros_like(v) for k, v in model.items()}
-    receiver = WeightReceiver(
-        PubSubSpoke(hub.endpoint, identity="0"), model=worker, strategy="state_dict", worker_idx=0
-    )
-    try:
-        receiver.connect()
-        receiver.start()
-        sender.send()
-        held = receiver._held
-        assert held and sum(len(b) for b in held) >= model["big"].numel() * 4
-        assert any(bytes(b) == model["big"].numpy().tobytes() for b in held)
-        first = [weakref.ref(b.obj) for b in held]
-        del held
-        model["big"].add_(1)
-        sender.send()
-        gc.collect()
-        assert all(r() is None for r in first), "version 1's buffers outlived version 2"
-        assert any(bytes(b) == model["big"].numpy().tobytes() for b in receiver._held)
-        # Over the bounds nothing is held.
-        monkeypatch.setattr(receiver_module, "HOLD_MAX_BYTES", 1024)
-        model["big"].add_(1)
-        sender.send()
-        assert all(len(b) <= 1024 for b in receiver._held)
-        assert torch.equal(worker["big"], model["big"])
-    finally:
-        receiver.close()
-        sender.close()
-    assert receiver._held == []
-
-
 def test_a_worker_holds_nothing_of_versions_read_from_shared_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Over ipc with the snapshot, versions are read from the hub's shared blocks, which
-    the hub reuses once released: a worker must not keep them past its ack."""
+    the hub reuses once released: a worker must not keep them past its ack, or every
+    version would need a block of its own."""
     model = {"big": torch.randn(128, 1024)}
     hub = PubSubHub(f"ipc://{tmp_path}/lent")
     sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=1, timeout=5)
@@ -784,22 +733,23 @@ def test_a_worker_holds_nothing_of_versions_read_from_shared_memory(tmp_path) ->
             model["big"].add_(1)
             sender.send()
             assert torch.equal(worker["big"], model["big"])
-            assert receiver._held == []
-        assert hub.counters().get("shm_bytes", 0) > 0, (
-            "the version did not go through shared memory"
-        )
+        shm_bytes = hub.counters().get("shm_bytes", 0)
+        assert shm_bytes > 0, "the version did not go through shared memory"
+        # The snapshot's block and at most one more (the next version, written while the
+        # previous block is still released): never one block per version.
+        assert shm_bytes <= 2 * (model["big"].nbytes + 4096), shm_bytes
     finally:
         receiver.close()
         sender.close()
 
 
-def test_a_sender_that_packs_nothing_sends_every_tensor_from_its_own_memory() -> None:
-    """``pack_threshold=0``: no tensor is copied into a pack, each is a frame of its own
-    memory, and the hub's sockets send even these small frames without a copy."""
+def test_a_sender_that_packs_nothing_still_sends_whole_versions() -> None:
+    """``pack_threshold=0``: no tensor is copied into a pack, each is a buffer of its own
+    memory, which the stream then copies chunk by chunk."""
     model = _model(0)
     tensors = extract(model, "state_dict")
     flat = Flattener("state_dict", pack_threshold=0).flatten(tensors)
-    assert len(flat.buffers) == len(tensors) and not flat.private
+    assert len(flat.buffers) == len(tensors)
     assert sorted(memoryview(b).obj.ctypes.data for b in flat.buffers) == sorted(  # type: ignore[union-attr]
         t.data_ptr() for t in tensors.values()
     )
@@ -823,7 +773,6 @@ def test_a_sender_that_packs_nothing_sends_every_tensor_from_its_own_memory() ->
         timeout=5,
     )
     try:
-        assert hub._pub.copy_threshold == 0 and hub._router.copy_threshold == 0
         receiver.connect()
         receiver.start()
         for version in (1, 2, 3):

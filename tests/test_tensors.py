@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from _wire import through_the_wire
 from tensordict import TensorDict
 from torch import nn
 
+from zmqsync.chunking import MIN_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import SchemaMismatchError
-from zmqsync.protocol import Weights, decode, encode
+from zmqsync.protocol import Weights
 from zmqsync.tensors import (
     Flattener,
     apply_weights,
@@ -40,11 +43,7 @@ ALL_DTYPES = [
 
 
 def _wire(tensors, strategy, **kw):  # type: ignore[no-untyped-def]
-    flat = Flattener(strategy, **kw).flatten(tensors)
-    frames = encode(
-        Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes
-    )
-    return decode([bytes(f) for f in frames])
+    return _decoded(Flattener(strategy, **kw).flatten(tensors))
 
 
 def _model() -> nn.Module:
@@ -236,6 +235,38 @@ def test_both_copy_paths_land_every_dtype_in_place(serial: bool, pack_threshold:
         assert target[key].data_ptr() == pointers[key], key
 
 
+@pytest.mark.parametrize("chunk_bytes", [7, 4096, MIN_CHUNK_BYTES, 1 << 22])
+def test_chunks_written_in_place_land_every_dtype_and_layout(chunk_bytes: int) -> None:
+    """However a stream is cut (chunk edges inside tensors, many tensors in a chunk),
+    InPlace puts every byte where it belongs, in the target's own memory."""
+    from zmqsync.chunking import InPlace
+
+    source, target = {}, {}
+    for i, dtype in enumerate(ALL_DTYPES):
+        base = torch.randn(5, 3) * 10
+        source[(f"t{i}",)] = base.to(dtype) if not dtype.is_complex else base.to(dtype) * 1j
+        target[(f"t{i}",)] = torch.zeros(5, 3, dtype=dtype)
+    for i in range(100):  # many pieces in one chunk: the cached-views path
+        source[(f"s{i}",)], target[(f"s{i}",)] = torch.randn(3), torch.zeros(3)
+    source[("big",)], target[("big",)] = torch.randn(300, 300), torch.zeros(300, 300)
+    source[("empty",)], target[("empty",)] = torch.zeros(0, 3), torch.ones(0, 3)
+    source[("noncontig",)], target[("noncontig",)] = torch.randn(4, 6), torch.zeros(6, 4).t()
+    pointers = {k: t.data_ptr() for k, t in target.items()}
+    flat = Flattener("state_dict").flatten(source)
+    layout = StreamLayout(flat, chunk_bytes)
+    sources = StreamLayout.sources(flat)
+    plan = InPlace(layout.schema, target, "state_dict")
+    for i in range(layout.count):
+        offset, length = layout.span(i)
+        payload = np.empty(length, dtype=np.uint8)
+        layout.write(i, sources, payload)
+        plan.apply(offset, payload.data.toreadonly())
+    plan.finish()
+    for key, tensor in source.items():
+        assert _same(target[key], tensor), key
+        assert target[key].data_ptr() == pointers[key], key
+
+
 def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
     from zmqsync.tensors import ModelTensors
 
@@ -272,46 +303,5 @@ def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
     assert cache.get(module)[("weight",)].shape == (2, 8)
 
 
-def test_a_snapshot_keeps_the_buffers_flattening_made_and_copies_the_rest() -> None:
-    """The packed small tensors and a large tensor made contiguous are this version's own
-    already: the snapshot keeps them (no second copy). A large tensor the caller owns
-    is copied, and the snapshot never changes with the model."""
-    model = {
-        "big": torch.randn(64, 64),  # 16 KiB: a frame viewing the model
-        "strided": torch.randn(64, 64).t(),  # made contiguous: a copy
-        "small": torch.randn(3),  # packed
-        "flag": torch.ones(2, dtype=torch.bool),  # packed, another dtype
-    }
-    flat = Flattener("state_dict", pack_threshold=1024).flatten(extract(model, "state_dict"))
-    # buffers: big, strided's copy, then the pack
-    assert flat.private == frozenset({1, 2})
-    snap = flat.owned_copy()
-    ptr = [t.data_ptr() for t in snap.keepalive]
-    assert ptr[0] != model["big"].data_ptr()
-    assert ptr[1:] == [t.data_ptr() for t in flat.keepalive[1:]]  # kept, not copied
-    assert all(isinstance(b, memoryview) and b.readonly for b in snap.buffers)
-    expected = {k: v.clone() for k, v in model.items()}
-    for t in model.values():
-        t.logical_not_() if t.dtype == torch.bool else t.add_(1)
-    out = materialize(_decoded(snap))
-    assert all(torch.equal(out[(k,)], v) for k, v in expected.items())
-    # Reusing an earlier snapshot's memory (the sender's spare): caller-owned frames are
-    # copied into it, the fresh pack is kept.
-    again = Flattener("state_dict", pack_threshold=1024).flatten(extract(model, "state_dict"))
-    snap2 = again.owned_copy(into=snap)
-    assert snap2.keepalive[0].data_ptr() == ptr[0]
-    assert snap2.keepalive[2].data_ptr() == again.keepalive[2].data_ptr()
-    out = materialize(_decoded(snap2))
-    assert all(torch.equal(out[(k,)], v) for k, v in model.items())
-    # Memory a hub lends must hold every byte: nothing is kept then.
-    lent = torch.empty(1 << 20, dtype=torch.uint8).numpy()
-    snap3 = again.owned_copy(alloc=lambda n: lent[:n])
-    base = lent.ctypes.data
-    assert all(base <= t.data_ptr() < base + lent.nbytes for t in snap3.keepalive)
-
-
 def _decoded(flat):  # type: ignore[no-untyped-def]
-    frames = encode(
-        Weights("m", 1, 1, flat.schema, tuple(flat.buffers)), schema_bytes=flat.schema_bytes
-    )
-    return decode([bytes(f) for f in frames])
+    return through_the_wire(flat)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _faults import until
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 from test_torchrl import FRAMES_PER_BATCH, NUM_WORKERS, close, make_env, make_policy, per_worker
@@ -299,7 +300,8 @@ def test_per_worker_weights_rendez_vous_and_restart_with_a_workers_own_weights()
         # Worker 0 restarts (a new process would do the same): its own latest comes back.
         joined[0].shutdown()
         assert _action(join(0)) == 9.0
-        assert learner.worker_versions() == {0: 1, 1: 1}
+        # The learner hears the restarted worker's ack of its snapshot just after.
+        until(lambda: learner.worker_versions() == {0: 1, 1: 1}, 5, "the learner heard it")
     finally:
         for worker in joined:
             worker.shutdown()

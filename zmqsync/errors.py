@@ -9,6 +9,7 @@
     ├── CheckpointError (ValueError)     a checkpoint file missing, unreadable, not tensors
     ├── FactoryError (ValueError)        a module:factory that does not build a model
     ├── SyncTimeout (TimeoutError)       targeted workers did not ack in time
+    ├── TornWeights (TimeoutError)       a forward pass waited on weights left half-written
     ├── WeightsRejected                  workers received a version and refused it
     └── TransportError                   the backend (ZeroMQ, a pipe, Ray) failed
         └── TransportClosed              you closed it, then used it
@@ -32,6 +33,7 @@ __all__ = [
     "FrameError",
     "SchemaMismatchError",
     "SyncTimeout",
+    "TornWeights",
     "TransportClosed",
     "TransportError",
     "WeightsRejected",
@@ -95,6 +97,17 @@ class SyncTimeout(ZMQSyncError, TimeoutError):
         self.missing_workers = sorted(missing_workers)
         self.version = version
         self.transports = dict(transports or {})
+
+
+class TornWeights(ZMQSyncError, TimeoutError):
+    """A version's stream broke while it was written into the model in place, and no
+    repair came within the wait: the model holds parts of two versions, so no forward
+    pass may run on it. ``version`` is the one that was being written."""
+
+    def __init__(self, message: str, *, version: int = 0, reason: str = "") -> None:
+        super().__init__(message)
+        self.version = version
+        self.reason = reason
 
 
 class WeightsRejected(ZMQSyncError):

@@ -2,9 +2,16 @@
 
 A receiver holds ``(epoch, version)``: versions of its sender's epoch only go up;
 duplicates and stale versions are ignored and counted; a new epoch (a restarted sender)
-is followed, and frames of an epoch it has left are dropped. A version is applied whole
-or not at all, under :attr:`WeightReceiver.lock`, so a forward pass that holds the lock
-never sees half of one.
+is followed, and frames of an epoch it has left are dropped.
+
+A version arrives as a stream of chunks and is applied whole or not at all, under
+:attr:`WeightReceiver.lock`, so a forward pass that holds the lock never sees half of
+one. Two ways (``apply_mode``): *staged* gathers the chunks in a buffer of the version's
+size and copies it into the model at the end (the lock is held for that copy only);
+*in place* writes each chunk into the model as it comes, holding the lock from the first
+chunk to the last (no model-sized buffer). If an in-place stream breaks, the model is
+*torn*: the lock refuses forward passes (:class:`~zmqsync.errors.TornWeights` after a
+wait) until a whole version, the sender's snapshot or the next one, repairs it.
 
 Connecting follows ZeroMQ's Clone pattern: say hello, subscribe, prove the subscription
 is live with a probe (no ``sleep()``), then ask for a snapshot of the latest version.
@@ -24,10 +31,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
-from zmqsync.errors import FrameError, SchemaMismatchError, SyncTimeout, ZMQSyncError
+from zmqsync.chunking import InPlace, Staging
+from zmqsync.errors import (
+    FrameError,
+    SchemaMismatchError,
+    SyncTimeout,
+    TornWeights,
+    ZMQSyncError,
+)
 from zmqsync.protocol import (
     AUTO_WORKER,
     Ack,
+    Chunk,
     ErrorMessage,
     Goodbye,
     Hello,
@@ -36,11 +51,12 @@ from zmqsync.protocol import (
     ProbeRequest,
     SnapshotRequest,
     UpToDate,
-    Weights,
+    WeightsSchema,
     Welcome,
     decode,
     encode,
 )
+from zmqsync.protocol.stream import DEFAULT_GAP, Apply, Broken, ChunkStream, Ignored, Start
 from zmqsync.tensors import ApplyPlan, ModelTensors, as_weights_object, materialize
 from zmqsync.transport.base import SpokeTransport
 
@@ -54,16 +70,75 @@ FIRST_RETRY: Final = 0.005
 RETRY_INTERVAL: Final = 0.2
 #: Epochs a receiver remembers having left, to drop their late frames.
 RETIRED_EPOCHS: Final = 16
-#: A worker keeps the receive buffers of the version it applied last until the next
-#: version has arrived (frames up to HOLD_MAX_FRAME bytes each, HOLD_MAX_BYTES in all).
-#: Freed at once, a version's buffers coalesce at the top of ZeroMQ's I/O thread's
-#: malloc arena, glibc hands the pages back to the kernel, and the next version faults
-#: them in again: 1,600-2,600 page faults, 2.5-6 ms of CPU per 16 MB version (measured;
-#: the benchmark's hand-written baseline keeps its last frames until the next arrive
-#: and did not pay them). Larger frames are mmap'd afresh every time whatever we do
-#: (glibc's mmap threshold tops out at 32 MiB), so holding them would only cost memory.
-HOLD_MAX_FRAME: Final = 32 << 20
-HOLD_MAX_BYTES: Final = 256 << 20
+#: ``apply_mode="auto"`` stages versions of a few chunks up to this size: a buffer this
+#: large is cheap next to the model, and forward passes wait only for one copy. Larger
+#: versions (and any that arrive through shared memory, at copying speed anyway) are
+#: written in place: no model-sized buffer.
+STAGED_MAX_BYTES: Final = 256 * 1024 * 1024
+APPLY_MODES: Final = ("auto", "in_place", "staged")
+
+
+class WeightsLock:
+    """The lock a forward pass holds to see one whole version: ``with receiver.lock:``.
+
+    Re-entrant, like ``threading.RLock``. While the model is torn (an in-place version's
+    stream broke), acquiring it waits for the repair up to ``timeout`` seconds (the
+    ``timeout`` argument, or the receiver's) and then raises
+    :class:`~zmqsync.errors.TornWeights`: a forward pass never runs on torn weights.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        #: What the receiver itself writes under (it may write a torn model).
+        self.raw = threading.RLock()
+        self._repaired = threading.Condition(self.raw)
+        #: ``(version, reason)`` while the model is torn, else None.
+        self.torn: tuple[int, str] | None = None
+        self.timeout = timeout
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self.raw.acquire(blocking, timeout):
+            return False
+        if self.torn is None:
+            return True
+        deadline = time.monotonic() + (self.timeout if timeout < 0 else timeout)
+        while self.torn is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not blocking:
+                version, reason = self.torn
+                self.raw.release()
+                raise TornWeights(
+                    f"the model is torn: version {version}'s stream broke while it was "
+                    f"written in place ({reason}), and no repair came within "
+                    f"{max(0.0, deadline - time.monotonic() + remaining):.3g}s",
+                    version=version,
+                    reason=reason,
+                )
+            self._repaired.wait(remaining)
+        return True
+
+    def release(self) -> None:
+        self.raw.release()
+
+    def _is_owned(self) -> bool:
+        """Whether this thread holds it (``threading.RLock``'s own test)."""
+        return bool(self.raw._is_owned())  # type: ignore[attr-defined]
+
+    def __enter__(self) -> WeightsLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def tear(self, version: int, reason: str) -> None:
+        """Mark the model torn (call holding :attr:`raw`)."""
+        self.torn = (version, reason)
+
+    def mend(self) -> None:
+        """A whole version is in the model again (call holding :attr:`raw`)."""
+        if self.torn is not None:
+            self.torn = None
+            self._repaired.notify_all()
 
 
 class WeightReceiver:
@@ -77,7 +152,13 @@ class WeightReceiver:
         strategy: must match the sender's.
         worker_idx: this worker's id, unique in the fleet; ``None`` asks the sender to
             assign one when connecting (a fleet scaled by replicas has no ids to hand out).
-        timeout: default seconds for :meth:`connect`.
+        timeout: default seconds for :meth:`connect`, and for a forward pass waiting on
+            a torn model (:class:`WeightsLock`).
+        apply_mode: ``"staged"``, ``"in_place"`` or ``"auto"``: staged for versions of
+            several chunks up to :data:`STAGED_MAX_BYTES` that do not come through
+            shared memory, in place otherwise (see the module).
+        chunk_timeout: seconds between two chunks of a version before its stream counts
+            as broken.
     """
 
     def __init__(
@@ -89,8 +170,13 @@ class WeightReceiver:
         strategy: str = "tensordict",
         worker_idx: int | None = 0,
         timeout: float = 10.0,
+        apply_mode: str = "auto",
+        chunk_timeout: float = DEFAULT_GAP,
     ) -> None:
+        if apply_mode not in APPLY_MODES:
+            raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
         self._spoke = spoke
+        self.apply_mode = apply_mode
         self.model_id = model_id
         self.model = model
         self.strategy = strategy
@@ -101,9 +187,18 @@ class WeightReceiver:
         self.weights: Any = None
         self._model_tensors = ModelTensors(strategy)
         self._plan: ApplyPlan | None = None
+        self._in_place: InPlace | None = None
+        self._staging = Staging()
+        self._stream = ChunkStream(chunk_timeout)
+        #: How the version in progress is applied: "in_place", "staged", or "" (none).
+        self._writing = ""
+        self._started_at = 0.0
+        self._schema: WeightsSchema | None = None
+        #: The ack to send once the last chunk's frames are let go of.
+        self._ack_due: dict[str, Any] | None = None
         #: Held while a version is copied into the model. Hold it during a forward pass
         #: to never see half of one.
-        self.lock = threading.RLock()
+        self.lock = WeightsLock(timeout)
         self.stats = {
             "received_bytes": 0,
             "applied": 0,
@@ -111,6 +206,9 @@ class WeightReceiver:
             "stale": 0,
             "rejected_frames": 0,
             "last_apply_s": 0.0,
+            "chunks": 0,
+            "broken_streams": 0,
+            "torn": 0,
         }
         self.rejections: deque[str] = deque(maxlen=8)
         #: The last version refused for not fitting the model, and why, until one fits:
@@ -139,8 +237,6 @@ class WeightReceiver:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
-        #: The last applied version's receive buffers (see HOLD_MAX_BYTES).
-        self._held: list[Any] = []
         self._caught_up = False
         self._refused = ""
         # The spoke's sockets are used by one thread at a time: connect(), receive() or
@@ -326,42 +422,179 @@ class WeightReceiver:
         with self._io_lock:
             self._process_locked(timeout)
 
+    @property
+    def torn(self) -> bool:
+        """Whether the model holds parts of two versions (an in-place stream broke)."""
+        return self.lock.torn is not None
+
     def _process_locked(self, timeout: float) -> None:
         now = time.monotonic()
         if self._welcomed and now - self._last_heartbeat >= self._heartbeat:
             self._last_heartbeat = now
             self._send_snapshot_request()
         frames = self._spoke.recv_frames(timeout)
-        newest: Weights | None = None
-        while frames is not None:
-            message = self._decode(frames)
-            if isinstance(message, Weights):
-                self.stats["received_bytes"] += sum(len(b) for b in message.buffers)
-                if newest is None or self._newer(message, newest):
-                    if newest is not None:
-                        self.stats["stale"] += 1
-                    newest = message
-                else:
-                    self.stats["stale"] += 1
-            elif message is not None:
-                self._on_control(message)
-            # Anything more (a newer version, say)? Asking first spares a read.
-            frames = self._spoke.recv_frames(0) if self._spoke.has_input() else None
-        if newest is not None:
-            ack = self._on_weights(newest)
-            if self._spoke.lent(newest.buffers):
+        while True:
+            if frames is not None:
+                message = self._decode(frames)
+                if isinstance(message, Chunk):
+                    self._on_chunk(message)
+                elif message is not None:
+                    self._on_control(message)
                 # Let go of the frames before acking: a transport that lends its memory
                 # (shared blocks) may reuse it by the time the sender sees the ack.
-                frames = message = newest = None
-                self._held = []
-            else:
-                # The previous version's buffers go now that this one's were allocated.
-                self._held = _to_hold(newest.buffers)
-            if ack is not None:
-                self._ack(**ack)
+                frames = message = None
+                if self._ack_due is not None:
+                    ack, self._ack_due = self._ack_due, None
+                    self._ack(**ack)
+            if self._stream.active:
+                # The middle of a version: wait for its next chunk (an in-place write
+                # holds the model's lock until the last one).
+                broken = self._stream.expire(time.monotonic())
+                if broken is not None:
+                    self._on_broken(broken)
+                    continue
+                now = time.monotonic()
+                if self._welcomed and now - self._last_heartbeat >= self._heartbeat:
+                    self._last_heartbeat = now  # still alive, still behind
+                    self._send_snapshot_request()
+                frames = self._spoke.recv_frames(min(self._heartbeat, self._stream.gap))
+                continue
+            if frames is None and self._spoke.has_input():
+                frames = self._spoke.recv_frames(0)  # anything more? asking first spares a read
+            if frames is None:
+                return
 
-    def _newer(self, a: Weights, b: Weights) -> bool:
-        return a.epoch != b.epoch or a.version > b.version
+    def _on_chunk(self, chunk: Chunk) -> None:
+        self.stats["received_bytes"] += len(chunk.payload)
+        self.stats["chunks"] += 1
+        wanted = self._wanted(chunk) if chunk.first else True
+        for event in self._stream.feed(chunk, time.monotonic(), wanted):
+            if isinstance(event, Start):
+                self._on_start(event)
+            elif isinstance(event, Apply):
+                self._on_piece(event.chunk)
+            elif isinstance(event, Broken):
+                self._on_broken(event)
+            elif isinstance(event, Ignored) and event.reason != "not wanted":
+                self.stats["stale"] += 1
+
+    def _wanted(self, chunk: Chunk) -> bool:
+        """Whether to receive the version ``chunk`` starts (counts what it is not)."""
+        if chunk.epoch != self.epoch:
+            if chunk.epoch in self._retired:
+                self.stats["stale"] += 1  # frames of a sender life we already left
+                return False
+            return True
+        if self.torn and chunk.version >= self.version:
+            return True  # a repair: the model no longer holds self.version
+        if chunk.version <= self.version:
+            self.stats["duplicates"] += 1
+            self._caught_up = True
+            self._ack_due = {"applied": True}  # we hold it (or newer): settles a waiting send
+            return False
+        return True
+
+    def _on_start(self, event: Start) -> None:
+        chunk, schema = event.chunk, event.schema
+        self._started_at = time.monotonic()
+        self._schema = schema
+        if self.model is None:
+            self._writing = "staged"
+            self._staging.start(chunk.total)
+            return
+        target = self._model_tensors.get(self.model)
+        in_place = self.apply_mode == "in_place" or (
+            self.apply_mode == "auto"
+            and (
+                chunk.count == 1
+                or chunk.total > STAGED_MAX_BYTES
+                or self._spoke.lent([chunk.payload])
+            )
+        )
+        try:
+            if in_place:
+                if self._in_place is None or not self._in_place.fits(schema, target):
+                    self._in_place = InPlace(schema, target, self.strategy)
+            elif self._plan is None or not self._plan.fits(schema, target):
+                self._plan = ApplyPlan(schema, target, self.strategy)
+        except SchemaMismatchError as exc:
+            self._stream.abandon("refused")
+            self._refuse(chunk, exc)
+            return
+        if in_place:
+            self.lock.raw.acquire()  # until the last chunk is in (or the stream breaks)
+            self._writing = "in_place"
+        else:
+            self._writing = "staged"
+            self._staging.start(chunk.total)
+
+    def _refuse(self, chunk: Chunk, exc: SchemaMismatchError) -> None:
+        self._rejected(f"version {chunk.version}: {exc}")
+        self._mismatch = (chunk.version, exc)
+        self._ack_due = {
+            "applied": False,
+            "reason": str(exc),
+            "version": chunk.version,
+            "epoch": chunk.epoch,
+        }
+
+    def _on_piece(self, chunk: Chunk) -> None:
+        if self._writing == "in_place":
+            assert self._in_place is not None
+            self._in_place.apply(chunk.offset, chunk.payload)
+        elif self._writing == "staged":
+            self._staging.write(chunk.offset, chunk.payload)
+        if chunk.last and self._writing:
+            self._complete(chunk)
+
+    def _complete(self, chunk: Chunk) -> None:
+        """The last chunk is in: make the version the model's, and ack it."""
+        writing, self._writing = self._writing, ""
+        with self.lock.raw:
+            if writing == "in_place":
+                assert self._in_place is not None
+                self._in_place.finish()
+                self.lock.raw.release()  # the hold taken at the first chunk
+            elif self.model is not None:
+                assert self._plan is not None
+                schema = self._plan.schema
+                self._plan.apply(
+                    self._staging.weights(self.model_id, chunk.version, chunk.epoch, schema)
+                )
+            else:
+                assert self._schema is not None
+                weights = self._staging.weights(
+                    self.model_id, chunk.version, chunk.epoch, self._schema
+                )
+                self.weights = as_weights_object(materialize(weights), self.strategy)
+            self._mismatch = None
+            if chunk.epoch != self.epoch:
+                if self.epoch:
+                    self._retired.append(self.epoch)
+                self.epoch = chunk.epoch
+                self._sender_epoch = chunk.epoch
+            self.version = chunk.version
+            self.lock.mend()
+            for listener in self.on_applied:
+                listener(self.epoch, self.version)
+        self.stats["applied"] += 1
+        self.stats["last_apply_s"] = time.monotonic() - self._started_at
+        self._caught_up = True
+        self._ack_due = {"applied": True}
+
+    def _on_broken(self, broken: Broken) -> None:
+        """The version in progress will not complete."""
+        writing, self._writing = self._writing, ""
+        self.stats["broken_streams"] += 1
+        log.info(
+            "worker %s: version %s broke off: %s", self.worker_idx, broken.version, broken.reason
+        )
+        if writing == "in_place":
+            self.lock.tear(broken.version, broken.reason)
+            self.stats["torn"] += 1
+            self.lock.raw.release()  # forward passes now refuse: the model is torn
+        if self._welcomed:
+            self._send_snapshot_request()  # the sender's latest repairs it
 
     def _decode(self, frames: list[Any]) -> Message | None:
         try:
@@ -437,50 +670,6 @@ class WeightReceiver:
         else:
             self._rejected(f"unexpected {type(message).__name__} at a worker")
 
-    def _on_weights(self, message: Weights) -> dict[str, Any] | None:
-        """Apply ``message`` if it is new; returns the ack to send (once the caller has
-        let go of the message), or None."""
-        if message.epoch != self.epoch:
-            if message.epoch in self._retired:
-                self.stats["stale"] += 1  # frames of a sender life we already left
-                return None
-        elif message.version <= self.version:
-            self.stats["duplicates"] += 1
-            self._caught_up = True
-            return {"applied": True}  # we hold it (or newer): that settles a waiting send
-        start = time.monotonic()
-        with self.lock:
-            try:
-                if self.model is not None:
-                    target = self._model_tensors.get(self.model)
-                    if self._plan is None or not self._plan.fits(message.schema, target):
-                        self._plan = ApplyPlan(message.schema, target, self.strategy)
-                    self._plan.apply(message)
-                else:
-                    self.weights = as_weights_object(materialize(message), self.strategy)
-            except SchemaMismatchError as exc:
-                self._rejected(f"version {message.version}: {exc}")
-                self._mismatch = (message.version, exc)
-                return {
-                    "applied": False,
-                    "reason": str(exc),
-                    "version": message.version,
-                    "epoch": message.epoch,
-                }
-            self._mismatch = None
-            if message.epoch != self.epoch:
-                if self.epoch:
-                    self._retired.append(self.epoch)
-                self.epoch = message.epoch
-                self._sender_epoch = message.epoch
-            self.version = message.version
-            for listener in self.on_applied:
-                listener(self.epoch, self.version)
-        self.stats["applied"] += 1
-        self.stats["last_apply_s"] = time.monotonic() - start
-        self._caught_up = True
-        return {"applied": True}
-
     def _ack(
         self,
         *,
@@ -550,7 +739,6 @@ class WeightReceiver:
             return
         self.stop()
         self._closed = True
-        self._held = []
         self._say_goodbye()
         self._spoke.close()
 
@@ -573,14 +761,3 @@ class WeightReceiver:
             log.debug("could not say goodbye to the sender", exc_info=True)
         finally:
             self._io_lock.release()
-
-
-def _to_hold(buffers: tuple[Any, ...]) -> list[Any]:
-    """The buffers worth keeping until the next version arrives (see HOLD_MAX_BYTES)."""
-    held, total = [], 0
-    for b in buffers:
-        n = len(b)
-        if n <= HOLD_MAX_FRAME and total + n <= HOLD_MAX_BYTES:
-            held.append(b)
-            total += n
-    return held

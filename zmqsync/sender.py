@@ -8,11 +8,14 @@ pump holds it almost always, reading acks and requests; ``send()`` asks for it (
 the pump), hands the frames to the transport, gives it back, and waits for acks on a
 condition the pump signals.
 
-Caller memory never reaches a transport: each version is first copied into buffers the
-sender owns (the snapshot late joiners and repairs are served from), and those are what
-every transport sends. A buffer is written again only once every transport has let go
-of it, so a worker that reads a message late (stopped, slow link) still reads one whole
-version.
+A version travels as a stream of chunks (:mod:`zmqsync.chunking`). Caller memory never
+reaches a transport: chunk i is copied into memory the sender owns (the version's
+stream, which late joiners and repairs are served from) and sent while chunk i+1 is
+copied. Each stream to a hub is a :class:`_Transfer` with a window: at most
+:data:`WINDOW` of its chunks are held by transports at once, so a transport's queues
+never overflow however fast the sender writes. A stream's memory is written again only
+once every transport has let go of it, so a worker that reads late (stopped, slow link)
+still reads one whole version.
 """
 
 from __future__ import annotations
@@ -33,16 +36,19 @@ from typing import Any, Final
 
 import numpy as np
 
+from zmqsync.chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
 from zmqsync.fleet import FanOut, Fleet, Forget, Origin, Reply, Send, SendLatest
 from zmqsync.protocol import (
+    MAX_CHUNK_BYTES,
     Buffer,
+    Chunk,
     ErrorMessage,
     Hello,
     Kind,
     StatusReply,
     StatusRequest,
-    Weights,
+    checksum,
     decode,
     encode,
     peek_kind,
@@ -63,6 +69,27 @@ LATENCY_WINDOW: Final = 1000
 ACCEPTED: Final = frozenset(
     {Kind.ACK, Kind.HELLO, Kind.SNAPSHOT_REQUEST, Kind.PROBE_REQUEST, Kind.GOODBYE}
 )
+#: Chunks of one transfer that transports may hold at once (queued, or on the wire).
+#: Below every transport's queue limit for one peer (ZeroMQ's DATA_HWM), so none is
+#: dropped for a peer that keeps up; enough that a chunk is always ready to go out.
+WINDOW: Final = 4
+#: Transfers of the latest version to single workers (repairs, late joiners) at once;
+#: a worker asking beyond it asks again at its next heartbeat.
+MAX_REPAIRS: Final = 8
+#: A chunk held this long (seconds), and far longer than chunks usually take, counts as
+#: held by a stopped peer: the window goes on without it. The peer's transport queue then
+#: fills, its later chunks are dropped and its stream breaks; it is repaired once back.
+STALL_MIN: Final = 0.25
+STALL_MAX: Final = 10.0
+#: How many times the usual release time a chunk may take before it counts as stalled.
+STALL_FACTOR: Final = 8.0
+#: For this long after a stall, a stopped peer is known to be about: chunks it pins are
+#: waited for only a little (its transport queue fills within a few windows, and each
+#: would otherwise cost the whole fleet a full stall limit).
+STALL_MEMORY: Final = 5.0
+STALL_KNOWN: Final = 0.02
+#: How long a transfer blocked on its window waits for transports before looking again.
+WINDOW_WAIT: Final = 0.0005
 
 
 def new_epoch() -> int:
@@ -71,11 +98,11 @@ def new_epoch() -> int:
 
 
 class _Lease:
-    """Tracks the views of sender-owned buffers that were handed to transports.
+    """Tracks the views of sender-owned memory that were handed to transports.
 
     A transport that sends without copying keeps the view object until it let go of
     the bytes (pyzmq does, until ZeroMQ's I/O thread is done with the message), so a
-    weak reference to each view says when nobody reads the buffers any more.
+    weak reference to each view says when nobody reads the memory any more.
     """
 
     __slots__ = ("_refs",)
@@ -83,14 +110,20 @@ class _Lease:
     def __init__(self) -> None:
         self._refs: list[weakref.ref[np.ndarray]] = []
 
-    def lend(self, frames: Sequence[Buffer]) -> list[Any]:
-        """``frames`` with every buffer after the header and body as a fresh view."""
+    def lend(self, frames: Sequence[Buffer]) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
+        """``frames`` with every buffer after the header and body as a fresh view, and
+        weak references to those views."""
         out: list[Any] = list(frames)
+        refs = []
         for i in range(2, len(out)):
             view = np.frombuffer(out[i], dtype=np.uint8)
-            self._refs.append(weakref.ref(view))
+            ref = weakref.ref(view)
+            refs.append(ref)
             out[i] = view
-        return out
+        self._refs.extend(refs)
+        if len(self._refs) > 256:
+            self._refs = [r for r in self._refs if r() is not None]
+        return out, refs
 
     @property
     def released(self) -> bool:
@@ -98,16 +131,89 @@ class _Lease:
         return not self._refs
 
 
-@dataclass
 class _Copy:
-    """One version's bytes in memory the sender owns: what every transport sends."""
+    """One version's byte stream in memory the sender owns: what every transport sends.
 
-    version: int
-    frames: list[Buffer] = field(repr=False)
-    flat: Flat = field(repr=False)
-    #: Carved from memory a hub lends (shared blocks): the hub recycles it, not us.
-    lent_by_hub: bool = False
-    lease: _Lease = field(default_factory=_Lease)
+    Written chunk by chunk as it is first sent (:meth:`frames`), from ``sources`` (the
+    flattened weights), which it lets go of once the last chunk is written.
+    """
+
+    def __init__(
+        self,
+        sender: WeightSender,
+        version: int,
+        layout: StreamLayout,
+        data: np.ndarray,
+        flat: Flat,
+        lent_by_hub: bool,
+    ) -> None:
+        self.version = version
+        self.layout = layout
+        self.data = data
+        self.lent_by_hub = lent_by_hub
+        self.lease = _Lease()
+        self._model_id = sender.model_id
+        self._epoch = sender.epoch
+        self._checksums = sender.checksums
+        self._flat: Flat | None = flat
+        self._sources: list[np.ndarray] | None = StreamLayout.sources(flat)
+        self._written = 0
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return self.layout.count
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total
+
+    def write_through(self, index: int) -> None:
+        """Make sure chunks ``0..index`` are written."""
+        if self._written > index:
+            return
+        with self._lock:
+            while self._written <= index:
+                assert self._sources is not None
+                offset, length = self.layout.span(self._written)
+                self.layout.write(self._written, self._sources, self.data[offset : offset + length])
+                self._written += 1
+            if self._written == self.layout.count:
+                self._sources = self._flat = None  # the caller's memory is read no more
+
+    def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
+        """Chunk ``index`` as frames to send, lent afresh (and written first if need be)."""
+        self.write_through(index)
+        layout = self.layout
+        offset, length = layout.span(index)
+        payload = self.data[offset : offset + length].data.toreadonly()
+        chunk = Chunk(
+            self._model_id,
+            self.version,
+            self._epoch,
+            index,
+            layout.count,
+            offset,
+            layout.total,
+            layout.layout,
+            payload,
+            checksum=checksum(payload) if self._checksums else 0,
+        )
+        frames = encode(chunk, schema_bytes=layout.schema_bytes if index == 0 else None)
+        return self.lease.lend(frames)
+
+
+class _Transfer:
+    """One version streaming to one hub: fanned out (``to=None``) or to given peers."""
+
+    def __init__(self, copy: _Copy, to: list[PeerId] | None) -> None:
+        self.copy = copy
+        self.to = to
+        self.next = 0
+
+    @property
+    def sent(self) -> bool:
+        return self.next >= self.copy.count
 
 
 @dataclass
@@ -136,6 +242,10 @@ class WeightSender:
         heartbeat: seconds between workers' heartbeats (told to them in the Welcome).
         repair_after: a worker still behind this long after a version was sent to it
             gets it again, addressed.
+        chunk_bytes: the most bytes one chunk of a version carries.
+        checksums: every chunk carries a CRC-32 of its bytes, checked by the worker (it
+            costs about two memory copies' time per byte on each side; transports
+            already check what they carry, CURVE cryptographically).
     """
 
     def __init__(
@@ -153,9 +263,16 @@ class WeightSender:
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
         mode: str = "",
         epoch: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checksums: bool = False,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds; got {timeout}")
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be between {MIN_CHUNK_BYTES} and {MAX_CHUNK_BYTES}; "
+                f"got {chunk_bytes}"
+            )
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
         hubs = [hub] if isinstance(hub, HubTransport) else list(hub)
@@ -181,7 +298,13 @@ class WeightSender:
             heartbeat=heartbeat,
             repair_after=repair_after,
         )
+        self.chunk_bytes = int(chunk_bytes)
+        self.checksums = checksums
         self._flattener = Flattener(strategy, pack_threshold=pack_threshold)
+        self._layout: StreamLayout | None = None
+        #: How long chunks usually take to be let go of (seconds, a moving average).
+        self._release_time = 0.01
+        self._last_stall = -STALL_MEMORY
         self._model_tensors = ModelTensors(strategy)
         self._snapshot: _Copy | None = None
         self._snapshot_lock = threading.Lock()
@@ -190,14 +313,21 @@ class WeightSender:
         self._started = time.monotonic()
         self._last_expiry = self._started
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._totals = {"versions_sent": 0, "bytes_sent": 0, "timeouts": 0}
+        self._totals = {
+            "versions_sent": 0,
+            "bytes_sent": 0,
+            "chunks_sent": 0,
+            "stalls": 0,
+            "repairs_skipped": 0,
+            "timeouts": 0,
+        }
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._closed = False
         self._pump_error: BaseException | None = None
         self._runners = [_HubRunner(self, h, i) for i, h in enumerate(hubs)]
         for h in hubs:
-            h.zero_copy_from(pack_threshold)  # what is not packed goes from its own memory
+            h.zero_copy_from(MIN_CHUNK_BYTES)  # chunks go from the sender's own memory
         for runner in self._runners:
             runner.start()
         if model is not None:
@@ -268,7 +398,8 @@ class WeightSender:
                 raise RuntimeError(
                     "a send_async() is still pending: call wait_async() before the next send"
                 )
-            self._start(weights, worker_ids)
+            pending = self._start(weights, worker_ids)
+            pending.copy.write_through(pending.copy.count - 1)  # the weights may change now
             self._async_pending = True
 
     def wait_async(self) -> None:
@@ -299,6 +430,7 @@ class WeightSender:
             if self.fleet.version > 0:
                 raise RuntimeError("publish() is for the weights before the first send()")
             copy = self._copy_of(weights, 0)
+            copy.write_through(copy.count - 1)  # the weights may change once this returns
             with self._snapshot_lock:
                 self._snapshot = copy  # kept until the first send, whatever retain_snapshot
             with self._cond:
@@ -312,23 +444,21 @@ class WeightSender:
             self.fleet.targets(worker_ids, time.monotonic())  # bad ids raise before any work
             version = self.fleet.version + 1
         copy = self._copy_of(weights, version)
-        flat = copy.flat
         with self._cond:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
             pending = self._pending = _Pending(send, copy)
-        frames = copy.lease.lend(copy.frames)
         for runner in self._runners:
-            with runner.holding():
-                if worker_ids is None:
-                    runner.hub.send_frames(frames)
-                elif peers.get(runner.index):
-                    runner.hub.send_frames(frames, to=peers[runner.index])
+            if worker_ids is None:
+                runner.begin(_Transfer(copy, None))
+            elif peers.get(runner.index):
+                runner.begin(_Transfer(copy, list(peers[runner.index])))
         self._totals["versions_sent"] += 1
-        self._totals["bytes_sent"] += flat.nbytes * max(1, len(send.targets))
+        self._totals["bytes_sent"] += copy.nbytes * max(1, len(send.targets))
         return pending
 
     def _copy_of(self, weights: Any, version: int) -> _Copy:
-        """``weights`` (``None``: the model's) copied into memory the sender owns."""
+        """``weights`` (``None``: the model's), to be copied chunk by chunk into memory
+        the sender owns as it is sent."""
         source = self.model if weights is None else weights
         tensors = (
             self._model_tensors.get(source)
@@ -336,13 +466,16 @@ class WeightSender:
             else extract(None, self.strategy)  # raises: says what to pass
         )
         flat = self._flattener.flatten(tensors)
+        if self._layout is None or not self._layout.fits(flat, self.chunk_bytes):
+            self._layout = StreamLayout(flat, self.chunk_bytes)
         shared = self._shared_runner()
         if shared is not None:
-            # A hub whose workers read shared memory in place: the copy, written once
-            # into memory it lent, IS the transfer.
+            # A hub whose workers read shared memory in place: the stream, written once
+            # into memory it lent, IS the transfer (workers copy chunk i out while the
+            # next one is written).
             with shared.holding():
-                return self._own(version, flat, alloc=shared.hub.shared_buffer)
-        return self._own(version, flat)
+                return self._own(version, flat, self._layout, alloc=shared.hub.shared_buffer)
+        return self._own(version, flat, self._layout)
 
     def _shared_runner(self) -> _HubRunner | None:
         """The first hub that lends shared memory to send from, if any."""
@@ -351,34 +484,49 @@ class WeightSender:
                 return runner
         return None
 
-    def _own(self, version: int, flat: Flat, alloc: Callable[[int], Any] | None = None) -> _Copy:
-        """Copy ``flat`` into memory the sender owns (``alloc``: memory a hub lends)."""
+    def _own(
+        self,
+        version: int,
+        flat: Flat,
+        layout: StreamLayout,
+        alloc: Callable[[int], Any] | None = None,
+    ) -> _Copy:
+        """Memory the sender owns for ``flat``'s stream (``alloc``: memory a hub lends)."""
         with self._snapshot_lock:
             old, self._snapshot = self._snapshot, None  # at most one kept copy at a time
-        # The previous copy's memory is reused once no transport reads it any more
+        # The previous stream's memory is reused once no transport reads it any more
         # (fresh memory costs a page fault per page); else it is left to whoever still
         # holds it, and freed when they let go.
-        spare = old.flat if old is not None and not old.lent_by_hub and old.lease.released else None
+        data = None
+        if alloc is not None:
+            data = alloc(layout.total)
+        elif (
+            old is not None
+            and not old.lent_by_hub
+            and len(old.data) == layout.total
+            and old.lease.released
+        ):
+            data = old.data
         old = None
-        copy = flat.owned_copy(into=spare if alloc is None else None, alloc=alloc)
-        message = Weights(self.model_id, version, self.epoch, copy.schema, tuple(copy.buffers))
-        frames = encode(message, schema_bytes=copy.schema_bytes)
-        owned = _Copy(version, frames, copy, lent_by_hub=alloc is not None)
-        if self.retain_snapshot:
+        lent = data is not None and alloc is not None
+        if data is None:
+            data = np.empty(layout.total, dtype=np.uint8)
+        owned = _Copy(self, version, layout, data, flat, lent_by_hub=lent)
+        if self.retain_snapshot or version == 0:
             with self._snapshot_lock:
                 self._snapshot = owned
         return owned
 
-    def _latest_frames(self) -> list[Any] | None:
-        """The latest version's frames, lent afresh, or None if the sender has none."""
+    def _latest(self) -> _Copy | None:
+        """The latest version's stream, or None if the sender keeps none."""
         version = self.fleet.version
         with self._snapshot_lock:
             snapshot = self._snapshot
             if snapshot is not None and snapshot.version == version:
-                return snapshot.lease.lend(snapshot.frames)
+                return snapshot
             pending = self._pending
             if pending is not None and pending.copy.version == version:
-                return pending.copy.lease.lend(pending.copy.frames)
+                return pending.copy
         return None
 
     def _await_acks(self, pending: Send) -> None:
@@ -394,8 +542,10 @@ class WeightSender:
                 if remaining <= 0 or (idle and self._missing_are_lost(pending)):
                     return
                 with runner.holding():
-                    incoming = runner.hub.recv_frames(min(remaining, PUMP_TICK))
-                    idle = incoming is None
+                    streaming = runner.advance()
+                    wait = WINDOW_WAIT if streaming else PUMP_TICK
+                    incoming = runner.hub.recv_frames(min(remaining, wait))
+                    idle = incoming is None and not streaming
                     while incoming is not None:
                         self._handle(incoming, runner)
                         if pending.done:
@@ -424,6 +574,9 @@ class WeightSender:
     def _finish(self, pending: _Pending) -> None:
         send = pending.send
         self._await_acks(send)
+        # Whoever the transfers reached, the version is whole in the sender's memory
+        # before send() returns: the caller may change its weights then.
+        pending.copy.write_through(pending.copy.count - 1)
         with self._cond:
             if self._pending is pending:
                 self._pending = None
@@ -550,15 +703,26 @@ class WeightSender:
             elif isinstance(effect, SendLatest):
                 if effect.origin.peer is None:
                     continue
-                frames = self._latest_frames()
-                hub.send_frames(
-                    frames if frames is not None else encode(effect.otherwise),
-                    to=[effect.origin.peer],
-                )
+                latest = self._latest()
+                if latest is None:
+                    hub.send_frames(encode(effect.otherwise), to=[effect.origin.peer])
+                elif not runner.repair(latest, effect.origin.peer):
+                    self._totals["repairs_skipped"] += 1
             elif isinstance(effect, FanOut):
                 hub.send_frames(encode(effect.message))
             elif isinstance(effect, Forget) and effect.origin.peer is not None:
                 hub.peer_left(effect.origin.peer)
+
+    def _released_after(self, seconds: float) -> None:
+        """A chunk was let go of ``seconds`` after it was sent (an upper bound)."""
+        self._release_time += 0.2 * (seconds - self._release_time)
+
+    def _stall_limit(self) -> float:
+        """How long a chunk may be held before its holder counts as stopped."""
+        limit = min(STALL_MAX, max(STALL_MIN, STALL_FACTOR * self._release_time))
+        if time.monotonic() - self._last_stall < STALL_MEMORY:
+            return min(limit, max(STALL_KNOWN, 2 * self._release_time))
+        return limit
 
     def _housekeeping(self, runner: _HubRunner) -> None:
         """Between messages (the pump, holding ``runner``'s baton): expire quiet
@@ -711,6 +875,11 @@ class _HubRunner:
         self.turns = 0  # how often the pump took the baton (tests: sends do not wake it)
         #: Effects of the fleet core meant for this hub, decided on another hub's thread.
         self.later: deque[Any] = deque()
+        #: Versions streaming to this hub (the baton holder advances them), oldest first,
+        #: and their chunks that the hub may still hold: (sent at, weak refs to views).
+        self.transfers: deque[_Transfer] = deque()
+        self.inflight: deque[tuple[float, list[weakref.ref[np.ndarray]]]] = deque()
+        self._window_full = False  # whether the last advance() stopped at a full window
         self._thread = threading.Thread(
             target=self._run, name=f"zmqsync-sender-{sender.model_id}-{hub.name}", daemon=True
         )
@@ -724,6 +893,61 @@ class _HubRunner:
             os.set_blocking(self._poke_w, False)
             self._waiting = True
         self._thread.start()
+
+    def begin(self, transfer: _Transfer) -> None:
+        """Stream ``transfer``'s version to this hub, superseding older versions' streams
+        (their workers are repaired by this one), and send what the window allows."""
+        with self.holding():
+            version = transfer.copy.version
+            self.transfers = deque(t for t in self.transfers if t.copy.version >= version)
+            self.transfers.append(transfer)
+            streaming = self.advance()
+        if streaming and self._waiting:
+            self._poke()  # the pump streams the rest if this thread does not
+
+    def repair(self, copy: _Copy, peer: PeerId) -> bool:
+        """Stream ``copy`` to ``peer`` alone (holding the baton); False if the hub already
+        streams it to that peer or streams too many repairs."""
+        repairs = [t for t in self.transfers if t.to is not None and len(t.to) == 1]
+        if len(repairs) >= MAX_REPAIRS or any(
+            t.copy is copy and t.to == [peer] and not t.sent for t in repairs
+        ):
+            return False
+        self.transfers.append(_Transfer(copy, [peer]))
+        return True
+
+    def advance(self) -> bool:
+        """Send the chunks the window allows (holding the baton); True while some
+        transfer has chunks left to send."""
+        sender = self.sender
+        inflight = self.inflight
+        now = time.monotonic()
+        while self.transfers:
+            while inflight and all(r() is None for r in inflight[0][1]):
+                sent_at = inflight.popleft()[0]
+                if self._window_full:
+                    # Watched closely (the window was full): how long chunks take to go.
+                    sender._released_after(now - sent_at)
+            self._window_full = False
+            if len(inflight) >= WINDOW:
+                if now - inflight[0][0] <= sender._stall_limit():
+                    self._window_full = True
+                    return True
+                inflight.popleft()  # held by a stopped peer: go on without it
+                sender._totals["stalls"] += 1
+                sender._last_stall = now
+                continue
+            transfer = self.transfers[0]
+            frames, refs = transfer.copy.frames(transfer.next)
+            self.hub.send_frames(frames, to=transfer.to)
+            del frames  # what the hub keeps of them is what the window watches
+            now = time.monotonic()
+            inflight.append((now, refs))
+            transfer.next += 1
+            sender._totals["chunks_sent"] += 1
+            if transfer.sent:
+                self.transfers.popleft()
+        return False
 
     def _poke(self) -> None:
         """Make the pump look at the hub now (thread-safe, never blocks)."""
@@ -774,7 +998,8 @@ class _HubRunner:
                         break
                     self.turns += 1
                     self.sender._housekeeping(self)
-                    incoming = self.hub.recv_frames(PUMP_TICK)
+                    streaming = self.advance()
+                    incoming = self.hub.recv_frames(WINDOW_WAIT if streaming else PUMP_TICK)
                     while incoming is not None:
                         self.sender._handle(incoming, self)
                         if self._wanted:
@@ -795,7 +1020,8 @@ class _HubRunner:
                 while self._wanted and not self._stopping:
                     self._free.wait(PUMP_TICK)
             if not look:
-                poller.poll(PUMP_TICK * 1000)  # a tick reads everything, acks included
+                # A tick reads everything, acks included; a stream goes on within a ms.
+                poller.poll(1 if self.transfers else PUMP_TICK * 1000)
                 with contextlib.suppress(OSError):
                     while os.read(self._poke_r, 4096):
                         pass
@@ -804,6 +1030,7 @@ class _HubRunner:
                     break
                 self.turns += 1
                 self.sender._housekeeping(self)
+                self.advance()
                 look = False
                 incoming = self.hub.recv_frames(0)
                 while incoming is not None:

@@ -16,7 +16,7 @@ The only module that imports torch and tensordict.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
@@ -247,66 +247,9 @@ class Flat:
     buffers: list[Buffer]
     nbytes: int
     keepalive: list[torch.Tensor] = field(repr=False)
-    #: The buffers are already a private, read-only copy (weights staged from a GPU):
-    #: :meth:`owned_copy` then returns this very Flat instead of copying again.
+    #: The buffers are a private copy already (weights staged from a GPU): changing
+    #: the model does not change them.
     owned: bool = False
-    #: Indices of buffers made for this Flat alone (the packed small tensors, a
-    #: non-contiguous tensor made contiguous) that nobody writes again:
-    #: :meth:`owned_copy` keeps them as they are instead of copying them.
-    private: frozenset[int] = frozenset()
-
-    def owned_copy(
-        self, into: Flat | None = None, alloc: Callable[[int], Any] | None = None
-    ) -> Flat:
-        """A copy whose buffers own their bytes: what a sender keeps for late joiners.
-
-        Its buffers are read-only views: nothing changes them while anyone else may
-        hold them, and transports may rely on that (no need to track when ZeroMQ lets
-        go of them). ``into``: an earlier copy that nobody else was ever given, whose
-        memory is reused when the layout matches (fresh memory costs a page fault per
-        page; on some VMs that is most of the copy's time). ``alloc(nbytes)``: where to
-        put the copy instead (a transport's shared memory, as a uint8 array), or None.
-        """
-        if self.owned and alloc is None:
-            return self
-        # Memory a hub lends must hold every byte; otherwise private buffers are kept.
-        keep = self.private if alloc is None else frozenset()
-        reusable = into is not None and [t.shape for t in into.keepalive] == [
-            t.shape for t in self.keepalive
-        ]
-        copies = list(into.keepalive) if reusable else None  # type: ignore[union-attr]
-        if copies is None and alloc is not None:
-            copies = self._carve(alloc)
-        if copies is None:
-            copies = [t if i in keep else torch.empty_like(t) for i, t in enumerate(self.keepalive)]
-        for i, src in enumerate(self.keepalive):
-            if i in keep:
-                copies[i] = src
-                continue
-            # numpy's copy is one memcpy on this thread, with the GIL released; torch's
-            # clone() fans out to its intra-op pool, which stalls on a busy machine.
-            np.copyto(copies[i].numpy(), src.numpy())
-        return Flat(
-            self.schema,
-            self.schema_bytes,
-            [memoryview(c.numpy()).toreadonly() for c in copies],
-            self.nbytes,
-            copies,
-        )
-
-    def _carve(self, alloc: Callable[[int], Any]) -> list[torch.Tensor] | None:
-        """One tensor per buffer, cut from one ``alloc``'d block (64-byte aligned)."""
-        sizes = [t.numel() for t in self.keepalive]  # uint8 views: numel is bytes
-        total = sum(_aligned(n) for n in sizes)
-        block = alloc(total)
-        if block is None:
-            return None
-        copies = []
-        offset = 0
-        for n in sizes:
-            copies.append(torch.from_numpy(block[offset : offset + n]))
-            offset += _aligned(n)
-        return copies
 
 
 def _aligned(n: int) -> int:
@@ -364,7 +307,6 @@ class Flattener:
         self._big: list[torch.Tensor] = []
         self._big_views: list[memoryview] = []
         self._big_nbytes = 0
-        self._big_private: frozenset[int] = frozenset()
         self._pack: list[np.ndarray] = []
         self._staged: _Staged | None = None  # set while the tensors live on a GPU
 
@@ -376,7 +318,6 @@ class Flattener:
         keepalive = list(self._big)
         buffers: list[Buffer] = list(self._big_views)
         nbytes = self._big_nbytes
-        private = self._big_private
         if self._pack:
             # A fresh buffer every version: an earlier one may still be in flight. One
             # memcpy per small tensor from views kept between versions (numpy's: torch's
@@ -385,9 +326,8 @@ class Flattener:
             keepalive.append(torch.from_numpy(packed))
             buffers.append(packed.data)
             nbytes += packed.nbytes
-            private = private | {len(buffers) - 1}  # nobody writes it again: a snapshot keeps it
         assert self._schema is not None
-        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive, private=private)
+        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive)
 
     def _prepare(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
         """Sort ``tensors`` into large ones (a frame each) and small ones (packed per
@@ -399,7 +339,6 @@ class Flattener:
         big: list[tuple[KeyPath, torch.Tensor]] = []
         small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
         aliases = True  # every view below reads the caller's tensors (no copy was made)
-        copied: set[int] = set()  # large tensors made contiguous: this version's own
         for path, tensor in tensors.items():
             t = tensor
             if not t.is_contiguous():
@@ -408,11 +347,8 @@ class Flattener:
             if t.nbytes < self.pack_threshold:
                 small.setdefault(t.dtype, []).append((path, t))
             else:
-                if t is not tensor:
-                    copied.add(len(big))
                 big.append((path, t))
         self._big = [_byte_view(t) for _, t in big]
-        self._big_private = frozenset(copied)
         # The large tensors' bytes, as the frames that carry them: the same views every
         # version while the tensors keep their storage.
         self._big_views = [v.numpy().data for v in self._big]
@@ -449,7 +385,7 @@ class Flattener:
     def _prepare_staged(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
         """Tensors on a GPU (or another accelerator): each version is copied once into
         host memory (pinned, so the copies run at full speed and overlap), and that copy
-        is the Flat: private and read-only, it doubles as the sender's snapshot."""
+        is the Flat: private and read-only."""
         big: list[tuple[KeyPath, torch.Tensor]] = []
         small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
         for path, tensor in tensors.items():

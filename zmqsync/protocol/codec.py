@@ -3,10 +3,11 @@
 A message is ``[header, body, buffer, buffer, ...]``:
 
 - ``header``: a fixed binary struct (:data:`HEADER`) followed by the UTF-8 model_id.
-- ``body``: for weights, the JSON schema of the tensors; for an ack, a fixed binary
-  struct (:data:`ACK_BODY`) and its two texts; for every other kind, a small JSON
-  object with that kind's fields.
-- ``buffer``: raw tensor bytes (weights only), never copied by the codec.
+- ``body``: for a chunk of weights, a fixed binary struct (:data:`CHUNK_BODY`), then
+  (first chunk only) the JSON schema of the version's tensors; for an ack, a fixed
+  binary struct (:data:`ACK_BODY`) and its three texts; for every other kind, a small
+  JSON object with that kind's fields.
+- ``buffer``: a chunk's payload, raw bytes never copied by the codec.
 
 :func:`decode` either returns a message or raises :class:`~zmqsync.errors.FrameError`,
 whatever it is given; the fuzz tests hold it to that.
@@ -19,9 +20,9 @@ import functools
 import hashlib
 import json
 import math
-import operator
 import struct
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any, Final
@@ -31,18 +32,21 @@ from zmqsync.protocol.messages import (
     DTYPE_ITEMSIZE,
     MAGIC,
     MAX_BODY_BYTES,
-    MAX_BUFFERS,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
     MAX_MODEL_ID_BYTES,
     MAX_NDIM,
     MAX_SCHEMA_BYTES,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
     MAX_TEXT_CHARS,
+    MAX_VERSION_BYTES,
     PROTOCOL_VERSION,
     SESSION_CHARS,
     STRATEGIES,
     Ack,
     Buffer,
+    Chunk,
     ErrorMessage,
     Goodbye,
     Hello,
@@ -55,24 +59,37 @@ from zmqsync.protocol.messages import (
     StatusRequest,
     TensorEntry,
     UpToDate,
-    Weights,
     WeightsSchema,
     Welcome,
 )
 
 __all__ = [
     "ACK_BODY",
+    "CHUNK_BODY",
     "HEADER",
     "SCHEMA_CACHE_BYTES",
+    "checksum",
     "decode",
     "encode",
     "encode_schema",
+    "layout_digest",
     "peek_kind",
+    "starts_version",
 ]
 
 #: magic, protocol version, kind, flags, version, epoch, buffer count,
-#: model_id length, schema digest (blake2b-128 of the body; zeros for non-weights).
+#: model_id length, layout digest (a chunk's: blake2b-128 of its version's schema JSON;
+#: zeros for other kinds).
 HEADER: Final = struct.Struct("!4sBBHQQIH16s")
+#: A chunk's body: index, count, offset and total (bytes of the version's stream), and
+#: checksum (the payload's CRC-32 plus one; 0: none). The first chunk's schema follows.
+CHUNK_BODY: Final = struct.Struct("!IIQQQ")
+#: Header flags of a chunk: the first and the last of its version, and whether it
+#: carries a checksum. Transports read FIRST without decoding (see starts_version).
+FLAG_FIRST: Final = 1
+FLAG_LAST: Final = 2
+FLAG_CHECKSUM: Final = 4
+_CHUNK_FLAGS: Final = FLAG_FIRST | FLAG_LAST | FLAG_CHECKSUM
 _U64_MAX: Final = (1 << 64) - 1
 _NO_DIGEST: Final = bytes(16)
 _SCHEMA_CACHE_SIZE: Final = 32
@@ -133,8 +150,24 @@ def encode_schema(schema: WeightsSchema) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
+def checksum(payload: Buffer) -> int:
+    """What a chunk's ``checksum`` field holds for ``payload`` (CRC-32 plus one)."""
+    return zlib.crc32(payload) + 1
+
+
+def layout_digest(schema_bytes: bytes) -> bytes:
+    """The layout digest of a version whose schema JSON is ``schema_bytes``."""
+    return _schema_digest(schema_bytes)
+
+
 def _header(
-    kind: Kind, model_id: str, version: int, epoch: int, nbufs: int, schema_digest: bytes
+    kind: Kind,
+    model_id: str,
+    version: int,
+    epoch: int,
+    nbufs: int,
+    schema_digest: bytes,
+    flags: int = 0,
 ) -> bytes:
     mid = model_id.encode()
     if len(mid) > MAX_MODEL_ID_BYTES:
@@ -143,7 +176,7 @@ def _header(
         raise ValueError(f"version and epoch must fit in 64 unsigned bits: {version}, {epoch}")
     return (
         HEADER.pack(
-            MAGIC, PROTOCOL_VERSION, kind, 0, version, epoch, nbufs, len(mid), schema_digest
+            MAGIC, PROTOCOL_VERSION, kind, flags, version, epoch, nbufs, len(mid), schema_digest
         )
         + mid
     )
@@ -152,21 +185,12 @@ def _header(
 def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffer]:
     """Turn a message into ``[header, body, *buffers]``.
 
-    ``schema_bytes`` lets a sender that sends the same layout every version pass the
-    schema JSON it encoded once (:func:`encode_schema`) instead of re-encoding it.
-    Buffers of a :class:`Weights` message are passed through untouched (zero-copy).
+    ``schema_bytes``: for a first :class:`Chunk`, the schema JSON a sender encoded once
+    (:func:`encode_schema`), instead of encoding ``message.schema`` again. A chunk's
+    payload is passed through untouched (zero-copy).
     """
-    if isinstance(message, Weights):
-        body = schema_bytes if schema_bytes is not None else encode_schema(message.schema)
-        head = _header(
-            Kind.WEIGHTS,
-            message.model_id,
-            message.version,
-            message.epoch,
-            len(message.buffers),
-            _schema_digest(body) if schema_bytes is not None else digest(body),
-        )
-        return [head, body, *message.buffers]
+    if isinstance(message, Chunk):
+        return _encode_chunk(message, schema_bytes)
     if isinstance(message, Ack):
         body = _encode_ack(message)
     else:
@@ -175,6 +199,28 @@ def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffe
         body = _JSON.encode(fields).encode()
     head = _header(message.kind, message.model_id, message.version, message.epoch, 0, _NO_DIGEST)
     return [head, body]
+
+
+def _encode_chunk(chunk: Chunk, schema_bytes: bytes | None) -> list[Buffer]:
+    if not 0 <= chunk.index < chunk.count <= MAX_CHUNKS:
+        raise ValueError(f"chunk {chunk.index} of {chunk.count}: out of range")
+    if len(chunk.layout) != 16:
+        raise ValueError("a chunk's layout digest is 16 bytes")
+    schema = b""
+    if chunk.index == 0:
+        if schema_bytes is None:
+            if chunk.schema is None:
+                raise ValueError("the first chunk of a version carries its schema")
+            schema_bytes = encode_schema(chunk.schema)
+        schema = schema_bytes
+    flags = (
+        (FLAG_FIRST if chunk.index == 0 else 0)
+        | (FLAG_LAST if chunk.index == chunk.count - 1 else 0)
+        | (FLAG_CHECKSUM if chunk.checksum else 0)
+    )
+    body = CHUNK_BODY.pack(chunk.index, chunk.count, chunk.offset, chunk.total, chunk.checksum)
+    head = _header(Kind.WEIGHTS, chunk.model_id, chunk.version, chunk.epoch, 1, chunk.layout, flags)
+    return [head, body + schema if schema else body, chunk.payload]
 
 
 def _encode_ack(ack: Ack) -> bytes:
@@ -214,15 +260,28 @@ def peek_kind(header: Buffer) -> Kind | None:
         return None
 
 
+def starts_version(header: Buffer) -> bool:
+    """Whether a message is the first chunk of a version, from its first frame.
+
+    O(1) and never raises, like :func:`peek_kind`: a transport that queues messages for
+    a slow peer drops the queued chunks of older versions when a newer one starts.
+    """
+    if peek_kind(header) is not Kind.WEIGHTS:
+        return False
+    try:
+        return bool(header[7] & FLAG_FIRST)
+    except (TypeError, IndexError):
+        return False
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Layout:
-    """A schema checked on its own, and what checking it against buffers takes."""
+    """A schema checked on its own, and what checking it against a stream takes: one
+    comparison each, not one per tensor, on every version (2,000 tensors are common)."""
 
     schema: WeightsSchema
     digest: bytes  # of the schema's bytes: a cache hit needs no hashing again
-    # By buffer index, where its last tensor ends: one comparison per buffer, not per
-    # tensor, on every message (2,000 tensors often sit in a few buffers).
-    extents: tuple[int, ...]
+    end: int  # where the last tensor with bytes ends in the stream
 
 
 class _SchemaCache:
@@ -294,7 +353,7 @@ def _decode(frames: Sequence[Buffer], accept: Collection[Kind] | None) -> Messag
     head = frames[0]
     if len(head) < HEADER.size:
         raise FrameError(f"header is {len(head)} bytes; at least {HEADER.size} expected")
-    magic, proto, kind_byte, _flags, version, epoch, nbufs, mid_len, schema_digest = (
+    magic, proto, kind_byte, flags, version, epoch, nbufs, mid_len, schema_digest = (
         HEADER.unpack_from(head)
     )
     if magic != MAGIC:
@@ -315,8 +374,8 @@ def _decode(frames: Sequence[Buffer], accept: Collection[Kind] | None) -> Messag
     model_id = bytes(head[HEADER.size :]).decode("utf-8")
     body = frames[1]
     if kind is Kind.WEIGHTS:
-        return _decode_weights(frames, model_id, version, epoch, nbufs, schema_digest)
-    if len(frames) != 2 or nbufs != 0:
+        return _decode_chunk(frames, model_id, version, epoch, flags, nbufs, schema_digest)
+    if len(frames) != 2 or nbufs != 0 or flags != 0:
         raise FrameError(f"a {kind.name} message has exactly 2 frames; got {len(frames)}")
     if len(body) > MAX_BODY_BYTES:
         raise FrameError(f"{kind.name} body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
@@ -407,58 +466,79 @@ def _check_field(cls: type, name: str, expected: str, value: Any) -> Any:
     return value
 
 
-def _decode_weights(
+def _decode_chunk(
     frames: Sequence[Buffer],
     model_id: str,
     version: int,
     epoch: int,
+    flags: int,
     nbufs: int,
-    schema_digest: bytes,
-) -> Weights:
-    if nbufs > MAX_BUFFERS or nbufs != len(frames) - 2:
-        raise FrameError(f"header announces {nbufs} buffers; message carries {len(frames) - 2}")
-    body = frames[1]
+    layout: bytes,
+) -> Chunk:
+    if nbufs != 1 or len(frames) != 3:
+        raise FrameError(f"a chunk has 3 frames and announces 1 buffer; got {len(frames)}, {nbufs}")
+    body, payload = frames[1], frames[2]
+    if len(body) < CHUNK_BODY.size:
+        raise FrameError(f"chunk body is {len(body)} bytes; at least {CHUNK_BODY.size} expected")
+    index, count, offset, total, crc = CHUNK_BODY.unpack_from(body)
+    size = len(payload)
+    if not 0 < count <= MAX_CHUNKS or index >= count:
+        raise FrameError(f"chunk {index} of {count}: out of range (at most {MAX_CHUNKS})")
+    if total > MAX_VERSION_BYTES or size > MAX_CHUNK_BYTES or offset + size > total:
+        raise FrameError(
+            f"chunk {index} spans bytes {offset}..{offset + size} of a version of {total}; "
+            f"limits: {MAX_CHUNK_BYTES} per chunk, {MAX_VERSION_BYTES} per version"
+        )
+    expected = (
+        (FLAG_FIRST if index == 0 else 0)
+        | (FLAG_LAST if index == count - 1 else 0)
+        | (flags & FLAG_CHECKSUM)
+    )
+    if flags != expected or flags & ~_CHUNK_FLAGS:
+        raise FrameError(f"chunk {index} of {count} has flags {flags:#x}; expected {expected:#x}")
+    if index == count - 1 and offset + size != total:
+        raise FrameError(f"the last chunk ends at {offset + size}, not at the total {total}")
+    if flags & FLAG_CHECKSUM and checksum(payload) != crc:
+        raise FrameError(f"chunk {index} of version {version}: checksum mismatch (corrupted)")
+    if not flags & FLAG_CHECKSUM and crc:
+        raise FrameError(f"chunk {index} carries a checksum its flags do not announce")
+    schema: WeightsSchema | None = None
+    if index == 0:
+        if offset != 0:
+            raise FrameError(f"the first chunk starts at {offset}, not 0")
+        schema = _chunk_schema(bytes(body[CHUNK_BODY.size :]), layout, total)
+    elif len(body) != CHUNK_BODY.size:
+        raise FrameError("only the first chunk of a version carries a schema")
+    return Chunk(
+        model_id, version, epoch, index, count, offset, total, layout, payload, schema, crc
+    )
+
+
+def _chunk_schema(body: bytes, layout_digest: bytes, total: int) -> WeightsSchema:
+    """A first chunk's schema, checked: its digest, and a stream of exactly ``total``
+    bytes (a receiver may allocate ``total``: the schema's tensors must account for it)."""
     if len(body) > MAX_SCHEMA_BYTES:
         raise FrameError(f"schema is {len(body)} bytes; the limit is {MAX_SCHEMA_BYTES}")
-    body_bytes = bytes(body)
-    layout = _schema_cache.get(body_bytes)
+    layout = _schema_cache.get(body)
     fresh = layout is None
     if layout is None:
-        if digest(body_bytes) != schema_digest:
-            raise FrameError("schema digest does not match the schema: corrupted message")
-        layout = _parse_layout(body_bytes, schema_digest, nbufs)
-    elif schema_digest != layout.digest:
-        raise FrameError("schema digest does not match the schema: corrupted message")
-    buffers = tuple(frames[2:])
-    # Buffers differ per message, so this runs on cache hits too. With entries inside
-    # their buffers and apart from each other (checked once per schema), the tensors
-    # cannot describe more bytes than the message carries.
-    sizes = [len(b) for b in buffers]
-    if len(layout.extents) > len(sizes) or any(map(operator.gt, layout.extents, sizes)):
-        raise _outside(layout.schema, sizes)
+        if digest(body) != layout_digest:
+            raise FrameError("layout digest does not match the schema: corrupted message")
+        layout = _parse_layout(body, layout_digest, 1)
+    elif layout_digest != layout.digest:
+        raise FrameError("layout digest does not match the schema: corrupted message")
+    if layout.end != total:  # empty tensors have no bytes: they may sit anywhere
+        raise FrameError(f"the schema's tensors span {layout.end} bytes; the chunks say {total}")
     if fresh:
-        _schema_cache.put(body_bytes, layout)
-    return Weights(model_id, version, epoch, layout.schema, buffers)
-
-
-def _outside(schema: WeightsSchema, sizes: list[int]) -> FrameError:
-    """The error naming the first tensor whose bytes the buffers lack."""
-    for e in schema.entries:
-        if e.buffer >= len(sizes) or e.offset + e.nbytes > sizes[e.buffer]:
-            return FrameError(
-                f"tensor {e.dotted_key!r} needs bytes {e.offset}..{e.offset + e.nbytes} of "
-                f"buffer {e.buffer}, which does not have them"
-            )
-    return FrameError(f"the schema does not fit the message's {len(sizes)} buffers")
+        _schema_cache.put(body, layout)
+    return layout.schema
 
 
 def _parse_layout(body: bytes, schema_digest: bytes, nbufs: int) -> _Layout:
     schema = _parse_schema(body, nbufs)
-    extents = [0] * (max((e.buffer for e in schema.entries), default=-1) + 1)
-    for e in schema.entries:
-        extents[e.buffer] = max(extents[e.buffer], e.offset + e.nbytes)
+    end = max((e.offset + e.nbytes for e in schema.entries if e.nbytes), default=0)
     _check_apart(schema.entries)
-    return _Layout(schema, schema_digest, tuple(extents))
+    return _Layout(schema, schema_digest, end)
 
 
 def _check_apart(entries: Sequence[TensorEntry]) -> None:

@@ -14,8 +14,9 @@ Buffer: TypeAlias = bytes | bytearray | memoryview
 
 #: First bytes of every header. A frame that does not start with them is not ours.
 MAGIC: Final = b"ZSY1"
-#: Bumped on any incompatible change of the header or a body (2: session secrets).
-PROTOCOL_VERSION: Final = 2
+#: Bumped on any incompatible change of the header or a body (2: session secrets;
+#: 3: a version travels as a stream of chunks).
+PROTOCOL_VERSION: Final = 3
 
 # --- limits: each is checked before anything is allocated for it ----------------------
 #: model_ids are short names ("policy"); a longer one is garbage, not a name.
@@ -30,6 +31,13 @@ MAX_BUFFERS: Final = MAX_TENSORS + 1
 #: Control bodies (acks, requests, status) are small JSON; status of a 10k-worker fleet
 #: is the largest and stays far below this.
 MAX_BODY_BYTES: Final = 8 * 1024 * 1024
+#: Chunks per version: a version of 1 TiB in chunks of 64 KiB. Bounds the index a
+#: receiver tracks, not memory (a receiver holds a chunk or two at a time).
+MAX_CHUNKS: Final = 1 << 24
+#: One chunk's payload: what a receiver must be ready to hold at once.
+MAX_CHUNK_BYTES: Final = 1 << 30
+#: One version's bytes, all chunks together.
+MAX_VERSION_BYTES: Final = 1 << 44
 #: torch supports at most 64 dimensions; real weights have fewer than 8.
 MAX_NDIM: Final = 64
 #: One tensor's bytes; guards the shape product from overflowing into nonsense.
@@ -72,7 +80,10 @@ AUTO_WORKER: Final = (1 << 64) - 1
 
 
 class Kind(enum.IntEnum):
-    """What a message is. The value is its byte in the header."""
+    """What a message is. The value is its byte in the header.
+
+    ``WEIGHTS``: one :class:`Chunk` of a version (a version is a stream of them).
+    """
 
     WEIGHTS = 1
     ACK = 2
@@ -114,10 +125,11 @@ class WeightsSchema:
 
 @dataclass(frozen=True, slots=True)
 class Weights:
-    """A versioned set of tensors: header fields, schema and raw buffers.
+    """A whole version: header fields, schema and raw buffers.
 
-    ``buffers`` are whatever the transport gave (``bytes``, ``memoryview``); the codec
-    never copies them.
+    Not a wire message: a version travels as :class:`Chunk` messages, and a receiver
+    that gathered them all (or a test) holds them as one of these. Entries locate
+    their bytes in ``buffers`` by index and offset; ``buffers`` are never copied.
     """
 
     model_id: str
@@ -126,7 +138,39 @@ class Weights:
     schema: WeightsSchema
     buffers: tuple[Buffer, ...] = field(repr=False)
 
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Bytes ``[offset, offset + len(payload))`` of one version's byte stream.
+
+    A version is the concatenation of its tensors' bytes as its schema lays them out
+    (every entry in buffer 0, at its offset in the stream), cut into ``count`` chunks
+    sent in order. Chunk 0 carries the schema; every chunk carries ``layout`` (the
+    schema's digest), so no chunk can be applied under another version's layout.
+    ``checksum``: the payload's CRC-32 plus one, or 0 when the sender computed none.
+    """
+
+    model_id: str
+    version: int
+    epoch: int
+    index: int
+    count: int
+    offset: int
+    total: int
+    layout: bytes
+    payload: Buffer = field(repr=False)
+    schema: WeightsSchema | None = None
+    checksum: int = 0
+
     kind = Kind.WEIGHTS
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +355,7 @@ class Goodbye:
 
 
 Message: TypeAlias = (
-    Weights
+    Chunk
     | Ack
     | Hello
     | Welcome

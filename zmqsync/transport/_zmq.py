@@ -43,10 +43,12 @@ log = logging.getLogger("zmqsync.transport")
 
 #: Prefix of every spoke's routing id: lets a router hub tell workers from CLI clients.
 SPOKE_PREFIX: Final = b"zmqsync-spoke:"
-#: Queued messages per peer before ZeroMQ drops new ones. Weights messages are large and
-#: a worker only ever wants the newest, so a deep queue would only hold memory: a
-#: stopped worker pins at most this many versions' buffers at the sender.
-DATA_HWM: Final = 4
+#: Queued messages per peer before ZeroMQ drops new ones. A sender keeps at most
+#: WINDOW (4) chunks unsent at once, but ZeroMQ counts a peer's queue lazily (it learns
+#: of messages taken off it in batches of half the mark), and control replies queue
+#: too: at 16 a peer that kept up still lost chunks now and then, at 32 none in
+#: thousands. A stopped peer pins at most this many chunks at the sender.
+DATA_HWM: Final = 32
 #: Requests and acks are small; a sender falling behind on them is the problem to see.
 CONTROL_HWM: Final = 10_000
 #: Largest frame a worker accepts unless told otherwise (a scheme with a model sets it

@@ -101,6 +101,10 @@ MAX_MAPS: Final = 8
 #: Bound on a shared message's frame count and on its bitmap (slots in one message).
 MAX_ENTRIES: Final = 1 << 16
 MAX_BITMAP: Final = 1 << 17
+#: Shared messages whose sender's frames the hub keeps until every peer counted for them
+#: released them (a sender streams no further than its window meanwhile). Past this,
+#: the oldest are let go of (held by a stopped peer: the sender's stall covers it).
+MAX_KEPT: Final = 256
 
 
 def is_record(frames: Sequence[Buffer]) -> bool:
@@ -162,6 +166,10 @@ class ShmLender:
         self._slots = iter(range(1, 1 << 31))
         self._seq = 0
         self._offered: set[bytes] = set()
+        #: seq -> (the caller's frames, channel, block ids, peers yet to release it):
+        #: the frames stay referenced, so a sender watching them knows when workers are
+        #: done with that message (not merely when its record went out).
+        self._kept: dict[int, tuple[Any, int, set[int], set[bytes]]] = {}
         self.counters: Counter[str] = Counter()
 
     # offers and registrations
@@ -207,6 +215,7 @@ class ShmLender:
         if member is None:
             return
         del self._by_slot[member.slot]
+        self._let_go(peer)
         self.pool.abandon(peer, member.sent)
         if member.sent:
             log.info("shared memory: dropped a peer holding %d block(s): %s", len(member.sent), why)
@@ -238,12 +247,27 @@ class ShmLender:
         seen = member.seen
         seen[FAN_OUT] = max(seen[FAN_OUT], seen_fan)
         seen[ADDRESSED] = max(seen[ADDRESSED], seen_addr)
+        self._let_go(member.peer, seen, held)
         for block_id, by_channel in list(member.sent.items()):
             if block_id not in held and all(q <= seen[ch] for ch, q in by_channel.items()):
                 self.pool.drop_hold(block_id, member.peer)
                 del member.sent[block_id]
                 del member.lent_at[block_id]
         self.counters["releases"] += 1
+
+    def _let_go(
+        self, peer: bytes, seen: list[int] | None = None, held: set[int] | None = None
+    ) -> None:
+        """``peer`` released the kept messages it has seen and no longer views (all of
+        them if ``seen`` is None: it is gone); keep the frames others still read."""
+        for seq in list(self._kept):
+            _, channel, blocks, pending = self._kept[seq]
+            if peer in pending and (
+                seen is None or (seq <= seen[channel] and not blocks & (held or set()))
+            ):
+                pending.discard(peer)
+                if not pending:
+                    del self._kept[seq]
 
     # sending
 
@@ -276,6 +300,9 @@ class ShmLender:
                     member.sent.setdefault(block.id, {})[channel] = self._seq
                     member.lent_at.setdefault(block.id, now)  # a block held on keeps its lease
         del keep  # the holds keep the blocks now
+        self._kept[self._seq] = (list(frames), channel, set(blocks), {m.peer for m in members})
+        while len(self._kept) > MAX_KEPT:
+            del self._kept[next(iter(self._kept))]
         entries, inline = [], []
         for f in shared:
             if isinstance(f, Ref):
@@ -329,6 +356,7 @@ class ShmLender:
         return out
 
     def close(self) -> None:
+        self._kept.clear()
         self.pool.close()
         self._probe.close()
         self._members.clear()

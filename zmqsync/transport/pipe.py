@@ -61,7 +61,7 @@ from typing import Any, Final
 import numpy as np
 
 from zmqsync.errors import TransportClosed, TransportError
-from zmqsync.protocol import MAX_BUFFERS, Buffer, Kind, peek_kind
+from zmqsync.protocol import MAX_BUFFERS, Buffer, Kind, peek_kind, starts_version
 from zmqsync.transport._shm import SHM_AVAILABLE, Block, ShmPool
 from zmqsync.transport._shm import Ref as _Ref
 from zmqsync.transport._shm import immutable as _immutable
@@ -360,6 +360,7 @@ class _Outgoing:
     kind: Kind | None = None
     record: bytes = b""
     keep: Any = None  # what keeps the shared-memory blocks it names lent
+    first: bool = False  # the first chunk of a version
 
     @property
     def shared(self) -> bool:
@@ -370,7 +371,8 @@ class _Writer:
     """Writes one connection's outgoing messages, in order, on a thread of its own.
 
     The caller never waits on the peer: a peer that does not read leaves messages queued
-    (weights replaced by newer ones, the rest bounded by MAX_QUEUED).
+    (the chunks of a version dropped when a newer one starts, the rest bounded by
+    MAX_QUEUED).
     """
 
     def __init__(
@@ -396,9 +398,9 @@ class _Writer:
             if self._stopping or self.broken is not None:
                 self.dropped += 1
                 return False
-            if item.kind is Kind.WEIGHTS:
-                # A receiver applies only the newest version: older ones still waiting are
-                # dead weight (and each may be a model's worth of memory).
+            if item.first:
+                # A newer version starts: the chunks of older ones still waiting are dead
+                # weight (a receiver drops a version whose stream a newer one cut).
                 kept = deque(m for m in self._queue if m.kind is not Kind.WEIGHTS)
                 self.dropped += len(self._queue) - len(kept)
                 self._queue = kept
@@ -416,7 +418,7 @@ class _Writer:
                     self._cond.wait(1.0)  # idle; stop() notifies, this bounds a missed one
                     continue
                 head = self._queue[0]
-                if self._unreleased and head.kind is Kind.WEIGHTS and head.shared:
+                if self._unreleased and head.first and head.shared:
                     # The peer still reads its previous version in place: let it finish
                     # (a newer version may replace this one meanwhile) rather than pin
                     # one more block. A peer that never releases only delays it.
@@ -654,7 +656,12 @@ class PipeHub(HubTransport):
             return
         shared, keep = self._share(frames)
         owned, buf = _owned(shared, self._pool)
-        item = _Outgoing(owned, peek_kind(frames[0]) if frames else None, keep=keep)
+        item = _Outgoing(
+            owned,
+            peek_kind(frames[0]) if frames else None,
+            keep=keep,
+            first=bool(frames) and starts_version(frames[0]),
+        )
         if buf is not None:
             # Free again once every writer has written (or dropped) this message.
             self._pool.watch(buf, [item])

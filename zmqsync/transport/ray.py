@@ -47,12 +47,13 @@ import struct
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from zmqsync.errors import EndpointError, TransportClosed, TransportError
-from zmqsync.protocol import Buffer, Kind, peek_kind
+from zmqsync.protocol import Buffer, Kind, peek_kind, starts_version
 from zmqsync.transport._shm import (
     SHM_AVAILABLE,
     Block,
@@ -83,6 +84,11 @@ INLINE_BYTES: Final = 64 * 1024
 #: not run its calls (busy in a long method, or hung) must not grow an unbounded queue of
 #: model-sized messages. The sync layer repairs it once it answers again.
 MAX_IN_FLIGHT: Final = 16
+#: Chunk calls under way to one actor at once: enough to keep it busy while the next
+#: is submitted. The rest wait in the hub, in order (a newer version's first chunk drops
+#: the waiting chunks of older ones), at most MAX_WAITING of them.
+CHUNK_CALLS: Final = 2
+MAX_WAITING: Final = 64
 #: Default longest gap between polls of an idle actor; it bounds how late a new worker
 #: is noticed and how late its heartbeat arrives.
 POLL_INTERVAL: Final = 0.25
@@ -397,8 +403,11 @@ class _Actor:
     done_seq: int = 0  # next call whose result is handed on (results keep call order)
     finished: dict[int, Any] = field(default_factory=dict, repr=False)
     in_flight: int = 0
-    weights_seq: int | None = None  # the weights call under way, if any
-    pending_weights: Any = field(default=None, repr=False)  # the newest one waiting for it
+    #: Chunk calls under way, by sequence number, with the frames they were made from
+    #: (kept until the call is done: a sender lets no more chunks go out meanwhile).
+    chunk_calls: dict[int, Any] = field(default_factory=dict, repr=False)
+    #: Chunks waiting for a call: (message, frames).
+    waiting: deque[tuple[Any, Any]] = field(default_factory=deque, repr=False)
     next_poll: float = 0.0
     poll_gap: float = FAST_POLL
     dead: str | None = None
@@ -593,11 +602,12 @@ class RayHub(HubTransport):
             self._counters["object_store_puts"] += 1
         return ref
 
-    def _call(self, actor: _Actor, payload: Any, *, weights: bool = False) -> None:
-        """Start one call (caller holds the lock); its result arrives as an event."""
+    def _call(self, actor: _Actor, payload: Any, *, frames: Any = None) -> None:
+        """Start one call (caller holds the lock); its result arrives as an event.
+        ``frames``: a chunk's, kept until its call is done."""
         seq = actor.next_seq
-        if weights:
-            actor.weights_seq = seq
+        if frames is not None:
+            actor.chunk_calls[seq] = frames
         actor.next_seq += 1
         actor.in_flight += 1
         if isinstance(payload, _SharedPayload):
@@ -610,11 +620,19 @@ class RayHub(HubTransport):
             return
         future.add_done_callback(lambda f, a=actor, s=seq: self._events.put((a, s, f)))
 
+    def _submit_chunks(self, actor: _Actor) -> None:
+        """Call ``actor`` with its waiting chunks, in order, CHUNK_CALLS at a time
+        (caller holds the lock)."""
+        while actor.waiting and len(actor.chunk_calls) < CHUNK_CALLS and actor.dead is None:
+            message, frames = actor.waiting.popleft()
+            self._call(actor, message, frames=frames)
+
     def send_frames(
         self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None
     ) -> None:
         self._check_open()
-        weights = bool(frames) and peek_kind(frames[0]) is Kind.WEIGHTS
+        chunk = bool(frames) and peek_kind(frames[0]) is Kind.WEIGHTS
+        first = chunk and starts_version(frames[0])
         with self._lock:
             targets = (
                 list(self._actors.values()) if to is None else [self._actors.get(p) for p in to]
@@ -642,15 +660,21 @@ class RayHub(HubTransport):
                 if message is shared_payload:
                     self._hold(actor, shared_payload.blocks)  # type: ignore[union-attr]
                     self._counters["shared_sends"] += 1
-                if weights and actor.weights_seq is not None:
-                    # An actor busy with one version gets only the newest of those sent
-                    # meanwhile: at most two versions per actor are held in the store.
-                    if actor.pending_weights is not None:
-                        self._counters["dropped_sends"] += 1
-                        self._let_go(actor, actor.pending_weights)
-                    actor.pending_weights = message
-                else:
-                    self._call(actor, message, weights=weights)
+                if not chunk:
+                    self._call(actor, message)
+                    continue
+                if first:
+                    # A newer version starts: chunks of older ones still waiting go.
+                    self._counters["dropped_sends"] += len(actor.waiting)
+                    for old, _ in actor.waiting:
+                        self._let_go(actor, old)
+                    actor.waiting.clear()
+                if len(actor.waiting) >= MAX_WAITING:
+                    self._counters["dropped_sends"] += 1
+                    self._let_go(actor, message)
+                    continue
+                actor.waiting.append((message, list(frames)))
+                self._submit_chunks(actor)
 
     def _poll_due(self, now: float) -> float | None:
         """Poll every idle actor that is due; return when the next one will be."""
@@ -675,11 +699,8 @@ class RayHub(HubTransport):
             actor.finished[seq] = future
             while actor.done_seq in actor.finished:
                 done = actor.finished.pop(actor.done_seq)
-                if actor.weights_seq == actor.done_seq:
-                    actor.weights_seq = None
-                    pending, actor.pending_weights = actor.pending_weights, None
-                    if pending is not None and actor.dead is None:
-                        self._call(actor, pending, weights=True)
+                if actor.chunk_calls.pop(actor.done_seq, None) is not None:
+                    self._submit_chunks(actor)
                 actor.done_seq += 1
                 actor.in_flight -= 1
                 replies = [
@@ -723,6 +744,7 @@ class RayHub(HubTransport):
                 self._counters["peers_lost"] += 1
                 if self._shm is not None:
                     self._shm.forget(actor.index)  # it reads no block any more
+                actor.waiting.clear()
                 log.warning("Ray actor of worker %d died: %s", actor.index, actor.dead)
             return []
         except Exception as exc:  # counted; the actor stays in the fleet

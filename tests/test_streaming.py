@@ -1,0 +1,261 @@
+"""Versions streamed in chunks: whole on every transport and in both apply modes; a
+broken in-place stream tears the model, refuses forward passes, and is repaired."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from zmqsync import TornWeights, WeightReceiver, WeightSender, checksum
+from zmqsync.chunking import MIN_CHUNK_BYTES, version_messages
+from zmqsync.transport.memory import MemoryHub, MemorySpoke
+from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
+from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
+
+CHUNK = MIN_CHUNK_BYTES  # 64 KiB: the model below is ~20 chunks
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    """~1.3 MB: tensors larger than a chunk, smaller than one, and many tiny ones."""
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        "big": torch.randn(256, 1024, generator=g),  # 1 MiB: spans 16 chunks
+        "mid": torch.randn(50_000, generator=g),  # 200 KB: straddles chunk edges
+        "ints": torch.randint(0, 1000, (3000,), generator=g),
+        "mask": torch.rand(777, generator=g) > 0.5,
+    }
+    for i in range(300):  # packed small tensors: many pieces in one chunk
+        out[f"small.{i}"] = torch.randn(7, generator=g)
+    return out
+
+
+def _bump(model: dict[str, torch.Tensor]) -> None:
+    for t in model.values():
+        if t.dtype.is_floating_point:
+            t.add_(1.0)
+        elif t.dtype == torch.bool:
+            t.logical_not_()
+        else:
+            t.add_(1)
+
+
+def _pair(kind: str, tmp_path, name: str):  # type: ignore[no-untyped-def]
+    if kind == "memory":
+        hub = MemoryHub()
+        return hub, lambda i: MemorySpoke(hub.endpoint)
+    if kind == "ipc":
+        hub = PubSubHub(f"ipc://{tmp_path}/{name}")
+        return hub, lambda i: PubSubSpoke(hub.endpoint, identity=str(i))
+    if kind == "ipc-socket":  # no shared memory: every chunk through the socket
+        hub = PubSubHub(f"ipc://{tmp_path}/{name}", shared_memory=False)
+        return hub, lambda i: PubSubSpoke(hub.endpoint, identity=str(i))
+    hub = RouterHub("tcp://127.0.0.1:*")
+    return hub, lambda i: RouterSpoke(hub.endpoint, identity=str(i))
+
+
+@pytest.mark.parametrize("kind", ["memory", "ipc", "ipc-socket", "tcp"])
+@pytest.mark.parametrize("mode", ["in_place", "staged", "auto"])
+def test_multi_chunk_versions_arrive_whole(kind: str, mode: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = _model(0)
+    hub, spoke = _pair(kind, tmp_path, f"whole-{mode}")
+    sender = WeightSender(
+        hub, model=model, strategy="state_dict", num_workers=2, timeout=10, chunk_bytes=CHUNK
+    )
+    workers = [_model(10 + i) for i in range(2)]
+    receivers = [
+        WeightReceiver(spoke(i), model=w, strategy="state_dict", worker_idx=i, apply_mode=mode)
+        for i, w in enumerate(workers)
+    ]
+    try:
+        for r in receivers:
+            r.connect()
+            r.start()
+        assert all(checksum(w) == checksum(model) for w in workers)  # version 0, streamed
+        for version in (1, 2, 3):
+            _bump(model)
+            sender.send()
+            for r, w in zip(receivers, workers, strict=True):
+                assert r.version == version and checksum(w) == checksum(model)
+                assert not r.torn
+        totals = sender.status()["totals"]
+        count = -(-sum(t.nbytes for t in model.values()) // CHUNK)
+        assert totals["chunks_sent"] >= 3 * count
+        assert all(r.stats["chunks"] >= 3 * count for r in receivers)
+        assert all(r.stats["broken_streams"] == 0 for r in receivers)
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
+
+
+@pytest.mark.parametrize("mode", ["in_place", "staged"])
+def test_forward_passes_never_see_two_versions(mode: str) -> None:
+    """Every tensor moves by 1 per version; a forward pass under the lock must see all
+    of them at the same version, whichever way chunks are applied."""
+    model = _model(0)
+    hub = MemoryHub()
+    sender = WeightSender(
+        hub, model=model, strategy="state_dict", num_workers=1, timeout=10, chunk_bytes=CHUNK
+    )
+    worker = _model(1)
+    receiver = WeightReceiver(
+        MemorySpoke(hub.endpoint), model=worker, strategy="state_dict", apply_mode=mode
+    )
+    floats = [k for k, t in model.items() if t.dtype.is_floating_point]
+    seen: list[set[float]] = []
+    stop = threading.Event()
+
+    def forward() -> None:
+        while not stop.is_set():
+            with receiver.lock:
+                seen.append({round(float(worker[k].flatten()[0] - base[k]), 3) for k in floats})
+
+    try:
+        receiver.connect()
+        receiver.start()
+        base = {k: float(model[k].flatten()[0]) for k in floats}
+        thread = threading.Thread(target=forward, daemon=True)
+        thread.start()
+        for _ in range(15):
+            _bump(model)
+            sender.send()
+    finally:
+        stop.set()
+        receiver.close()
+        sender.close()
+    thread.join(5)
+    assert seen and all(len(s) == 1 for s in seen), "a forward pass saw a mix of versions"
+    assert len({next(iter(s)) for s in seen}) > 1, "the forward passes saw only one version"
+
+
+@pytest.fixture
+def fed() -> Iterator[tuple[MemoryHub, WeightReceiver, dict[str, torch.Tensor]]]:
+    """A receiver fed chunk messages by hand (no sender): streams can be cut anywhere."""
+    hub = MemoryHub()
+    worker = _model(1)
+    receiver = WeightReceiver(
+        MemorySpoke(hub.endpoint),
+        model=worker,
+        strategy="state_dict",
+        apply_mode="in_place",
+        chunk_timeout=0.3,
+        timeout=0.2,
+    )
+    yield hub, receiver, worker
+    receiver.close()
+    hub.close()
+
+
+def _deliver(hub: MemoryHub, receiver: WeightReceiver, messages) -> None:  # type: ignore[no-untyped-def]
+    """Queue ``messages`` for the receiver, then let it handle them all (one poll reads
+    on until the version in progress completes or breaks)."""
+    for frames in messages:
+        hub.send_frames(frames)
+    receiver.poll()
+
+
+def test_a_broken_in_place_stream_tears_the_model_until_a_whole_version_repairs_it(
+    fed: tuple[MemoryHub, WeightReceiver, dict[str, torch.Tensor]],
+) -> None:
+    hub, receiver, worker = fed
+    v1 = _model(5)
+    _deliver(hub, receiver, version_messages(v1, version=1, epoch=7, chunk_bytes=CHUNK))
+    assert receiver.version == 1 and checksum(worker) == checksum(v1) and not receiver.torn
+
+    v2 = _model(6)
+    messages = version_messages(v2, version=2, epoch=7, chunk_bytes=CHUNK)
+    _deliver(hub, receiver, messages[:5])  # the sender dies after chunk 4: the gap passes
+    assert receiver.torn and receiver.version == 1
+    assert receiver.stats["torn"] == 1 and receiver.stats["broken_streams"] == 1
+    with pytest.raises(TornWeights, match="torn") as caught, receiver.lock:
+        pass
+    assert caught.value.version == 2 and "no chunk" in caught.value.reason
+    # A forward pass waiting when the repair arrives goes on once it is whole.
+    entered = threading.Event()
+
+    def forward() -> None:
+        receiver.lock.acquire(timeout=10)
+        entered.set()
+        receiver.lock.release()
+
+    waiter = threading.Thread(target=forward, daemon=True)
+    waiter.start()
+    time.sleep(0.05)
+    assert not entered.is_set()
+    _deliver(hub, receiver, messages)  # the repair: version 2 again, whole
+    waiter.join(5)
+    assert entered.is_set()
+    assert not receiver.torn and receiver.version == 2 and checksum(worker) == checksum(v2)
+
+
+def test_a_broken_staged_stream_leaves_the_model_untouched(
+    fed: tuple[MemoryHub, WeightReceiver, dict[str, torch.Tensor]],
+) -> None:
+    hub, receiver, worker = fed
+    receiver.apply_mode = "staged"
+    before = checksum(worker)
+    messages = version_messages(_model(6), version=1, epoch=7, chunk_bytes=CHUNK)
+    _deliver(hub, receiver, [*messages[:5], *messages[6:]])  # chunk 5 lost
+    assert receiver.stats["broken_streams"] == 1 and not receiver.torn
+    assert receiver.version == 0 and checksum(worker) == before
+    with receiver.lock:  # nothing torn: forward passes go on with the old weights
+        pass
+
+
+def test_a_new_version_repairs_a_torn_model_and_no_ack_names_the_torn_one() -> None:
+    """A learner that dies mid-version and restarts (a new epoch): the in-place worker is
+    torn in between, never acks the broken version, and follows the new learner."""
+    model = _model(0)
+    hub = MemoryHub()
+    sender = WeightSender(
+        hub, model=model, strategy="state_dict", num_workers=1, timeout=5, chunk_bytes=CHUNK
+    )
+    worker = _model(1)
+    receiver = WeightReceiver(
+        MemorySpoke(hub.endpoint),
+        model=worker,
+        strategy="state_dict",
+        apply_mode="in_place",
+        chunk_timeout=0.3,
+        timeout=0.2,
+    )
+    acks: list[int] = []
+    try:
+        receiver.connect()
+        assert checksum(worker) == checksum(model)
+        # The learner streams half of version 1 and dies.
+        copy = sender._copy_of(None, 1)
+        with sender._holding_baton():
+            for i in range(copy.count // 2):
+                frames, _ = copy.frames(i)
+                hub.send_frames(frames)
+                del frames
+        receiver.poll()
+        assert receiver.torn and receiver.version == 0
+        with pytest.raises(TornWeights), receiver.lock:
+            pass
+        epoch = sender.epoch
+        sender.close()
+        # The restarted learner (same endpoint, new epoch) sends its version 1.
+        hub = MemoryHub(hub.endpoint)
+        restarted = WeightSender(
+            hub, model=model, strategy="state_dict", num_workers=1, timeout=5, chunk_bytes=CHUNK
+        )
+        assert restarted.epoch != epoch
+        receiver.on_applied.append(lambda e, v: acks.append(v))
+        receiver.start()
+        _bump(model)
+        restarted.send()
+        assert receiver.epoch == restarted.epoch and receiver.version == 1
+        assert not receiver.torn and checksum(worker) == checksum(model)
+        with receiver.lock:
+            pass
+        assert acks[-1] == 1
+        restarted.close()
+    finally:
+        receiver.close()
+        sender.close()

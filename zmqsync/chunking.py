@@ -1,0 +1,341 @@
+"""A version as a byte stream cut into chunks: laying it out, writing chunks, applying them.
+
+Part of the tensors layer (it imports torch and numpy; nothing above it does I/O here).
+
+- :class:`StreamLayout` (sender): where each of a :class:`~zmqsync.tensors.Flat`'s
+  buffers lies in the version's byte stream (one after the other, each on a 64-byte
+  boundary), the stream's schema (every tensor in buffer 0, at its stream offset), and
+  which bytes of which buffer each chunk carries. :meth:`StreamLayout.write` fills one
+  chunk; it is worked out once per layout and reused every version.
+- :class:`InPlace` (receiver): copies each chunk's bytes straight into a model's tensors.
+  The tensors hold a mix of two versions until the last chunk: the receiver holds its
+  lock throughout, and marks the worker torn if the stream breaks.
+- :class:`Staging` (receiver): a buffer of the version's size that chunks land in; once
+  the last came, the whole version is applied in one go (:class:`~zmqsync.tensors
+  .ApplyPlan`), so the model is locked only for that copy.
+
+A chunk with many tensors (a few thousand small ones) costs no Python step per tensor:
+its destinations and the views that feed them are made once, and one ``map`` of
+``np.copyto`` over them runs in C.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from zmqsync.protocol import (
+    Buffer,
+    Chunk,
+    TensorEntry,
+    Weights,
+    WeightsSchema,
+    encode,
+    encode_schema,
+)
+from zmqsync.protocol.codec import layout_digest
+from zmqsync.tensors import Flat, Flattener, KeyPath, check_fits, extract
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
+    "InPlace",
+    "Staging",
+    "StreamLayout",
+    "version_messages",
+]
+
+#: Default chunk size. Large enough that a chunk's fixed costs (a message, a lease, a
+#: Python step on each side) vanish next to its copy; small enough that a same-host
+#: worker copies chunk i while the learner writes chunk i+1, and that a worker's
+#: receive memory (a chunk or two) stays small. (benchmarks/README.md: how it was chosen.)
+DEFAULT_CHUNK_BYTES: Final = 8 * 1024 * 1024
+#: Smallest chunk_bytes a scheme accepts: below it, per-message costs dominate.
+MIN_CHUNK_BYTES: Final = 64 * 1024
+#: Each buffer of a Flat starts on this boundary in the stream (a cache line), so a
+#: receiver can view any tensor at its natural alignment.
+STREAM_ALIGN: Final = 64
+#: A chunk with more pieces than this is applied through cached views and one ``map``
+#: (fewer are cheaper to slice on the spot).
+_MANY: Final = 16
+
+
+def _aligned(n: int) -> int:
+    return -(-n // STREAM_ALIGN) * STREAM_ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    buffer: int  # which of the Flat's buffers
+    start: int  # first byte of that buffer
+    stop: int
+    at: int  # where it goes in the chunk
+
+
+class StreamLayout:
+    """One layout of a Flat as a stream of ``chunk_bytes`` chunks (see the module)."""
+
+    def __init__(self, flat: Flat, chunk_bytes: int) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive; got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.source_schema = flat.schema
+        self.sizes = [len(memoryview(b)) for b in flat.buffers]
+        bases, pos = [], 0
+        for n in self.sizes:
+            bases.append(pos)
+            pos = _aligned(pos + n)
+        entries = tuple(
+            TensorEntry(e.key, e.dtype, e.shape, 0, bases[e.buffer] + e.offset, e.nbytes)
+            for e in flat.schema.entries
+        )
+        self.total = max((e.offset + e.nbytes for e in entries if e.nbytes), default=0)
+        self.schema = WeightsSchema(flat.schema.strategy, entries)
+        self.schema_bytes = encode_schema(self.schema)
+        self.layout = layout_digest(self.schema_bytes)
+        self.count = max(1, -(-self.total // chunk_bytes))
+        self._pieces: list[list[_Piece]] = [[] for _ in range(self.count)]
+        for index, (base, n) in enumerate(zip(bases, self.sizes, strict=True)):
+            n = min(n, self.total - base)  # nothing past the stream's last tensor byte
+            pos = 0
+            while pos < n:
+                i = (base + pos) // chunk_bytes
+                at = base + pos - i * chunk_bytes
+                take = min(n - pos, chunk_bytes - at)
+                self._pieces[i].append(_Piece(index, pos, pos + take, at))
+                pos += take
+
+    def fits(self, flat: Flat, chunk_bytes: int) -> bool:
+        """Whether this layout serves ``flat`` too (the same schema and sizes)."""
+        return (
+            flat.schema is self.source_schema
+            and chunk_bytes == self.chunk_bytes
+            and [len(memoryview(b)) for b in flat.buffers] == self.sizes
+        )
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Chunk ``index``'s ``(offset, length)`` in the stream."""
+        offset = index * self.chunk_bytes
+        return offset, min(self.chunk_bytes, self.total - offset)
+
+    @staticmethod
+    def sources(flat: Flat) -> list[np.ndarray]:
+        """A Flat's buffers as numpy byte arrays: what :meth:`write` reads."""
+        return [np.frombuffer(b, dtype=np.uint8) for b in flat.buffers]
+
+    def write(self, index: int, sources: list[np.ndarray], out: np.ndarray) -> None:
+        """Fill ``out`` (at least the chunk's length) with chunk ``index``'s bytes.
+
+        Alignment gaps between buffers are zeroed: a reused buffer never sends stale bytes.
+        """
+        _, length = self.span(index)
+        pos = 0
+        for p in self._pieces[index]:
+            if p.at > pos:
+                out[pos : p.at] = 0
+            np.copyto(out[p.at : p.at + p.stop - p.start], sources[p.buffer][p.start : p.stop])
+            pos = p.at + p.stop - p.start
+        if length > pos:
+            out[pos:length] = 0
+
+
+@dataclass(slots=True)
+class _Span:
+    """What one chunk (by its offset and length) writes into the target's tensors."""
+
+    dests: list[np.ndarray]  # CPU destinations, byte arrays
+    starts: list[int]  # where each one's bytes start in the chunk
+    #: For many pieces: views of ``scratch`` matching ``dests``, made once.
+    views: list[np.ndarray] | None = None
+    #: Pieces of tensors that cannot be written through numpy (on an accelerator, or
+    #: not contiguous): (entry index, start in the tensor's bytes, start in the chunk, n).
+    others: list[tuple[int, int, int, int]] | None = None
+
+
+class InPlace:
+    """Applies a stream's chunks straight into a target's tensors (see the module).
+
+    Building it checks that the schema fits the target (nothing is written otherwise).
+    """
+
+    def __init__(
+        self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], strategy: str
+    ) -> None:
+        check_fits(schema, target, strategy)
+        self.schema = schema
+        self.target = target
+        self._entries = sorted((e for e in schema.entries if e.nbytes), key=lambda e: e.offset)
+        self._starts = [e.offset for e in self._entries]
+        self._arrays: list[np.ndarray | None] = []
+        #: Tensors numpy cannot write: (the tensor, its contiguous CPU byte buffer or its
+        #: own byte view on an accelerator).
+        self._special: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, e in enumerate(self._entries):
+            dest = target[e.key]
+            if dest.device.type == "cpu" and dest.is_contiguous():
+                self._arrays.append(dest.detach().reshape(-1).view(torch.uint8).numpy())
+                continue
+            self._arrays.append(None)
+            if dest.is_contiguous():
+                self._special[i] = (dest, dest.detach().reshape(-1).view(torch.uint8))
+            else:
+                self._special[i] = (dest, torch.empty(e.nbytes, dtype=torch.uint8))
+        self._spans: dict[tuple[int, int], _Span] = {}
+        self._scratch: np.ndarray | None = None
+        self._devices = sorted(
+            {t.device for t, _ in self._special.values()} - {torch.device("cpu")}, key=str
+        )
+
+    def fits(self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor]) -> bool:
+        return schema is self.schema and target is self.target
+
+    def _span(self, offset: int, length: int) -> _Span:
+        span = self._spans.get((offset, length))
+        if span is not None:
+            return span
+        span = _Span([], [])
+        end = offset + length
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self._entries) and self._entries[i].offset < end:
+            e = self._entries[i]
+            lo, hi = max(e.offset, offset), min(e.offset + e.nbytes, end)
+            if lo < hi:
+                array = self._arrays[i]
+                if array is None:
+                    if span.others is None:
+                        span.others = []
+                    span.others.append((i, lo - e.offset, lo - offset, hi - lo))
+                else:
+                    span.dests.append(array[lo - e.offset : hi - e.offset])
+                    span.starts.append(lo - offset)
+            i += 1
+        if len(span.dests) > _MANY:
+            if self._scratch is None or len(self._scratch) < length:
+                self._scratch = np.empty(length, dtype=np.uint8)
+                for s in self._spans.values():  # views of the old scratch are stale
+                    if s.views is not None:
+                        s.views = self._views(s)
+            span.views = self._views(span)
+        if len(self._spans) < 1 << 16:  # one per chunk of the stream; bounded regardless
+            self._spans[(offset, length)] = span
+        return span
+
+    def _views(self, span: _Span) -> list[np.ndarray]:
+        assert self._scratch is not None
+        return [
+            self._scratch[s : s + d.nbytes] for s, d in zip(span.starts, span.dests, strict=True)
+        ]
+
+    def apply(self, offset: int, payload: Buffer) -> None:
+        """Write the chunk that starts at stream byte ``offset`` into the tensors."""
+        source = np.frombuffer(payload, dtype=np.uint8)
+        span = self._span(offset, len(source))
+        if span.views is not None:
+            assert self._scratch is not None
+            np.copyto(self._scratch[: len(source)], source)
+            collections.deque(map(np.copyto, span.dests, span.views), maxlen=0)
+        else:
+            for dest, start in zip(span.dests, span.starts, strict=True):
+                np.copyto(dest, source[start : start + dest.nbytes])
+        if span.others:
+            with torch.no_grad():
+                chunk = torch.from_numpy(source) if source.flags.writeable else _readonly(source)
+                for i, at, start, n in span.others:
+                    _, buf = self._special[i]
+                    buf[at : at + n].copy_(chunk[start : start + n], non_blocking=True)
+
+    def finish(self) -> None:
+        """After the last chunk: put non-contiguous tensors in place, and wait for
+        copies to accelerators (an acked version is in the tensors)."""
+        with torch.no_grad():
+            for dest, buf in self._special.values():
+                if not dest.is_contiguous():
+                    dest.copy_(buf.view(dest.dtype).reshape(dest.shape))
+        for device in self._devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+
+def _readonly(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a read-only byte array (torch warns about those; we only read)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return (
+            torch.frombuffer(array, dtype=torch.uint8)
+            if len(array)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+
+
+class Staging:
+    """A version's byte stream gathered in one buffer, kept and reused between versions."""
+
+    def __init__(self) -> None:
+        self._buffer: np.ndarray | None = None
+        self.total = 0
+
+    def start(self, total: int) -> None:
+        """Get ready for a stream of ``total`` bytes (reusing the buffer if it fits)."""
+        if self._buffer is None or len(self._buffer) != total:
+            self._buffer = None  # let the old one go first: at most one is held
+            self._buffer = np.empty(total, dtype=np.uint8)
+        self.total = total
+
+    def write(self, offset: int, payload: Buffer) -> None:
+        assert self._buffer is not None
+        source = np.frombuffer(payload, dtype=np.uint8)
+        np.copyto(self._buffer[offset : offset + len(source)], source)
+
+    def weights(self, model_id: str, version: int, epoch: int, schema: WeightsSchema) -> Weights:
+        """The gathered version (its one buffer is this staging's memory)."""
+        assert self._buffer is not None
+        return Weights(model_id, version, epoch, schema, (self._buffer.data,))
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else len(self._buffer)
+
+    def release(self) -> None:
+        self._buffer = None
+
+
+def version_messages(
+    weights: Any,
+    *,
+    model_id: str = "policy",
+    version: int = 1,
+    epoch: int = 1,
+    strategy: str = "state_dict",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[list[Buffer]]:
+    """One version of ``weights`` (a module, TensorDict or dict of tensors) as the chunk
+    messages a sender sends, each ready for a transport's ``send_frames`` (tests, tools)."""
+    flat = Flattener(strategy).flatten(extract(weights, strategy))
+    layout = StreamLayout(flat, chunk_bytes)
+    data = np.empty(layout.total, dtype=np.uint8)
+    sources = StreamLayout.sources(flat)
+    messages = []
+    for i in range(layout.count):
+        offset, length = layout.span(i)
+        layout.write(i, sources, data[offset : offset + length])
+        chunk = Chunk(
+            model_id,
+            version,
+            epoch,
+            i,
+            layout.count,
+            offset,
+            layout.total,
+            layout.layout,
+            data[offset : offset + length].tobytes(),
+        )
+        messages.append(encode(chunk, schema_bytes=layout.schema_bytes if i == 0 else None))
+    return messages
