@@ -92,6 +92,52 @@ def test_multi_chunk_versions_arrive_whole(kind: str, mode: str, tmp_path) -> No
         sender.close()
 
 
+@pytest.mark.parametrize("kind", ["memory", "ipc", "tcp"])
+def test_without_a_snapshot_the_sender_streams_through_a_small_ring(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``retain_snapshot=False``: nothing model-sized is made; chunks go through a few
+    chunk-sized buffers (or, over ipc, blocks the hub lends and workers release)."""
+    from zmqsync.sender import WINDOW
+
+    model = _model(0)
+    hub, spoke = _pair(kind, tmp_path, "ring")
+    sender = WeightSender(
+        hub,
+        model=model,
+        strategy="state_dict",
+        num_workers=2,
+        timeout=10,
+        chunk_bytes=CHUNK,
+        retain_snapshot=False,
+    )
+    workers = [_model(10 + i) for i in range(2)]
+    receivers = [
+        WeightReceiver(
+            spoke(i), model=w, strategy="state_dict", worker_idx=i, apply_mode="in_place"
+        )
+        for i, w in enumerate(workers)
+    ]
+    try:
+        for r in receivers:
+            r.connect()
+            r.start()
+        for version in (1, 2, 3):
+            _bump(model)
+            sender.send()
+            assert sender._snapshot is None
+            for r, w in zip(receivers, workers, strict=True):
+                assert r.version == version and checksum(w) == checksum(model)
+        model_bytes = sum(t.nbytes for t in model.values())
+        assert model_bytes > 16 * CHUNK
+        assert sender._ring.nbytes <= (WINDOW + 2) * CHUNK
+        if kind == "ipc":
+            assert sender._ring.nbytes == 0  # the hub's blocks are the ring
+            assert 0 < hub.counters()["shm_bytes"] <= 4 * CHUNK + 4096
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
+
+
 @pytest.mark.parametrize("mode", ["in_place", "staged"])
 def test_forward_passes_never_see_two_versions(mode: str) -> None:
     """Every tensor moves by 1 per version; a forward pass under the lock must see all

@@ -73,6 +73,10 @@ ACCEPTED: Final = frozenset(
 #: Below every transport's queue limit for one peer (ZeroMQ's DATA_HWM), so none is
 #: dropped for a peer that keeps up; enough that a chunk is always ready to go out.
 WINDOW: Final = 4
+#: Chunk buffers a sender without a snapshot keeps at most: the window's, and those
+#: stopped peers pin until their transport queues are full (at the default 8 MiB
+#: chunks, 256 MiB at worst, whatever the model's size).
+RING_SLOTS: Final = 32
 #: Transfers of the latest version to single workers (repairs, late joiners) at once;
 #: a worker asking beyond it asks again at its next heartbeat.
 MAX_REPAIRS: Final = 8
@@ -131,11 +135,57 @@ class _Lease:
         return not self._refs
 
 
-class _Copy:
-    """One version's byte stream in memory the sender owns: what every transport sends.
+class _Ring:
+    """Chunk-sized buffers a sender without a snapshot streams through, reused once no
+    transport holds them: its whole extra memory, whatever the model's size.
 
-    Written chunk by chunk as it is first sent (:meth:`frames`), from ``sources`` (the
-    flattened weights), which it lets go of once the last chunk is written.
+    With ``alloc`` (a hub that lends shared memory), each chunk is written into a block
+    the hub lends, and the hub's pool is the ring (it lends a block again once every
+    worker released it); while every block is held, buffers of its own.
+    """
+
+    def __init__(self, chunk_bytes: int, alloc: Callable[[int], Any] | None = None) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._alloc = alloc
+        self._slots: list[tuple[np.ndarray, list[weakref.ref[np.ndarray]]]] = []
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A buffer of ``nbytes`` nobody holds, or None while every one is held."""
+        if self._alloc is not None:
+            lent = self._alloc(nbytes)
+            if lent is not None:
+                return lent
+            # Every block the hub may lend is held (a stopped worker): through the
+            # hub's socket, from buffers of our own, until blocks come free.
+        for i, (slot, refs) in enumerate(self._slots):
+            if all(r() is None for r in refs):
+                self._slots[i] = (slot, [])
+                return slot[:nbytes]
+        if len(self._slots) >= RING_SLOTS:
+            return None
+        slot = np.empty(self.chunk_bytes, dtype=np.uint8)
+        self._slots.append((slot, []))
+        return slot[:nbytes]
+
+    def hold(self, buffer: np.ndarray, refs: list[weakref.ref[np.ndarray]]) -> None:
+        """``refs`` view ``buffer`` (a slot): it is not taken again until they are gone."""
+        for slot, held in self._slots:
+            if buffer.base is slot or buffer is slot:
+                held.extend(refs)
+                return
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot, _ in self._slots)
+
+
+class _Copy:
+    """One version's byte stream, as every transport sends it.
+
+    Either whole (``data``: memory the sender owns, written chunk by chunk as it is
+    first sent, kept as the snapshot), or through a :class:`_Ring` (each chunk written
+    into a ring buffer as it is sent; nothing model-sized). Both read ``sources`` (the
+    flattened weights), let go of once the copy is whole or its send is over.
     """
 
     def __init__(
@@ -143,13 +193,15 @@ class _Copy:
         sender: WeightSender,
         version: int,
         layout: StreamLayout,
-        data: np.ndarray,
+        data: np.ndarray | None,
         flat: Flat,
-        lent_by_hub: bool,
+        lent_by_hub: bool = False,
+        ring: _Ring | None = None,
     ) -> None:
         self.version = version
         self.layout = layout
         self.data = data
+        self.ring = ring
         self.lent_by_hub = lent_by_hub
         self.lease = _Lease()
         self._model_id = sender.model_id
@@ -168,9 +220,15 @@ class _Copy:
     def nbytes(self) -> int:
         return self.layout.total
 
+    @property
+    def readable(self) -> bool:
+        """Whether every chunk can still be sent (a ring copy reads the caller's
+        tensors, only while its send lasts)."""
+        return self.data is not None or self._sources is not None
+
     def write_through(self, index: int) -> None:
-        """Make sure chunks ``0..index`` are written."""
-        if self._written > index:
+        """Make sure chunks ``0..index`` are written (whole copies only)."""
+        if self._written > index or self.data is None:
             return
         with self._lock:
             while self._written <= index:
@@ -181,12 +239,27 @@ class _Copy:
             if self._written == self.layout.count:
                 self._sources = self._flat = None  # the caller's memory is read no more
 
-    def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
-        """Chunk ``index`` as frames to send, lent afresh (and written first if need be)."""
-        self.write_through(index)
+    def end(self) -> None:
+        """The send is over: a ring copy reads the caller's tensors no more."""
+        if self.data is None:
+            self._sources = self._flat = None
+
+    def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+        """Chunk ``index`` as frames to send, lent afresh (and written first if need
+        be); None while the ring has no free buffer."""
         layout = self.layout
         offset, length = layout.span(index)
-        payload = self.data[offset : offset + length].data.toreadonly()
+        if self.data is not None:
+            self.write_through(index)
+            buffer = self.data[offset : offset + length]
+        else:
+            assert self.ring is not None and self._sources is not None
+            taken = self.ring.take(length)
+            if taken is None:
+                return None
+            layout.write(index, self._sources, taken)
+            buffer = taken
+        payload = buffer.data.toreadonly()
         chunk = Chunk(
             self._model_id,
             self.version,
@@ -200,7 +273,11 @@ class _Copy:
             checksum=checksum(payload) if self._checksums else 0,
         )
         frames = encode(chunk, schema_bytes=layout.schema_bytes if index == 0 else None)
-        return self.lease.lend(frames)
+        lent = self.lease.lend(frames)
+        if self.data is None:
+            assert self.ring is not None
+            self.ring.hold(buffer, lent[1])
+        return lent
 
 
 class _Transfer:
@@ -302,6 +379,7 @@ class WeightSender:
         self.checksums = checksums
         self._flattener = Flattener(strategy, pack_threshold=pack_threshold)
         self._layout: StreamLayout | None = None
+        self._ring = _Ring(self.chunk_bytes)
         #: How long chunks usually take to be let go of (seconds, a moving average).
         self._release_time = 0.01
         self._last_stall = -STALL_MEMORY
@@ -398,8 +476,10 @@ class WeightSender:
                 raise RuntimeError(
                     "a send_async() is still pending: call wait_async() before the next send"
                 )
-            pending = self._start(weights, worker_ids)
-            pending.copy.write_through(pending.copy.count - 1)  # the weights may change now
+            # It returns before the stream ends and the weights may change then: a
+            # whole copy, even without a snapshot.
+            pending = self._start(weights, worker_ids, whole=True)
+            pending.copy.write_through(pending.copy.count - 1)
             self._async_pending = True
 
     def wait_async(self) -> None:
@@ -438,12 +518,16 @@ class WeightSender:
 
     # --- the send path ---------------------------------------------------------------
 
-    def _start(self, weights: Any, worker_ids: int | list[int] | None) -> _Pending:
+    def _start(
+        self, weights: Any, worker_ids: int | list[int] | None, *, whole: bool = False
+    ) -> _Pending:
         self._check_open()
         with self._cond:
             self.fleet.targets(worker_ids, time.monotonic())  # bad ids raise before any work
             version = self.fleet.version + 1
-        copy = self._copy_of(weights, version)
+        # Without a snapshot, a synchronous send streams through the ring: it reads the
+        # caller's tensors until it returns, and nothing model-sized is made.
+        copy = self._copy_of(weights, version, whole=whole or self.retain_snapshot)
         with self._cond:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
             pending = self._pending = _Pending(send, copy)
@@ -456,9 +540,9 @@ class WeightSender:
         self._totals["bytes_sent"] += copy.nbytes * max(1, len(send.targets))
         return pending
 
-    def _copy_of(self, weights: Any, version: int) -> _Copy:
-        """``weights`` (``None``: the model's), to be copied chunk by chunk into memory
-        the sender owns as it is sent."""
+    def _copy_of(self, weights: Any, version: int, *, whole: bool = True) -> _Copy:
+        """``weights`` (``None``: the model's), to be copied chunk by chunk as it is
+        sent: into memory the sender owns (``whole``), or through the ring."""
         source = self.model if weights is None else weights
         tensors = (
             self._model_tensors.get(source)
@@ -469,6 +553,16 @@ class WeightSender:
         if self._layout is None or not self._layout.fits(flat, self.chunk_bytes):
             self._layout = StreamLayout(flat, self.chunk_bytes)
         shared = self._shared_runner()
+        if not whole:
+            with self._snapshot_lock:
+                self._snapshot = None  # none is kept: let the last one go
+            if shared is not None and len(self._runners) == 1:
+                # Chunks written into blocks the hub lends, which workers copy out
+                # while the next is written; the hub's pool bounds them.
+                ring = _Ring(self.chunk_bytes, alloc=shared.hub.shared_buffer)
+            else:
+                ring = self._ring
+            return _Copy(self, version, self._layout, None, flat, ring=ring)
         if shared is not None:
             # A hub whose workers read shared memory in place: the stream, written once
             # into memory it lent, IS the transfer (workers copy chunk i out while the
@@ -502,6 +596,7 @@ class WeightSender:
             data = alloc(layout.total)
         elif (
             old is not None
+            and old.data is not None
             and not old.lent_by_hub
             and len(old.data) == layout.total
             and old.lease.released
@@ -525,7 +620,7 @@ class WeightSender:
             if snapshot is not None and snapshot.version == version:
                 return snapshot
             pending = self._pending
-            if pending is not None and pending.copy.version == version:
+            if pending is not None and pending.copy.version == version and pending.copy.readable:
                 return pending.copy
         return None
 
@@ -575,8 +670,14 @@ class WeightSender:
         send = pending.send
         self._await_acks(send)
         # Whoever the transfers reached, the version is whole in the sender's memory
-        # before send() returns: the caller may change its weights then.
+        # before send() returns (the caller may change its weights then); a ring copy
+        # stops reading them, and its streams still under way stop.
         pending.copy.write_through(pending.copy.count - 1)
+        if pending.copy.data is None:
+            pending.copy.end()
+            for runner in self._runners:
+                with runner.holding():
+                    runner.transfers = deque(t for t in runner.transfers if t.copy.readable)
         with self._cond:
             if self._pending is pending:
                 self._pending = None
@@ -910,8 +1011,10 @@ class _HubRunner:
         streams it to that peer or streams too many repairs."""
         repairs = [t for t in self.transfers if t.to is not None and len(t.to) == 1]
         if len(repairs) >= MAX_REPAIRS or any(
-            t.copy is copy and t.to == [peer] and not t.sent for t in repairs
+            t.copy is copy and (t.to is None or peer in t.to) for t in self.transfers
         ):
+            # Too many, or this version is on its way to the peer already (a worker
+            # asks while a long version streams to it): it asks again if it must.
             return False
         self.transfers.append(_Transfer(copy, [peer]))
         return True
@@ -938,7 +1041,14 @@ class _HubRunner:
                 sender._last_stall = now
                 continue
             transfer = self.transfers[0]
-            frames, refs = transfer.copy.frames(transfer.next)
+            if not transfer.copy.readable:
+                self.transfers.popleft()  # a ring copy whose send is over
+                continue
+            lent = transfer.copy.frames(transfer.next)
+            if lent is None:
+                self._window_full = True  # every ring buffer is held: wait as for the window
+                return True
+            frames, refs = lent
             self.hub.send_frames(frames, to=transfer.to)
             del frames  # what the hub keeps of them is what the window watches
             now = time.monotonic()
