@@ -101,7 +101,7 @@ def _worker(index: int, args: dict[str, Any], control: Any, results: Any) -> Non
                     push.send(b"pong")
                     break
             continue
-        variant, versions, target = what
+        variant, versions, target, value = what
         with PeakMemoryMeter() as meter:
             if variant == "raw-pyzmq":
                 for _ in range(versions):
@@ -127,7 +127,11 @@ def _worker(index: int, args: dict[str, Any], control: Any, results: Any) -> Non
                 if not reached.wait(600):
                     raise TimeoutError(f"worker {index} never reached version {target}")
                 receiver.on_applied.clear()
+        # Every element of every tensor holds the learner's value now.
+        with receiver.lock:
+            exact = all(bool((t == value).all()) for t in model.values())
         stats = {k: receiver.stats[k] for k in ("chunks", "broken_streams", "torn")}
+        stats["exact"] = exact
         results.put(("memory", index, {"variant": variant, **meter.extra, **stats}))
     receiver.close()
     ctx.destroy(linger=0)
@@ -215,7 +219,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         version = 0
         for variant in ["raw-pyzmq", "zmqsync", "zmqsync", "raw-pyzmq"]:
             for c in controls:
-                c.put((variant, ns.repeats, sender.version + ns.repeats))
+                # The learner starts at 1.0 and adds 1 per version, whichever variant.
+                c.put(
+                    (variant, ns.repeats, sender.version + ns.repeats, 1.0 + version + ns.repeats)
+                )
             with PeakMemoryMeter() as meter:
                 for _ in range(ns.repeats):
                     version += 1
@@ -241,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 receivers[extra["variant"]] = {
                     k: extra[k] for k in ("chunks", "broken_streams", "torn")
                 }
+                if not extra["exact"]:
+                    raise AssertionError(f"a worker's tensors differ after {extra['variant']}")
         totals = sender.status()["totals"]
         for c in controls:
             c.put("stop")

@@ -287,6 +287,10 @@ class _Transfer:
         self.copy = copy
         self.to = to
         self.next = 0
+        self.started = time.monotonic()
+
+    def covers(self, copy: _Copy, peer: PeerId) -> bool:
+        return self.copy is copy and (self.to is None or peer in self.to)
 
     @property
     def sent(self) -> bool:
@@ -979,6 +983,9 @@ class _HubRunner:
         #: Versions streaming to this hub (the baton holder advances them), oldest first,
         #: and their chunks that the hub may still hold: (sent at, weak refs to views).
         self.transfers: deque[_Transfer] = deque()
+        #: The last transfers sent whole, as (version, to, started, finished): a repair
+        #: of what one just sent waits (no copy is kept alive by it).
+        self.done: deque[tuple[int, list[PeerId] | None, float, float]] = deque(maxlen=MAX_REPAIRS)
         self.inflight: deque[tuple[float, list[weakref.ref[np.ndarray]]]] = deque()
         self._window_full = False  # whether the last advance() stopped at a full window
         self._thread = threading.Thread(
@@ -1010,11 +1017,20 @@ class _HubRunner:
         """Stream ``copy`` to ``peer`` alone (holding the baton); False if the hub already
         streams it to that peer or streams too many repairs."""
         repairs = [t for t in self.transfers if t.to is not None and len(t.to) == 1]
-        if len(repairs) >= MAX_REPAIRS or any(
-            t.copy is copy and (t.to is None or peer in t.to) for t in self.transfers
+        now = time.monotonic()
+        if (
+            len(repairs) >= MAX_REPAIRS
+            or any(t.covers(copy, peer) for t in self.transfers)
+            or any(
+                version == copy.version
+                and (to is None or peer in to)
+                and now - finished < finished - started
+                for version, to, started, finished in self.done
+            )
         ):
-            # Too many, or this version is on its way to the peer already (a worker
-            # asks while a long version streams to it): it asks again if it must.
+            # Too many, or this version is on its way to the peer (still streaming, or
+            # sent so lately that the peer may still be reading it: a worker asks while
+            # a long version reaches it): it asks again if it must.
             return False
         self.transfers.append(_Transfer(copy, [peer]))
         return True
@@ -1057,6 +1073,7 @@ class _HubRunner:
             sender._totals["chunks_sent"] += 1
             if transfer.sent:
                 self.transfers.popleft()
+                self.done.append((transfer.copy.version, transfer.to, transfer.started, now))
         return False
 
     def _poke(self) -> None:
