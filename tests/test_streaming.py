@@ -305,3 +305,48 @@ def test_a_new_version_repairs_a_torn_model_and_no_ack_names_the_torn_one() -> N
     finally:
         receiver.close()
         sender.close()
+
+
+def test_the_learner_sees_a_torn_worker_until_a_whole_version_repairs_it() -> None:
+    """A torn worker says so in its heartbeats: ``status()`` marks it and ``zmqsync
+    status`` names the problem, until a whole version is acked."""
+    from _faults import until
+
+    from zmqsync.client import assess
+
+    model = _model(0)
+    hub = MemoryHub()
+    sender = WeightSender(
+        hub, strategy="state_dict", num_workers=1, timeout=5, chunk_bytes=CHUNK, heartbeat=0.1
+    )
+    worker = _model(1)
+    receiver = WeightReceiver(
+        MemorySpoke(hub.endpoint),
+        model=worker,
+        strategy="state_dict",
+        apply_mode="in_place",
+        chunk_timeout=0.3,
+        timeout=0.2,
+    )
+    try:
+        receiver.connect()  # nothing published: it keeps its own weights
+        copy = sender._copy_of(model, 1)
+        with sender._holding_baton():
+            for i in range(3):  # three chunks of version 1, and the learner "dies"
+                frames, _ = copy.frames(i)
+                hub.send_frames(frames)
+                del frames
+        receiver.start()
+        until(lambda: receiver.torn, 5, "the worker tore")
+
+        def row() -> dict:  # type: ignore[type-arg]
+            return sender.status()["workers"][0]  # type: ignore[no-any-return]
+
+        until(lambda: row()["torn"], 5, "the learner heard that the worker is torn")
+        assert "is torn" in assess(sender.status())[0]
+        sender.send(model)
+        assert receiver.version == 1 and checksum(worker) == checksum(model)
+        assert not receiver.torn and not row()["torn"] and not assess(sender.status())
+    finally:
+        receiver.close()
+        sender.close()

@@ -267,6 +267,27 @@ def test_chunks_written_in_place_land_every_dtype_and_layout(chunk_bytes: int) -
         assert target[key].data_ptr() == pointers[key], key
 
 
+def test_a_staged_apply_reads_the_same_buffer_through_views_made_once() -> None:
+    """A worker's staging buffer is the same memory every version: the plan slices it
+    once, and each apply reads what the buffer holds then; another buffer is sliced
+    afresh."""
+    from zmqsync.tensors import ApplyPlan
+
+    source = {(f"t{i}",): torch.full((3,), float(i)) for i in range(50)}
+    target = {k: torch.zeros(3) for k in source}
+    message = _wire(source, "state_dict")
+    plan = ApplyPlan(message.schema, target, "state_dict")
+    plan.apply(message)
+    assert all(torch.equal(target[k], v) for k, v in source.items())
+    stream = np.frombuffer(message.buffers[0], dtype=np.uint8)
+    stream.view(np.float32)[:] += 1  # the next version, in the same memory
+    plan.apply(message)
+    assert all(torch.equal(target[k], v + 1) for k, v in source.items())
+    other = _wire({k: v * 2 for k, v in source.items()}, "state_dict")
+    plan.apply(other)
+    assert all(torch.equal(target[k], v * 2) for k, v in source.items())
+
+
 def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
     from zmqsync.tensors import ModelTensors
 

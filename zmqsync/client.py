@@ -198,6 +198,12 @@ def worker_problem(
         when = "" if ago is None else f" {ago:.0f}s ago"
         return f"worker {w} left{when} (its receiver closed; sends to it fail until it is back)"
     held = int(worker.get("version", 0))
+    if worker.get("torn"):
+        doing = "being repaired" if worker.get("repairing") else "waiting for a repair"
+        return (
+            f"worker {w} is torn (a version's stream broke while it was written in place; "
+            f"forward passes wait): {doing}, last whole version {held}"
+        )
     if held < version:
         problem = f"worker {w} holds version {held} of {version} ({version - held} behind)"
         refusals = worker.get("rejections") or []

@@ -150,6 +150,8 @@ class Session:
     joining_to: int = 0
     #: When it said goodbye (None: it has not).
     left: float | None = None
+    #: Its model is torn (it said so in its last request): a repair is what it waits for.
+    torn: bool = False
 
 
 @dataclass
@@ -459,6 +461,8 @@ class Fleet:
         s.pid, s.host = ack.pid or s.pid, ack.host or s.host
         s.received_bytes = ack.received_bytes
         s.rejected_frames = max(s.rejected_frames, ack.rejected_frames)
+        if ack.applied:
+            s.torn = False  # it holds a whole version again
         if ack.epoch == self.epoch and ack.applied:
             s.version = max(s.version, ack.version)
             if s.version >= s.joining_to:
@@ -484,12 +488,14 @@ class Fleet:
     def _on_snapshot_request(
         self, request: SnapshotRequest, s: Session, now: float
     ) -> list[Effect]:
-        # Holding nothing of this sender's life, or less than the latest when it joined.
-        fresh = request.epoch != self.epoch or request.version < s.joining_to
+        # Holding nothing of this sender's life, or less than the latest when it joined,
+        # or nothing whole (torn).
+        fresh = request.epoch != self.epoch or request.version < s.joining_to or request.torn
         behind = fresh or request.version < self.version
         # A worker left out of a targeted send stays behind (worker_ids means exactly
         # those workers); one that is joining gets the latest version.
         meant = fresh or max(s.target_version, self.broadcast_version) >= self.version
+        s.torn = request.torn
         if request.epoch == self.epoch:
             s.version = max(s.version, min(request.version, self.version))
         refused = s.refused == (self.epoch, self.version)
@@ -624,6 +630,8 @@ class Fleet:
                     "received_bytes": s.received_bytes,
                     "rejected_frames": s.rejected_frames,
                     "rejections": list(s.rejections),
+                    "torn": s.torn,
+                    "repairing": s.torn and now - s.last_repair < self.repair_after,
                 }
             )
         counts = {

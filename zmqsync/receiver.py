@@ -374,7 +374,14 @@ class WeightReceiver:
                 self._send_hello()
             return
         self._send(
-            SnapshotRequest(self.model_id, self.version, self.epoch, self.worker_idx, self._session)
+            SnapshotRequest(
+                self.model_id,
+                self.version,
+                self.epoch,
+                self.worker_idx,
+                self._session,
+                torn=self.torn,
+            )
         )
 
     # --- receiving -------------------------------------------------------------------

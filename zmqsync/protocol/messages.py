@@ -252,6 +252,8 @@ class SnapshotRequest:
     epoch: int
     worker: int
     session: str = ""
+    #: The worker's model is torn (an in-place stream broke): it holds no whole version.
+    torn: bool = False
 
     kind = Kind.SNAPSHOT_REQUEST
 
