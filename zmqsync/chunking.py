@@ -40,7 +40,7 @@ from zmqsync.protocol import (
     encode_schema,
 )
 from zmqsync.protocol.codec import layout_digest
-from zmqsync.tensors import Flat, Flattener, KeyPath, check_fits, extract
+from zmqsync.tensors import Flat, Flattener, KeyPath, check_fits, extract, read_view
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -245,7 +245,8 @@ class InPlace:
                 np.copyto(dest, source[start : start + dest.nbytes])
         if span.others:
             with torch.no_grad():
-                chunk = torch.from_numpy(source) if source.flags.writeable else _readonly(source)
+                chunk = read_view(source)
+                assert chunk is not None  # a chunk with pieces has bytes
                 for i, at, start, n in span.others:
                     _, buf = self._special[i]
                     buf[at : at + n].copy_(chunk[start : start + n], non_blocking=True)
@@ -260,19 +261,6 @@ class InPlace:
         for device in self._devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-
-
-def _readonly(array: np.ndarray) -> torch.Tensor:
-    """A torch view of a read-only byte array (torch warns about those; we only read)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return (
-            torch.frombuffer(array, dtype=torch.uint8)
-            if len(array)
-            else torch.empty(0, dtype=torch.uint8)
-        )
 
 
 class Staging:

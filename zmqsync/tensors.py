@@ -48,6 +48,7 @@ __all__ = [
     "dtype_name",
     "extract",
     "materialize",
+    "read_view",
     "torch_dtype",
 ]
 
@@ -475,14 +476,20 @@ class Flattener:
         return WeightsSchema(self.strategy, tuple(entries))
 
 
-def _source_views(message: Weights) -> list[torch.Tensor | None]:
-    views: list[torch.Tensor | None] = []
+def read_view(buf: Any) -> torch.Tensor | None:
+    """A uint8 tensor viewing received bytes (None if there are none), to read from.
+
+    Received frames may be read-only, which torch warns about; we never write to them.
+    """
+    if not len(buf):
+        return None
     with warnings.catch_warnings():
-        # Received frames may be read-only; we only ever read from these views.
         warnings.simplefilter("ignore", UserWarning)
-        for buf in message.buffers:
-            views.append(torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else None)
-    return views
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _source_views(message: Weights) -> list[torch.Tensor | None]:
+    return [read_view(buf) for buf in message.buffers]
 
 
 def _entry_bytes(views: list[torch.Tensor | None], entry: TensorEntry) -> torch.Tensor:
