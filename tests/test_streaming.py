@@ -348,3 +348,35 @@ def test_the_learner_sees_a_torn_worker_until_a_whole_version_repairs_it() -> No
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_scheme_passes_the_apply_mode_and_chunk_size_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``chunk_bytes`` is a scheme option (the sender's); ``apply_mode`` and
+    ``chunk_timeout`` are chosen per worker in ``init_on_receiver``."""
+    from zmqsync import ZMQWeightSyncScheme
+
+    model = _model(0)
+    learner = ZMQWeightSyncScheme(
+        "state_dict", endpoint=f"ipc://{tmp_path}/scheme", timeout=10, chunk_bytes=CHUNK
+    )
+    learner.init_on_sender("policy", model=model, num_workers=1)
+    worker = ZMQWeightSyncScheme("state_dict", endpoint=learner.endpoint, timeout=10)
+    refused = ZMQWeightSyncScheme("state_dict", endpoint=learner.endpoint, timeout=10)
+    local = _model(1)
+    try:
+        with pytest.raises(ValueError, match="apply_mode"):
+            refused.init_on_receiver(model_id="policy", model=_model(2), apply_mode="sideways")
+        worker.init_on_receiver(model_id="policy", model=local, worker_idx=0, apply_mode="staged")
+        receiver = worker.get_receiver()
+        assert receiver.apply_mode == "staged"
+        worker.connect(worker_idx=0)
+        receiver.start()
+        _bump(model)
+        learner.send()
+        assert checksum(local) == checksum(model)
+        assert learner.get_sender().chunk_bytes == CHUNK
+        assert receiver.stats["chunks"] > 16
+    finally:
+        refused.shutdown()
+        worker.shutdown()
+        learner.shutdown()

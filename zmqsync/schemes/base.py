@@ -65,6 +65,15 @@ SENDER_OPTIONS: Final = (
 )
 
 
+#: What a worker may choose in ``init_on_receiver`` (:class:`WeightReceiver`'s options).
+RECEIVER_OPTIONS: Final = ("apply_mode", "chunk_timeout")
+
+
+def _receiver_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take the receiver options out of ``init_on_receiver``'s keyword arguments."""
+    return {name: kwargs.pop(name) for name in RECEIVER_OPTIONS if name in kwargs}
+
+
 def _check_sender_options(owner: str, options: Mapping[str, Any]) -> None:
     """Refuse, when the scheme is built, an option that no part of it takes (it would
     otherwise fail later, in ``init_on_sender``, or never)."""
@@ -327,7 +336,9 @@ class WeightSyncScheme:
             model_id: which model.
             context: optional object providing the model (``get_model(model_id)``).
             **kwargs: ``model=``, ``worker_idx=`` (omit it, or pass ``None``, and the
-                sender assigns the lowest free id when the worker connects).
+                sender assigns the lowest free id when the worker connects); and
+                :class:`WeightReceiver`'s ``apply_mode=`` (``"auto"``, ``"staged"``,
+                ``"in_place"``) and ``chunk_timeout=``.
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")
@@ -342,17 +353,23 @@ class WeightSyncScheme:
         self._model = model if model is not None else _model_from_context(context, model_id)
         worker_idx = kwargs.pop("worker_idx", self._worker_idx)
         self._worker_idx = None if worker_idx is None else int(worker_idx)
+        options = _receiver_options(kwargs)
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_receiver: {sorted(kwargs)}")
         spoke = self.create_transport(role="spoke", **self._spoke_options())
-        self._receiver = WeightReceiver(
-            spoke,  # type: ignore[arg-type]
-            model_id=model_id,
-            model=self._model,
-            strategy=self.strategy,
-            worker_idx=self._worker_idx,
-            timeout=self.timeout,
-        )
+        try:
+            self._receiver = WeightReceiver(
+                spoke,  # type: ignore[arg-type]
+                model_id=model_id,
+                model=self._model,
+                strategy=self.strategy,
+                worker_idx=self._worker_idx,
+                timeout=self.timeout,
+                **options,
+            )
+        except BaseException:
+            spoke.close()  # a refused option leaves no socket behind
+            raise
 
     def init_on_worker(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
         """Older name of :meth:`init_on_receiver` (``model_id`` may be positional)."""

@@ -14,7 +14,12 @@ from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 from zmqsync.receiver import WeightReceiver
-from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme, _model_from_context
+from zmqsync.schemes.base import (
+    DEFAULT_CONNECT_TIMEOUT,
+    WeightSyncScheme,
+    _model_from_context,
+    _receiver_options,
+)
 from zmqsync.transport.pipe import PipeHub, PipeSpoke
 
 __all__ = ["MultiProcessWeightSyncScheme"]
@@ -167,7 +172,8 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
             model_id: which model.
             context: optional object providing ``pipe``, ``worker_idx`` and the model.
             **kwargs: ``pipe=`` (this worker's end), ``model=``, and optionally
-                ``worker_idx=`` (by default the index the sender's pipe assigns).
+                ``worker_idx=`` (by default the index the sender's pipe assigns),
+                ``apply_mode=`` and ``chunk_timeout=`` (see :class:`WeightReceiver`).
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")
@@ -181,6 +187,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
             )
         model = kwargs.pop("model", None)
         worker_idx = kwargs.pop("worker_idx", getattr(context, "worker_idx", None))
+        options = _receiver_options(kwargs)
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_worker: {sorted(kwargs)}")
         self._model_id = model_id
@@ -199,6 +206,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
                 strategy=self.strategy,
                 worker_idx=self._worker_idx,
                 timeout=self.timeout,
+                **options,
             )
         except BaseException:
             spoke.close()

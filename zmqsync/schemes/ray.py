@@ -20,7 +20,12 @@ from typing import Any, Final, Literal
 
 from zmqsync.errors import SchemaMismatchError, SyncTimeout
 from zmqsync.receiver import WeightReceiver
-from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme, _model_from_context
+from zmqsync.schemes.base import (
+    DEFAULT_CONNECT_TIMEOUT,
+    WeightSyncScheme,
+    _model_from_context,
+    _receiver_options,
+)
 from zmqsync.transport.ray import (
     DELIVER_METHOD,
     POLL_INTERVAL,
@@ -309,13 +314,15 @@ class RayWeightSyncScheme(WeightSyncScheme):
             model_id: which model.
             context: optional object providing the model (the actor itself, typically).
             **kwargs: ``model=``; ``worker_idx=`` (by default the index the sender
-                gave this actor).
+                gave this actor); ``apply_mode=`` and ``chunk_timeout=`` (see
+                :class:`WeightReceiver`).
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")
         model = kwargs.pop("model", None)
         worker_idx = kwargs.pop("worker_idx", getattr(context, "worker_idx", None))
         kwargs.pop("pipe", None)  # torchrl passes one; Ray has no use for it
+        options = _receiver_options(kwargs)
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_worker: {sorted(kwargs)}")
         self._model_id = model_id
@@ -330,6 +337,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
             strategy=self.strategy,
             worker_idx=self._worker_idx or 0,
             timeout=self.timeout,
+            **options,
         )
         self._actor_side = _ActorReceiver(receiver, spoke, fixed_index=worker_idx is not None)
         spoke.on_delivery = self._actor_side.on_delivery
