@@ -201,7 +201,7 @@ def fmt_ago(s: float | None) -> str:
 
 
 def worker_state(worker: Mapping[str, Any], version: int, silent_after: float | None) -> Text:
-    """The state cell: ok, behind by N, not connected, silent, or left."""
+    """The state cell: ok, behind by N, torn (repairing), not connected, silent, or left."""
     if not worker.get("connected"):
         return Text("not connected", style="red")
     problem = worker_problem(worker, version, silent_after)
@@ -209,6 +209,8 @@ def worker_state(worker: Mapping[str, Any], version: int, silent_after: float | 
         return Text("left", style="red" if problem else "dim")
     if problem is None:
         return Text("ok", style="green")
+    if worker.get("torn"):
+        return Text("torn, repairing" if worker.get("repairing") else "torn", style="red")
     lag = int(worker.get("lag", 0))
     if lag:
         return Text(f"behind {lag}", style="yellow")

@@ -686,3 +686,17 @@ def test_the_verdict_counts_every_worker_of_a_trimmed_status() -> None:
     assert text == "all 5000 workers hold version 3 (2 shown, the furthest behind)"
     behind = verdict(status, {1: "worker 1 holds version 2 of 3 (1 behind)"}).plain
     assert behind.startswith("1 of 5000 workers need attention (2 shown, the furthest behind)")
+
+
+def test_a_torn_worker_is_named_as_such() -> None:
+    """A worker whose in-place stream broke is neither ok nor merely behind: the state
+    cell says torn (repairing while a repair is under way), and the problem says why."""
+    from zmqsync.client import assess
+    from zmqsync_cli._common import worker_state
+
+    row = {"worker": 0, "connected": True, "version": 3, "lag": 0, "torn": True}
+    status = {"version": 3, "workers": [row]}
+    assert worker_state(row, 3, None).plain == "torn"
+    assert worker_state({**row, "repairing": True}, 3, None).plain == "torn, repairing"
+    assert "is torn" in assess(status)[0] and "waiting for a repair" in assess(status)[0]
+    assert worker_state({**row, "torn": False}, 3, None).plain == "ok"
