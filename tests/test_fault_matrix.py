@@ -251,11 +251,14 @@ def _settled(learner: Learner) -> bool:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", PROCESS_FAULTS)
-def test_pipe_fleet_under(fault: str, fleet: Fleet) -> None:
+@pytest.mark.parametrize("share", [False, True], ids=["copy", "share_params"])
+def test_pipe_fleet_under(fault: str, share: bool, fleet: Fleet) -> None:
     spawn = mp.get_context("spawn")
     pipes = [spawn.Pipe() for _ in range(2)]
     model = make_model("wide", seed=0)
-    scheme = MultiProcessWeightSyncScheme("state_dict", timeout=TIMEOUT)
+    # share_params: the workers copy from the learner's own tensors, which the learner
+    # changes in place between sends (a stopped worker must still read whole versions).
+    scheme = MultiProcessWeightSyncScheme("state_dict", timeout=TIMEOUT, share_params=share)
     for i, (_, child) in enumerate(pipes):
         fleet.start(scheme, i, kind="wide", init_kwargs={"pipe": child, "worker_idx": None})
         child.close()
@@ -287,7 +290,9 @@ def test_pipe_fleet_under(fault: str, fleet: Fleet) -> None:
         assert growth < RSS_BOUND
         for i in live:
             learner.exact(fleet.ask(i, "applied"), f"pipe worker {i}")
-        _report(f"pipe {fault}", learner, growth)
+        if share:
+            assert scheme.get_sender().status()["share_params"] == "on"
+        _report(f"pipe {fault}{' share_params' if share else ''}", learner, growth)
     finally:
         scheme.shutdown()
 
@@ -326,9 +331,10 @@ class LoggingActor(WeightSyncActorMixin):
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("fault", PROCESS_FAULTS)
-def test_ray_fleet_under(fault: str) -> None:
+@pytest.mark.parametrize("share", [False, True], ids=["copy", "share_params"])
+def test_ray_fleet_under(fault: str, share: bool) -> None:
     model = make_model("wide", seed=0)
-    scheme = RayWeightSyncScheme("state_dict", timeout=TIMEOUT)
+    scheme = RayWeightSyncScheme("state_dict", timeout=TIMEOUT, share_params=share)
     actors = [LoggingActor.remote(10 + i) for i in range(2)]  # type: ignore[attr-defined]
     try:
         pids = ray.get([a.setup.remote(scheme) for a in actors], timeout=60)
@@ -357,7 +363,9 @@ def test_ray_fleet_under(fault: str) -> None:
         assert growth < RSS_BOUND
         for i in live:
             learner.exact(ray.get(actors[i].log.remote(), timeout=60), f"actor {i}")
-        _report(f"ray {fault}", learner, growth)
+        if share:  # the actors are on the learner's host
+            assert scheme.get_sender().status()["share_params"] == "on"
+        _report(f"ray {fault}{' share_params' if share else ''}", learner, growth)
     finally:
         scheme.shutdown()
         for actor in actors:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
@@ -587,6 +587,21 @@ class Fleet:
             if s.left is not None or s.origin.peer in lost.get(s.origin.hub, frozenset()):
                 out.add(w)
         return out
+
+    def may_still_read(self, version: int, peers: Collection[PeerId] | None) -> bool:
+        """Whether a worker that was sent ``version``'s chunks (those at ``peers``; None:
+        every worker) may still be reading them: it neither applied nor refused that
+        version (or a later one) and did not say goodbye. A worker whose transport
+        lost it counts: a stopped process reads on once it is continued."""
+        for s in self.workers.values():
+            if s.left is not None or (peers is not None and s.origin.peer not in peers):
+                continue
+            if s.epoch == self.epoch and s.version >= version:
+                continue
+            if s.refused == (self.epoch, version):
+                continue
+            return True
+        return False
 
     # --- status ----------------------------------------------------------------------
 

@@ -53,7 +53,15 @@ from zmqsync.protocol import (
     encode,
     peek_kind,
 )
-from zmqsync.tensors import DEFAULT_PACK_THRESHOLD, Flat, Flattener, ModelTensors, extract
+from zmqsync.shared_params import SharedParams, why_not_shared
+from zmqsync.tensors import (
+    DEFAULT_PACK_THRESHOLD,
+    Flat,
+    Flattener,
+    KeyPath,
+    ModelTensors,
+    extract,
+)
 from zmqsync.transport.base import HubTransport, Incoming, PeerId
 
 __all__ = ["WeightSender"]
@@ -186,6 +194,9 @@ class _Copy:
     first sent, kept as the snapshot), or through a :class:`_Ring` (each chunk written
     into a ring buffer as it is sent; nothing model-sized). Both read ``sources`` (the
     flattened weights), let go of once the copy is whole or its send is over.
+
+    Or ``live``: ``data`` is the model's own parameters, which live in shared memory
+    (``share_params``): nothing is written, and nothing is sent once the send is over.
     """
 
     def __init__(
@@ -194,22 +205,27 @@ class _Copy:
         version: int,
         layout: StreamLayout,
         data: np.ndarray | None,
-        flat: Flat,
+        flat: Flat | None,
         lent_by_hub: bool = False,
         ring: _Ring | None = None,
+        live: bool = False,
     ) -> None:
         self.version = version
         self.layout = layout
         self.data = data
         self.ring = ring
         self.lent_by_hub = lent_by_hub
+        self.live = live
+        #: The peers its chunks went to (None: a hub's every peer).
+        self.reached: set[PeerId] | None = set()
         self.lease = _Lease()
         self._model_id = sender.model_id
         self._epoch = sender.epoch
         self._checksums = sender.checksums
         self._flat: Flat | None = flat
-        self._sources: list[np.ndarray] | None = StreamLayout.sources(flat)
-        self._written = 0
+        self._sources = StreamLayout.sources(flat) if flat is not None else None
+        self._written = 0 if flat is not None else layout.count
+        self._ended = False
         self._lock = threading.Lock()
 
     @property
@@ -222,9 +238,9 @@ class _Copy:
 
     @property
     def readable(self) -> bool:
-        """Whether every chunk can still be sent (a ring copy reads the caller's
+        """Whether every chunk can still be sent (a ring or live copy reads the caller's
         tensors, only while its send lasts)."""
-        return self.data is not None or self._sources is not None
+        return not self._ended and (self.data is not None or self._sources is not None)
 
     def write_through(self, index: int) -> None:
         """Make sure chunks ``0..index`` are written (whole copies only)."""
@@ -240,9 +256,17 @@ class _Copy:
                 self._sources = self._flat = None  # the caller's memory is read no more
 
     def end(self) -> None:
-        """The send is over: a ring copy reads the caller's tensors no more."""
-        if self.data is None:
+        """The send is over: a ring or live copy reads the caller's tensors no more."""
+        if self.data is None or self.live:
             self._sources = self._flat = None
+            self._ended = True
+
+    def reach(self, to: Sequence[PeerId] | None) -> None:
+        """Its chunks went to ``to`` (None: every peer)."""
+        if to is None:
+            self.reached = None
+        elif self.reached is not None:
+            self.reached.update(to)
 
     def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
         """Chunk ``index`` as frames to send, lent afresh (and written first if need
@@ -327,6 +351,18 @@ class WeightSender:
         checksums: every chunk carries a CRC-32 of its bytes, checked by the worker (it
             costs about two memory copies' time per byte on each side; transports
             already check what they carry, CURVE cryptographically).
+        share_params: move the model's tensors into shared memory that workers on this
+            host copy from directly, so a synchronous ``send()`` copies nothing itself
+            (each worker copies the version once, as with torch's shared tensors). The
+            tensors keep their identity (an optimizer holding them is unaffected). It
+            needs one hub that lends shared memory (pipes, Ray actors on this host,
+            ZeroMQ over ``ipc://``) and a model of contiguous CPU tensors with no tied
+            entries; otherwise sends copy as usual, and ``status()`` says why. No
+            snapshot is kept (``retain_snapshot`` is False): late joiners get the next
+            version. Nothing may change the model's tensors while ``send()`` runs; if a
+            worker may still be reading when it returns (a timeout, a stopped worker),
+            the model moves to another block first, so that worker reads one whole
+            version. ``send_async()`` copies, as without it.
     """
 
     def __init__(
@@ -346,6 +382,7 @@ class WeightSender:
         epoch: int | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         checksums: bool = False,
+        share_params: bool = False,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds; got {timeout}")
@@ -363,7 +400,8 @@ class WeightSender:
         self.model = model
         self.strategy = strategy
         self.timeout = float(timeout)
-        self.retain_snapshot = retain_snapshot
+        self.share_params = share_params
+        self.retain_snapshot = retain_snapshot and not share_params
         self.heartbeat = heartbeat
         self.repair_after = repair_after
         self.mode = mode or "+".join(h.name for h in hubs)
@@ -390,6 +428,9 @@ class WeightSender:
         self._model_tensors = ModelTensors(strategy)
         self._snapshot: _Copy | None = None
         self._snapshot_lock = threading.Lock()
+        #: The model's tensors in a hub's shared memory (share_params), and why not.
+        self._shared: SharedParams | None = None
+        self._share_problem: str | None = None
         self._pending: _Pending | None = None
         self._async_pending = False
         self._started = time.monotonic()
@@ -400,6 +441,7 @@ class WeightSender:
             "bytes_sent": 0,
             "chunks_sent": 0,
             "stalls": 0,
+            "params_moved": 0,
             "repairs_skipped": 0,
             "timeouts": 0,
         }
@@ -553,6 +595,10 @@ class WeightSender:
             if source is not None
             else extract(None, self.strategy)  # raises: says what to pass
         )
+        if not whole and self.share_params and source is self.model:
+            live = self._live_copy(tensors, version)
+            if live is not None:
+                return live
         flat = self._flattener.flatten(tensors)
         if self._layout is None or not self._layout.fits(flat, self.chunk_bytes):
             self._layout = StreamLayout(flat, self.chunk_bytes)
@@ -574,6 +620,48 @@ class WeightSender:
             with shared.holding():
                 return self._own(version, flat, self._layout, alloc=shared.hub.shared_buffer)
         return self._own(version, flat, self._layout)
+
+    def _live_copy(self, tensors: dict[KeyPath, Any], version: int) -> _Copy | None:
+        """The version as the model's own tensors in shared memory (``share_params``),
+        moved there first if need be; None if they cannot live there."""
+        shared = self._shared
+        if shared is None or not shared.holds(tensors):
+            shared = self._share(tensors)
+            if shared is None:
+                return None
+        with self._snapshot_lock:
+            self._snapshot = None  # the published version 0, if still kept
+        return _Copy(self, version, shared.layout, shared.data, None, lent_by_hub=True, live=True)
+
+    def _share(self, tensors: dict[KeyPath, Any]) -> SharedParams | None:
+        """Move the model's tensors into a block the hub lends (out of the one they are
+        in, if any); None, and the reason kept for ``status()``, if they cannot move."""
+        runner = self._shared_runner()
+        owners = self._model_tensors.owners(self.model)
+        old, self._shared = self._shared, None
+        why = (
+            "no single hub lends shared memory (workers on another host?)"
+            if runner is None or len(self._runners) != 1
+            else why_not_shared(tensors, owners)
+        )
+        if why is None:
+            assert runner is not None and owners is not None
+            flat = self._flattener.flatten(tensors)
+            if self._layout is None or not self._layout.fits(flat, self.chunk_bytes):
+                self._layout = StreamLayout(flat, self.chunk_bytes)
+            with runner.holding():
+                data = runner.hub.shared_buffer(self._layout.total)
+            if data is None:
+                why = "the hub has no shared-memory block free"
+            else:
+                self._shared = SharedParams(tensors, owners, flat, self._layout, data)
+                self._totals["params_moved"] += 1
+        if old is not None:
+            old.release(owners or [], private=self._shared is None)
+        if why is not None and why != self._share_problem:
+            log.warning("share_params: sends copy the model's tensors (%s)", why)
+        self._share_problem = why
+        return self._shared
 
     def _shared_runner(self) -> _HubRunner | None:
         """The first hub that lends shared memory to send from, if any."""
@@ -676,12 +764,20 @@ class WeightSender:
         # Whoever the transfers reached, the version is whole in the sender's memory
         # before send() returns (the caller may change its weights then); a ring copy
         # stops reading them, and its streams still under way stop.
-        pending.copy.write_through(pending.copy.count - 1)
-        if pending.copy.data is None:
-            pending.copy.end()
+        copy = pending.copy
+        copy.write_through(copy.count - 1)
+        if copy.data is None or copy.live:
+            copy.end()
             for runner in self._runners:
                 with runner.holding():
                     runner.transfers = deque(t for t in runner.transfers if t.copy.readable)
+        if copy.live:
+            with self._cond:
+                reading = self.fleet.may_still_read(copy.version, copy.reached)
+            if reading and self.model is not None:
+                # The caller may change its tensors once this returns: they move to
+                # another block, and whoever reads this one reads one whole version.
+                self._share(self._model_tensors.get(self.model))
         with self._cond:
             if self._pending is pending:
                 self._pending = None
@@ -874,6 +970,13 @@ class WeightSender:
             "endpoint": self.endpoint,
             "strategy": self.strategy,
             "num_workers": self.num_workers,
+            "share_params": (
+                None
+                if not self.share_params
+                else "unavailable: " + self._share_problem
+                if self._share_problem
+                else "on"
+            ),
             "uptime_s": now - self._started,
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -1065,6 +1168,8 @@ class _HubRunner:
                 self._window_full = True  # every ring buffer is held: wait as for the window
                 return True
             frames, refs = lent
+            if transfer.next == 0:
+                transfer.copy.reach(transfer.to)
             self.hub.send_frames(frames, to=transfer.to)
             del frames  # what the hub keeps of them is what the window watches
             now = time.monotonic()

@@ -165,6 +165,13 @@ class ModelTensors:
             self._model = model
         return self._tensors
 
+    def owners(self, model: Any) -> list[torch.Tensor] | None:
+        """The tensor objects ``model`` itself holds (its parameters and buffers, or its
+        dict's values), as :meth:`get` last walked them; None if not known."""
+        if model is not self._model:
+            return None
+        return [t for _, _, t, _, _ in self._owners]
+
     def _get_mapping(self, model: Mapping[Any, Any]) -> dict[KeyPath, torch.Tensor]:
         """A dict of tensors (nested dicts too): the same check, per key."""
         if model is self._model and self._mapping_still_valid():
