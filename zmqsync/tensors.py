@@ -16,6 +16,7 @@ The only module that imports torch and tensordict.
 from __future__ import annotations
 
 import collections
+import operator
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -133,8 +134,9 @@ class ModelTensors:
     Walking a large module tree (``state_dict()``) costs milliseconds per version; this
     keeps the result and re-walks only when it could be stale: a module added or removed,
     a parameter or buffer replaced, or a tensor given new storage (``p.data = ...``) or
-    a new shape. Checking that is a dict lookup and two compares per tensor. The same
-    holds for a (nested) dict of tensors.
+    a new shape. Checking that is a dict lookup and two compares per tensor, in C loops
+    (``map``), so thousands of tensors cost no Python step each. The same holds for a
+    (nested) dict of tensors.
     """
 
     def __init__(self, strategy: str) -> None:
@@ -142,8 +144,7 @@ class ModelTensors:
         self.strategy = strategy
         self._model: Any = None
         self._modules: list[torch.nn.Module] = []
-        # (container, key, tensor, its data pointer, its shape) for every tensor
-        self._owners: list[tuple[Any, Any, torch.Tensor, int, torch.Size]] = []
+        self._owners = _Owners([])
         self._tensors: dict[KeyPath, torch.Tensor] = {}
         self._sizes: dict[int, tuple[Any, int]] = {}
 
@@ -155,13 +156,15 @@ class ModelTensors:
         if model is not self._model or not self._still_valid(model):
             self._tensors = extract(model, self.strategy)
             self._modules = list(model.modules())
-            self._owners = [
-                (table, name, t, t.data_ptr(), t.shape)
-                for module in self._modules
-                for table in (module._parameters, module._buffers)
-                for name, t in table.items()
-                if t is not None
-            ]
+            self._owners = _Owners(
+                [
+                    (table, name, t)
+                    for module in self._modules
+                    for table in (module._parameters, module._buffers)
+                    for name, t in table.items()
+                    if t is not None
+                ]
+            )
             self._model = model
         return self._tensors
 
@@ -170,7 +173,7 @@ class ModelTensors:
         dict's values), as :meth:`get` last walked them; None if not known."""
         if model is not self._model:
             return None
-        return [t for _, _, t, _, _ in self._owners]
+        return list(self._owners.tensors)
 
     def _get_mapping(self, model: Mapping[Any, Any]) -> dict[KeyPath, torch.Tensor]:
         """A dict of tensors (nested dicts too): the same check, per key."""
@@ -183,15 +186,14 @@ class ModelTensors:
             return tensors
         self._tensors = tensors
         self._modules = []
-        self._owners = [(table, key, t, t.data_ptr(), t.shape) for table, key, t in owners]
+        self._owners = _Owners(owners)
         self._sizes = {id(table): (table, len(table)) for table, _, _ in owners}
         self._model = model
         return tensors
 
     def _mapping_still_valid(self) -> bool:
-        return all(len(table) == n for table, n in self._sizes.values()) and all(
-            table.get(key) is t and t.data_ptr() == ptr and t.shape == shape
-            for table, key, t, ptr, shape in self._owners
+        return (
+            all(len(table) == n for table, n in self._sizes.values()) and self._owners.unchanged()
         )
 
     def _still_valid(self, model: torch.nn.Module) -> bool:
@@ -206,10 +208,37 @@ class ModelTensors:
             for table in (m._parameters, m._buffers)
             for t in table.values()
         )
-        return count == len(self._owners) and all(
-            table.get(name) is t and t.data_ptr() == ptr and t.shape == shape
-            for table, name, t, ptr, shape in self._owners
-        )
+        return count == len(self._owners.tensors) and self._owners.unchanged()
+
+
+class _Owners:
+    """Where each of a model's tensors is held (container and key), and its storage and
+    shape when it was walked; :meth:`unchanged` compares them all in C loops."""
+
+    __slots__ = ("keys", "ptrs", "shapes", "tables", "tensors")
+
+    def __init__(self, owners: list[tuple[Any, Any, torch.Tensor]]) -> None:
+        self.tables = [table for table, _, _ in owners]
+        self.keys = [key for _, key, _ in owners]
+        self.tensors = [t for _, _, t in owners]
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
+        self.shapes = [t.shape for t in self.tensors]
+
+    def unchanged(self) -> bool:
+        """Whether every container still holds the same tensor, in the same storage, of
+        the same shape."""
+        try:
+            held = map(operator.getitem, self.tables, self.keys)
+            return (
+                all(map(operator.is_, held, self.tensors))
+                and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
+                and list(map(_SHAPE, self.tensors)) == self.shapes
+            )
+        except KeyError:
+            return False
+
+
+_SHAPE: Final = operator.attrgetter("shape")
 
 
 def _walk_owners(mapping: Mapping[Any, Any]) -> Iterable[tuple[Any, Any, Any]]:
