@@ -201,3 +201,14 @@ def test_forward_passes_on_workers_never_see_two_versions(fleet) -> None:  # typ
         stop.set()
         thread.join(10)
     assert seen and all(d == 0.0 for d in seen)
+
+
+def test_weights_other_than_the_model_are_sent_by_copy(fleet) -> None:  # type: ignore[no-untyped-def]
+    learner, sender, workers, _ = fleet
+    other = _model(5)
+    sender.send(weights=other)
+    assert all(checksum(w) == checksum(other) for w in workers)
+    assert "not the model's" in sender.status()["share_params"]
+    sender.send()
+    assert sender.status()["share_params"] == "on"
+    assert all(checksum(w) == checksum(learner) for w in workers)

@@ -595,10 +595,13 @@ class WeightSender:
             if source is not None
             else extract(None, self.strategy)  # raises: says what to pass
         )
-        if not whole and self.share_params and source is self.model:
-            live = self._live_copy(tensors, version)
-            if live is not None:
-                return live
+        if not whole and self.share_params:
+            if source is self.model:
+                live = self._live_copy(tensors, version)
+                if live is not None:
+                    return live
+            else:
+                self._share_problem = "send() was given weights that are not the model's"
         flat = self._flattener.flatten(tensors)
         if self._layout is None or not self._layout.fits(flat, self.chunk_bytes):
             self._layout = StreamLayout(flat, self.chunk_bytes)
