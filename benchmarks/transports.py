@@ -809,8 +809,24 @@ class Cell:
     #: Where workers hung in this cell ("pool", "ray"): the pool or actors are replaced.
     broke: set[str] = field(default_factory=set)
 
-    def ratio(self, zmqsync: str, torchrl: str) -> float:
-        return self.results[zmqsync].median_ms() / self.results[torchrl].median_ms()
+    def median(self, variant: str) -> float:
+        r = self.results.get(variant)
+        return math.nan if r is None else r.median_ms()
+
+    def ratio(self, numerator: str, denominator: str) -> float:
+        return self.median(numerator) / self.median(denominator)
+
+    def best_peer(self) -> tuple[str, float] | None:
+        """The fastest of :data:`BEST_PEER_FROM` that ran here without failing."""
+        times = [(self.median(v), v) for v in BEST_PEER_FROM if not math.isnan(self.median(v))]
+        if not times:
+            return None
+        ms, name = min(times)
+        return name, ms
+
+    def to_best_peer(self, variant: str) -> float:
+        best = self.best_peer()
+        return math.nan if best is None else self.median(variant) / best[1]
 
     def extra_pct(self, variant: str) -> float | None:
         measured = self.results[variant].extra_bytes
@@ -820,12 +836,23 @@ class Cell:
         held = measured.get("shm", 0) + measured.get("buffers", 0)
         return 100.0 * (extra + held) / SIZES[self.size].nbytes
 
+    def ratios(self) -> dict[str, float]:
+        """Every ratio the table shows, by column name."""
+        out = {f"{z}/{t}": self.ratio(z, t) for z, t in PAIRS if z in self.results}
+        for z in ZMQSYNC:
+            if z in self.results:
+                out[f"{z}/best peer"] = self.to_best_peer(z)
+                out[f"{z}/{MEMCPY}"] = self.ratio(z, MEMCPY)
+        return out
+
     def to_json(self) -> dict[str, Any]:
+        best = self.best_peer()
         return {
             "size": self.size,
             "model_bytes": SIZES[self.size].nbytes,
             "workers": self.workers,
-            "ratios": {f"{z}/{t}": self.ratio(z, t) for z, t in PAIRS},
+            "best_peer": None if best is None else {"name": best[0], "median_ms": best[1]},
+            "ratios": self.ratios(),
             "variants": {
                 name: {
                     "median_ms": r.median_ms(),
@@ -955,11 +982,15 @@ def _ms(r: VariantResult) -> str:
     return f"{r.median_ms():.2f} / {r.p90_ms():.2f}"
 
 
+def _num(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
+
+
 def _ratio(cell: Cell, zmqsync: str, torchrl: str) -> str:
     x = cell.ratio(zmqsync, torchrl)
     if math.isnan(x):
         return "n/a"
-    text = f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
+    text = _num(x)
     if x > RATIO_TARGET:
         text = f"**{text}**"
     if cell.size == SMALL_TENSORS:
@@ -968,54 +999,43 @@ def _ratio(cell: Cell, zmqsync: str, torchrl: str) -> str:
     return text
 
 
+def _best_peer_ratio(cell: Cell, zmqsync: str) -> str:
+    x = cell.to_best_peer(zmqsync)
+    if math.isnan(x):
+        return "n/a"
+    return f"**{_num(x)}**" if x > BEST_PEER_TARGET else _num(x)
+
+
+def _memcpy_ratio(cell: Cell, zmqsync: str) -> str:
+    x = cell.ratio(zmqsync, MEMCPY)
+    if math.isnan(x):
+        return "n/a"
+    if (cell.size, cell.workers) != MEMCPY_CELL:
+        return _num(x)
+    return f"**{_num(x)}**" if x > MEMCPY_TARGET else _num(x)
+
+
+def _best_peer(cell: Cell) -> str:
+    best = cell.best_peer()
+    return "n/a" if best is None else f"{best[0]} {best[1]:.2f}"
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{x:.0f}%"
 
 
-def markdown(
-    cells: Sequence[Cell],
-    variants: Sequence[str],
-    machine: dict[str, Any],
-    command: str,
-    seconds: float,
-) -> str:
-    """The README's table: one row per cell, then a summary and the machine."""
-    pairs = [(z, t) for z, t in PAIRS if z in variants and t in variants]
-    header = ["size", "K"]
-    align = ["---", "---:"]
-    for name in variants:
-        header.append(f"{name} ms (median / p90)")
-        align.append("---:")
-        for z, t in pairs:
-            if name == t:
-                header.append(f"{z} / {t}")
-                align.append("---:")
-    header.append("extra mem: " + " / ".join(variants))
-    align.append("---:")
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    align = ["---", "---:", *(["---:"] * (len(header) - 2))]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    ordered = sorted(cells, key=lambda c: (list(SIZES).index(c.size), c.workers))
-    for c in ordered:
-        row = [c.size, str(c.workers)]
-        for name in variants:
-            row.append(_ms(c.results[name]))
-            for z, t in pairs:
-                if name == t:
-                    row.append(_ratio(c, z, t))
-        row.append(" / ".join(_pct(c.extra_pct(n)) for n in variants))
-        lines.append("| " + " | ".join(row) + " |")
-    lines += [
-        "",
-        "Ratio = zmqsync median / torchrl median; **bold** = zmqsync slower than torchrl "
-        f"(target: at or below 1 everywhere, and {SPEEDUP_TARGET:.0f}x faster for "
-        f"{SMALL_TENSORS}).",
-        "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
-        "block of sends, % of the model, plus the shared-memory blocks zmqsync-pipe and "
-        "zmqsync-ray map "
-        "(Ray's object store and torch's shared memory are not malloc'd by the learner, so "
-        "they do not show here).",
-        "",
-    ]
-    for z, t in pairs:
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _summary(cells: Sequence[Cell], variants: Sequence[str]) -> list[str]:
+    """One line per target: how many of ``cells`` (in table order) meet it."""
+    lines = []
+    for z, t in PAIRS:
+        if z not in variants or t not in variants:
+            continue
         measured = [c for c in cells if not math.isnan(c.ratio(z, t))]
         within = sum(c.ratio(z, t) <= RATIO_TARGET for c in measured)
         small = [c for c in measured if c.size == SMALL_TENSORS]
@@ -1029,7 +1049,95 @@ def markdown(
         if failed:
             line += f"; failed (either side): {', '.join(failed)}"
         lines.append(line)
-    lines += [
+    peers = [p for p in BEST_PEER_FROM if p in variants]
+    for z in (v for v in variants if v in ZMQSYNC):
+        if not peers:
+            break
+        measured = [c for c in cells if not math.isnan(c.to_best_peer(z))]
+        above = [c for c in measured if c.to_best_peer(z) > BEST_PEER_TARGET]
+        line = (
+            f"- {z} vs best peer: at or below {BEST_PEER_TARGET}x in "
+            f"{len(measured) - len(above)}/{len(measured)} cells"
+        )
+        if above:
+            line += "; above in " + ", ".join(
+                f"{c.size} K={c.workers} ({_num(c.to_best_peer(z))} of {_best_peer(c)} ms)"
+                for c in above
+            )
+        failed = [f"{c.size} K={c.workers}" for c in cells if c.results[z].failure]
+        if failed:
+            line += f"; failed: {', '.join(failed)}"
+        lines.append(line)
+    if MEMCPY in variants:
+        size, workers = MEMCPY_CELL
+        for c in cells:
+            if (c.size, c.workers) != MEMCPY_CELL:
+                continue
+            for z in (v for v in variants if v in ZMQSYNC):
+                x = c.ratio(z, MEMCPY)
+                if not math.isnan(x):
+                    met = "met" if x <= MEMCPY_TARGET else "missed"
+                    lines.append(
+                        f"- {z} vs memcpy at {size} K={workers}: {_num(x)}x "
+                        f"(target at or below {MEMCPY_TARGET}: {met})"
+                    )
+    return lines
+
+
+def markdown(
+    cells: Sequence[Cell],
+    variants: Sequence[str],
+    machine: dict[str, Any],
+    command: str,
+    seconds: float,
+) -> str:
+    """The README's tables (times; ratios and memory), then a summary and the machine."""
+    ordered = sorted(cells, key=lambda c: (list(SIZES).index(c.size), c.workers))
+    zmqsync = [v for v in variants if v in ZMQSYNC]
+    has_peers = any(p in variants for p in BEST_PEER_FROM)
+    pairs = [(z, t) for z, t in PAIRS if z in variants and t in variants]
+    times = _table(
+        ["size", "K", *(f"{v} ms (median / p90)" for v in variants)],
+        [[c.size, str(c.workers), *(_ms(c.results[v]) for v in variants)] for c in ordered],
+    )
+    header = ["size", "K"]
+    if has_peers:
+        header += ["best peer (ms)", *(f"{z} / best peer" for z in zmqsync)]
+    if MEMCPY in variants:
+        header += [f"{z} / {MEMCPY}" for z in zmqsync]
+    header += [f"{z} / {t}" for z, t in pairs]
+    header.append("extra mem: " + " / ".join(variants))
+    rows = []
+    for c in ordered:
+        row = [c.size, str(c.workers)]
+        if has_peers:
+            row += [_best_peer(c), *(_best_peer_ratio(c, z) for z in zmqsync)]
+        if MEMCPY in variants:
+            row += [_memcpy_ratio(c, z) for z in zmqsync]
+        row += [_ratio(c, z, t) for z, t in pairs]
+        row.append(" / ".join(_pct(c.extra_pct(v)) for v in variants))
+        rows.append(row)
+    lines = [
+        *times,
+        "",
+        *_table(header, rows),
+        "",
+        f"Best peer = the fastest of {', '.join(BEST_PEER_FROM)} in the cell (its median); "
+        f"zmqsync / best peer: target at or below {BEST_PEER_TARGET} everywhere "
+        "(**bold** = above).",
+        f"zmqsync / {MEMCPY}: the physical bound, K serial copies in the learner; target at "
+        f"or below {MEMCPY_TARGET} at {MEMCPY_CELL[0]} K={MEMCPY_CELL[1]} (**bold** = above).",
+        "zmqsync / torchrl = zmqsync median / torchrl median; **bold** = zmqsync slower than "
+        f"torchrl (target: at or below 1 everywhere, and {SPEEDUP_TARGET:.0f}x faster for "
+        f"{SMALL_TENSORS}).",
+        "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
+        "block of sends, % of the model, plus the shared-memory blocks zmqsync-pipe and "
+        "zmqsync-ray map and the flat buffers ray-store and gloo-flat allocate once "
+        "(Ray's object store and torch's shared memory are not malloc'd by the learner, so "
+        "they do not show here; memcpy's destinations stand for the workers' tensors and are "
+        "not counted).",
+        "",
+        *_summary(ordered, variants),
         "",
         f"Command: `{command}` ({seconds / 60:.1f} min)",
         "",
@@ -1096,7 +1204,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--torch-threads", type=int, help="torch intra-op threads everywhere (default: torch's)"
     )
     p.add_argument("--json", metavar="PATH", help="write every figure (and raw times) here")
-    p.add_argument("--markdown", metavar="PATH", help="write the table here")
+    p.add_argument("--markdown", metavar="PATH", help="write the tables here")
     args = p.parse_args(argv)
     if args.sizes is None:
         args.sizes = list(QUICK_SIZES) if args.quick else list(SIZES)
@@ -1274,6 +1382,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "machine": machine,
                     "seconds": seconds,
                     "ratio_target": RATIO_TARGET,
+                    "best_peer_target": BEST_PEER_TARGET,
+                    "best_peer_from": list(BEST_PEER_FROM),
+                    "memcpy_target": {
+                        "ratio": MEMCPY_TARGET,
+                        "size": MEMCPY_CELL[0],
+                        "workers": MEMCPY_CELL[1],
+                    },
+                    "zmqsync_variants": {
+                        name: {
+                            "transport": spec.transport,
+                            "replaces": spec.replaces,
+                            "scheme": dict(spec.scheme),
+                            "sender": dict(spec.sender),
+                            "receiver": dict(spec.receiver),
+                        }
+                        for name, spec in ZMQSYNC.items()
+                        if name in args.variants
+                    },
+                    "speedup_target": SPEEDUP_TARGET,
                     "zmqsync_options": zmqsync_options,
                     "models": {
                         s: {"bytes": SIZES[s].nbytes, "layout": SIZES[s].describe()}
@@ -1298,6 +1425,10 @@ def _progress(cell: Cell, variants: Sequence[str]) -> None:
     ratios = [
         f"{z}/{t} {cell.ratio(z, t):.3f}" for z, t in PAIRS if z in variants and t in variants
     ]
+    best = cell.best_peer()
+    if best is not None:
+        ratios.append(f"best peer {best[0]} {best[1]:.2f} ms")
+        ratios += [f"{z}/best {cell.to_best_peer(z):.3f}" for z in variants if z in ZMQSYNC]
     print(
         f"{cell.size:>9} K={cell.workers}  " + "  ".join(parts) + "  |  " + "  ".join(ratios),
         file=sys.stderr,
