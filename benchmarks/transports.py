@@ -1169,7 +1169,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help=f"smoke run: sizes {','.join(QUICK_SIZES)}, workers "
-        f"{','.join(map(str, QUICK_WORKERS))}, {QUICK_REPEATS} repeats (~4 min)",
+        f"{','.join(map(str, QUICK_WORKERS))}, {QUICK_REPEATS} repeats (~2 min)",
     )
     p.add_argument(
         "--sizes", type=_csv(str, list(SIZES)), help=f"from {','.join(SIZES)} (default: all)"
