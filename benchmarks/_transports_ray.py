@@ -1,16 +1,21 @@
-"""Ray actors of the transports benchmark (issue 3): each hosts a zmqsync Ray receiver
-and a torchrl Ray receiver, one cell at a time.
+"""Ray actors of the transports benchmark (issue 3): each hosts the zmqsync Ray
+receivers, a torchrl Ray receiver and the ray-store peer, one cell at a time.
 
-The actor class gives both schemes what they call on an actor:
+The actor class gives each scheme what it calls on an actor:
 
 - zmqsync's ``RayWeightSyncScheme`` calls ``zmqsync_deliver`` (from
-  :class:`zmqsync.WeightSyncActorMixin`); the receiver applies each version there.
+  :class:`zmqsync.WeightSyncActorMixin`); the receiver applies each version there. Each
+  zmqsync Ray variant registers under its own name (the scheme's model id, which names
+  its channel), so several can share the actors.
 - torchrl's ``RayWeightSyncScheme`` calls ``_connect_weights_scheme`` (join the gloo
   process group, receive the first version) and ``_receive_weights_scheme`` (receive
   one version over gloo and apply it). These are written the way torchrl's collectors
   write them (``torchrl/collectors/_base.py``): loop over the registered receiver
   schemes and call ``scheme.connect(worker_idx=...)`` / ``scheme.receive()``. The actor
   is the scheme's context, as a collector is, and has the ``worker_idx`` it reads.
+- ray-store calls ``store_apply`` with the ``ObjectRef`` of the version's flat buffer,
+  which Ray resolves to a zero-copy, read-only numpy view of the object in its store;
+  the actor copies it into its own tensors (:class:`benchmarks._peers.FlatLayout`).
 
 Actors are threaded (``max_concurrency=4``): zmqsync's sender polls an idle actor every
 quarter second while the other variant's block runs, and such a poll must not queue
@@ -22,15 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from benchmarks._harness import SIZES, digest, make_state_dict
+from benchmarks._peers import FlatLayout
 from benchmarks._transports_worker import (
+    RAY_STORE,
     TORCHRL_RAY,
-    ZMQSYNC_RAY,
     module_state,
     module_view,
     ownership,
@@ -47,18 +55,37 @@ class BenchActor(WeightSyncActorMixin):
         self.worker_idx = worker_idx  # torchrl reads it from its context
         self.policy: nn.Module | None = None
         self._receiver_schemes: dict[str, Any] = {}
-        self._zmqsync: tuple[Any, dict[str, torch.Tensor]] | None = None
+        self._zmqsync: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
+        self._store: tuple[FlatLayout, dict[str, torch.Tensor]] | None = None
+        # ray-store's buffers arrive read-only; they are only read.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
     def ready(self) -> int:
         return os.getpid()
 
     # --- zmqsync -------------------------------------------------------------------
 
-    def open_zmqsync(self, scheme: Any, size: str) -> str:
+    def open_zmqsync(self, name: str, scheme: Any, size: str, options: dict[str, Any]) -> str:
         state_dict = make_state_dict(SIZES[size], fill="zeros")
-        self._zmqsync = (scheme, state_dict)
-        scheme.init_on_worker("policy", model=state_dict)  # joins on the sender's calls
-        return ZMQSYNC_RAY
+        self._zmqsync[name] = (scheme, state_dict)
+        # Returns at once; the actor joins on the sender's calls.
+        scheme.init_on_worker(name, model=state_dict, **options)
+        return name
+
+    # --- ray-store -----------------------------------------------------------------
+
+    def open_store(self, size: str) -> str:
+        state_dict = make_state_dict(SIZES[size], fill="zeros")
+        self._store = (FlatLayout(list(state_dict.values())), state_dict)
+        return RAY_STORE
+
+    def store_apply(self, flat: np.ndarray) -> int:
+        """Copy one version (Ray resolved its ObjectRef to a view into its store) into
+        this actor's tensors."""
+        assert self._store is not None, "no ray-store session is open"
+        layout, _ = self._store
+        layout.unpack(layout.split(torch.from_numpy(flat)))
+        return len(flat)
 
     # --- torchrl (what its collectors do) ------------------------------------------
 
@@ -87,8 +114,11 @@ class BenchActor(WeightSyncActorMixin):
             assert self.policy is not None, "no torchrl session is open"
             tensors = module_state(self.policy)
             return {"digest": digest(tensors), "ownership": ownership(tensors)}
-        assert self._zmqsync is not None, "no zmqsync session is open"
-        scheme, state_dict = self._zmqsync
+        if name == RAY_STORE:
+            assert self._store is not None, "no ray-store session is open"
+            tensors = self._store[1]
+            return {"digest": digest(tensors), "ownership": ownership(tensors)}
+        scheme, state_dict = self._zmqsync[name]
         with scheme.lock:
             return {
                 "digest": digest(state_dict),
@@ -97,12 +127,12 @@ class BenchActor(WeightSyncActorMixin):
             }
 
     def close(self) -> int:
-        closed = 0
-        if self._zmqsync is not None:
+        closed = len(self._zmqsync) + (self._store is not None)
+        for scheme, _ in self._zmqsync.values():
             with contextlib.suppress(Exception):
-                self._zmqsync[0].shutdown()
-            self._zmqsync = None
-            closed += 1
+                scheme.shutdown()
+        self._zmqsync = {}
+        self._store = None
         for scheme in self._receiver_schemes.values():
             with contextlib.suppress(Exception):
                 scheme.shutdown()

@@ -1,21 +1,26 @@
 """Worker processes of the transports benchmark (issue 3): zmqsync's pipe and ZeroMQ
-receivers and torchrl's multiprocess receiver, side by side in the same processes.
+receivers, torchrl's multiprocess and shared-memory receivers and the gloo-flat peer,
+side by side in the same processes.
 
-torchrl's ``MultiProcessWeightSyncScheme`` talks over ``multiprocessing.Queue``s, which
-can only reach a process through inheritance (as arguments of ``Process``), never over a
-pipe later. So a pool's processes get, when they are spawned, one *slot* per model size
-it will serve: the torchrl scheme for that size (initialised on the learner, queues
-inside) and the worker's end of a zmqsync pipe. A pool serves one worker count K and
-every size; the control pipe (pickle; nothing on it is timed) then opens and closes the
-sessions of each cell. Commands::
+torchrl's ``MultiProcessWeightSyncScheme`` and ``SharedMemWeightSyncScheme`` talk over
+``multiprocessing.Queue``s, which can only reach a process through inheritance (as
+arguments of ``Process``), never over a pipe later; so do zmqsync's pipes. So a pool's
+processes get, when they are spawned, one *slot* per cell they will serve: that cell's
+torchrl schemes (initialised on the learner, queues inside) and the worker's end of one
+pipe per zmqsync pipe variant, each by variant name. A pool serves one worker count K
+and every size; the control pipe (pickle; nothing on it is timed) then opens and closes
+the sessions of each cell. Commands::
 
-    ("start", ())                                        -> "ready" (imports done)
-    ("open_pipe", (slot, scheme, size, timeout))         -> session name
-    ("open_torchrl_mp", (slot, size, idx, timeout))      -> facts about the worker's model
-    ("open_zmq", (scheme, size, idx, timeout))           -> session name
-    ("digest", (name,))                                  -> digest of the session's tensors
-    ("close", ())                                        -> how many sessions it closed
+    ("start", ())                                               -> "ready" (imports done)
+    ("open_pipe", (slot, name, scheme, size, options, timeout)) -> session name
+    ("open_torchrl", (slot, name, size, idx))                   -> facts about its model
+    ("open_zmq", (name, scheme, size, idx, options, timeout))   -> session name
+    ("open_gloo", (name, size, port, rank, world, timeout))     -> session name
+    ("digest", (name,))                                         -> digest of its tensors
+    ("close", ())                                               -> sessions it closed
     ("exit", ())
+
+``options`` are the zmqsync variant's keyword arguments for ``init_on_worker``.
 """
 
 from __future__ import annotations
@@ -31,24 +36,32 @@ import torch
 from torch import nn
 
 from benchmarks._harness import SIZES, digest, make_state_dict
+from benchmarks._peers import GlooWorker
 
 #: How often an idle worker looks whether its parent is still there.
 PARENT_CHECK_SECONDS = 1.0
 
-#: Session names, shared with the learner's side.
+#: Variant (and session) names, shared with the learner's side.
 PIPE = "zmqsync-pipe"
 TORCHRL_MP = "torchrl-mp"
+TORCHRL_SHM = "torchrl-shm"
 ZMQ = "zmqsync-zmq"
 ZMQSYNC_RAY = "zmqsync-ray"
 TORCHRL_RAY = "torchrl-ray"
+RAY_STORE = "ray-store"
+GLOO = "gloo-flat"
+MEMCPY = "memcpy"
 
 
 @dataclass
 class Slot:
-    """What one worker of a pool is given at spawn for one model size."""
+    """What one worker of a pool is given at spawn for one cell, by variant name."""
 
-    pipe: Any  # this worker's end of the zmqsync pipe (multiprocessing Connection)
-    torchrl: Any  # torchrl.weight_update.MultiProcessWeightSyncScheme, queues inside
+    #: This worker's end of each zmqsync pipe variant's pipe (multiprocessing Connection).
+    pipes: dict[str, Any] = field(default_factory=dict)
+    #: torchrl's schemes (``MultiProcessWeightSyncScheme``, ``SharedMemWeightSyncScheme``),
+    #: queues inside.
+    torchrl: dict[str, Any] = field(default_factory=dict)
 
 
 def module_view(state_dict: dict[str, torch.Tensor]) -> nn.Module:
@@ -110,28 +123,47 @@ class _Sessions:
     slots: dict[str, Slot]
     zmqsync: dict[str, tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=dict)
     torchrl: dict[str, tuple[Any, nn.Module]] = field(default_factory=dict)
+    gloo: dict[str, GlooWorker] = field(default_factory=dict)
 
-    def open_pipe(self, slot: str, scheme: Any, size: str, timeout: float) -> str:
+    def open_pipe(
+        self,
+        slot: str,
+        name: str,
+        scheme: Any,
+        size: str,
+        options: dict[str, Any],
+        timeout: float,
+    ) -> str:
         state_dict = make_state_dict(SIZES[size], fill="zeros")
-        self.zmqsync[PIPE] = (scheme, state_dict)
-        scheme.init_on_worker("policy", pipe=self.slots[slot].pipe, model=state_dict)
+        self.zmqsync[name] = (scheme, state_dict)
+        scheme.init_on_worker(name, pipe=self.slots[slot].pipes[name], model=state_dict, **options)
         scheme.connect(timeout=timeout)
         scheme.start_receiver_thread()
-        return PIPE
+        return name
 
-    def open_zmq(self, scheme: Any, size: str, idx: int, timeout: float) -> str:
+    def open_zmq(
+        self,
+        name: str,
+        scheme: Any,
+        size: str,
+        idx: int,
+        options: dict[str, Any],
+        timeout: float,
+    ) -> str:
         state_dict = make_state_dict(SIZES[size], fill="zeros")
-        self.zmqsync[ZMQ] = (scheme, state_dict)
-        scheme.init_on_receiver(model_id="policy", model=state_dict, worker_idx=idx)
+        self.zmqsync[name] = (scheme, state_dict)
+        scheme.init_on_receiver(model_id=name, model=state_dict, worker_idx=idx, **options)
         scheme.connect(timeout=timeout)
         scheme.start_receiver_thread()
-        return ZMQ
+        return name
 
-    def open_torchrl_mp(self, slot: str, size: str, idx: int, timeout: float) -> dict[str, Any]:
-        scheme = self.slots[slot].torchrl
+    def open_torchrl(self, slot: str, name: str, size: str, idx: int) -> dict[str, Any]:
+        """torchrl's multiprocess or shared-memory receiver, as its collectors' workers
+        set it up, then given tensors of its own (see :func:`own_parameters`)."""
+        scheme = self.slots[slot].torchrl[name]
         module = module_view(make_state_dict(SIZES[size], fill="zeros"))
         # The scheme holds the model by weak reference: the session keeps it alive.
-        self.torchrl[TORCHRL_MP] = (scheme, module)
+        self.torchrl[name] = (scheme, module)
         scheme.init_on_receiver(model_id="policy", model=module, worker_idx=idx)
         # Receives the first version from its queue (torchrl's own 10 s timeout), applies
         # it, starts torchrl's background receiver thread.
@@ -140,14 +172,31 @@ class _Sessions:
         own_parameters(module)
         owned = ownership(module_state(module))
         if owned["shared"] or not owned["distinct_storages"]:
-            raise RuntimeError(f"the torchrl worker's tensors are not its own: {owned}")
+            raise RuntimeError(f"the {name} worker's tensors are not its own: {owned}")
         return {"after_connect": aliased, "after_copy": owned}
+
+    def open_gloo(
+        self, name: str, size: str, port: int, rank: int, world: int, timeout: float
+    ) -> str:
+        """Join the learner's gloo group (it joins at the same time) and receive."""
+        state_dict = make_state_dict(SIZES[size], fill="zeros")
+        self.gloo[name] = GlooWorker(state_dict, port, rank, world, timeout)
+        return name
 
     def digest(self, name: str) -> dict[str, Any]:
         if name in self.torchrl:
             _, module = self.torchrl[name]
             tensors = module_state(module)
             return {"digest": digest(tensors), "ownership": ownership(tensors)}
+        if name in self.gloo:
+            peer = self.gloo[name]
+            with peer.lock:
+                return {
+                    "digest": digest(peer.tensors),
+                    "ownership": ownership(peer.tensors),
+                    "applied": peer.applied,
+                    "error": peer.error,
+                }
         scheme, state_dict = self.zmqsync[name]
         receiver = scheme.get_receiver()
         with scheme.lock:
@@ -159,12 +208,15 @@ class _Sessions:
             }
 
     def close(self) -> int:
-        closed = len(self.zmqsync) + len(self.torchrl)
+        closed = len(self.zmqsync) + len(self.torchrl) + len(self.gloo)
         for scheme, _ in [*self.zmqsync.values(), *self.torchrl.values()]:
             with contextlib.suppress(Exception):
                 scheme.shutdown()
+        for peer in self.gloo.values():
+            peer.close()
         self.zmqsync.clear()
         self.torchrl.clear()
+        self.gloo.clear()
         return closed
 
 
@@ -205,8 +257,10 @@ def worker_main(
                     reply = sessions.open_pipe(*args)
                 elif command == "open_zmq":
                     reply = sessions.open_zmq(*args)
-                elif command == "open_torchrl_mp":
-                    reply = sessions.open_torchrl_mp(*args)
+                elif command == "open_torchrl":
+                    reply = sessions.open_torchrl(*args)
+                elif command == "open_gloo":
+                    reply = sessions.open_gloo(*args)
                 elif command == "digest":
                     reply = sessions.digest(*args)
                 elif command == "close":

@@ -1,21 +1,31 @@
-"""zmqsync's pipe and Ray transports against torchrl's schemes (issue 3).
+"""zmqsync's transports against torchrl's schemes and other peers (issue 3).
 
 For each cell (model size x K workers), the wall time of ``send()``, from its start to
 its return, when every targeted worker has copied the new version into tensors of its
-own, for five variants run side by side:
+own, for these variants run side by side:
 
-- ``zmqsync-pipe``: ``zmqsync.MultiProcessWeightSyncScheme("state_dict")``, one
-  ``multiprocessing.Pipe()`` per worker process;
+- zmqsync's, one per entry of :data:`ZMQSYNC` (name -> transport and scheme options):
+  ``zmqsync-pipe``: ``zmqsync.MultiProcessWeightSyncScheme("state_dict")``, one
+  ``multiprocessing.Pipe()`` per worker process; ``zmqsync-ray``:
+  ``zmqsync.RayWeightSyncScheme("state_dict")`` with Ray actors; ``zmqsync-zmq``:
+  ``zmqsync.ZMQWeightSyncScheme("state_dict")``, PUB/SUB over ipc, in the worker
+  processes (zmqsync's ZeroMQ transport, for reference);
 - ``torchrl-mp``: ``torchrl.weight_update.MultiProcessWeightSyncScheme``, driven as its
   collectors drive it, in the same worker processes (``mp.Queue``s; torch moves the
   learner's tensors to shared memory; each worker copies them into its own tensors);
-- ``zmqsync-ray``: ``zmqsync.RayWeightSyncScheme("state_dict")`` with Ray actors;
+- ``torchrl-shm``: ``torchrl.weight_update.SharedMemWeightSyncScheme`` (the default of
+  torchrl's multiprocess collectors), the same way: the learner updates the shared
+  buffers, each worker's torchrl thread copies them into its own tensors and acks;
 - ``torchrl-ray``: ``torchrl.weight_update.RayWeightSyncScheme`` (Ray calls to signal,
   torch.distributed gloo for the tensors), in the same actors;
-- ``zmqsync-zmq``: ``zmqsync.ZMQWeightSyncScheme("state_dict")``, PUB/SUB over ipc, in
-  the worker processes: zmqsync's ZeroMQ transport, for reference.
+- ``ray-store``: one ``ray.put`` of a flat buffer per version, one call per actor with
+  its ObjectRef; each actor copies the zero-copy view into its own tensors;
+- ``gloo-flat``: a ``torch.distributed`` gloo broadcast of one flat buffer to the worker
+  processes, each copying it into its own tensors and telling the learner
+  (:mod:`._peers`);
+- ``memcpy``: the physical bound, K serial copies of the model in the learner.
 
-A cell runs the variants A B C D E, then E D C B A, half the repeats each, so drift on a
+A cell runs the variants A B C ..., then ... C B A, half the repeats each, so drift on a
 shared machine hits them alike. Every send, torchrl's included, runs on a helper thread
 with a deadline (torchrl's own waits have none), so a scheme that hangs is recorded as a
 failure and the run goes on.
@@ -38,9 +48,9 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import numpy as np
 import torch
@@ -56,27 +66,80 @@ from benchmarks._harness import (
     machine_info,
     make_state_dict,
 )
+from benchmarks._peers import FlatLayout, GlooLearner
 from benchmarks._transports_worker import (
+    GLOO,
+    MEMCPY,
     PIPE,
+    RAY_STORE,
     TORCHRL_MP,
     TORCHRL_RAY,
+    TORCHRL_SHM,
     ZMQ,
     ZMQSYNC_RAY,
     Slot,
     module_view,
+    ownership,
     worker_main,
 )
 from benchmarks.sync_latency import _csv, _raise_exit, _workdir
 
-#: The variants, in the order a cell runs them (then the reverse).
-VARIANTS: Final = (PIPE, TORCHRL_MP, ZMQSYNC_RAY, TORCHRL_RAY, ZMQ)
-#: Each zmqsync transport and the torchrl scheme it replaces.
-PAIRS: Final = ((PIPE, TORCHRL_MP), (ZMQSYNC_RAY, TORCHRL_RAY))
+
+@dataclass(frozen=True)
+class ZmqsyncSpec:
+    """One zmqsync variant: its transport and the options its scheme is set up with.
+
+    ``scheme`` goes to the scheme's constructor (``MultiProcessWeightSyncScheme(
+    "state_dict", timeout=..., **scheme)``; ``--no-retain`` adds
+    ``retain_snapshot=False``), ``sender`` to the learner's ``init_on_sender``,
+    ``receiver`` to each worker's ``init_on_worker``/``init_on_receiver``. ``replaces``
+    names the torchrl scheme it is compared with pairwise (a column of its own).
+    """
+
+    transport: Literal["pipe", "ray", "zmq"]
+    replaces: str | None = None
+    scheme: Mapping[str, Any] = field(default_factory=dict)
+    sender: Mapping[str, Any] = field(default_factory=dict)
+    receiver: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: zmqsync's variants, in the order a cell runs them. Another is one entry, e.g.
+#: ``"zmqsync-pipe-share": ZmqsyncSpec("pipe", TORCHRL_MP, scheme={"share_params": True})``.
+ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
+    PIPE: ZmqsyncSpec("pipe", replaces=TORCHRL_MP),
+    ZMQSYNC_RAY: ZmqsyncSpec("ray", replaces=TORCHRL_RAY),
+    ZMQ: ZmqsyncSpec("zmq"),
+}
+#: The other variants, in the order a cell runs them after zmqsync's.
+PEERS: Final = (TORCHRL_MP, TORCHRL_SHM, TORCHRL_RAY, RAY_STORE, GLOO, MEMCPY)
+#: Every variant, in the order a cell runs them (then the reverse).
+VARIANTS: Final = (*ZMQSYNC, *PEERS)
+#: The peers a zmqsync variant must beat: the fastest of these in a cell is its "best
+#: peer" (memcpy is the bound, not a peer).
+BEST_PEER_FROM: Final = (TORCHRL_MP, TORCHRL_SHM, TORCHRL_RAY, RAY_STORE, GLOO)
+#: Each zmqsync variant and the torchrl scheme it replaces.
+PAIRS: Final = tuple((name, spec.replaces) for name, spec in ZMQSYNC.items() if spec.replaces)
+#: Where each variant's workers live: "pool" (the worker processes), "ray" (the actors),
+#: or "learner" (none: memcpy).
+WHERE: Final[dict[str, str]] = {
+    **{name: "ray" if spec.transport == "ray" else "pool" for name, spec in ZMQSYNC.items()},
+    TORCHRL_MP: "pool",
+    TORCHRL_SHM: "pool",
+    GLOO: "pool",
+    TORCHRL_RAY: "ray",
+    RAY_STORE: "ray",
+    MEMCPY: "learner",
+}
 #: The issue's targets: zmqsync at or below torchrl everywhere (ratio <= 1)...
 RATIO_TARGET: Final = 1.0
-#: ...and at least this many times faster on the model of many small tensors.
+#: ...and at least this many times faster on the model of many small tensors...
 SPEEDUP_TARGET: Final = 10.0
 SMALL_TENSORS: Final = "2000x4KB"
+#: ...at or below this fraction of the best peer's time in every cell...
+BEST_PEER_TARGET: Final = 0.9
+#: ...and at most this many times memcpy's time in this cell (size, K).
+MEMCPY_TARGET: Final = 1.3
+MEMCPY_CELL: Final = ("128MB", 1)
 #: Timed sends per variant and cell, by size (``--repeats`` sets them all; 128MB and
 #: 2000x4KB then get a fifth, at least 2: torchrl takes seconds per send there).
 DEFAULT_REPEATS: Final[dict[str, int]] = {"1MB": 30, "16MB": 16, "128MB": 6, "2000x4KB": 6}
@@ -201,20 +264,33 @@ class TorchrlContext:
 
 @dataclass
 class PoolSlot:
-    """The learner's half of a pool slot: one cell's pipes and torchrl scheme."""
+    """The learner's half of a pool slot: one cell's pipes and torchrl schemes."""
 
     name: str
     size: str
-    pipes: list[Any]  # the learner's end of each worker's pipe
-    torchrl: Any
+    pipes: dict[str, list[Any]]  # by zmqsync pipe variant: the learner's end per worker
+    torchrl: dict[str, Any]  # by torchrl variant: its scheme
     context: TorchrlContext  # torchrl holds its context by weak reference
+
+
+def _torchrl_scheme(name: str) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchrl.weight_update import (
+            MultiProcessWeightSyncScheme,
+            SharedMemWeightSyncScheme,
+        )
+
+    # Their defaults: strategy "tensordict", sync=True (send() waits for every ack).
+    return MultiProcessWeightSyncScheme() if name == TORCHRL_MP else SharedMemWeightSyncScheme()
 
 
 class TransportPool(WorkerPool):
     """K spawned workers serving every cell of one K (see :mod:`._transports_worker`).
 
     Each worker is given, at spawn, one slot per cell it will serve: the cell's torchrl
-    scheme (its queues can only be inherited) and its end of the cell's zmqsync pipe.
+    schemes (their queues can only be inherited) and its end of the cell's pipe of each
+    zmqsync pipe variant, for the ``variants`` that run.
     """
 
     def __init__(
@@ -223,24 +299,33 @@ class TransportPool(WorkerPool):
         torch_threads: int | None,
         models: dict[str, LearnerModel],
         cells: Sequence[tuple[str, str]],
+        variants: Sequence[str],
     ) -> None:
         super().__init__(size, torch_threads)
         self.slots: dict[str, PoolSlot] = {}
         self._children: list[dict[str, Slot]] = [{} for _ in range(size)]
+        piped = [v for v in variants if v in ZMQSYNC and ZMQSYNC[v].transport == "pipe"]
+        torchrl = [v for v in variants if v in (TORCHRL_MP, TORCHRL_SHM)]
         for slot_name, model_size in cells:
-            ends = [self._ctx.Pipe(duplex=True) for _ in range(size)]
             context = TorchrlContext(models[model_size].view, size)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                from torchrl.weight_update import MultiProcessWeightSyncScheme
-
-                scheme = MultiProcessWeightSyncScheme()
-            scheme.init_on_sender(model_id="policy", context=context, ctx=self._ctx)
-            self.slots[slot_name] = PoolSlot(
-                slot_name, model_size, [parent for parent, _ in ends], scheme, context
-            )
-            for i, (_, child) in enumerate(ends):
-                self._children[i][slot_name] = Slot(pipe=child, torchrl=scheme)
+            slot = PoolSlot(slot_name, model_size, {}, {}, context)
+            children = [Slot() for _ in range(size)]
+            for name in piped:
+                ends = [self._ctx.Pipe(duplex=True) for _ in range(size)]
+                slot.pipes[name] = [parent for parent, _ in ends]
+                for child, (_, end) in zip(children, ends, strict=True):
+                    child.pipes[name] = end
+            for name in torchrl:
+                scheme = _torchrl_scheme(name)
+                # As torchrl's collectors: the collector is the context (policy and
+                # policy_device), the spawn context makes the queues.
+                scheme.init_on_sender(model_id="policy", context=context, ctx=self._ctx)
+                slot.torchrl[name] = scheme
+                for child in children:
+                    child.torchrl[name] = scheme
+            self.slots[slot_name] = slot
+            for i, child in enumerate(children):
+                self._children[i][slot_name] = child
 
     def start(self, timeout: float = WORKER_START_SECONDS) -> None:
         for idx in range(self.size):
@@ -258,19 +343,28 @@ class TransportPool(WorkerPool):
         # The workers hold their pipe ends now; closing ours lets a dead worker be seen.
         for children in self._children:
             for slot in children.values():
-                slot.pipe.close()
+                for end in slot.pipes.values():
+                    end.close()
         self._children = []
         self.call(range(self.size), "start", (), timeout)
+
+    def post(self, workers: Sequence[int], command: str, args: dict[int, Any]) -> None:
+        """Send ``command`` without waiting: :meth:`collect` the replies later (always:
+        an uncollected reply would answer the next command)."""
+        for i in workers:
+            self._conns[i].send((command, tuple(args[i])))
 
     def close(self, timeout: float = 5.0) -> None:
         super().close(timeout)
         for slot in self.slots.values():
-            for pipe in slot.pipes:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-            # Bounded: closing a queue joins its feeder thread, which could be stuck.
-            with contextlib.suppress(Exception):
-                bounded(slot.torchrl.shutdown, CLEANUP_SECONDS, "torchrl-mp shutdown")
+            for pipes in slot.pipes.values():
+                for pipe in pipes:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+            for name, scheme in slot.torchrl.items():
+                # Bounded: closing a queue joins its feeder thread, which could be stuck.
+                with contextlib.suppress(Exception):
+                    bounded(scheme.shutdown, CLEANUP_SECONDS, f"{name} shutdown")
 
 
 class RayFleet:
@@ -348,16 +442,15 @@ class CellEnv:
     timeout: float
     workdir: str
     tag: str
-    zmqsync_options: dict[str, Any]
+    zmqsync_options: dict[str, Any]  # every zmqsync scheme's (--no-retain)
 
 
 class Variant:
     """One scheme set up for one cell; :meth:`send` returns the timed duration."""
 
-    name: str
-
-    def __init__(self) -> None:
-        self.runner = CallRunner(self.name)
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.runner = CallRunner(name)
 
     def open(self, env: CellEnv) -> dict[str, Any]:
         raise NotImplementedError
@@ -381,10 +474,11 @@ class Variant:
     def digests(self, env: CellEnv) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def shared_bytes(self) -> int:
-        """Shared memory the learner's side of this variant maps for its sends (not
-        malloc'd, so the meter misses it; charged to the variant's extra memory)."""
-        return 0
+    def held_bytes(self) -> dict[str, int]:
+        """Memory the learner's side holds for its sends that the meter misses, charged
+        to its extra memory: ``"shm"``, shared memory it maps (not malloc'd), and
+        ``"buffers"``, buffers allocated once when it opened (before the meter ran)."""
+        return {}
 
     @property
     def broke_workers(self) -> bool:
@@ -399,45 +493,70 @@ def _pool(env: CellEnv) -> tuple[TransportPool, PoolSlot]:
     return env.pool, env.slot
 
 
+def _fleet(env: CellEnv) -> RayFleet:
+    if env.fleet is None:
+        raise RuntimeError("the Ray variants need Ray: it was not started")
+    return env.fleet
+
+
 class _ProcessVariant(Variant):
     def digests(self, env: CellEnv) -> list[dict[str, Any]]:
         pool, _ = _pool(env)
         return pool.call(range(env.workers), "digest", (self.name,), env.timeout)
 
 
-class _ZmqsyncSends:
-    """What the zmqsync variants share: a blocking send, and the blocks they map."""
+class _RayVariant(Variant):
+    def digests(self, env: CellEnv) -> list[dict[str, Any]]:
+        actors = _fleet(env).actors[: env.workers]
+        return _fleet(env).get([a.digest.remote(self.name) for a in actors], "digest")
+
+
+# --- zmqsync's variants (one class per transport; ZMQSYNC gives each its options) ------
+
+
+class _ZmqsyncVariant(Variant):
+    """A zmqsync scheme: blocking sends, and the blocks it maps. The scheme's model id is
+    the variant's name, so two variants never share a channel."""
 
     scheme: Any
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.spec = ZMQSYNC[name]
+
+    def _scheme_kwargs(self, env: CellEnv) -> dict[str, Any]:
+        return {"timeout": env.timeout, **env.zmqsync_options, **self.spec.scheme}
 
     def _send(self) -> None:
         self.scheme.send()
 
-    def shared_bytes(self) -> int:
-        return int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
+    def held_bytes(self) -> dict[str, int]:
+        shm = int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
+        return {"shm": shm} if shm else {}
 
     def _close(self) -> None:
         self.scheme.shutdown()
 
 
-class PipeVariant(_ZmqsyncSends, _ProcessVariant):
-    name = PIPE
-
+class PipeVariant(_ZmqsyncVariant, _ProcessVariant):
     def open(self, env: CellEnv) -> dict[str, Any]:
         from zmqsync import MultiProcessWeightSyncScheme
 
         pool, slot = _pool(env)
-        self.scheme = MultiProcessWeightSyncScheme(
-            "state_dict", timeout=env.timeout, **env.zmqsync_options
-        )
+        self.scheme = MultiProcessWeightSyncScheme("state_dict", **self._scheme_kwargs(env))
         self.scheme.init_on_sender(
-            "policy", pipes=slot.pipes, model=env.model.state_dict, num_workers=env.workers
+            self.name,
+            pipes=slot.pipes[self.name],
+            model=env.model.state_dict,
+            num_workers=env.workers,
+            **self.spec.sender,
         )
         # The scheme pickles into the workers without its pipes; each has its own end.
+        options = dict(self.spec.receiver)
         pool.call(
             range(env.workers),
             "open_pipe",
-            (slot.name, self.scheme, env.size, env.timeout),
+            (slot.name, self.name, self.scheme, env.size, options, env.timeout),
             env.timeout + 10,
         )
         self.runner.call(
@@ -448,20 +567,81 @@ class PipeVariant(_ZmqsyncSends, _ProcessVariant):
         return {}
 
 
-class TorchrlMPVariant(_ProcessVariant):
-    name = TORCHRL_MP
+class ZmqVariant(_ZmqsyncVariant, _ProcessVariant):
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        from zmqsync import ZMQWeightSyncScheme
+
+        pool, _ = _pool(env)
+        self.scheme = ZMQWeightSyncScheme(
+            "state_dict",
+            mode="pubsub",
+            endpoint=f"ipc://{env.workdir}/{env.tag}-{self.name}",
+            **self._scheme_kwargs(env),
+        )
+        self.scheme.init_on_sender(
+            self.name, model=env.model.state_dict, num_workers=env.workers, **self.spec.sender
+        )
+        options = dict(self.spec.receiver)
+        pool.call(
+            range(env.workers),
+            "open_zmq",
+            {
+                i: (self.name, self.scheme, env.size, i, options, env.timeout)
+                for i in range(env.workers)
+            },
+            env.timeout + 10,
+        )
+        return {}
+
+
+class ZmqsyncRayVariant(_ZmqsyncVariant, _RayVariant):
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        from zmqsync import RayWeightSyncScheme
+
+        fleet = _fleet(env)
+        actors = fleet.actors[: env.workers]
+        self.scheme = RayWeightSyncScheme("state_dict", **self._scheme_kwargs(env))
+        options = dict(self.spec.receiver)
+        fleet.get(
+            [a.open_zmqsync.remote(self.name, self.scheme, env.size, options) for a in actors],
+            "open",
+        )
+        self.scheme.init_on_sender(
+            self.name, remote_collectors=actors, model=env.model.state_dict, **self.spec.sender
+        )
+        self.runner.call(
+            lambda: self.scheme.connect(timeout=env.timeout),
+            env.timeout + DEADLINE_MARGIN,
+            "connect",
+        )
+        return {}
+
+
+ZMQSYNC_CLASSES: Final[dict[str, type[_ZmqsyncVariant]]] = {
+    "pipe": PipeVariant,
+    "zmq": ZmqVariant,
+    "ray": ZmqsyncRayVariant,
+}
+
+
+# --- the peers ------------------------------------------------------------------------------
+
+
+class TorchrlProcessVariant(_ProcessVariant):
+    """torchrl-mp or torchrl-shm: the cell's scheme was given to the workers at spawn."""
 
     def open(self, env: CellEnv) -> dict[str, Any]:
         pool, slot = _pool(env)
-        self.scheme = slot.torchrl
+        self.scheme = slot.torchrl[self.name]
         self.weights = env.model.weights
-        # Sender first: it puts the first version in every worker's queue (moving the
-        # learner's tensors to shared memory on the way); each worker then takes it.
+        # Sender first: it puts the first version (torchrl-mp) or the shared buffers
+        # (torchrl-shm) in every worker's queue, moving the learner's tensors to shared
+        # memory on the way; each worker then takes it.
         self.runner.call(self.scheme.connect, env.timeout + DEADLINE_MARGIN, "connect")
         facts = pool.call(
             range(env.workers),
-            "open_torchrl_mp",
-            {i: (slot.name, env.size, i, env.timeout) for i in range(env.workers)},
+            "open_torchrl",
+            {i: (slot.name, self.name, env.size, i) for i in range(env.workers)},
             env.timeout + 10,
         )
         return {"workers": facts}
@@ -477,67 +657,7 @@ class TorchrlMPVariant(_ProcessVariant):
         return self.runner.hung is not None
 
 
-class ZmqVariant(_ProcessVariant):
-    name = ZMQ
-
-    def open(self, env: CellEnv) -> dict[str, Any]:
-        from zmqsync import ZMQWeightSyncScheme
-
-        pool, _ = _pool(env)
-        self.scheme = ZMQWeightSyncScheme(
-            "state_dict",
-            mode="pubsub",
-            endpoint=f"ipc://{env.workdir}/{env.tag}-zmq",
-            timeout=env.timeout,
-            **env.zmqsync_options,
-        )
-        self.scheme.init_on_sender("policy", model=env.model.state_dict, num_workers=env.workers)
-        pool.call(
-            range(env.workers),
-            "open_zmq",
-            {i: (self.scheme, env.size, i, env.timeout) for i in range(env.workers)},
-            env.timeout + 10,
-        )
-        return {}
-
-    def _send(self) -> None:
-        self.scheme.send()
-
-    def _close(self) -> None:
-        self.scheme.shutdown()
-
-
-def _fleet(env: CellEnv) -> RayFleet:
-    if env.fleet is None:
-        raise RuntimeError("the Ray variants need Ray: it was not started")
-    return env.fleet
-
-
-class ZmqsyncRayVariant(_ZmqsyncSends, Variant):
-    name = ZMQSYNC_RAY
-
-    def open(self, env: CellEnv) -> dict[str, Any]:
-        from zmqsync import RayWeightSyncScheme
-
-        actors = _fleet(env).actors[: env.workers]
-        self.scheme = RayWeightSyncScheme("state_dict", timeout=env.timeout, **env.zmqsync_options)
-        _fleet(env).get([a.open_zmqsync.remote(self.scheme, env.size) for a in actors], "open")
-        self.scheme.init_on_sender("policy", remote_collectors=actors, model=env.model.state_dict)
-        self.runner.call(
-            lambda: self.scheme.connect(timeout=env.timeout),
-            env.timeout + DEADLINE_MARGIN,
-            "connect",
-        )
-        return {}
-
-    def digests(self, env: CellEnv) -> list[dict[str, Any]]:
-        actors = _fleet(env).actors[: env.workers]
-        return _fleet(env).get([a.digest.remote(self.name) for a in actors], "digest")
-
-
-class TorchrlRayVariant(Variant):
-    name = TORCHRL_RAY
-
+class TorchrlRayVariant(_RayVariant):
     def open(self, env: CellEnv) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -567,22 +687,108 @@ class TorchrlRayVariant(Variant):
     def _close(self) -> None:
         self.scheme.shutdown()
 
-    def digests(self, env: CellEnv) -> list[dict[str, Any]]:
-        actors = _fleet(env).actors[: env.workers]
-        return _fleet(env).get([a.digest.remote(self.name) for a in actors], "digest")
-
     @property
     def broke_workers(self) -> bool:
         return self.runner.hung is not None
 
 
-VARIANT_CLASSES: Final[dict[str, type[Variant]]] = {
-    PIPE: PipeVariant,
-    TORCHRL_MP: TorchrlMPVariant,
-    ZMQSYNC_RAY: ZmqsyncRayVariant,
+class RayStoreVariant(_RayVariant):
+    """One ``ray.put`` of the packed model per send, one actor call per worker with its
+    ObjectRef; the send ends when every call has returned (the actor has copied)."""
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        import ray
+
+        self._ray = ray
+        self.fleet = _fleet(env)
+        self.actors = self.fleet.actors[: env.workers]
+        self.layout = FlatLayout(list(env.model.state_dict.values()))
+        # A flat buffer: one put of one buffer beat a put of the dict of numpy arrays
+        # (see benchmarks/README.md).
+        self.flat = torch.empty(self.layout.nbytes, dtype=torch.uint8)
+        self.views = self.layout.split(self.flat)
+        self.array = self.flat.numpy()
+        self.fleet.get([a.open_store.remote(env.size) for a in self.actors], "open")
+        return {"put": "flat uint8 buffer"}
+
+    def _send(self) -> None:
+        self.layout.pack(self.views)
+        ref = self._ray.put(self.array)
+        self.fleet.get([a.store_apply.remote(ref) for a in self.actors], "store_apply")
+
+    def _close(self) -> None:
+        pass  # the actors drop their session when the cell closes
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"buffers": self.layout.nbytes}
+
+
+class GlooVariant(_ProcessVariant):
+    """A gloo group of the learner and the cell's workers (see :mod:`._peers`)."""
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        pool, _ = _pool(env)
+        self.peer = GlooLearner(list(env.model.state_dict.values()), env.workers, env.timeout)
+        ranks = range(env.workers)
+        args = {
+            i: (self.name, env.size, self.peer.port, i + 1, env.workers + 1, env.timeout)
+            for i in ranks
+        }
+        pool.post(ranks, "open_gloo", args)
+        try:
+            # Every rank joins at once: the workers' replies come once the learner joined.
+            self.runner.call(self.peer.join, env.timeout + DEADLINE_MARGIN, "join")
+        finally:
+            pool.collect(ranks, "open_gloo", env.timeout + 10)
+        return {"port": self.peer.port}
+
+    def _send(self) -> None:
+        self.peer.send()
+
+    def _close(self) -> None:
+        self.peer.close()
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"buffers": self.peer.flat.numel()}
+
+
+class MemcpyVariant(Variant):
+    """K serial copies of the learner's tensors into K sets of tensors it preallocated:
+    ``torch._foreach_copy_`` per set (as fast as copying into one flat buffer here, and
+    twice as fast as a loop of ``copy_`` for 2000 tensors)."""
+
+    def open(self, env: CellEnv) -> dict[str, Any]:
+        self.source = list(env.model.state_dict.values())
+        self.copies = [make_state_dict(SIZES[env.size], fill="zeros") for _ in range(env.workers)]
+        self.targets = [list(c.values()) for c in self.copies]
+        return {}
+
+    def _send(self) -> None:
+        for target in self.targets:
+            torch._foreach_copy_(target, self.source)
+
+    def _close(self) -> None:
+        self.copies = []
+        self.targets = []
+
+    def digests(self, env: CellEnv) -> list[dict[str, Any]]:
+        return [{"digest": digest(c), "ownership": ownership(c)} for c in self.copies]
+
+
+PEER_CLASSES: Final[dict[str, type[Variant]]] = {
+    TORCHRL_MP: TorchrlProcessVariant,
+    TORCHRL_SHM: TorchrlProcessVariant,
     TORCHRL_RAY: TorchrlRayVariant,
-    ZMQ: ZmqVariant,
+    RAY_STORE: RayStoreVariant,
+    GLOO: GlooVariant,
+    MEMCPY: MemcpyVariant,
 }
+
+
+def make_variant(name: str) -> Variant:
+    if name in ZMQSYNC:
+        return ZMQSYNC_CLASSES[ZMQSYNC[name].transport](name)
+    return PEER_CLASSES[name](name)
 
 
 def _why(exc: BaseException) -> str:
@@ -600,25 +806,53 @@ class Cell:
     size: str
     workers: int
     results: dict[str, VariantResult] = field(default_factory=dict)
-    #: Variants whose workers hung in this cell (their pool or actors are replaced).
+    #: Where workers hung in this cell ("pool", "ray"): the pool or actors are replaced.
     broke: set[str] = field(default_factory=set)
 
-    def ratio(self, zmqsync: str, torchrl: str) -> float:
-        return self.results[zmqsync].median_ms() / self.results[torchrl].median_ms()
+    def median(self, variant: str) -> float:
+        r = self.results.get(variant)
+        return math.nan if r is None else r.median_ms()
+
+    def ratio(self, numerator: str, denominator: str) -> float:
+        return self.median(numerator) / self.median(denominator)
+
+    def best_peer(self) -> tuple[str, float] | None:
+        """The fastest of :data:`BEST_PEER_FROM` that ran here without failing."""
+        times = [(self.median(v), v) for v in BEST_PEER_FROM if not math.isnan(self.median(v))]
+        if not times:
+            return None
+        ms, name = min(times)
+        return name, ms
+
+    def to_best_peer(self, variant: str) -> float:
+        best = self.best_peer()
+        return math.nan if best is None else self.median(variant) / best[1]
 
     def extra_pct(self, variant: str) -> float | None:
         measured = self.results[variant].extra_bytes
         extra = measured.get("heap", measured.get("rss_anon"))
         if extra is None:
             return None
-        return 100.0 * (extra + measured.get("shm", 0)) / SIZES[self.size].nbytes
+        held = measured.get("shm", 0) + measured.get("buffers", 0)
+        return 100.0 * (extra + held) / SIZES[self.size].nbytes
+
+    def ratios(self) -> dict[str, float]:
+        """Every ratio the table shows, by column name."""
+        out = {f"{z}/{t}": self.ratio(z, t) for z, t in PAIRS if z in self.results}
+        for z in ZMQSYNC:
+            if z in self.results:
+                out[f"{z}/best peer"] = self.to_best_peer(z)
+                out[f"{z}/{MEMCPY}"] = self.ratio(z, MEMCPY)
+        return out
 
     def to_json(self) -> dict[str, Any]:
+        best = self.best_peer()
         return {
             "size": self.size,
             "model_bytes": SIZES[self.size].nbytes,
             "workers": self.workers,
-            "ratios": {f"{z}/{t}": self.ratio(z, t) for z, t in PAIRS},
+            "best_peer": None if best is None else {"name": best[0], "median_ms": best[1]},
+            "ratios": self.ratios(),
             "variants": {
                 name: {
                     "median_ms": r.median_ms(),
@@ -636,7 +870,7 @@ class Cell:
 
 
 def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int) -> Cell:
-    """Open every variant for the cell, time them (A..E, E..A), check every worker."""
+    """Open every variant for the cell, time them (A..Z, Z..A), check every worker."""
     cell = Cell(env.size, env.workers)
     opened: list[Variant] = []
     live: list[Variant] = []
@@ -644,7 +878,7 @@ def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int
     interrupted = False
     try:
         for name in variants:
-            v = VARIANT_CLASSES[name]()
+            v = make_variant(name)
             result = cell.results[name] = VariantResult()
             opened.append(v)
             try:
@@ -674,8 +908,7 @@ def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int
                     continue
                 if meter is not None:
                     result.extra_bytes, result.retained_bytes = meter.extra, meter.retained
-                    if shm := v.shared_bytes():
-                        result.extra_bytes = {**result.extra_bytes, "shm": shm}
+                    result.extra_bytes = {**result.extra_bytes, **v.held_bytes()}
         # Every variant sends the model as it is now; every worker's copy must match it
         # and be its own memory (nothing shared with, or aliased to, the learner's).
         survivors = [v for v in live if not cell.results[v.name].failure]
@@ -712,7 +945,7 @@ def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int
         if not interrupted:
             with _quiet("zmqsync.transport.pipe"):  # a pipe's far end closing is expected
                 _close_cell(env, opened)
-    cell.broke = {v.name for v in opened if v.broke_workers}
+    cell.broke = {WHERE[v.name] for v in opened if v.broke_workers}
     return cell
 
 
@@ -749,11 +982,15 @@ def _ms(r: VariantResult) -> str:
     return f"{r.median_ms():.2f} / {r.p90_ms():.2f}"
 
 
+def _num(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
+
+
 def _ratio(cell: Cell, zmqsync: str, torchrl: str) -> str:
     x = cell.ratio(zmqsync, torchrl)
     if math.isnan(x):
         return "n/a"
-    text = f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
+    text = _num(x)
     if x > RATIO_TARGET:
         text = f"**{text}**"
     if cell.size == SMALL_TENSORS:
@@ -762,54 +999,43 @@ def _ratio(cell: Cell, zmqsync: str, torchrl: str) -> str:
     return text
 
 
+def _best_peer_ratio(cell: Cell, zmqsync: str) -> str:
+    x = cell.to_best_peer(zmqsync)
+    if math.isnan(x):
+        return "n/a"
+    return f"**{_num(x)}**" if x > BEST_PEER_TARGET else _num(x)
+
+
+def _memcpy_ratio(cell: Cell, zmqsync: str) -> str:
+    x = cell.ratio(zmqsync, MEMCPY)
+    if math.isnan(x):
+        return "n/a"
+    if (cell.size, cell.workers) != MEMCPY_CELL:
+        return _num(x)
+    return f"**{_num(x)}**" if x > MEMCPY_TARGET else _num(x)
+
+
+def _best_peer(cell: Cell) -> str:
+    best = cell.best_peer()
+    return "n/a" if best is None else f"{best[0]} {best[1]:.2f}"
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{x:.0f}%"
 
 
-def markdown(
-    cells: Sequence[Cell],
-    variants: Sequence[str],
-    machine: dict[str, Any],
-    command: str,
-    seconds: float,
-) -> str:
-    """The README's table: one row per cell, then a summary and the machine."""
-    pairs = [(z, t) for z, t in PAIRS if z in variants and t in variants]
-    header = ["size", "K"]
-    align = ["---", "---:"]
-    for name in variants:
-        header.append(f"{name} ms (median / p90)")
-        align.append("---:")
-        for z, t in pairs:
-            if name == t:
-                header.append(f"{z} / {t}")
-                align.append("---:")
-    header.append("extra mem: " + " / ".join(variants))
-    align.append("---:")
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    align = ["---", "---:", *(["---:"] * (len(header) - 2))]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    ordered = sorted(cells, key=lambda c: (list(SIZES).index(c.size), c.workers))
-    for c in ordered:
-        row = [c.size, str(c.workers)]
-        for name in variants:
-            row.append(_ms(c.results[name]))
-            for z, t in pairs:
-                if name == t:
-                    row.append(_ratio(c, z, t))
-        row.append(" / ".join(_pct(c.extra_pct(n)) for n in variants))
-        lines.append("| " + " | ".join(row) + " |")
-    lines += [
-        "",
-        "Ratio = zmqsync median / torchrl median; **bold** = zmqsync slower than torchrl "
-        f"(target: at or below 1 everywhere, and {SPEEDUP_TARGET:.0f}x faster for "
-        f"{SMALL_TENSORS}).",
-        "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
-        "block of sends, % of the model, plus the shared-memory blocks zmqsync-pipe and "
-        "zmqsync-ray map "
-        "(Ray's object store and torch's shared memory are not malloc'd by the learner, so "
-        "they do not show here).",
-        "",
-    ]
-    for z, t in pairs:
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _summary(cells: Sequence[Cell], variants: Sequence[str]) -> list[str]:
+    """One line per target: how many of ``cells`` (in table order) meet it."""
+    lines = []
+    for z, t in PAIRS:
+        if z not in variants or t not in variants:
+            continue
         measured = [c for c in cells if not math.isnan(c.ratio(z, t))]
         within = sum(c.ratio(z, t) <= RATIO_TARGET for c in measured)
         small = [c for c in measured if c.size == SMALL_TENSORS]
@@ -823,7 +1049,95 @@ def markdown(
         if failed:
             line += f"; failed (either side): {', '.join(failed)}"
         lines.append(line)
-    lines += [
+    peers = [p for p in BEST_PEER_FROM if p in variants]
+    for z in (v for v in variants if v in ZMQSYNC):
+        if not peers:
+            break
+        measured = [c for c in cells if not math.isnan(c.to_best_peer(z))]
+        above = [c for c in measured if c.to_best_peer(z) > BEST_PEER_TARGET]
+        line = (
+            f"- {z} vs best peer: at or below {BEST_PEER_TARGET}x in "
+            f"{len(measured) - len(above)}/{len(measured)} cells"
+        )
+        if above:
+            line += "; above in " + ", ".join(
+                f"{c.size} K={c.workers} ({_num(c.to_best_peer(z))} of {_best_peer(c)} ms)"
+                for c in above
+            )
+        failed = [f"{c.size} K={c.workers}" for c in cells if c.results[z].failure]
+        if failed:
+            line += f"; failed: {', '.join(failed)}"
+        lines.append(line)
+    if MEMCPY in variants:
+        size, workers = MEMCPY_CELL
+        for c in cells:
+            if (c.size, c.workers) != MEMCPY_CELL:
+                continue
+            for z in (v for v in variants if v in ZMQSYNC):
+                x = c.ratio(z, MEMCPY)
+                if not math.isnan(x):
+                    met = "met" if x <= MEMCPY_TARGET else "missed"
+                    lines.append(
+                        f"- {z} vs memcpy at {size} K={workers}: {_num(x)}x "
+                        f"(target at or below {MEMCPY_TARGET}: {met})"
+                    )
+    return lines
+
+
+def markdown(
+    cells: Sequence[Cell],
+    variants: Sequence[str],
+    machine: dict[str, Any],
+    command: str,
+    seconds: float,
+) -> str:
+    """The README's tables (times; ratios and memory), then a summary and the machine."""
+    ordered = sorted(cells, key=lambda c: (list(SIZES).index(c.size), c.workers))
+    zmqsync = [v for v in variants if v in ZMQSYNC]
+    has_peers = any(p in variants for p in BEST_PEER_FROM)
+    pairs = [(z, t) for z, t in PAIRS if z in variants and t in variants]
+    times = _table(
+        ["size", "K", *(f"{v} ms (median / p90)" for v in variants)],
+        [[c.size, str(c.workers), *(_ms(c.results[v]) for v in variants)] for c in ordered],
+    )
+    header = ["size", "K"]
+    if has_peers:
+        header += ["best peer (ms)", *(f"{z} / best peer" for z in zmqsync)]
+    if MEMCPY in variants:
+        header += [f"{z} / {MEMCPY}" for z in zmqsync]
+    header += [f"{z} / {t}" for z, t in pairs]
+    header.append("extra mem: " + " / ".join(variants))
+    rows = []
+    for c in ordered:
+        row = [c.size, str(c.workers)]
+        if has_peers:
+            row += [_best_peer(c), *(_best_peer_ratio(c, z) for z in zmqsync)]
+        if MEMCPY in variants:
+            row += [_memcpy_ratio(c, z) for z in zmqsync]
+        row += [_ratio(c, z, t) for z, t in pairs]
+        row.append(" / ".join(_pct(c.extra_pct(v)) for v in variants))
+        rows.append(row)
+    lines = [
+        *times,
+        "",
+        *_table(header, rows),
+        "",
+        f"Best peer = the fastest of {', '.join(BEST_PEER_FROM)} in the cell (its median); "
+        f"zmqsync / best peer: target at or below {BEST_PEER_TARGET} everywhere "
+        "(**bold** = above).",
+        f"zmqsync / {MEMCPY}: the physical bound, K serial copies in the learner; target at "
+        f"or below {MEMCPY_TARGET} at {MEMCPY_CELL[0]} K={MEMCPY_CELL[1]} (**bold** = above).",
+        "zmqsync / torchrl = zmqsync median / torchrl median; **bold** = zmqsync slower than "
+        f"torchrl (target: at or below 1 everywhere, and {SPEEDUP_TARGET:.0f}x faster for "
+        f"{SMALL_TENSORS}).",
+        "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
+        "block of sends, % of the model, plus the shared-memory blocks zmqsync-pipe and "
+        "zmqsync-ray map and the flat buffers ray-store and gloo-flat allocate once "
+        "(Ray's object store and torch's shared memory are not malloc'd by the learner, so "
+        "they do not show here; memcpy's destinations stand for the workers' tensors and are "
+        "not counted).",
+        "",
+        *_summary(ordered, variants),
         "",
         f"Command: `{command}` ({seconds / 60:.1f} min)",
         "",
@@ -848,14 +1162,14 @@ def markdown(
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.transports",
-        description="zmqsync's pipe and Ray transports against torchrl's "
-        "MultiProcessWeightSyncScheme and RayWeightSyncScheme.",
+        description="zmqsync's transports against torchrl's weight-sync schemes, Ray's "
+        "object store, a gloo broadcast, and memcpy.",
     )
     p.add_argument(
         "--quick",
         action="store_true",
         help=f"smoke run: sizes {','.join(QUICK_SIZES)}, workers "
-        f"{','.join(map(str, QUICK_WORKERS))}, {QUICK_REPEATS} repeats (~3 min)",
+        f"{','.join(map(str, QUICK_WORKERS))}, {QUICK_REPEATS} repeats (~2 min)",
     )
     p.add_argument(
         "--sizes", type=_csv(str, list(SIZES)), help=f"from {','.join(SIZES)} (default: all)"
@@ -890,7 +1204,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--torch-threads", type=int, help="torch intra-op threads everywhere (default: torch's)"
     )
     p.add_argument("--json", metavar="PATH", help="write every figure (and raw times) here")
-    p.add_argument("--markdown", metavar="PATH", help="write the table here")
+    p.add_argument("--markdown", metavar="PATH", help="write the tables here")
     args = p.parse_args(argv)
     if args.sizes is None:
         args.sizes = list(QUICK_SIZES) if args.quick else list(SIZES)
@@ -945,10 +1259,14 @@ def run_worker_count(
     One pool of worker processes serves them all, unless torchrl hangs in one: its
     workers are then stuck, and a new pool serves the cells left.
     """
-    needs_pool = any(v in args.variants for v in (PIPE, TORCHRL_MP, ZMQ))
+    needs_pool = any(WHERE[v] == "pool" for v in args.variants)
     left = list(plan)
     while left:
-        pool = TransportPool(workers, args.torch_threads, models, left) if needs_pool else None
+        pool = (
+            TransportPool(workers, args.torch_threads, models, left, args.variants)
+            if needs_pool
+            else None
+        )
         try:
             if pool is not None:
                 pool.start()
@@ -973,11 +1291,11 @@ def run_worker_count(
                     repeats=1 if warm else repeats_for(size, args.repeats),
                     warmup=1 if warm else args.warmup,
                 )
-                if TORCHRL_RAY in cell.broke and fleet is not None:
+                if "ray" in cell.broke and fleet is not None:
                     fleet.restart()
                 if not warm:
                     yield cell
-                if TORCHRL_MP in cell.broke:
+                if "pool" in cell.broke:
                     break
         finally:
             if pool is not None:
@@ -1011,7 +1329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells: list[Cell] = []
     failed_zmqsync = False
     fleet: RayFleet | None = None
-    needs_ray = any(v in args.variants for v in (ZMQSYNC_RAY, TORCHRL_RAY))
+    needs_ray = any(WHERE[v] == "ray" for v in args.variants)
     with _workdir() as workdir:
         try:
             if needs_ray:
@@ -1042,7 +1360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     cells.append(cell)
                     _progress(cell, args.variants)
                     failed_zmqsync |= any(
-                        cell.results[v].failure for v in args.variants if v.startswith("zmqsync")
+                        cell.results[v].failure for v in args.variants if v in ZMQSYNC
                     )
         finally:
             if fleet is not None:
@@ -1064,6 +1382,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "machine": machine,
                     "seconds": seconds,
                     "ratio_target": RATIO_TARGET,
+                    "best_peer_target": BEST_PEER_TARGET,
+                    "best_peer_from": list(BEST_PEER_FROM),
+                    "memcpy_target": {
+                        "ratio": MEMCPY_TARGET,
+                        "size": MEMCPY_CELL[0],
+                        "workers": MEMCPY_CELL[1],
+                    },
+                    "zmqsync_variants": {
+                        name: {
+                            "transport": spec.transport,
+                            "replaces": spec.replaces,
+                            "scheme": dict(spec.scheme),
+                            "sender": dict(spec.sender),
+                            "receiver": dict(spec.receiver),
+                        }
+                        for name, spec in ZMQSYNC.items()
+                        if name in args.variants
+                    },
                     "speedup_target": SPEEDUP_TARGET,
                     "zmqsync_options": zmqsync_options,
                     "models": {
@@ -1089,6 +1425,10 @@ def _progress(cell: Cell, variants: Sequence[str]) -> None:
     ratios = [
         f"{z}/{t} {cell.ratio(z, t):.3f}" for z, t in PAIRS if z in variants and t in variants
     ]
+    best = cell.best_peer()
+    if best is not None:
+        ratios.append(f"best peer {best[0]} {best[1]:.2f} ms")
+        ratios += [f"{z}/best {cell.to_best_peer(z):.3f}" for z in variants if z in ZMQSYNC]
     print(
         f"{cell.size:>9} K={cell.workers}  " + "  ".join(parts) + "  |  " + "  ".join(ratios),
         file=sys.stderr,
