@@ -132,7 +132,7 @@ def test_an_actor_without_the_method_is_refused_clearly(actors) -> None:  # type
 class Confused:
     """Has the method, answers nonsense."""
 
-    def zmqsync_deliver(self, channel: str, peer_index: int, frames: Any) -> Any:
+    def zmqsync_deliver(self, channel: str, peer_index: int, frames: Any, seq: Any) -> Any:
         return "not a list of messages"
 
 
@@ -548,5 +548,34 @@ def test_both_sides_wait_connect_timeout_to_join_not_the_send_timeout(actors) ->
             scheme.connect()
         assert 0.9 <= time.monotonic() - begun < 10.0
         assert scheme.worker_versions() == {0: 0}  # expected, never joined
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "object-store"])
+def test_versions_of_many_chunks_reach_plain_and_threaded_actors_whole(
+    actors, shared_memory: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """~280 KB in 64 KiB chunks: each chunk is a call of its own. A threaded actor may
+    run two calls at once (the spoke queues them in the hub's order), and neither kind
+    of actor may wait inside a call for the next chunk (it comes with a later call)."""
+    model = make_model(0)
+    scheme = RayWeightSyncScheme(
+        timeout=20, repair_after=60.0, chunk_bytes=64 * 1024, shared_memory=shared_memory
+    )
+    # A plain actor, and the same one threaded (two of the hub's calls may run at once).
+    fleet = [PolicyActor.remote(400), PolicyActor.options(max_concurrency=4).remote(401)]  # type: ignore[attr-defined]
+    actors.extend(fleet)
+    ray.get([a.setup.remote(scheme) for a in fleet], timeout=CALL_TIMEOUT)
+    scheme.init_on_sender("policy", remote_collectors=fleet, source_model=model)
+    try:
+        scheme.connect(timeout=CALL_TIMEOUT)
+        for version in range(1, 6):
+            bump(model)
+            scheme.send()
+            states = ray.get([a.state.remote() for a in fleet], timeout=CALL_TIMEOUT)
+            assert states == [(version, zmqsync.checksum(model))] * 2
+        assert scheme.get_sender().status()["totals"]["chunks_sent"] >= 5 * 4  # 4+ a version
     finally:
         scheme.shutdown()

@@ -81,10 +81,12 @@ APPLY_MODES: Final = ("auto", "in_place", "staged")
 class WeightsLock:
     """The lock a forward pass holds to see one whole version: ``with receiver.lock:``.
 
-    Re-entrant, like ``threading.RLock``. While the model is torn (an in-place version's
-    stream broke), acquiring it waits for the repair up to ``timeout`` seconds (the
-    ``timeout`` argument, or the receiver's) and then raises
-    :class:`~zmqsync.errors.TornWeights`: a forward pass never runs on torn weights.
+    Re-entrant, like ``threading.RLock``. While an in-place version is being written
+    (from its first chunk to its last, whichever threads deliver them), acquiring it
+    waits. While the model is torn (an in-place version's stream broke), acquiring it
+    waits for the repair up to ``timeout`` seconds (the ``timeout`` argument, or the
+    receiver's) and then raises :class:`~zmqsync.errors.TornWeights`: a forward pass
+    never runs on torn weights.
     """
 
     def __init__(self, timeout: float) -> None:
@@ -93,11 +95,25 @@ class WeightsLock:
         self._repaired = threading.Condition(self.raw)
         #: ``(version, reason)`` while the model is torn, else None.
         self.torn: tuple[int, str] | None = None
+        #: True while an in-place version is being written.
+        self.writing = False
         self.timeout = timeout
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        again = self._is_owned()  # re-entrant: this thread already holds it
         if not self.raw.acquire(blocking, timeout):
             return False
+        if again or (self.torn is None and not self.writing):
+            return True
+        start = time.monotonic()
+        while self.writing and self.torn is None:
+            # An in-place version is going in: it ends whole or torn (a gap between
+            # chunks longer than the receiver's chunk_timeout breaks it).
+            remaining = None if timeout < 0 else timeout - (time.monotonic() - start)
+            if not blocking or (remaining is not None and remaining <= 0):
+                self.raw.release()
+                return False
+            self._repaired.wait(remaining)
         if self.torn is None:
             return True
         deadline = time.monotonic() + (self.timeout if timeout < 0 else timeout)
@@ -129,6 +145,17 @@ class WeightsLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+    def begin_write(self) -> None:
+        """An in-place version starts: forward passes wait from now (once those under
+        way are done) until :meth:`end_write`, from whichever thread."""
+        with self.raw:
+            self.writing = True
+
+    def end_write(self) -> None:
+        """The in-place version is in, whole or torn (call holding :attr:`raw`)."""
+        self.writing = False
+        self._repaired.notify_all()
 
     def tear(self, version: int, reason: str) -> None:
         """Mark the model torn (call holding :attr:`raw`)."""
@@ -464,6 +491,13 @@ class WeightReceiver:
                 if self._welcomed and now - self._last_heartbeat >= self._heartbeat:
                     self._last_heartbeat = now  # still alive, still behind
                     self._send_snapshot_request()
+                if timeout <= 0:
+                    # A poll (a Ray actor's call delivers one chunk): the next chunk
+                    # comes with a later call, and the stream's gap is checked then.
+                    frames = self._spoke.recv_frames(0) if self._spoke.has_input() else None
+                    if frames is None:
+                        return
+                    continue
                 frames = self._spoke.recv_frames(min(self._heartbeat, self._stream.gap))
                 continue
             if frames is None and self._spoke.has_input():
@@ -529,7 +563,7 @@ class WeightReceiver:
             self._refuse(chunk, exc)
             return
         if in_place:
-            self.lock.raw.acquire()  # until the last chunk is in (or the stream breaks)
+            self.lock.begin_write()  # until the last chunk is in (or the stream breaks)
             self._writing = "in_place"
         else:
             self._writing = "staged"
@@ -561,7 +595,7 @@ class WeightReceiver:
             if writing == "in_place":
                 assert self._in_place is not None
                 self._in_place.finish()
-                self.lock.raw.release()  # the hold taken at the first chunk
+                self.lock.end_write()
             elif self.model is not None:
                 assert self._plan is not None
                 schema = self._plan.schema
@@ -597,9 +631,10 @@ class WeightReceiver:
             "worker %s: version %s broke off: %s", self.worker_idx, broken.version, broken.reason
         )
         if writing == "in_place":
-            self.lock.tear(broken.version, broken.reason)
+            with self.lock.raw:
+                self.lock.tear(broken.version, broken.reason)
+                self.lock.end_write()  # forward passes now refuse: the model is torn
             self.stats["torn"] += 1
-            self.lock.raw.release()  # forward passes now refuse: the model is torn
         if self._welcomed:
             self._send_snapshot_request()  # the sender's latest repairs it
 
@@ -746,6 +781,11 @@ class WeightReceiver:
             return
         self.stop()
         self._closed = True
+        if self._writing == "in_place":  # half a version is in the model: torn for good
+            self._writing = ""
+            with self.lock.raw:
+                self.lock.tear(self.version + 1, "the receiver closed mid-version")
+                self.lock.end_write()
         self._say_goodbye()
         self._spoke.close()
 

@@ -218,11 +218,13 @@ def _close_all(ends: dict[int, Connection]) -> None:
     ends.clear()
 
 
-def _deliver_in_actor(actor: Any, channel: str, peer_index: int, frames: Any) -> list[list[bytes]]:
+def _deliver_in_actor(
+    actor: Any, channel: str, peer_index: int, frames: Any, seq: int | None = None
+) -> list[list[bytes]]:
     """Run by Ray inside a remote collector (``actor.__ray_call__``): hand one of the
     learner's calls to the receiver this process registered for ``channel``."""
     del actor  # the receiver is found by channel, not through the collector object
-    return deliver(channel, peer_index, frames)
+    return deliver(channel, peer_index, frames, seq)
 
 
 class _RayCall:
@@ -233,10 +235,10 @@ class _RayCall:
     def __init__(self, handle: Any) -> None:
         self._call = handle.__ray_call__
 
-    def remote(self, channel: str, peer_index: int, frames: Any) -> Any:
+    def remote(self, channel: str, peer_index: int, frames: Any, seq: int | None = None) -> Any:
         # frames (maybe an ObjectRef into the object store) stays a top-level argument,
         # so Ray resolves it before the call runs, as for a method of the actor's own.
-        return self._call.remote(_deliver_in_actor, channel, peer_index, frames)
+        return self._call.remote(_deliver_in_actor, channel, peer_index, frames, seq)
 
 
 def _through_ray_call(handle: Any) -> Any:

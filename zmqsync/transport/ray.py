@@ -75,6 +75,9 @@ __all__ = [
 
 log = logging.getLogger("zmqsync.transport.ray")
 
+#: How long a call that overtook an earlier one (a threaded actor) waits for it (seconds);
+#: past it the call goes on, and a version whose chunks came out of order is repaired.
+ORDER_WAIT: Final = 2.0
 #: The actor method a hub calls (what :class:`WeightSyncActorMixin` defines).
 DELIVER_METHOD: Final = "zmqsync_deliver"
 #: Messages at least this big go through the object store (put once, read zero-copy by
@@ -156,6 +159,7 @@ class RaySpoke(SpokeTransport):
         self._delivered = 0  # messages the hub delivered
         self._taken = 0  # ... and recv_frames took
         self._reader_idle = False  # a reader waits in recv_frames on an empty inbox
+        self._next_seq: int | None = None  # the hub's next call, by its number
         self._closed = False
         self._counters = {"dropped_sends": 0, "read_only_views": 0, "shared_frames": 0}
         self._maps = PeerBlocks(_MAX_MAPS)  # the driver's blocks, mapped read-only
@@ -283,10 +287,34 @@ class RaySpoke(SpokeTransport):
         for view in views:
             weakref.finalize(view, one_gone)
 
-    def exchange(self, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
-        """One call from the hub: queue ``frames`` (if any) and return the outbox."""
+    def exchange(
+        self, peer_index: int, frames: Sequence[Any] | None, seq: int | None = None
+    ) -> list[list[bytes]]:
+        """One call from the hub: queue ``frames`` (if any) and return the outbox.
+
+        ``seq``: the call's number at the hub. A call that overtook an earlier one (a
+        threaded actor) waits for it, at most :data:`ORDER_WAIT` seconds.
+        """
         if self._closed:
             return []
+        if seq is not None:
+            with self._cond:
+                if seq == 0 or peer_index != self.peer_index:
+                    self._next_seq = None  # a new hub (or index): its numbers start anew
+                if self._next_seq is not None and seq > self._next_seq:
+                    self._cond.wait_for(
+                        lambda: self._closed or self._next_seq is None or self._next_seq >= seq,
+                        ORDER_WAIT,
+                    )
+        try:
+            return self._exchange(peer_index, frames)
+        finally:
+            if seq is not None:
+                with self._cond:
+                    self._next_seq = max(seq + 1, self._next_seq or 0)
+                    self._cond.notify_all()
+
+    def _exchange(self, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
         self.peer_index = peer_index
         first = frames[0] if frames else None
         if isinstance(first, bytes) and first.startswith(_PROBE):
@@ -346,8 +374,14 @@ class RaySpoke(SpokeTransport):
             self._cond.notify_all()
 
 
-def deliver(channel: str, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
+def deliver(
+    channel: str, peer_index: int, frames: Sequence[Any] | None, seq: int | None = None
+) -> list[list[bytes]]:
     """Hand one hub call to this process's spoke for ``channel``; return its replies.
+
+    ``seq`` numbers the hub's calls to this actor: a threaded actor may run two at once,
+    and the spoke queues their messages in the hub's order (the chunks of a version
+    must follow on).
 
     Call it from the actor method a :class:`RayHub` invokes (see
     :class:`WeightSyncActorMixin`). With no spoke registered (the actor has not called
@@ -359,7 +393,7 @@ def deliver(channel: str, peer_index: int, frames: Sequence[Any] | None) -> list
         words = _last_words.pop(channel, [])  # a closed spoke's goodbye comes first
     if spoke is None:
         return words
-    return words + spoke.exchange(peer_index, frames)
+    return words + spoke.exchange(peer_index, frames, seq)
 
 
 class WeightSyncActorMixin:
@@ -377,10 +411,10 @@ class WeightSyncActorMixin:
     """
 
     def zmqsync_deliver(
-        self, channel: str, peer_index: int, frames: list[Any] | None
+        self, channel: str, peer_index: int, frames: list[Any] | None, seq: int | None = None
     ) -> list[list[bytes]]:
         """Receive one message from the hub (or a poll) and return this actor's replies."""
-        return deliver(channel, peer_index, frames)
+        return deliver(channel, peer_index, frames, seq)
 
 
 # --- the driver's side -----------------------------------------------------------------
@@ -613,7 +647,7 @@ class RayHub(HubTransport):
         if isinstance(payload, _SharedPayload):
             payload = list(payload)  # Ray pickles what it is given: plain bytes only
         try:
-            future = actor.method.remote(self._channel, actor.index, payload).future()
+            future = actor.method.remote(self._channel, actor.index, payload, seq).future()
         except Exception as exc:  # a failed submission is a failed call
             failed: Any = _Failed(exc)
             self._events.put((actor, seq, failed))
