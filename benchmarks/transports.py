@@ -103,10 +103,13 @@ class ZmqsyncSpec:
     receiver: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: ``zmqsync-pipe`` with ``share_params=True``: workers copy from the learner's tensors.
+PIPE_SHARE: Final = "zmqsync-pipe-share"
 #: zmqsync's variants, in the order a cell runs them. Another is one entry, e.g.
 #: ``"zmqsync-pipe-share": ZmqsyncSpec("pipe", TORCHRL_MP, scheme={"share_params": True})``.
 ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
     PIPE: ZmqsyncSpec("pipe", replaces=TORCHRL_MP),
+    PIPE_SHARE: ZmqsyncSpec("pipe", replaces=TORCHRL_MP, scheme={"share_params": True}),
     ZMQSYNC_RAY: ZmqsyncSpec("ray", replaces=TORCHRL_RAY),
     ZMQ: ZmqsyncSpec("zmq"),
 }
@@ -114,6 +117,12 @@ ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
 PEERS: Final = (TORCHRL_MP, TORCHRL_SHM, TORCHRL_RAY, RAY_STORE, GLOO, MEMCPY)
 #: Every variant, in the order a cell runs them (then the reverse).
 VARIANTS: Final = (*ZMQSYNC, *PEERS)
+#: Variants that move the learner's tensors (``share_params``): the peers alias those
+#: tensors (torchrl's schemes read them through a module and a TensorDict over the same
+#: storage), so these run only without peers, in a run of their own.
+MOVES_TENSORS: Final = frozenset({PIPE_SHARE})
+#: What runs by default: every variant but those.
+DEFAULT_VARIANTS: Final = tuple(v for v in VARIANTS if v not in MOVES_TENSORS)
 #: The peers a zmqsync variant must beat: the fastest of these in a cell is its "best
 #: peer" (memcpy is the bound, not a peer).
 BEST_PEER_FROM: Final = (TORCHRL_MP, TORCHRL_SHM, TORCHRL_RAY, RAY_STORE, GLOO)
@@ -1178,8 +1187,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         type=_csv(str, list(VARIANTS)),
-        default=list(VARIANTS),
-        help=f"from {','.join(VARIANTS)} (default: all)",
+        default=list(DEFAULT_VARIANTS),
+        help=f"from {','.join(VARIANTS)} (default: all but {','.join(sorted(MOVES_TENSORS))}, "
+        "which runs only without the peers)",
     )
     p.add_argument(
         "--repeats",
@@ -1219,6 +1229,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.quick and args.repeats is None:
         args.repeats = QUICK_REPEATS
     args.variants = [v for v in VARIANTS if v in args.variants]  # the canonical order
+    if MOVES_TENSORS & set(args.variants) and set(PEERS[:-1]) & set(args.variants):
+        p.error(
+            f"{', '.join(sorted(MOVES_TENSORS & set(args.variants)))} moves the learner's "
+            "tensors, which the peers alias: run it without them (memcpy may stay)"
+        )
     return args
 
 
