@@ -4,6 +4,7 @@ broken in-place stream tears the model, refuses forward passes, and is repaired.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -196,10 +197,17 @@ def fed() -> Iterator[tuple[MemoryHub, WeightReceiver, dict[str, torch.Tensor]]]
 
 
 def _deliver(hub: MemoryHub, receiver: WeightReceiver, messages) -> None:  # type: ignore[no-untyped-def]
-    """Queue ``messages`` for the receiver, then let it handle them all (one poll reads
-    on until the version in progress completes or breaks)."""
+    """Queue ``messages`` for the receiver, then let it handle them all (a poll handles
+    what queued up and never waits for more)."""
     for frames in messages:
         hub.send_frames(frames)
+    receiver.poll()
+
+
+def _gap_passes(receiver: WeightReceiver) -> None:
+    """No chunk for longer than the receiver's chunk_timeout; its next poll sees it."""
+    assert receiver.lock.writing  # mid-version: forward passes wait meanwhile
+    time.sleep(0.4)
     receiver.poll()
 
 
@@ -213,7 +221,8 @@ def test_a_broken_in_place_stream_tears_the_model_until_a_whole_version_repairs_
 
     v2 = _model(6)
     messages = version_messages(v2, version=2, epoch=7, chunk_bytes=CHUNK)
-    _deliver(hub, receiver, messages[:5])  # the sender dies after chunk 4: the gap passes
+    _deliver(hub, receiver, messages[:5])  # the sender dies after chunk 4
+    _gap_passes(receiver)
     assert receiver.torn and receiver.version == 1
     assert receiver.stats["torn"] == 1 and receiver.stats["broken_streams"] == 1
     with pytest.raises(TornWeights, match="torn") as caught, receiver.lock:
@@ -279,6 +288,7 @@ def test_a_new_version_repairs_a_torn_model_and_no_ack_names_the_torn_one() -> N
                 hub.send_frames(frames)
                 del frames
         receiver.poll()
+        _gap_passes(receiver)
         assert receiver.torn and receiver.version == 0
         with pytest.raises(TornWeights), receiver.lock:
             pass
