@@ -278,7 +278,7 @@ def test_a_new_version_repairs_a_torn_model_and_no_ack_names_the_torn_one() -> N
     )
     acks: list[int] = []
     try:
-        receiver.connect()
+        receiver.connect(timeout=30)  # its own timeout (0.2 s) is for forward passes
         assert checksum(worker) == checksum(model)
         # The learner streams half of version 1 and dies.
         copy = sender._copy_of(None, 1)
