@@ -636,7 +636,26 @@ ZMQSYNC_CLASSES: Final[dict[str, type[_ZmqsyncVariant]]] = {
 # --- the peers ------------------------------------------------------------------------------
 
 
-class TorchrlProcessVariant(_ProcessVariant):
+class _TorchrlSends:
+    """A torchrl scheme's send and close, given its prebuilt TensorDict each send; a
+    hung torchrl call leaves its workers unusable."""
+
+    scheme: Any
+    weights: Any
+    runner: CallRunner
+
+    def _send(self) -> None:
+        self.scheme.send(weights=self.weights)
+
+    def _close(self) -> None:
+        self.scheme.shutdown()
+
+    @property
+    def broke_workers(self) -> bool:
+        return self.runner.hung is not None
+
+
+class TorchrlProcessVariant(_TorchrlSends, _ProcessVariant):
     """torchrl-mp or torchrl-shm: the cell's scheme was given to the workers at spawn."""
 
     def open(self, env: CellEnv) -> dict[str, Any]:
@@ -655,18 +674,8 @@ class TorchrlProcessVariant(_ProcessVariant):
         )
         return {"workers": facts}
 
-    def _send(self) -> None:
-        self.scheme.send(weights=self.weights)
 
-    def _close(self) -> None:
-        self.scheme.shutdown()
-
-    @property
-    def broke_workers(self) -> bool:
-        return self.runner.hung is not None
-
-
-class TorchrlRayVariant(_RayVariant):
+class TorchrlRayVariant(_TorchrlSends, _RayVariant):
     def open(self, env: CellEnv) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -689,16 +698,6 @@ class TorchrlRayVariant(_RayVariant):
         self.runner.call(self.scheme.connect, env.timeout + DEADLINE_MARGIN, "connect")
         _fleet(env).get(joining, "_connect_weights_scheme")
         return {}
-
-    def _send(self) -> None:
-        self.scheme.send(weights=self.weights)
-
-    def _close(self) -> None:
-        self.scheme.shutdown()
-
-    @property
-    def broke_workers(self) -> bool:
-        return self.runner.hung is not None
 
 
 class RayStoreVariant(_RayVariant):

@@ -207,8 +207,11 @@ def _deliver(hub: MemoryHub, receiver: WeightReceiver, messages) -> None:  # typ
 def _gap_passes(receiver: WeightReceiver) -> None:
     """No chunk for longer than the receiver's chunk_timeout; its next poll sees it."""
     assert receiver.lock.writing  # mid-version: forward passes wait meanwhile
-    time.sleep(0.4)
-    receiver.poll()
+    deadline = time.monotonic() + 10
+    while not receiver.torn:  # each poll checks the gap; none waits
+        assert time.monotonic() < deadline, "the broken stream was never noticed"
+        receiver.poll()
+        time.sleep(0.02)
 
 
 def test_a_broken_in_place_stream_tears_the_model_until_a_whole_version_repairs_it(
