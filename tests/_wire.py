@@ -13,7 +13,7 @@ def through_the_wire(flat: Flat, chunk_bytes: int = MIN_CHUNK_BYTES) -> Weights:
     """``flat`` laid out as a stream, cut into chunks, encoded, decoded from copies of
     the bytes, and gathered again."""
     layout = StreamLayout(flat, chunk_bytes)
-    sources = StreamLayout.sources(flat)
+    sources = layout.sources(flat)
     staging = Staging()
     staging.start(layout.total)
     for i in range(layout.count):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import numpy as np
 import pytest
 import torch
 from _wire import through_the_wire
@@ -79,6 +80,31 @@ def test_flatten_and_apply_across_devices(source: str, target: str) -> None:
     dest[("transposed",)] = torch.zeros(64, 48, device=target).t()  # non-contiguous target
     ApplyPlan(flat.schema, dest, "state_dict").apply(_wire(flat))
     _equal(dest, sent)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20])
+def test_a_sender_reads_chunks_off_the_gpu_with_the_same_bytes(chunk_bytes: int) -> None:
+    """What a CUDA learner sends: each chunk copied off the GPU as it is written (pinned
+    slots, a copy stream), the same bytes as staging the whole version first."""
+    from zmqsync.chunking import DeviceReader, StreamLayout
+
+    sent = _weights("cuda")
+    flattener = Flattener("state_dict")
+    staged = flattener.flatten(sent)
+    lazy = flattener.flatten(sent, stage=False)
+    assert lazy.on_device and all(b.device.type == "cuda" for b in lazy.buffers)
+    layout = StreamLayout(staged, chunk_bytes)
+    assert StreamLayout(lazy, chunk_bytes).schema == layout.schema
+    host, reader = layout.sources(staged), layout.sources(lazy)
+    assert isinstance(reader, DeviceReader)
+    for i in range(layout.count):
+        _, length = layout.span(i)
+        want, got = np.empty(length, np.uint8), np.empty(length, np.uint8)
+        layout.write(i, host, want)
+        layout.write(i, reader, got)
+        assert np.array_equal(got, want), i
+    reader.close()
+    assert reader.nbytes <= 2 * chunk_bytes
 
 
 def test_a_staged_flat_does_not_follow_later_changes() -> None:

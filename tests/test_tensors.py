@@ -254,7 +254,7 @@ def test_chunks_written_in_place_land_every_dtype_and_layout(chunk_bytes: int) -
     pointers = {k: t.data_ptr() for k, t in target.items()}
     flat = Flattener("state_dict").flatten(source)
     layout = StreamLayout(flat, chunk_bytes)
-    sources = StreamLayout.sources(flat)
+    sources = layout.sources(flat)
     plan = InPlace(layout.schema, target, "state_dict")
     for i in range(layout.count):
         offset, length = layout.span(i)
@@ -326,3 +326,44 @@ def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
 
 def _decoded(flat):  # type: ignore[no-untyped-def]
     return through_the_wire(flat)
+
+
+@pytest.mark.parametrize("chunk_bytes", [7, 4096, 1 << 22])
+def test_a_device_reader_cuts_the_same_chunks_through_two_slots(chunk_bytes: int) -> None:
+    """A learner on a GPU reads each chunk out of the device a chunk at a time, through
+    two chunk-sized host slots (the next chunk is copied while this one is sent). The
+    reader takes tensors on any device, so its mapping is checked here on CPU tensors
+    standing where a GPU's would be: every chunk, in order, out of order (a repair) and
+    again, has the same bytes as the host path's, gaps zeroed."""
+    from zmqsync.chunking import DeviceReader
+    from zmqsync.tensors import Flat
+
+    source = {(f"t{i}",): torch.randn(5, 3).to(dtype) for i, dtype in enumerate(ALL_DTYPES)}
+    for i in range(100):
+        source[(f"s{i}",)] = torch.randn(3)
+    source[("big",)] = torch.randn(300, 300)
+    flat = Flattener("state_dict").flatten(source)
+    layout = StreamLayout(flat, chunk_bytes)
+    host = layout.sources(flat)
+    on_device = Flat(
+        flat.schema,
+        flat.schema_bytes,
+        [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in flat.buffers],
+        flat.nbytes,
+        [],
+        on_device=True,
+    )
+    assert StreamLayout(on_device, chunk_bytes).schema == layout.schema
+    reader = layout.sources(on_device)
+    assert isinstance(reader, DeviceReader)
+    order = [*range(layout.count), layout.count // 2, 0, layout.count - 1]
+    for i in order:
+        _, length = layout.span(i)
+        want = np.empty(length, dtype=np.uint8)
+        layout.write(i, host, want)
+        got = np.full(length, 0xAB, dtype=np.uint8)  # stale bytes a reused buffer holds
+        layout.write(i, reader, got)
+        assert np.array_equal(got, want), i
+    reader.close()
+    # Two slots of at most one chunk: the reader's whole memory, whatever the size.
+    assert reader.nbytes <= 2 * chunk_bytes and reader.nbytes <= 2 * layout.total

@@ -45,6 +45,7 @@ from zmqsync.tensors import Flat, Flattener, KeyPath, check_fits, extract, read_
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
+    "DeviceReader",
     "InPlace",
     "Staging",
     "StreamLayout",
@@ -86,7 +87,7 @@ class StreamLayout:
             raise ValueError(f"chunk_bytes must be positive; got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.source_schema = flat.schema
-        self.sizes = [len(memoryview(b)) for b in flat.buffers]
+        self.sizes = flat.sizes
         bases, pos = [], 0
         for n in self.sizes:
             bases.append(pos)
@@ -116,7 +117,7 @@ class StreamLayout:
         return (
             flat.schema is self.source_schema
             and chunk_bytes == self.chunk_bytes
-            and [len(memoryview(b)) for b in flat.buffers] == self.sizes
+            and flat.sizes == self.sizes
         )
 
     def span(self, index: int) -> tuple[int, int]:
@@ -124,17 +125,25 @@ class StreamLayout:
         offset = index * self.chunk_bytes
         return offset, min(self.chunk_bytes, self.total - offset)
 
-    @staticmethod
-    def sources(flat: Flat) -> list[np.ndarray]:
-        """A Flat's buffers as numpy byte arrays: what :meth:`write` reads."""
+    def sources(self, flat: Flat) -> Sources:
+        """What :meth:`write` reads: a Flat's buffers as numpy byte arrays, or a
+        :class:`DeviceReader` of them if they are on an accelerator."""
+        if flat.on_device:
+            return DeviceReader(self, flat.buffers)
         return [np.frombuffer(b, dtype=np.uint8) for b in flat.buffers]
 
-    def write(self, index: int, sources: list[np.ndarray], out: np.ndarray) -> None:
+    def pieces(self, index: int) -> list[_Piece]:
+        return self._pieces[index]
+
+    def write(self, index: int, sources: Sources, out: np.ndarray) -> None:
         """Fill ``out`` (at least the chunk's length) with chunk ``index``'s bytes.
 
         Alignment gaps between buffers are zeroed: a reused buffer never sends stale bytes.
         """
         _, length = self.span(index)
+        if isinstance(sources, DeviceReader):
+            sources.write(index, out[:length])
+            return
         pos = 0
         for p in self._pieces[index]:
             if p.at > pos:
@@ -143,6 +152,109 @@ class StreamLayout:
             pos = p.at + p.stop - p.start
         if length > pos:
             out[pos:length] = 0
+
+
+class DeviceReader:
+    """Reads a stream's chunks out of tensors on an accelerator, through two chunk-sized
+    host buffers: chunk i+1 is copied device-to-host while chunk i is sent.
+
+    On CUDA the buffers are pinned and the copies run on a stream of their own (which
+    first waits for the work already queued, such as an optimizer step); elsewhere they
+    are plain copies. Either way the learner's extra memory is two chunks, whatever the
+    model's size. Any tensor works (CPU ones too), so the mapping is the same everywhere.
+    """
+
+    def __init__(self, layout: StreamLayout, buffers: list[torch.Tensor]) -> None:
+        self.layout = layout
+        self._buffers = buffers
+        devices = {b.device for b in buffers if b.device.type == "cuda"}
+        self._device = next(iter(devices)) if len(devices) == 1 else None
+        self._stream: Any = None
+        if self._device is not None and torch.cuda.is_available():
+            self._stream = torch.cuda.Stream(self._device)
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        elif devices:  # several GPUs: each copy waits for its own device
+            for device in devices:
+                torch.cuda.current_stream(device).synchronize()
+        self._slots: list[torch.Tensor] = []
+        self._arrays: list[np.ndarray] = []
+        #: Per slot: the chunk it holds, and the event its copy ends with (None: done).
+        self._held: list[tuple[int, Any]] = []
+
+    def _slot_for(self, index: int) -> int:
+        """The slot chunk ``index`` goes in, made on first use."""
+        if not self._slots:
+            pin = self._stream is not None
+            n = min(self.layout.chunk_bytes, self.layout.total)
+            for _ in range(2 if self.layout.count > 1 else 1):
+                slot = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+                self._slots.append(slot)
+                self._arrays.append(slot.numpy())
+                self._held.append((-1, None))
+        return index % len(self._slots)
+
+    def _issue(self, index: int) -> None:
+        """Start copying chunk ``index`` into its slot."""
+        s = self._slot_for(index)
+        self._wait(s)
+        slot = self._slots[s]
+        with torch.no_grad():
+            if self._stream is None:
+                for p in self.layout.pieces(index):
+                    slot[p.at : p.at + p.stop - p.start].copy_(
+                        self._buffers[p.buffer][p.start : p.stop]
+                    )
+                self._held[s] = (index, None)
+                return
+            with torch.cuda.stream(self._stream):
+                for p in self.layout.pieces(index):
+                    slot[p.at : p.at + p.stop - p.start].copy_(
+                        self._buffers[p.buffer][p.start : p.stop], non_blocking=True
+                    )
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        self._held[s] = (index, event)
+
+    def _wait(self, s: int) -> None:
+        index, event = self._held[s]
+        if event is not None:
+            event.synchronize()
+            self._held[s] = (index, None)
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory it holds (its slots)."""
+        return sum(int(s.numel()) for s in self._slots)
+
+    def close(self) -> None:
+        """Wait for the copies still running (before the tensors or slots may go)."""
+        for s in range(len(self._held)):
+            self._wait(s)
+            self._held[s] = (-1, None)
+
+    def write(self, index: int, out: np.ndarray) -> None:
+        """Fill ``out`` (the chunk's length) with chunk ``index``, and start the next."""
+        s = self._slot_for(index)
+        if self._held[s][0] != index:
+            self._issue(index)
+        if index + 1 < self.layout.count and self._held[self._slot_for(index + 1)][0] != index + 1:
+            self._issue(index + 1)  # on the device's copy engine while this one is sent
+        self._wait(s)
+        source = self._arrays[s]
+        pos = 0
+        for p in self.layout.pieces(index):
+            if p.at > pos:
+                out[pos : p.at] = 0
+            end = p.at + p.stop - p.start
+            np.copyto(out[p.at : end], source[p.at : end])
+            pos = end
+        if len(out) > pos:
+            out[pos:] = 0
+        self._held[s] = (-1, None)
+
+
+#: What :meth:`StreamLayout.write` reads.
+Sources = list[np.ndarray] | DeviceReader
 
 
 @dataclass(slots=True)
@@ -309,7 +421,7 @@ def version_messages(
     flat = Flattener(strategy).flatten(extract(weights, strategy))
     layout = StreamLayout(flat, chunk_bytes)
     data = np.empty(layout.total, dtype=np.uint8)
-    sources = StreamLayout.sources(flat)
+    sources = layout.sources(flat)
     messages = []
     for i in range(layout.count):
         offset, length = layout.span(i)

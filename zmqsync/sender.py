@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from zmqsync.chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, StreamLayout
+from zmqsync.chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, DeviceReader, StreamLayout
 from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
 from zmqsync.fleet import FanOut, Fleet, Forget, Origin, Reply, Send, SendLatest
 from zmqsync.protocol import (
@@ -223,7 +223,7 @@ class _Copy:
         self._epoch = sender.epoch
         self._checksums = sender.checksums
         self._flat: Flat | None = flat
-        self._sources = StreamLayout.sources(flat) if flat is not None else None
+        self._sources = layout.sources(flat) if flat is not None else None
         self._written = 0 if flat is not None else layout.count
         self._ended = False
         self._lock = threading.Lock()
@@ -253,13 +253,18 @@ class _Copy:
                 self.layout.write(self._written, self._sources, self.data[offset : offset + length])
                 self._written += 1
             if self._written == self.layout.count:
-                self._sources = self._flat = None  # the caller's memory is read no more
+                self._let_go()  # the caller's memory is read no more
 
     def end(self) -> None:
         """The send is over: a ring or live copy reads the caller's tensors no more."""
         if self.data is None or self.live:
-            self._sources = self._flat = None
+            self._let_go()
             self._ended = True
+
+    def _let_go(self) -> None:
+        if isinstance(self._sources, DeviceReader):
+            self._sources.close()  # no copy out of the caller's tensors is still running
+        self._sources = self._flat = None
 
     def reach(self, to: Sequence[PeerId] | None) -> None:
         """Its chunks went to ``to`` (None: every peer)."""
@@ -602,7 +607,8 @@ class WeightSender:
                     return live
             else:
                 self._share_problem = "send() was given weights that are not the model's"
-        flat = self._flattener.flatten(tensors)
+        # Tensors on a GPU stay there: each chunk is copied to the host as it is written.
+        flat = self._flattener.flatten(tensors, stage=False)
         if self._layout is None or not self._layout.fits(flat, self.chunk_bytes):
             self._layout = StreamLayout(flat, self.chunk_bytes)
         shared = self._shared_runner()

@@ -72,7 +72,7 @@ class SharedParams:
         owner tensor there. Check :func:`why_not_shared` first."""
         self.layout = layout
         self.data = data
-        sources = StreamLayout.sources(flat)
+        sources = layout.sources(flat)
         for index in range(layout.count):
             offset, length = layout.span(index)
             layout.write(index, sources, data[offset : offset + length])

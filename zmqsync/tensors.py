@@ -282,12 +282,22 @@ class Flat:
 
     schema: WeightsSchema
     schema_bytes: bytes
-    buffers: list[Buffer]
+    #: Host memory; or, ``on_device``, uint8 tensors on an accelerator (see
+    #: :meth:`Flattener.flatten`'s ``stage``).
+    buffers: list[Any]
     nbytes: int
     keepalive: list[torch.Tensor] = field(repr=False)
     #: The buffers are a private copy already (weights staged from a GPU): changing
     #: the model does not change them.
     owned: bool = False
+    on_device: bool = False
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each buffer's length in bytes."""
+        if self.on_device:
+            return [int(b.numel()) for b in self.buffers]
+        return [len(memoryview(b)) for b in self.buffers]
 
 
 def _aligned(n: int) -> int:
@@ -348,10 +358,16 @@ class Flattener:
         self._pack: list[np.ndarray] = []
         self._staged: _Staged | None = None  # set while the tensors live on a GPU
 
-    def flatten(self, tensors: Mapping[KeyPath, torch.Tensor]) -> Flat:
+    def flatten(self, tensors: Mapping[KeyPath, torch.Tensor], *, stage: bool = True) -> Flat:
+        """``tensors`` as a Flat. Tensors on an accelerator are copied to host memory
+        (``stage``), or left there: the Flat's buffers are then their bytes on the device
+        (small ones gathered there into one), for a reader that copies them to the host
+        a chunk at a time (:class:`zmqsync.chunking.DeviceReader`)."""
         if tensors is not self._source:
             self._prepare(tensors)
         if self._staged is not None:
+            if not stage:
+                return self._flatten_on_device(self._staged)
             return self._flatten_staged(self._staged)
         keepalive = list(self._big)
         buffers: list[Buffer] = list(self._big_views)
@@ -491,6 +507,19 @@ class Flattener:
         assert self._schema is not None
         buffers: list[Buffer] = [o.numpy().data.toreadonly() for o in outs]
         return Flat(self._schema, self._schema_bytes, buffers, staged.nbytes, outs, owned=True)
+
+    def _flatten_on_device(self, staged: _Staged) -> Flat:
+        with torch.no_grad():
+            buffers = [_bytes_of(t) for t in staged.big]
+            if staged.pack:
+                views = staged.pack_views or [_bytes_of(t) for t in staged.pack]
+                device = views[0].device
+                # One gather where the small tensors live: a chunk is then one copy.
+                buffers.append(torch.cat([v.to(device) for v in views]))
+        assert self._schema is not None
+        return Flat(
+            self._schema, self._schema_bytes, buffers, staged.nbytes, buffers, on_device=True
+        )
 
     def _layout(
         self,

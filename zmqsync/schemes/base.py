@@ -475,7 +475,9 @@ class WeightSyncScheme:
             raise SchemaMismatchError(f"weights lack {name!r} that the model has", key=name)
         from zmqsync.tensors import Flattener
 
-        check_fits(Flattener(self.strategy).flatten(source).schema, target, self.strategy)
+        check_fits(
+            Flattener(self.strategy).flatten(source, stage=False).schema, target, self.strategy
+        )
         with torch.no_grad():
             if inplace:
                 for key, dest in target.items():
