@@ -40,7 +40,15 @@ from zmqsync.protocol import (
     encode_schema,
 )
 from zmqsync.protocol.codec import layout_digest
-from zmqsync.tensors import Flat, Flattener, KeyPath, check_fits, extract, read_view
+from zmqsync.tensors import (
+    CastPlan,
+    Flat,
+    Flattener,
+    KeyPath,
+    check_fits,
+    extract,
+    read_view,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -93,7 +101,7 @@ class StreamLayout:
             bases.append(pos)
             pos = _aligned(pos + n)
         entries = tuple(
-            TensorEntry(e.key, e.dtype, e.shape, 0, bases[e.buffer] + e.offset, e.nbytes)
+            TensorEntry(e.key, e.dtype, e.shape, 0, bases[e.buffer] + e.offset, e.nbytes, e.wire)
             for e in flat.schema.entries
         )
         self.total = max((e.offset + e.nbytes for e in entries if e.nbytes), default=0)
@@ -129,8 +137,11 @@ class StreamLayout:
         """What :meth:`write` reads: a Flat's buffers as numpy byte arrays, or a
         :class:`DeviceReader` of them if they are on an accelerator."""
         if flat.on_device:
-            return DeviceReader(self, flat.buffers)
-        return [np.frombuffer(b, dtype=np.uint8) for b in flat.buffers]
+            return DeviceReader(self, flat.buffers, flat.casts)
+        return [
+            _Cast(b, flat.casts[i]) if i in flat.casts else np.frombuffer(b, dtype=np.uint8)
+            for i, b in enumerate(flat.buffers)
+        ]
 
     def pieces(self, index: int) -> list[_Piece]:
         return self._pieces[index]
@@ -148,10 +159,33 @@ class StreamLayout:
         for p in self._pieces[index]:
             if p.at > pos:
                 out[pos : p.at] = 0
-            np.copyto(out[p.at : p.at + p.stop - p.start], sources[p.buffer][p.start : p.stop])
+            source = sources[p.buffer]
+            if isinstance(source, _Cast):
+                source.write(p.start, p.stop, out[p.at : p.at + p.stop - p.start])
+            else:
+                np.copyto(out[p.at : p.at + p.stop - p.start], source[p.start : p.stop])
             pos = p.at + p.stop - p.start
         if length > pos:
             out[pos:length] = 0
+
+
+class _Cast:
+    """A buffer cast for the wire as it is read (``wire_dtype``): the tensor's elements."""
+
+    def __init__(self, tensor: torch.Tensor, wire: torch.dtype) -> None:
+        self.tensor = tensor  # flat, the tensor's own dtype
+        self.wire = wire
+
+    def write(self, start: int, stop: int, out: Any) -> None:
+        """Wire bytes ``[start, stop)`` of the buffer, cast, into ``out``."""
+        size = self.wire.itemsize
+        if start % size or stop % size:
+            raise ValueError(f"chunk_bytes must be a multiple of {size} to cast to {self.wire}")
+        target = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
+        with torch.no_grad():
+            target.view(self.wire).copy_(
+                self.tensor[start // size : stop // size], non_blocking=target.is_pinned()
+            )
 
 
 class DeviceReader:
@@ -164,10 +198,17 @@ class DeviceReader:
     model's size. Any tensor works (CPU ones too), so the mapping is the same everywhere.
     """
 
-    def __init__(self, layout: StreamLayout, buffers: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        layout: StreamLayout,
+        buffers: list[torch.Tensor],
+        casts: Mapping[int, torch.dtype] | None = None,
+    ) -> None:
         self.layout = layout
-        self._buffers = buffers
-        devices = {b.device for b in buffers if b.device.type == "cuda"}
+        self._buffers: list[torch.Tensor | _Cast] = [
+            _Cast(b, casts[i]) if casts and i in casts else b for i, b in enumerate(buffers)
+        ]
+        devices = {b.device for b in buffers if b.device.type == "cuda"}  # cast ones too
         self._device = next(iter(devices)) if len(devices) == 1 else None
         self._stream: Any = None
         if self._device is not None and torch.cuda.is_available():
@@ -200,20 +241,23 @@ class DeviceReader:
         slot = self._slots[s]
         with torch.no_grad():
             if self._stream is None:
-                for p in self.layout.pieces(index):
-                    slot[p.at : p.at + p.stop - p.start].copy_(
-                        self._buffers[p.buffer][p.start : p.stop]
-                    )
+                self._copy(index, slot)
                 self._held[s] = (index, None)
                 return
             with torch.cuda.stream(self._stream):
-                for p in self.layout.pieces(index):
-                    slot[p.at : p.at + p.stop - p.start].copy_(
-                        self._buffers[p.buffer][p.start : p.stop], non_blocking=True
-                    )
+                self._copy(index, slot)
                 event = torch.cuda.Event()
                 event.record(self._stream)
         self._held[s] = (index, event)
+
+    def _copy(self, index: int, slot: torch.Tensor) -> None:
+        for p in self.layout.pieces(index):
+            source = self._buffers[p.buffer]
+            out = slot[p.at : p.at + p.stop - p.start]
+            if isinstance(source, _Cast):
+                source.write(p.start, p.stop, out)
+            else:
+                out.copy_(source[p.start : p.stop], non_blocking=slot.is_pinned())
 
     def _wait(self, s: int) -> None:
         index, event = self._held[s]
@@ -254,7 +298,7 @@ class DeviceReader:
 
 
 #: What :meth:`StreamLayout.write` reads.
-Sources = list[np.ndarray] | DeviceReader
+Sources = list[np.ndarray | _Cast] | DeviceReader
 
 
 @dataclass(slots=True)
@@ -282,7 +326,12 @@ class InPlace:
         check_fits(schema, target, strategy)
         self.schema = schema
         self.target = target
-        self._entries = sorted((e for e in schema.entries if e.nbytes), key=lambda e: e.offset)
+        self._entries = sorted(
+            (e for e in schema.entries if e.nbytes and not e.wire), key=lambda e: e.offset
+        )
+        cast = [e for e in schema.entries if e.wire]
+        #: Tensors that travel cast (``wire_dtype``): copied element-wise, cast back.
+        self._cast = CastPlan(cast, target) if cast else None
         self._starts = [e.offset for e in self._entries]
         self._arrays: list[np.ndarray | None] = []
         #: Tensors numpy cannot write: (the tensor, its contiguous CPU byte buffer or its
@@ -355,6 +404,11 @@ class InPlace:
         else:
             for dest, start in zip(span.dests, span.starts, strict=True):
                 np.copyto(dest, source[start : start + dest.nbytes])
+        if self._cast is not None:
+            chunk = read_view(source)
+            if chunk is not None:
+                with torch.no_grad():
+                    self._cast.apply(chunk, offset, copy=True)
         if span.others:
             with torch.no_grad():
                 chunk = read_view(source)
@@ -370,6 +424,8 @@ class InPlace:
             for dest, buf in self._special.values():
                 if not dest.is_contiguous():
                     dest.copy_(buf.view(dest.dtype).reshape(dest.shape))
+            if self._cast is not None:
+                self._cast.finish()
         for device in self._devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

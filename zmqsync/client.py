@@ -648,6 +648,11 @@ class ModelWorker:
         return self._receiver.version
 
     @property
+    def metadata(self) -> dict[str, Any] | None:
+        """What the learner attached to the version held now (``send(metadata=)``)."""
+        return self._receiver.metadata
+
+    @property
     def worker_idx(self) -> int | None:
         """This worker's id (assigned by the learner on connect when none was given)."""
         return self._receiver.worker_idx

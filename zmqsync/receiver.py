@@ -212,6 +212,12 @@ class WeightReceiver:
         self.version = 0
         self.epoch = 0
         self.weights: Any = None
+        #: What the learner attached to the version held now (``send(metadata=)``).
+        self.metadata: dict[str, Any] | None = None
+        self._incoming_metadata: dict[str, Any] | None = None
+        #: The dtype the version held now travelled as (``wire_dtype``), or None.
+        self.wire_dtype: str | None = None
+        self._wire_of: tuple[WeightsSchema | None, str | None] = (None, None)
         self._model_tensors = ModelTensors(strategy)
         self._plan: ApplyPlan | None = None
         self._in_place: InPlace | None = None
@@ -539,6 +545,9 @@ class WeightReceiver:
         chunk, schema = event.chunk, event.schema
         self._started_at = time.monotonic()
         self._schema = schema
+        self._incoming_metadata = chunk.metadata
+        if self._wire_of[0] is not schema:  # once per layout, not per version
+            self._wire_of = (schema, next((e.wire for e in schema.entries if e.wire), None))
         if self.model is None:
             self._writing = "staged"
             self._staging.start(chunk.total)
@@ -615,6 +624,8 @@ class WeightReceiver:
                 self.epoch = chunk.epoch
                 self._sender_epoch = chunk.epoch
             self.version = chunk.version
+            self.metadata = self._incoming_metadata
+            self.wire_dtype = self._wire_of[1]
             self.lock.mend()
             for listener in self.on_applied:
                 listener(self.epoch, self.version)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
+import torch
 
 from zmqsync.chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, DeviceReader, StreamLayout
 from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
@@ -51,6 +52,7 @@ from zmqsync.protocol import (
     checksum,
     decode,
     encode,
+    encode_metadata,
     peek_kind,
 )
 from zmqsync.shared_params import SharedParams, why_not_shared
@@ -60,6 +62,7 @@ from zmqsync.tensors import (
     Flattener,
     KeyPath,
     ModelTensors,
+    dtype_name,
     extract,
 )
 from zmqsync.transport.base import HubTransport, Incoming, PeerId
@@ -209,8 +212,11 @@ class _Copy:
         lent_by_hub: bool = False,
         ring: _Ring | None = None,
         live: bool = False,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         self.version = version
+        #: What the learner attached to the version (its first chunk carries it).
+        self.metadata = metadata
         self.layout = layout
         self.data = data
         self.ring = ring
@@ -300,6 +306,7 @@ class _Copy:
             layout.layout,
             payload,
             checksum=checksum(payload) if self._checksums else 0,
+            metadata=self.metadata if index == 0 else None,
         )
         frames = encode(chunk, schema_bytes=layout.schema_bytes if index == 0 else None)
         lent = self.lease.lend(frames)
@@ -368,6 +375,12 @@ class WeightSender:
             worker may still be reading when it returns (a timeout, a stopped worker),
             the model moves to another block first, so that worker reads one whole
             version. ``send_async()`` copies, as without it.
+        wire_dtype: floating tensors of another dtype travel as this one (``torch.
+            bfloat16``, ``torch.float16``, ``torch.float32`` or a float8), cast chunk by
+            chunk as they are written (nothing model-sized), and each worker casts them
+            back to its tensor's own dtype. Integer and bool tensors travel as they are.
+            ``chunk_bytes`` must then be a multiple of 16. With it, ``share_params``
+            copies (the wire bytes are not the tensors').
     """
 
     def __init__(
@@ -388,6 +401,7 @@ class WeightSender:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         checksums: bool = False,
         share_params: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds; got {timeout}")
@@ -395,6 +409,10 @@ class WeightSender:
             raise ValueError(
                 f"chunk_bytes must be between {MIN_CHUNK_BYTES} and {MAX_CHUNK_BYTES}; "
                 f"got {chunk_bytes}"
+            )
+        if wire_dtype is not None and chunk_bytes % 16:
+            raise ValueError(
+                f"with wire_dtype, chunk_bytes must be a multiple of 16; got {chunk_bytes}"
             )
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
@@ -424,7 +442,8 @@ class WeightSender:
         )
         self.chunk_bytes = int(chunk_bytes)
         self.checksums = checksums
-        self._flattener = Flattener(strategy, pack_threshold=pack_threshold)
+        self._flattener = Flattener(strategy, pack_threshold=pack_threshold, wire_dtype=wire_dtype)
+        self.wire_dtype = wire_dtype
         self._layout: StreamLayout | None = None
         self._ring = _Ring(self.chunk_bytes)
         #: How long chunks usually take to be let go of (seconds, a moving average).
@@ -436,6 +455,7 @@ class WeightSender:
         #: The model's tensors in a hub's shared memory (share_params), and why not.
         self._shared: SharedParams | None = None
         self._share_problem: str | None = None
+        self._metadata: dict[str, Any] | None = None  # the latest version's
         self._pending: _Pending | None = None
         self._async_pending = False
         self._started = time.monotonic()
@@ -495,11 +515,19 @@ class WeightSender:
         """Every hub this sender serves through (a mixed fleet has several)."""
         return [r.hub for r in self._runners]
 
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | list[int] | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         """Send weights and return once every targeted worker has applied them.
 
         ``weights``: ``None`` (extract from the model), an ``nn.Module``, a ``TensorDict``
         or a ``dict`` of tensors. ``worker_ids``: ``None`` (all), an ``int`` or a list.
+        ``metadata``: a small JSON-able dict tagging the version (e.g. the optimizer
+        step); workers see it as ``receiver.metadata``, late joiners too.
 
         Raises :class:`SyncTimeout` (a ``TimeoutError``) naming the workers that did not
         ack within ``timeout``, or :class:`WeightsRejected` if some refused the version.
@@ -513,10 +541,16 @@ class WeightSender:
             with (
                 self._runners[0].holding() if len(self._runners) == 1 else contextlib.nullcontext()
             ):
-                pending = self._start(weights, worker_ids)
+                pending = self._start(weights, worker_ids, metadata=metadata)
                 self._finish(pending)
 
-    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send_async(
+        self,
+        weights: Any = None,
+        worker_ids: int | list[int] | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         """Start a send and return once the weights are copied; :meth:`wait_async`
         completes it. The weights may change as soon as this returns.
 
@@ -529,7 +563,7 @@ class WeightSender:
                 )
             # It returns before the stream ends and the weights may change then: a
             # whole copy, even without a snapshot.
-            pending = self._start(weights, worker_ids, whole=True)
+            pending = self._start(weights, worker_ids, whole=True, metadata=metadata)
             pending.copy.write_through(pending.copy.count - 1)
             self._async_pending = True
 
@@ -570,15 +604,24 @@ class WeightSender:
     # --- the send path ---------------------------------------------------------------
 
     def _start(
-        self, weights: Any, worker_ids: int | list[int] | None, *, whole: bool = False
+        self,
+        weights: Any,
+        worker_ids: int | list[int] | None,
+        *,
+        whole: bool = False,
+        metadata: dict[str, Any] | None = None,
     ) -> _Pending:
         self._check_open()
+        if metadata is not None:
+            encode_metadata(metadata)  # refused before any work: not a dict, too large
         with self._cond:
             self.fleet.targets(worker_ids, time.monotonic())  # bad ids raise before any work
             version = self.fleet.version + 1
         # Without a snapshot, a synchronous send streams through the ring: it reads the
         # caller's tensors until it returns, and nothing model-sized is made.
         copy = self._copy_of(weights, version, whole=whole or self.retain_snapshot)
+        copy.metadata = metadata
+        self._metadata = metadata
         with self._cond:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
             pending = self._pending = _Pending(send, copy)
@@ -649,7 +692,9 @@ class WeightSender:
         owners = self._model_tensors.owners(self.model)
         old, self._shared = self._shared, None
         why = (
-            "no single hub lends shared memory (workers on another host?)"
+            "wire_dtype casts every version: the tensors are not the wire bytes"
+            if self.wire_dtype is not None
+            else "no single hub lends shared memory (workers on another host?)"
             if runner is None or len(self._runners) != 1
             else why_not_shared(tensors, owners)
         )
@@ -979,6 +1024,8 @@ class WeightSender:
             "endpoint": self.endpoint,
             "strategy": self.strategy,
             "num_workers": self.num_workers,
+            "metadata": self._metadata,
+            "wire_dtype": None if self.wire_dtype is None else dtype_name(self.wire_dtype),
             "share_params": (
                 None
                 if not self.share_params

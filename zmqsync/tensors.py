@@ -15,6 +15,7 @@ The only module that imports torch and tensordict.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import operator
 import warnings
@@ -26,10 +27,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from zmqsync.errors import SchemaMismatchError
+from zmqsync.errors import FrameError, SchemaMismatchError
 from zmqsync.protocol import (
     DTYPE_ITEMSIZE,
     STRATEGIES,
+    WIRE_DTYPES,
     Buffer,
     TensorEntry,
     Weights,
@@ -291,13 +293,23 @@ class Flat:
     #: the model does not change them.
     owned: bool = False
     on_device: bool = False
+    #: Buffers cast for the wire as they are read (``wire_dtype``): buffer index -> the
+    #: wire dtype. Such a buffer is a flat tensor of the tensor's own dtype.
+    casts: dict[int, torch.dtype] = field(default_factory=dict)
 
     @property
     def sizes(self) -> list[int]:
-        """Each buffer's length in bytes."""
-        if self.on_device:
-            return [int(b.numel()) for b in self.buffers]
-        return [len(memoryview(b)) for b in self.buffers]
+        """Each buffer's length in bytes, on the wire."""
+        out = []
+        for i, b in enumerate(self.buffers):
+            wire = self.casts.get(i)
+            if wire is not None:
+                out.append(int(b.numel()) * wire.itemsize)
+            elif self.on_device:
+                out.append(int(b.numel()))
+            else:
+                out.append(len(memoryview(b)))
+        return out
 
 
 def _aligned(n: int) -> int:
@@ -332,6 +344,8 @@ class _Staged:
     one_device: bool = True  # all on one device: the pack is gathered there first
     pin: bool = False
     nbytes: int = 0
+    #: Per piece of ``pack``: the dtype it travels as, if cast (``wire_dtype``).
+    pack_wire: list[torch.dtype | None] = field(default_factory=list)
 
 
 class Flattener:
@@ -341,8 +355,20 @@ class Flattener:
     and reused while keys, dtypes and shapes stay the same.
     """
 
-    def __init__(self, strategy: str, *, pack_threshold: int = DEFAULT_PACK_THRESHOLD) -> None:
+    def __init__(
+        self,
+        strategy: str,
+        *,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
         _check_strategy(strategy)
+        if wire_dtype is not None and dtype_name(wire_dtype) not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}; got {wire_dtype}")
+        #: Floating tensors of another dtype travel as this one (cast as they are read).
+        self.wire_dtype = wire_dtype
+        self._casts: dict[int, torch.dtype] = {}
+        self._pack_casts: list[tuple[int, list[torch.Tensor], torch.dtype]] = []
         self.strategy = strategy
         self.pack_threshold = pack_threshold
         self._layout_key: tuple[Any, ...] | None = None
@@ -353,9 +379,9 @@ class Flattener:
         # the model's tensors keep their storage).
         self._source: Mapping[KeyPath, torch.Tensor] | None = None
         self._big: list[torch.Tensor] = []
-        self._big_views: list[memoryview] = []
+        self._big_views: list[Any] = []  # memoryviews; cast ones: tensors
         self._big_nbytes = 0
-        self._pack: list[np.ndarray] = []
+        self._pack: list[np.ndarray | None] = []  # None: a cast group, made per version
         self._staged: _Staged | None = None  # set while the tensors live on a GPU
 
     def flatten(self, tensors: Mapping[KeyPath, torch.Tensor], *, stage: bool = True) -> Flat:
@@ -370,18 +396,34 @@ class Flattener:
                 return self._flatten_on_device(self._staged)
             return self._flatten_staged(self._staged)
         keepalive = list(self._big)
-        buffers: list[Buffer] = list(self._big_views)
+        buffers: list[Any] = list(self._big_views)
         nbytes = self._big_nbytes
         if self._pack:
             # A fresh buffer every version: an earlier one may still be in flight. One
             # memcpy per small tensor from views kept between versions (numpy's: torch's
             # cat would reshape each tensor again and may wake its thread pool).
-            packed = np.concatenate(self._pack)
+            parts: list[Any] = self._pack
+            if self._pack_casts:  # each cast group: one gather and one cast
+                parts = list(parts)
+                for at, views, wire in self._pack_casts:
+                    parts[at] = torch.cat(views).to(wire).view(torch.uint8).numpy()
+            packed = np.concatenate(parts)
             keepalive.append(torch.from_numpy(packed))
             buffers.append(packed.data)
             nbytes += packed.nbytes
         assert self._schema is not None
-        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive)
+        return Flat(self._schema, self._schema_bytes, buffers, nbytes, keepalive, casts=self._casts)
+
+    def _wire(self, t: torch.Tensor) -> torch.dtype | None:
+        """The dtype ``t`` travels as, if it is cast for the wire."""
+        wire = self.wire_dtype
+        if wire is not None and t.is_floating_point() and t.dtype != wire:
+            return wire
+        return None
+
+    def _wire_nbytes(self, t: torch.Tensor) -> int:
+        wire = self._wire(t)
+        return t.nbytes if wire is None else t.numel() * wire.itemsize
 
     def _prepare(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
         """Sort ``tensors`` into large ones (a frame each) and small ones (packed per
@@ -391,7 +433,7 @@ class Flattener:
             return
         self._staged = None
         big: list[tuple[KeyPath, torch.Tensor]] = []
-        small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
+        small: dict[Any, list[tuple[KeyPath, torch.Tensor]]] = {}
         aliases = True  # every view below reads the caller's tensors (no copy was made)
         for path, tensor in tensors.items():
             t = tensor
@@ -399,21 +441,35 @@ class Flattener:
                 t = t.contiguous()
                 aliases = False
             if t.nbytes < self.pack_threshold:
-                small.setdefault(t.dtype, []).append((path, t))
+                small.setdefault((t.dtype, self._wire(t)), []).append((path, t))
             else:
                 big.append((path, t))
-        self._big = [_byte_view(t) for _, t in big]
+        self._casts = {i: w for i, (_, t) in enumerate(big) if (w := self._wire(t)) is not None}
+        # Cast ones are read as their own elements, and cast as each chunk is written.
+        self._big = [
+            t.detach().reshape(-1) if i in self._casts else _byte_view(t)
+            for i, (_, t) in enumerate(big)
+        ]
         # The large tensors' bytes, as the frames that carry them: the same views every
         # version while the tensors keep their storage.
-        self._big_views = [v.numpy().data for v in self._big]
-        self._big_nbytes = sum(v.numel() for v in self._big)
+        self._big_views = [
+            v if i in self._casts else v.numpy().data for i, v in enumerate(self._big)
+        ]
+        self._big_nbytes = sum(self._wire_nbytes(t) for _, t in big)
         self._pack = []
+        self._pack_casts = []
         offset = 0
-        for group in small.values():
+        for (_, wire), group in small.items():
             pad = -offset % _PACK_ALIGN
             if pad:
                 self._pack.append(np.zeros(pad, dtype=np.uint8))
                 offset += pad
+            if wire is not None:
+                views = [t.detach().reshape(-1) for _, t in group]
+                self._pack_casts.append((len(self._pack), views, wire))
+                self._pack.append(None)  # filled each version
+                offset += sum(v.numel() for v in views) * wire.itemsize
+                continue
             for _, t in group:
                 self._pack.append(_byte_view(t.detach()).numpy())
                 offset += t.nbytes
@@ -425,7 +481,7 @@ class Flattener:
     def _set_layout(
         self,
         big: list[tuple[KeyPath, torch.Tensor]],
-        small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]],
+        small: dict[Any, list[tuple[KeyPath, torch.Tensor]]],
     ) -> None:
         layout_key = (
             tuple((p, t.dtype, t.shape) for p, t in big),
@@ -441,26 +497,29 @@ class Flattener:
         host memory (pinned, so the copies run at full speed and overlap), and that copy
         is the Flat: private and read-only."""
         big: list[tuple[KeyPath, torch.Tensor]] = []
-        small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]] = {}
+        small: dict[Any, list[tuple[KeyPath, torch.Tensor]]] = {}
         for path, tensor in tensors.items():
             t = tensor.detach()
             if t.nbytes < self.pack_threshold:
-                small.setdefault(t.dtype, []).append((path, t))
+                small.setdefault((t.dtype, self._wire(t)), []).append((path, t))
             else:
                 big.append((path, t))
         self._set_layout(big, small)
         assert self._schema is not None
         staged = _Staged([t for _, t in big])
+        self._casts = {i: w for i, (_, t) in enumerate(big) if (w := self._wire(t)) is not None}
         pieces: list[torch.Tensor] = []
         offset = 0
-        for group in small.values():
+        for (_, wire), group in small.items():
             pad = -offset % _PACK_ALIGN
             if pad:
                 pieces.append(torch.zeros(pad, dtype=torch.uint8, device=group[0][1].device))
+                staged.pack_wire.append(None)
                 offset += pad
             for _, t in group:
                 pieces.append(t)
-                offset += t.nbytes
+                staged.pack_wire.append(wire)
+                offset += self._wire_nbytes(t)
         staged.pack = pieces
         staged.pack_nbytes = offset
         if all(t.is_contiguous() for t in pieces):
@@ -471,11 +530,27 @@ class Flattener:
         staged.devices = [d for d in devices if d.type != "cpu"]
         staged.one_device = len(devices) == 1
         staged.pin = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
-        staged.nbytes = sum(t.nbytes for _, t in big) + offset
+        staged.nbytes = sum(self._wire_nbytes(t) for _, t in big) + offset
         self._staged = staged
         self._source = tensors  # read afresh each version: the mapping alone is cached
 
     def _flatten_staged(self, staged: _Staged) -> Flat:
+        if self._casts or any(staged.pack_wire):
+            # Cast for the wire where the tensors live, then brought over whole.
+            flat = self._flatten_on_device(staged)
+            copies = [
+                (b.to(flat.casts[i]).view(torch.uint8) if i in flat.casts else b).cpu()
+                for i, b in enumerate(flat.buffers)
+            ]
+            assert self._schema is not None
+            return Flat(
+                self._schema,
+                self._schema_bytes,
+                [o.numpy().data.toreadonly() for o in copies],
+                staged.nbytes,
+                copies,
+                owned=True,
+            )
         sizes = [t.nbytes for t in staged.big]
         if staged.pack:
             sizes.append(staged.pack_nbytes)
@@ -510,34 +585,55 @@ class Flattener:
 
     def _flatten_on_device(self, staged: _Staged) -> Flat:
         with torch.no_grad():
-            buffers = [_bytes_of(t) for t in staged.big]
+            buffers = [
+                t.contiguous().reshape(-1) if i in self._casts else _bytes_of(t)
+                for i, t in enumerate(staged.big)
+            ]
             if staged.pack:
                 views = staged.pack_views or [_bytes_of(t) for t in staged.pack]
+                if any(staged.pack_wire):
+                    views = [
+                        v if w is None else _bytes_of(t.to(w))
+                        for v, t, w in zip(views, staged.pack, staged.pack_wire, strict=True)
+                    ]
                 device = views[0].device
                 # One gather where the small tensors live: a chunk is then one copy.
                 buffers.append(torch.cat([v.to(device) for v in views]))
         assert self._schema is not None
         return Flat(
-            self._schema, self._schema_bytes, buffers, staged.nbytes, buffers, on_device=True
+            self._schema,
+            self._schema_bytes,
+            buffers,
+            staged.nbytes,
+            buffers,
+            on_device=True,
+            casts=self._casts,
         )
 
     def _layout(
         self,
         big: list[tuple[KeyPath, torch.Tensor]],
-        small: dict[torch.dtype, list[tuple[KeyPath, torch.Tensor]]],
+        small: dict[Any, list[tuple[KeyPath, torch.Tensor]]],
     ) -> WeightsSchema:
-        entries = [
-            TensorEntry(p, dtype_name(t.dtype), tuple(t.shape), i, 0, t.nbytes)
-            for i, (p, t) in enumerate(big)
-        ]
+        def entry(p: KeyPath, t: torch.Tensor, buffer: int, offset: int) -> TensorEntry:
+            wire = self._wire(t)
+            return TensorEntry(
+                p,
+                dtype_name(t.dtype),
+                tuple(t.shape),
+                buffer,
+                offset,
+                self._wire_nbytes(t),
+                "" if wire is None else dtype_name(wire),
+            )
+
+        entries = [entry(p, t, i, 0) for i, (p, t) in enumerate(big)]
         offset = 0
         for group in small.values():
             offset += -offset % _PACK_ALIGN
             for p, t in group:
-                entries.append(
-                    TensorEntry(p, dtype_name(t.dtype), tuple(t.shape), len(big), offset, t.nbytes)
-                )
-                offset += t.nbytes
+                entries.append(entry(p, t, len(big), offset))
+                offset += self._wire_nbytes(t)
         return WeightsSchema(self.strategy, tuple(entries))
 
 
@@ -555,6 +651,92 @@ def read_view(buf: Any) -> torch.Tensor | None:
 
 def _source_views(message: Weights) -> list[torch.Tensor | None]:
     return [read_view(buf) for buf in message.buffers]
+
+
+class CastPlan:
+    """Tensors that travel cast (``wire_dtype``): copies the elements a stretch of the
+    stream holds into them, cast back to each one's dtype.
+
+    Applied to a chunk at a time (in place) or to a whole version (staged). The stretches
+    seen are remembered with the views they need, so a chunk of thousands of small
+    tensors is one ``_foreach_copy_``, not a Python step per tensor.
+    """
+
+    def __init__(self, entries: list[TensorEntry], target: Mapping[KeyPath, torch.Tensor]):
+        self._entries = sorted((e for e in entries if e.nbytes), key=lambda e: e.offset)
+        self._starts = [e.offset for e in self._entries]
+        #: Where each entry's elements go: the tensor itself, flat, or (not contiguous,
+        #: or on an accelerator) a contiguous CPU copy put in place by :meth:`finish`.
+        self._flat: list[torch.Tensor] = []
+        self._later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for e in self._entries:
+            dest = target[e.key]
+            if dest.device.type == "cpu" and dest.is_contiguous():
+                self._flat.append(dest.detach().view(-1))
+            else:
+                tmp = torch.empty(dest.numel(), dtype=dest.dtype)
+                self._flat.append(tmp)
+                self._later.append((dest, tmp))
+        #: Views of one source's memory (the last seen), per stretch of the stream.
+        self._source = (0, 0)
+        self._spans: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._scratch: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def apply(self, source: torch.Tensor, offset: int, *, copy: bool = False) -> None:
+        """Copy what ``source`` (uint8: stream bytes ``[offset, offset + len)``) holds.
+
+        ``copy``: the source is memory that will not come again (a received chunk): it is
+        first copied into a buffer of the plan's, whose views are made once.
+        """
+        length = int(source.numel())
+        if copy:
+            if self._scratch is None or self._scratch.numel() < length:
+                self._scratch = torch.empty(length, dtype=torch.uint8)
+            self._scratch[:length].copy_(source)
+            source = self._scratch[:length]
+        where = (source.data_ptr(), int(source.untyped_storage().nbytes()))
+        if where != self._source:  # views of other memory would keep it alive: let go
+            self._source = where
+            self._spans.clear()
+        span = self._spans.get((offset, length))
+        if span is None:
+            span = self._span(source, offset, length)
+            if len(self._spans) < 1 << 16:  # one per chunk of the stream
+                self._spans[(offset, length)] = span
+        dests, views = span
+        if dests:
+            torch._foreach_copy_(dests, views)
+
+    def _span(
+        self, source: torch.Tensor, offset: int, length: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        dests: list[torch.Tensor] = []
+        views: list[torch.Tensor] = []
+        end = offset + length
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self._entries) and self._entries[i].offset < end:
+            e = self._entries[i]
+            lo, hi = max(e.offset, offset), min(e.offset + e.nbytes, end)
+            if lo < hi:
+                wire = torch_dtype(e.wire)
+                size = wire.itemsize
+                if (lo - e.offset) % size or (hi - e.offset) % size or (lo - offset) % size:
+                    raise FrameError(
+                        f"a chunk edge splits an element of {e.dotted_key!r} ({e.wire})"
+                    )
+                first = (lo - e.offset) // size
+                dests.append(self._flat[i][first : first + (hi - lo) // size])
+                views.append(source[lo - offset : hi - offset].view(wire))
+            i += 1
+        return dests, views
+
+    def finish(self) -> None:
+        """Put the tensors copied aside in place."""
+        for dest, tmp in self._later:
+            dest.copy_(tmp.view(dest.shape))
 
 
 def _entry_bytes(views: list[torch.Tensor | None], entry: TensorEntry) -> torch.Tensor:
@@ -677,8 +859,14 @@ class ApplyPlan:
         # device once, and one _foreach_copy_ there scatters them into the tensors.
         self._device: dict[tuple[int, torch.device], list[TensorEntry]] = {}
         by_buffer: dict[int, list[TensorEntry]] = {}
+        cast = [e for e in schema.entries if e.wire]
+        #: Tensors that travel cast, per buffer.
+        self._casts = {
+            b: CastPlan([e for e in cast if e.buffer == b], target)
+            for b in {e.buffer for e in cast}
+        }
         for e in schema.entries:
-            if e.nbytes == 0:
+            if e.nbytes == 0 or e.wire:
                 continue
             dest = target[e.key]
             if not dest.is_contiguous():
@@ -754,6 +942,11 @@ class ApplyPlan:
                     torch._foreach_copy_(dst, src)
             for index, device_plan in self._device_plans:
                 device_plan.apply(views[index])
+            for index, cast_plan in self._casts.items():
+                view = read_view(message.buffers[index])
+                if view is not None:
+                    cast_plan.apply(view, 0)
+                    cast_plan.finish()
             for e, dest in self._slow:
                 data = _entry_bytes(views, e)
                 dest.copy_(data.clone().view(dest.dtype).reshape(dest.shape))
@@ -778,7 +971,9 @@ def materialize(message: Weights) -> dict[KeyPath, torch.Tensor]:
     out: dict[KeyPath, torch.Tensor] = {}
     for e in message.schema.entries:
         tensor = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
-        if e.nbytes:
+        if e.nbytes and e.wire:
+            tensor.view(-1).copy_(_entry_bytes(views, e).view(torch_dtype(e.wire)))
+        elif e.nbytes:
             _byte_view(tensor).copy_(_entry_bytes(views, e))
         out[e.key] = tensor
     return out

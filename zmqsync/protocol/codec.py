@@ -30,10 +30,12 @@ from typing import Any, Final
 from zmqsync.errors import FrameError
 from zmqsync.protocol.messages import (
     DTYPE_ITEMSIZE,
+    FLOAT_DTYPES,
     MAGIC,
     MAX_BODY_BYTES,
     MAX_CHUNK_BYTES,
     MAX_CHUNKS,
+    MAX_METADATA_BYTES,
     MAX_MODEL_ID_BYTES,
     MAX_NDIM,
     MAX_SCHEMA_BYTES,
@@ -44,6 +46,7 @@ from zmqsync.protocol.messages import (
     PROTOCOL_VERSION,
     SESSION_CHARS,
     STRATEGIES,
+    WIRE_DTYPES,
     Ack,
     Buffer,
     Chunk,
@@ -71,6 +74,7 @@ __all__ = [
     "checksum",
     "decode",
     "encode",
+    "encode_metadata",
     "encode_schema",
     "layout_digest",
     "peek_kind",
@@ -82,14 +86,18 @@ __all__ = [
 #: zeros for other kinds).
 HEADER: Final = struct.Struct("!4sBBHQQIH16s")
 #: A chunk's body: index, count, offset and total (bytes of the version's stream), and
-#: checksum (the payload's CRC-32 plus one; 0: none). The first chunk's schema follows.
+#: checksum (the payload's CRC-32 plus one; 0: none). The first chunk's schema follows,
+#: then (FLAG_METADATA) the version's metadata JSON and its length (:data:`META_LEN`).
 CHUNK_BODY: Final = struct.Struct("!IIQQQ")
-#: Header flags of a chunk: the first and the last of its version, and whether it
-#: carries a checksum. Transports read FIRST without decoding (see starts_version).
+META_LEN: Final = struct.Struct("!I")
+#: Header flags of a chunk: the first and the last of its version, whether it carries a
+#: checksum, and (first chunk only) metadata. Transports read FIRST without decoding
+#: (see starts_version).
 FLAG_FIRST: Final = 1
 FLAG_LAST: Final = 2
 FLAG_CHECKSUM: Final = 4
-_CHUNK_FLAGS: Final = FLAG_FIRST | FLAG_LAST | FLAG_CHECKSUM
+FLAG_METADATA: Final = 8
+_CHUNK_FLAGS: Final = FLAG_FIRST | FLAG_LAST | FLAG_CHECKSUM | FLAG_METADATA
 _U64_MAX: Final = (1 << 64) - 1
 _NO_DIGEST: Final = bytes(16)
 _SCHEMA_CACHE_SIZE: Final = 32
@@ -144,6 +152,7 @@ def encode_schema(schema: WeightsSchema) -> bytes:
         "strategy": schema.strategy,
         "tensors": [
             [list(e.key), e.dtype, list(e.shape), e.buffer, e.offset, e.nbytes]
+            + ([e.wire] if e.wire else [])
             for e in schema.entries
         ],
     }
@@ -213,14 +222,37 @@ def _encode_chunk(chunk: Chunk, schema_bytes: bytes | None) -> list[Buffer]:
                 raise ValueError("the first chunk of a version carries its schema")
             schema_bytes = encode_schema(chunk.schema)
         schema = schema_bytes
+        if chunk.metadata is not None:
+            meta = encode_metadata(chunk.metadata)
+            schema = schema + meta + META_LEN.pack(len(meta))
+    elif chunk.metadata is not None:
+        raise ValueError("only the first chunk of a version carries metadata")
     flags = (
         (FLAG_FIRST if chunk.index == 0 else 0)
         | (FLAG_LAST if chunk.index == chunk.count - 1 else 0)
         | (FLAG_CHECKSUM if chunk.checksum else 0)
+        | (FLAG_METADATA if chunk.metadata is not None else 0)
     )
     body = CHUNK_BODY.pack(chunk.index, chunk.count, chunk.offset, chunk.total, chunk.checksum)
     head = _header(Kind.WEIGHTS, chunk.model_id, chunk.version, chunk.epoch, 1, chunk.layout, flags)
     return [head, body + schema if schema else body, chunk.payload]
+
+
+def encode_metadata(metadata: Any) -> bytes:
+    """A version's metadata as the JSON a first chunk carries.
+
+    Raises ``TypeError`` unless it is a dict with string keys that JSON can hold, and
+    ``ValueError`` if it is larger than :data:`MAX_METADATA_BYTES` or holds NaN or infinity.
+    """
+    if not isinstance(metadata, dict) or not all(type(k) is str for k in metadata):
+        raise TypeError(f"metadata must be a dict with str keys; got {type(metadata).__name__}")
+    try:
+        raw = json.dumps(metadata, separators=(",", ":"), allow_nan=False).encode()
+    except TypeError as exc:
+        raise TypeError(f"metadata must be JSON-able: {exc}") from None
+    if len(raw) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is {len(raw)} bytes as JSON; the limit is {MAX_METADATA_BYTES}")
+    return raw
 
 
 def _encode_ack(ack: Ack) -> bytes:
@@ -493,6 +525,7 @@ def _decode_chunk(
         (FLAG_FIRST if index == 0 else 0)
         | (FLAG_LAST if index == count - 1 else 0)
         | (flags & FLAG_CHECKSUM)
+        | (flags & FLAG_METADATA if index == 0 else 0)
     )
     if flags != expected or flags & ~_CHUNK_FLAGS:
         raise FrameError(f"chunk {index} of {count} has flags {flags:#x}; expected {expected:#x}")
@@ -503,15 +536,49 @@ def _decode_chunk(
     if not flags & FLAG_CHECKSUM and crc:
         raise FrameError(f"chunk {index} carries a checksum its flags do not announce")
     schema: WeightsSchema | None = None
+    metadata: dict[str, Any] | None = None
     if index == 0:
         if offset != 0:
             raise FrameError(f"the first chunk starts at {offset}, not 0")
-        schema = _chunk_schema(bytes(body[CHUNK_BODY.size :]), layout, total)
+        rest = bytes(body[CHUNK_BODY.size :])
+        if flags & FLAG_METADATA:
+            rest, metadata = _split_metadata(rest)
+        schema = _chunk_schema(rest, layout, total)
     elif len(body) != CHUNK_BODY.size:
         raise FrameError("only the first chunk of a version carries a schema")
     return Chunk(
-        model_id, version, epoch, index, count, offset, total, layout, payload, schema, crc
+        model_id,
+        version,
+        epoch,
+        index,
+        count,
+        offset,
+        total,
+        layout,
+        payload,
+        schema,
+        crc,
+        metadata,
     )
+
+
+def _split_metadata(rest: bytes) -> tuple[bytes, dict[str, Any]]:
+    """A first chunk's schema JSON, and the metadata after it (checked)."""
+    if len(rest) < META_LEN.size:
+        raise FrameError("a chunk announces metadata but carries none")
+    (n,) = META_LEN.unpack_from(rest, len(rest) - META_LEN.size)
+    if n > MAX_METADATA_BYTES or n > len(rest) - META_LEN.size:
+        raise FrameError(
+            f"metadata of {n} bytes: over the limit ({MAX_METADATA_BYTES}) or the body"
+        )
+    start = len(rest) - META_LEN.size - n
+    try:
+        metadata = json.loads(rest[start : start + n])
+    except (ValueError, RecursionError) as exc:  # deep nesting: a RecursionError
+        raise FrameError(f"metadata is not JSON: {str(exc)[:200]}") from None
+    if not isinstance(metadata, dict):
+        raise FrameError(f"metadata must be a JSON object; got {type(metadata).__name__}")
+    return rest[:start], metadata
 
 
 def _chunk_schema(body: bytes, layout_digest: bytes, total: int) -> WeightsSchema:
@@ -579,11 +646,12 @@ def _parse_schema(body: bytes, nbufs: int) -> WeightsSchema:
 
 
 def _parse_entry(raw: Any, nbufs: int) -> TensorEntry:
-    if not (isinstance(raw, list) and len(raw) == 6):
+    if not (isinstance(raw, list) and len(raw) in (6, 7)):
         raise FrameError(
-            f"schema entry must be [key, dtype, shape, buffer, offset, nbytes]: {raw!r:.80}"
+            f"schema entry must be [key, dtype, shape, buffer, offset, nbytes(, wire)]: {raw!r:.80}"
         )
-    key, dtype, shape, buffer, offset, nbytes = raw
+    key, dtype, shape, buffer, offset, nbytes = raw[:6]
+    wire = raw[6] if len(raw) == 7 else ""
     if not (
         isinstance(key, list)
         and 0 < len(key) <= MAX_NDIM
@@ -594,7 +662,13 @@ def _parse_entry(raw: Any, nbufs: int) -> TensorEntry:
         raise FrameError(f"tensor {'.'.join(key)!r} has unknown dtype {dtype!r:.40}")
     if not (isinstance(shape, list) and len(shape) <= MAX_NDIM):
         raise FrameError(f"tensor {'.'.join(key)!r} has an invalid shape {shape!r:.80}")
-    expected = _shape_bytes(shape, DTYPE_ITEMSIZE[dtype])
+    if wire and not (wire in WIRE_DTYPES and dtype in FLOAT_DTYPES and wire != dtype):
+        raise FrameError(
+            f"tensor {'.'.join(key)!r}: {dtype} cannot travel as {wire!r:.40} "
+            f"(a floating dtype may travel as one of {WIRE_DTYPES})"
+        )
+    itemsize = DTYPE_ITEMSIZE[wire or dtype]
+    expected = _shape_bytes(shape, itemsize)
     if expected is None:
         raise FrameError(
             f"tensor {'.'.join(key)!r} has an invalid shape {shape!r:.80} (negative, or "
@@ -606,9 +680,11 @@ def _parse_entry(raw: Any, nbufs: int) -> TensorEntry:
     if type(nbytes) is not int or nbytes != expected:
         raise FrameError(
             f"tensor {'.'.join(key)!r}: nbytes {nbytes!r:.40} does not match "
-            f"shape {shape} of {dtype} ({expected} bytes)"
+            f"shape {shape} of {wire or dtype} ({expected} bytes)"
         )
-    return TensorEntry(tuple(key), dtype, tuple(shape), buffer, offset, nbytes)
+    if wire and offset % itemsize:
+        raise FrameError(f"tensor {'.'.join(key)!r}: {wire} bytes at a misaligned offset")
+    return TensorEntry(tuple(key), dtype, tuple(shape), buffer, offset, nbytes, wire)
 
 
 def _shape_bytes(shape: list[Any], itemsize: int) -> int | None:

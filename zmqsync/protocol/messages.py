@@ -44,6 +44,9 @@ MAX_NDIM: Final = 64
 MAX_TENSOR_BYTES: Final = 1 << 40
 #: Free-text fields (reasons, hosts, endpoints) in control bodies.
 MAX_TEXT_CHARS: Final = 4096
+#: A version's metadata (``send(..., metadata=)``), as compact JSON: a tag such as the
+#: optimizer step, not a side channel for data.
+MAX_METADATA_BYTES: Final = 64 * 1024
 
 #: Element size of every dtype name the protocol accepts. The protocol does not import
 #: torch; zmqsync.tensors maps these names to torch dtypes (and checks the table agrees).
@@ -70,6 +73,11 @@ DTYPE_ITEMSIZE: Final[dict[str, int]] = {
     "float8_e5m2fnuz": 1,
     "float8_e8m0fnu": 1,
 }
+
+#: Floating dtypes a version may be cast to for the wire (``wire_dtype``), and those it
+#: may be cast from (every floating one).
+WIRE_DTYPES: Final = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+FLOAT_DTYPES: Final = frozenset(n for n in DTYPE_ITEMSIZE if n.startswith(("float", "bfloat")))
 
 #: A session secret travels as this many hex characters (128 random bits).
 SESSION_CHARS: Final = 32
@@ -101,7 +109,11 @@ class Kind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """Where one tensor's bytes are: ``buffers[buffer][offset : offset + nbytes]``."""
+    """Where one tensor's bytes are: ``buffers[buffer][offset : offset + nbytes]``.
+
+    ``wire``: the dtype its bytes travel in, when the sender cast it (``wire_dtype``);
+    ``nbytes`` counts those. ``dtype`` is always the tensor's own.
+    """
 
     key: tuple[str, ...]
     dtype: str
@@ -109,6 +121,7 @@ class TensorEntry:
     buffer: int
     offset: int
     nbytes: int
+    wire: str = ""
 
     @property
     def dotted_key(self) -> str:
@@ -148,6 +161,7 @@ class Chunk:
     sent in order. Chunk 0 carries the schema; every chunk carries ``layout`` (the
     schema's digest), so no chunk can be applied under another version's layout.
     ``checksum``: the payload's CRC-32 plus one, or 0 when the sender computed none.
+    ``metadata``: what the learner attached to the version (first chunk only; JSON).
     """
 
     model_id: str
@@ -161,6 +175,7 @@ class Chunk:
     payload: Buffer = field(repr=False)
     schema: WeightsSchema | None = None
     checksum: int = 0
+    metadata: dict[str, Any] | None = None
 
     kind = Kind.WEIGHTS
 

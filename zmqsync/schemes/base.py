@@ -300,13 +300,26 @@ class WeightSyncScheme:
             self.init_on_sender(self._model_id or "policy", self._context, model=self._model)
         return self.get_sender()
 
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
-        """Send weights; returns once every targeted worker applied them."""
-        self.get_sender().send(weights, worker_ids)
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | list[int] | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Send weights; returns once every targeted worker applied them. ``metadata``
+        (a small JSON-able dict) travels with the version: ``receiver.metadata``."""
+        self.get_sender().send(weights, worker_ids, metadata=metadata)
 
-    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send_async(
+        self,
+        weights: Any = None,
+        worker_ids: int | list[int] | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         """Start a send; :meth:`wait_async` completes it."""
-        self.get_sender().send_async(weights, worker_ids)
+        self.get_sender().send_async(weights, worker_ids, metadata=metadata)
 
     def wait_async(self) -> None:
         """Wait for the pending :meth:`send_async`."""

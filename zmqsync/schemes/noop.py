@@ -50,10 +50,22 @@ class NoWeightSyncScheme(WeightSyncScheme):
     def connect(self, *, worker_idx: int | None = None, timeout: float | None = None) -> None:
         """No-op synchronize: does nothing."""
 
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | list[int] | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         """No-op send: does nothing."""
 
-    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send_async(
+        self,
+        weights: Any = None,
+        worker_ids: int | list[int] | None = None,
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         """No-op: does nothing."""
 
     def wait_async(self) -> None:
