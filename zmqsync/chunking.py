@@ -48,6 +48,8 @@ from zmqsync.tensors import (
     check_fits,
     extract,
     read_view,
+    serial_pieces,
+    torch_dtype,
 )
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "DeviceReader",
     "InPlace",
+    "SinkFeed",
     "Staging",
     "StreamLayout",
     "version_messages",
@@ -182,10 +185,15 @@ class _Cast:
         if start % size or stop % size:
             raise ValueError(f"chunk_bytes must be a multiple of {size} to cast to {self.wire}")
         target = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
+        source = self.tensor[start // size : stop // size]
         with torch.no_grad():
-            target.view(self.wire).copy_(
-                self.tensor[start // size : stop // size], non_blocking=target.is_pinned()
-            )
+            if source.device.type != "cpu":  # on the device, then one copy to the host
+                target.view(self.wire).copy_(source, non_blocking=target.is_pinned())
+                return
+            dests: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            serial_pieces(target.view(self.wire), source, dests, sources)
+            torch._foreach_copy_(dests, sources)
 
 
 class DeviceReader:
@@ -459,8 +467,44 @@ class Staging:
     def nbytes(self) -> int:
         return 0 if self._buffer is None else len(self._buffer)
 
+    @property
+    def array(self) -> np.ndarray:
+        assert self._buffer is not None
+        return self._buffer
+
     def release(self) -> None:
         self._buffer = None
+
+
+class SinkFeed:
+    """For a receiver with a sink: which of a version's tensors the stream's first bytes
+    complete, each as ``(dotted name, tensor)`` viewing the staging buffer (cast back to
+    its own dtype if it travelled cast)."""
+
+    def __init__(self, schema: WeightsSchema) -> None:
+        self.schema = schema
+        self._order = sorted(schema.entries, key=lambda e: (e.offset + e.nbytes, e.offset))
+        self._ends = [e.offset + e.nbytes for e in self._order]
+        self._names = [".".join(e.key) for e in self._order]
+        self._next = 0
+
+    def start(self) -> None:
+        self._next = 0
+
+    def ready(self, staging: Staging, received: int) -> list[tuple[str, torch.Tensor]]:
+        """The tensors that the stream's first ``received`` bytes complete, not yet given."""
+        stop = bisect.bisect_right(self._ends, received)
+        data = staging.array
+        out = []
+        for i in range(self._next, stop):
+            e = self._order[i]
+            raw = torch.from_numpy(data[e.offset : e.offset + e.nbytes])
+            t = raw.view(torch_dtype(e.wire or e.dtype))
+            if e.wire:
+                t = t.to(torch_dtype(e.dtype))
+            out.append((self._names[i], t.view(e.shape)))
+        self._next = max(self._next, stop)
+        return out
 
 
 def version_messages(

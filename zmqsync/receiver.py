@@ -31,12 +31,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
-from zmqsync.chunking import InPlace, Staging
+import torch
+
+from zmqsync.chunking import InPlace, SinkFeed, Staging
 from zmqsync.errors import (
     FrameError,
     SchemaMismatchError,
     SyncTimeout,
     TornWeights,
+    WeightsRejected,
     ZMQSyncError,
 )
 from zmqsync.protocol import (
@@ -186,6 +189,12 @@ class WeightReceiver:
             shared memory, in place otherwise (see the module).
         chunk_timeout: seconds between two chunks of a version before its stream counts
             as broken.
+        sink: instead of a model, a callable (an inference engine's ``load_weights``)
+            called with each chunk's complete tensors as a list of ``(name, tensor)``
+            (names dotted, as the learner's strategy spells them; each tensor in its own
+            dtype, a view valid during the call: copy what you keep). The version is
+            acked once the last call returned; a call that raises refuses the version,
+            with the exception's text in the ack.
     """
 
     def __init__(
@@ -199,9 +208,16 @@ class WeightReceiver:
         timeout: float = 10.0,
         apply_mode: str = "auto",
         chunk_timeout: float = DEFAULT_GAP,
+        sink: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
     ) -> None:
         if apply_mode not in APPLY_MODES:
             raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
+        if sink is not None and (model is not None or not callable(sink)):
+            raise ValueError("sink= is a callable that takes the place of a model: not both")
+        self.sink = sink
+        self._sink_feed: SinkFeed | None = None
+        #: The version the sink last refused during connect(), and why.
+        self._sink_refused: tuple[int, str] | None = None
         self._spoke = spoke
         self.apply_mode = apply_mode
         self.model_id = model_id
@@ -301,6 +317,7 @@ class WeightReceiver:
         # A refusal from before this call stands unless a version that fits comes: a
         # sender that knows of it answers "up to date" instead of resending that version.
         self._stale_mismatch = self._mismatch
+        self._sink_refused = None
         self._wait(
             deadline,
             lambda: self._welcomed,
@@ -326,6 +343,14 @@ class WeightReceiver:
         )
         if self._mismatch is not None:
             raise self._mismatch_error()
+        if self._sink_refused is not None:
+            version, reason = self._sink_refused
+            raise WeightsRejected(
+                f"this worker's sink refused version {version} of {endpoint or 'the sender'}: "
+                f"{reason}",
+                rejections={-1 if self.worker_idx is None else self.worker_idx: reason},
+                version=version,
+            )
         self._last_heartbeat = time.monotonic()
 
     def _wait(self, deadline: float, done: Any, ask: Any, message: str) -> None:
@@ -448,9 +473,12 @@ class WeightReceiver:
         return (self.epoch, self.version) != before
 
     def current_weights(self) -> Any:
-        """The weights held now: the model's, or the last received."""
+        """The weights held now: the model's, or the last received; with a sink, the
+        version it was given last."""
         if self.model is not None:
             return self.model
+        if self.sink is not None:
+            return self.version
         return self.weights
 
     def _process(self, timeout: float) -> None:
@@ -548,6 +576,14 @@ class WeightReceiver:
         self._incoming_metadata = chunk.metadata
         if self._wire_of[0] is not schema:  # once per layout, not per version
             self._wire_of = (schema, next((e.wire for e in schema.entries if e.wire), None))
+        if self.sink is not None:
+            self._writing = "sink"
+            self._staging.start(chunk.total)
+            feed = self._sink_feed
+            if feed is None or feed.schema is not schema:
+                self._sink_feed = feed = SinkFeed(schema)
+            feed.start()
+            return
         if self.model is None:
             self._writing = "staged"
             self._staging.start(chunk.total)
@@ -594,6 +630,28 @@ class WeightReceiver:
             self._in_place.apply(chunk.offset, chunk.payload)
         elif self._writing == "staged":
             self._staging.write(chunk.offset, chunk.payload)
+        elif self._writing == "sink":
+            self._staging.write(chunk.offset, chunk.payload)
+            assert self._sink_feed is not None and self.sink is not None
+            tensors = self._sink_feed.ready(self._staging, chunk.offset + len(chunk.payload))
+            if tensors:
+                try:
+                    self.sink(tensors)
+                except Exception as exc:  # the engine refused: the version is not applied
+                    self._writing = ""
+                    self._stream.abandon("refused")
+                    reason = f"sink raised {type(exc).__name__}: {exc}"
+                    self._rejected(f"version {chunk.version}: {reason}")
+                    self._sink_refused = (chunk.version, reason)
+                    self._ack_due = {
+                        "applied": False,
+                        "reason": reason,
+                        "version": chunk.version,
+                        "epoch": chunk.epoch,
+                    }
+                    return
+                finally:
+                    del tensors
         if chunk.last and self._writing:
             self._complete(chunk)
 
@@ -605,6 +663,8 @@ class WeightReceiver:
                 assert self._in_place is not None
                 self._in_place.finish()
                 self.lock.end_write()
+            elif writing == "sink":
+                pass  # every tensor went to the sink as its chunk came
             elif self.model is not None:
                 assert self._plan is not None
                 schema = self._plan.schema

@@ -653,6 +653,31 @@ def _source_views(message: Weights) -> list[torch.Tensor | None]:
     return [read_view(buf) for buf in message.buffers]
 
 
+#: torch runs an element-wise copy of at most this many elements in the calling thread
+#: (its parallel grain). Casts are cut into pieces this size: a parallel region leaves
+#: OpenMP's threads spinning for milliseconds afterwards, taking a core from the other
+#: end of the stream on a small machine.
+CAST_GRAIN: Final = 32768
+
+
+def serial_pieces(
+    dest: torch.Tensor, source: torch.Tensor, dests: list[torch.Tensor], sources: list[torch.Tensor]
+) -> None:
+    """Append ``dest`` and ``source`` (flat, of equal length) to the lists, cut into
+    pieces a ``_foreach_copy_`` copies without waking torch's thread pool."""
+    if dest.numel() <= CAST_GRAIN:
+        dests.append(dest)
+        sources.append(source)
+    else:
+        dests.extend(torch.split(dest, CAST_GRAIN))
+        sources.extend(torch.split(source, CAST_GRAIN))
+
+
+#: A received chunk with at most this many cast tensors is cast straight from its bytes
+#: (views made on the spot); more are cast from a buffer whose views are made once.
+_FEW_CASTS: Final = 16
+
+
 class CastPlan:
     """Tensors that travel cast (``wire_dtype``): copies the elements a stretch of the
     stream holds into them, cast back to each one's dtype.
@@ -681,6 +706,8 @@ class CastPlan:
         self._source = (0, 0)
         self._spans: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._scratch: torch.Tensor | None = None
+        #: Per stretch of a received stream: whether it holds few cast tensors.
+        self._few: dict[tuple[int, int], bool] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -688,11 +715,22 @@ class CastPlan:
     def apply(self, source: torch.Tensor, offset: int, *, copy: bool = False) -> None:
         """Copy what ``source`` (uint8: stream bytes ``[offset, offset + len)``) holds.
 
-        ``copy``: the source is memory that will not come again (a received chunk): it is
+        ``copy``: the source is memory that will not come again (a received chunk). A
+        stretch of a few tensors is cast straight from it; one of many (small tensors) is
         first copied into a buffer of the plan's, whose views are made once.
         """
         length = int(source.numel())
         if copy:
+            few = self._few.get((offset, length))
+            if few is None:
+                few = len(self._span(source, offset, length)[0]) <= _FEW_CASTS
+                if len(self._few) < 1 << 16:  # one per chunk of the stream
+                    self._few[(offset, length)] = few
+            if few:
+                dests, views = self._span(source, offset, length)
+                if dests:
+                    torch._foreach_copy_(dests, views)
+                return
             if self._scratch is None or self._scratch.numel() < length:
                 self._scratch = torch.empty(length, dtype=torch.uint8)
             self._scratch[:length].copy_(source)
@@ -728,8 +766,12 @@ class CastPlan:
                         f"a chunk edge splits an element of {e.dotted_key!r} ({e.wire})"
                     )
                 first = (lo - e.offset) // size
-                dests.append(self._flat[i][first : first + (hi - lo) // size])
-                views.append(source[lo - offset : hi - offset].view(wire))
+                serial_pieces(
+                    self._flat[i][first : first + (hi - lo) // size],
+                    source[lo - offset : hi - offset].view(wire),
+                    dests,
+                    views,
+                )
             i += 1
         return dests, views
 

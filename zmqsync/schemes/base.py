@@ -66,7 +66,7 @@ SENDER_OPTIONS: Final = (
 
 
 #: What a worker may choose in ``init_on_receiver`` (:class:`WeightReceiver`'s options).
-RECEIVER_OPTIONS: Final = ("apply_mode", "chunk_timeout")
+RECEIVER_OPTIONS: Final = ("apply_mode", "chunk_timeout", "sink")
 
 
 def _receiver_options(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -351,7 +351,9 @@ class WeightSyncScheme:
             **kwargs: ``model=``, ``worker_idx=`` (omit it, or pass ``None``, and the
                 sender assigns the lowest free id when the worker connects); and
                 :class:`WeightReceiver`'s ``apply_mode=`` (``"auto"``, ``"staged"``,
-                ``"in_place"``) and ``chunk_timeout=``.
+                ``"in_place"``), ``chunk_timeout=`` and ``sink=`` (a callable taking
+                ``(name, tensor)`` lists in place of a model: an inference engine's
+                ``load_weights``).
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")
