@@ -723,7 +723,8 @@ class CastPlan:
         if copy:
             few = self._few.get((offset, length))
             if few is None:
-                few = len(self._span(source, offset, length)[0]) <= _FEW_CASTS
+                first = max(0, bisect.bisect_right(self._starts, offset) - 1)
+                few = bisect.bisect_left(self._starts, offset + length) - first <= _FEW_CASTS
                 if len(self._few) < 1 << 16:  # one per chunk of the stream
                     self._few[(offset, length)] = few
             if few:
