@@ -47,6 +47,7 @@ from zmqsync.tensors import (
     KeyPath,
     check_fits,
     extract,
+    overlapping,
     read_view,
     serial_pieces,
     torch_dtype,
@@ -369,21 +370,15 @@ class InPlace:
         if span is not None:
             return span
         span = _Span([], [])
-        end = offset + length
-        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        while i < len(self._entries) and self._entries[i].offset < end:
-            e = self._entries[i]
-            lo, hi = max(e.offset, offset), min(e.offset + e.nbytes, end)
-            if lo < hi:
-                array = self._arrays[i]
-                if array is None:
-                    if span.others is None:
-                        span.others = []
-                    span.others.append((i, lo - e.offset, lo - offset, hi - lo))
-                else:
-                    span.dests.append(array[lo - e.offset : hi - e.offset])
-                    span.starts.append(lo - offset)
-            i += 1
+        for i, e, lo, hi in overlapping(self._entries, self._starts, offset, length):
+            array = self._arrays[i]
+            if array is None:
+                if span.others is None:
+                    span.others = []
+                span.others.append((i, lo - e.offset, lo - offset, hi - lo))
+            else:
+                span.dests.append(array[lo - e.offset : hi - e.offset])
+                span.starts.append(lo - offset)
         if len(span.dests) > _MANY:
             if self._scratch is None or len(self._scratch) < length:
                 self._scratch = np.empty(length, dtype=np.uint8)

@@ -19,7 +19,7 @@ import bisect
 import collections
 import operator
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
@@ -673,6 +673,22 @@ def serial_pieces(
         sources.extend(torch.split(source, CAST_GRAIN))
 
 
+def overlapping(
+    entries: list[TensorEntry], starts: list[int], offset: int, length: int
+) -> Iterator[tuple[int, TensorEntry, int, int]]:
+    """The entries (sorted by offset; ``starts`` their offsets) that stream bytes
+    ``[offset, offset + length)`` hold part of: ``(index, entry, lo, hi)``, the bytes
+    ``[lo, hi)`` of the stream they share."""
+    end = offset + length
+    i = max(0, bisect.bisect_right(starts, offset) - 1)
+    while i < len(entries) and entries[i].offset < end:
+        e = entries[i]
+        lo, hi = max(e.offset, offset), min(e.offset + e.nbytes, end)
+        if lo < hi:
+            yield i, e, lo, hi
+        i += 1
+
+
 #: A received chunk with at most this many cast tensors is cast straight from its bytes
 #: (views made on the spot); more are cast from a buffer whose views are made once.
 _FEW_CASTS: Final = 16
@@ -754,26 +770,18 @@ class CastPlan:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         dests: list[torch.Tensor] = []
         views: list[torch.Tensor] = []
-        end = offset + length
-        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        while i < len(self._entries) and self._entries[i].offset < end:
-            e = self._entries[i]
-            lo, hi = max(e.offset, offset), min(e.offset + e.nbytes, end)
-            if lo < hi:
-                wire = torch_dtype(e.wire)
-                size = wire.itemsize
-                if (lo - e.offset) % size or (hi - e.offset) % size or (lo - offset) % size:
-                    raise FrameError(
-                        f"a chunk edge splits an element of {e.dotted_key!r} ({e.wire})"
-                    )
-                first = (lo - e.offset) // size
-                serial_pieces(
-                    self._flat[i][first : first + (hi - lo) // size],
-                    source[lo - offset : hi - offset].view(wire),
-                    dests,
-                    views,
-                )
-            i += 1
+        for i, e, lo, hi in overlapping(self._entries, self._starts, offset, length):
+            wire = torch_dtype(e.wire)
+            size = wire.itemsize
+            if (lo - e.offset) % size or (hi - e.offset) % size or (lo - offset) % size:
+                raise FrameError(f"a chunk edge splits an element of {e.dotted_key!r} ({e.wire})")
+            first = (lo - e.offset) // size
+            serial_pieces(
+                self._flat[i][first : first + (hi - lo) // size],
+                source[lo - offset : hi - offset].view(wire),
+                dests,
+                views,
+            )
         return dests, views
 
     def finish(self) -> None:
