@@ -13,6 +13,8 @@ Part of the tensors layer (it imports torch and numpy; nothing above it does I/O
 - :class:`Staging` (receiver): a buffer of the version's size that chunks land in; once
   the last came, the whole version is applied in one go (:class:`~zmqsync.tensors
   .ApplyPlan`), so the model is locked only for that copy.
+- :class:`DeltaTracker` (sender, ``delta=True``): a digest of every block of the stream
+  and the version that last changed it, from which a delta's stretches are cut.
 
 A chunk with many tensors (a few thousand small ones) costs no Python step per tensor:
 its destinations and the views that feed them are made once, and one ``map`` of
@@ -29,6 +31,7 @@ from typing import Any, Final
 
 import numpy as np
 import torch
+import xxhash
 
 from zmqsync.protocol import (
     Buffer,
@@ -55,7 +58,9 @@ from zmqsync.tensors import (
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DELTA_BLOCK",
     "MIN_CHUNK_BYTES",
+    "DeltaTracker",
     "DeviceReader",
     "InPlace",
     "SinkFeed",
@@ -74,6 +79,12 @@ MIN_CHUNK_BYTES: Final = 64 * 1024
 #: Each buffer of a Flat starts on this boundary in the stream (a cache line), so a
 #: receiver can view any tensor at its natural alignment.
 STREAM_ALIGN: Final = 64
+#: The stretch of a stream one digest covers (``delta=True``): a delta moves whole
+#: blocks, so a change of one byte sends one block.
+DELTA_BLOCK: Final = 1024 * 1024
+#: A delta larger than this share of the whole version goes whole (any worker can apply
+#: a whole version; few gain from a delta that large).
+DELTA_MAX_SHARE: Final = 0.5
 #: A chunk with more pieces than this is applied through cached views and one ``map``
 #: (fewer are cheaper to slice on the spot).
 _MANY: Final = 16
@@ -486,13 +497,25 @@ class SinkFeed:
     def start(self) -> None:
         self._next = 0
 
-    def ready(self, staging: Staging, received: int) -> list[tuple[str, torch.Tensor]]:
-        """The tensors that the stream's first ``received`` bytes complete, not yet given."""
+    def ready(
+        self, staging: Staging, received: int, delta: list[tuple[int, int]] | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors that the stream's first ``received`` bytes complete, not yet given.
+
+        ``delta``: the version is a delta patched onto the staging buffer, which carried
+        these ``(offset, length)`` stretches so far: only the tensors they touch are given.
+        """
         stop = bisect.bisect_right(self._ends, received)
         data = staging.array
         out = []
+        starts = [o for o, _ in delta] if delta is not None else []
         for i in range(self._next, stop):
             e = self._order[i]
+            if delta is not None:
+                # The last stretch starting before the tensor's end touches it, or none.
+                j = bisect.bisect_left(starts, e.offset + e.nbytes) - 1
+                if j < 0 or sum(delta[j]) <= e.offset or not e.nbytes:
+                    continue
             raw = torch.from_numpy(data[e.offset : e.offset + e.nbytes])
             t = raw.view(torch_dtype(e.wire or e.dtype))
             if e.wire:
@@ -500,6 +523,70 @@ class SinkFeed:
             out.append((self._names[i], t.view(e.shape)))
         self._next = max(self._next, stop)
         return out
+
+
+class DeltaTracker:
+    """Which blocks of a layout's stream changed in which version (``delta=True``).
+
+    :meth:`record` takes each version's stream, whole, in the order versions are made:
+    a block whose digest (XXH3-128 of its bytes) differs from the one recorded before is
+    marked as changed in that version. :meth:`spans` then says which stretches a worker
+    that holds version ``base`` lacks: every block changed after ``base``. Digests, not
+    a copy of the previous version, so that it costs no memory the size of the model: a
+    128-bit hash of the block's bytes (its chance of missing a change is 2^-128).
+    """
+
+    def __init__(self, layout: StreamLayout, block: int = DELTA_BLOCK) -> None:
+        self.layout = layout
+        self.block = block
+        n = max(1, -(-layout.total // block))
+        self._digests: list[bytes] = [b""] * n
+        self._changed = np.zeros(n, dtype=np.int64)
+        #: The first version recorded: a delta against an older one is not known.
+        self.since: int | None = None
+        self.latest = -1
+
+    def record(self, version: int, data: np.ndarray) -> int:
+        """Take ``version``'s whole stream; returns how many blocks it changed."""
+        if version < self.latest:
+            raise ValueError(f"version {version} recorded after {self.latest}")
+        again = version == self.latest  # its weights changed under the same number
+        view = memoryview(data.data)
+        digest = xxhash.xxh3_128_digest
+        block, digests, changed = self.block, self._digests, 0
+        for k in range(len(digests)):
+            d = digest(view[k * block : (k + 1) * block])
+            if d != digests[k]:
+                digests[k] = d
+                self._changed[k] = version
+                changed += 1
+        if self.since is None or again:
+            # Workers may hold either weights of a version recorded twice: no delta
+            # against it is known.
+            self.since = version + 1 if again else version
+        self.latest = version
+        return changed
+
+    def spans(self, base: int, max_bytes: int) -> list[tuple[int, int]] | None:
+        """``(offset, length)`` stretches, each at most ``max_bytes``, holding every block
+        changed after ``base`` (at least one stretch, maybe empty); None if a delta
+        against ``base`` is unknown or not worth it (see :data:`DELTA_MAX_SHARE`)."""
+        if self.since is None or not self.since <= base <= self.latest:
+            return None
+        total, block = self.layout.total, self.block
+        changed = np.flatnonzero(self._changed > base)
+        if len(changed) * block > DELTA_MAX_SHARE * max(total, 1):
+            return None
+        spans: list[tuple[int, int]] = []
+        if len(changed):
+            # Runs of consecutive blocks, each cut into stretches of at most max_bytes.
+            breaks = np.flatnonzero(np.diff(changed) != 1) + 1
+            for run in np.split(changed, breaks):
+                start = int(run[0]) * block
+                stop = min((int(run[-1]) + 1) * block, total)
+                for at in range(start, stop, max_bytes):
+                    spans.append((at, min(max_bytes, stop - at)))
+        return spans or [(0, 0)]  # nothing changed: one empty chunk carries the version
 
 
 def version_messages(

@@ -152,6 +152,9 @@ class Session:
     left: float | None = None
     #: Its model is torn (it said so in its last request): a repair is what it waits for.
     torn: bool = False
+    #: The latest version when it last asked for a whole one (a delta it could not
+    #: apply): it is answered at once, once per version.
+    asked_whole: int = -1
 
 
 @dataclass
@@ -499,8 +502,12 @@ class Fleet:
         if request.epoch == self.epoch:
             s.version = max(s.version, min(request.version, self.version))
         refused = s.refused == (self.epoch, self.version)
+        # A delta it cannot apply: the whole version now (not after repair_after), once.
+        whole = request.whole and s.asked_whole != self.version
+        if whole:
+            s.asked_whole = self.version
         if behind and meant and not refused and self.published:
-            if now - s.last_repair >= self.repair_after:
+            if whole or now - s.last_repair >= self.repair_after:
                 s.last_repair = now
                 up_to_date = UpToDate(self.model_id, self.version, self.epoch, False)
                 return [SendLatest(s.origin, up_to_date)]
@@ -576,6 +583,18 @@ class Fleet:
             if s.origin.peer is not None and s.left is None:
                 peers.setdefault(s.origin.hub, []).append(s.origin.peer)
         return send, peers
+
+    def holdings(self, targets: Iterable[int]) -> dict[int, list[tuple[PeerId, int | None]]]:
+        """Per hub, each of ``targets``' peers and the version of this sender's life it
+        holds whole (None: nothing known to be whole), which a delta may be against."""
+        out: dict[int, list[tuple[PeerId, int | None]]] = {}
+        for w in targets:
+            s = self.workers.get(w)
+            if s is None or s.left is not None or s.origin.peer is None:
+                continue
+            known = s.epoch == self.epoch and not s.torn and s.version < self.version
+            out.setdefault(s.origin.hub, []).append((s.origin.peer, s.version if known else None))
+        return out
 
     def gone(self, workers: Iterable[int], lost: Mapping[int, frozenset[PeerId]]) -> set[int]:
         """Those of ``workers`` that said goodbye, or whose hub says their peer is lost."""

@@ -239,8 +239,17 @@ class WeightReceiver:
         self._in_place: InPlace | None = None
         self._staging = Staging()
         self._stream = ChunkStream(chunk_timeout)
-        #: How the version in progress is applied: "in_place", "staged", or "" (none).
+        #: How the version in progress is applied: "in_place", "staged", "sink", or "".
         self._writing = ""
+        #: The layout digest of the version held now (a delta must be of the same).
+        self._held_layout = b""
+        #: (epoch, version) whose whole stream the staging buffer holds, if any: what a
+        #: delta is patched onto without a model (and for a sink).
+        self._staging_holds: tuple[int, int] | None = None
+        #: The version in progress is a delta: the stretches it carried so far.
+        self._delta_spans: list[tuple[int, int]] | None = None
+        #: Whether staging holds the whole version in progress once its stream is in.
+        self._fills_staging = False
         self._started_at = 0.0
         self._schema: WeightsSchema | None = None
         #: The ack to send once the last chunk's frames are let go of.
@@ -258,6 +267,8 @@ class WeightReceiver:
             "chunks": 0,
             "broken_streams": 0,
             "torn": 0,
+            "deltas": 0,
+            "deltas_skipped": 0,
         }
         self.rejections: deque[str] = deque(maxlen=8)
         #: The last version refused for not fitting the model, and why, until one fits:
@@ -425,7 +436,7 @@ class WeightReceiver:
                 )
             )
 
-    def _send_snapshot_request(self) -> None:
+    def _send_snapshot_request(self, whole: bool = False) -> None:
         if self.worker_idx is None or not self._session:
             # Heartbeats follow the Welcome; one that never came is asked for again.
             if self._welcomed:
@@ -439,6 +450,7 @@ class WeightReceiver:
                 self.worker_idx,
                 self._session,
                 torn=self.torn,
+                whole=whole,
             )
         )
 
@@ -569,13 +581,50 @@ class WeightReceiver:
             return False
         return True
 
+    def _patchable(self, chunk: Chunk) -> str:
+        """Why this worker cannot apply the delta ``chunk`` starts ("" if it can)."""
+        assert chunk.base is not None
+        if self.torn:
+            return "the model is torn"
+        if chunk.epoch != self.epoch or not chunk.base <= self.version < chunk.version:
+            return f"it is against version {chunk.base}; this worker holds {self.version}"
+        if chunk.layout != self._held_layout:
+            return "its layout is not the one of the version held"
+        if (self.sink is not None or self.model is None) and self._staging_holds != (
+            self.epoch,
+            self.version,
+        ):
+            return "the staging buffer does not hold the version held"
+        return ""
+
     def _on_start(self, event: Start) -> None:
         chunk, schema = event.chunk, event.schema
+        self._delta_spans = None
+        if chunk.base is not None:
+            why = self._patchable(chunk)
+            if why:
+                # Never a wrong version: ask for the whole one instead.
+                self._stream.abandon("cannot apply the delta")
+                self.stats["deltas_skipped"] += 1
+                log.info(
+                    "worker %s: delta of version %s skipped: %s",
+                    self.worker_idx,
+                    chunk.version,
+                    why,
+                )
+                if self._welcomed:
+                    self._send_snapshot_request(whole=True)
+                return
+            self._delta_spans = []
+        patches_staging = self._staging_holds == (self.epoch, self.version)
+        self._staging_holds = None  # what staging holds is written over from here
         self._started_at = time.monotonic()
         self._schema = schema
         self._incoming_metadata = chunk.metadata
         if self._wire_of[0] is not schema:  # once per layout, not per version
             self._wire_of = (schema, next((e.wire for e in schema.entries if e.wire), None))
+        #: Whether staging will hold the whole version once this stream is in.
+        self._fills_staging = chunk.base is None or patches_staging
         if self.sink is not None:
             self._writing = "sink"
             self._staging.start(chunk.total)
@@ -598,7 +647,8 @@ class WeightReceiver:
             )
         )
         try:
-            if in_place:
+            if in_place or chunk.base is not None:
+                # A delta, even staged, is applied stretch by stretch into the tensors.
                 if self._in_place is None or not self._in_place.fits(schema, target):
                     self._in_place = InPlace(schema, target, self.strategy)
             elif self._plan is None or not self._plan.fits(schema, target):
@@ -625,6 +675,8 @@ class WeightReceiver:
         }
 
     def _on_piece(self, chunk: Chunk) -> None:
+        if self._delta_spans is not None and chunk.payload:
+            self._delta_spans.append((chunk.offset, len(chunk.payload)))
         if self._writing == "in_place":
             assert self._in_place is not None
             self._in_place.apply(chunk.offset, chunk.payload)
@@ -633,7 +685,9 @@ class WeightReceiver:
         elif self._writing == "sink":
             self._staging.write(chunk.offset, chunk.payload)
             assert self._sink_feed is not None and self.sink is not None
-            tensors = self._sink_feed.ready(self._staging, chunk.offset + len(chunk.payload))
+            tensors = self._sink_feed.ready(
+                self._staging, chunk.offset + len(chunk.payload), self._delta_spans
+            )
             if tensors:
                 try:
                     self.sink(tensors)
@@ -665,6 +719,12 @@ class WeightReceiver:
                 self.lock.end_write()
             elif writing == "sink":
                 pass  # every tensor went to the sink as its chunk came
+            elif self.model is not None and self._delta_spans is not None:
+                assert self._in_place is not None
+                staged = self._staging.array
+                for offset, length in self._delta_spans:
+                    self._in_place.apply(offset, staged[offset : offset + length].data)
+                self._in_place.finish()
             elif self.model is not None:
                 assert self._plan is not None
                 schema = self._plan.schema
@@ -684,12 +744,17 @@ class WeightReceiver:
                 self.epoch = chunk.epoch
                 self._sender_epoch = chunk.epoch
             self.version = chunk.version
+            self._held_layout = chunk.layout
+            if writing != "in_place" and self._fills_staging:
+                self._staging_holds = (self.epoch, self.version)
             self.metadata = self._incoming_metadata
             self.wire_dtype = self._wire_of[1]
             self.lock.mend()
             for listener in self.on_applied:
                 listener(self.epoch, self.version)
         self.stats["applied"] += 1
+        if self._delta_spans is not None:
+            self.stats["deltas"] += 1
         self.stats["last_apply_s"] = time.monotonic() - self._started_at
         self._caught_up = True
         self._ack_due = {"applied": True}

@@ -37,7 +37,14 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from zmqsync.chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, DeviceReader, StreamLayout
+from zmqsync.chunking import (
+    DEFAULT_CHUNK_BYTES,
+    DELTA_BLOCK,
+    MIN_CHUNK_BYTES,
+    DeltaTracker,
+    DeviceReader,
+    StreamLayout,
+)
 from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
 from zmqsync.fleet import FanOut, Fleet, Forget, Origin, Reply, Send, SendLatest
 from zmqsync.protocol import (
@@ -279,6 +286,31 @@ class _Copy:
         elif self.reached is not None:
             self.reached.update(to)
 
+    def delta_frames(
+        self, index: int, spans: list[tuple[int, int]], base: int
+    ) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
+        """Chunk ``index`` of the delta against ``base`` that carries ``spans`` (a whole
+        copy, written: the sender records a version's digests once it is)."""
+        assert self.data is not None and self._written == self.layout.count
+        offset, length = spans[index]
+        payload = self.data[offset : offset + length].data.toreadonly()
+        chunk = Chunk(
+            self._model_id,
+            self.version,
+            self._epoch,
+            index,
+            len(spans),
+            offset,
+            self.layout.total,
+            self.layout.layout,
+            payload,
+            checksum=checksum(payload) if self._checksums else 0,
+            metadata=self.metadata if index == 0 else None,
+            base=base,
+        )
+        frames = encode(chunk, schema_bytes=self.layout.schema_bytes if index == 0 else None)
+        return self.lease.lend(frames)
+
     def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
         """Chunk ``index`` as frames to send, lent afresh (and written first if need
         be); None while the ring has no free buffer."""
@@ -317,20 +349,47 @@ class _Copy:
 
 
 class _Transfer:
-    """One version streaming to one hub: fanned out (``to=None``) or to given peers."""
+    """One version streaming to one hub: fanned out (``to=None``) or to given peers;
+    whole, or (``spans``) as a delta against version ``base``."""
 
-    def __init__(self, copy: _Copy, to: list[PeerId] | None) -> None:
+    def __init__(
+        self,
+        copy: _Copy,
+        to: list[PeerId] | None,
+        spans: list[tuple[int, int]] | None = None,
+        base: int = 0,
+        workers: int = 0,
+    ) -> None:
         self.copy = copy
         self.to = to
+        self.spans = spans
+        self.base = base
+        #: How many targeted workers a delta goes to (counted in status).
+        self.workers = workers
         self.next = 0
         self.started = time.monotonic()
 
     def covers(self, copy: _Copy, peer: PeerId) -> bool:
-        return self.copy is copy and (self.to is None or peer in self.to)
+        """Whether it brings ``peer`` the whole ``copy`` (a delta may not do)."""
+        return self.copy is copy and self.spans is None and (self.to is None or peer in self.to)
+
+    @property
+    def count(self) -> int:
+        return self.copy.count if self.spans is None else len(self.spans)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it sends each of its peers."""
+        return self.copy.nbytes if self.spans is None else sum(n for _, n in self.spans)
+
+    def frames(self) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+        if self.spans is None:
+            return self.copy.frames(self.next)
+        return self.copy.delta_frames(self.next, self.spans, self.base)
 
     @property
     def sent(self) -> bool:
-        return self.next >= self.copy.count
+        return self.next >= self.count
 
 
 @dataclass
@@ -381,6 +440,16 @@ class WeightSender:
             back to its tensor's own dtype. Integer and bool tensors travel as they are.
             ``chunk_bytes`` must then be a multiple of 16. With it, ``share_params``
             copies (the wire bytes are not the tensors').
+        delta: send each worker only the blocks of the stream (1 MiB, or ``chunk_bytes``
+            if smaller) that changed since the version it holds, as a digest of each
+            block says: over a transport that fans out (PUB/SUB) one delta against the
+            oldest version the targeted workers hold, else one per worker. A worker
+            that cannot apply it (it missed a version the delta is not against, it
+            restarted, its model is torn, or it joined late) gets the whole version
+            from the snapshot, never a wrong one. Each version is then copied whole
+            before its first chunk goes (to digest it); it needs ``retain_snapshot``
+            and no ``share_params``, and assumes workers do not change the weights they
+            were sent. With ``wire_dtype``, the wire bytes are digested.
     """
 
     def __init__(
@@ -402,6 +471,7 @@ class WeightSender:
         checksums: bool = False,
         share_params: bool = False,
         wire_dtype: torch.dtype | None = None,
+        delta: bool = False,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds; got {timeout}")
@@ -416,6 +486,11 @@ class WeightSender:
             )
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
+        if delta and (share_params or not retain_snapshot):
+            raise ValueError(
+                "delta=True needs retain_snapshot=True and no share_params: a worker "
+                "that cannot apply a delta is sent the whole version from the snapshot"
+            )
         hubs = [hub] if isinstance(hub, HubTransport) else list(hub)
         if not hubs:
             raise ValueError("a sender needs at least one hub transport")
@@ -444,6 +519,10 @@ class WeightSender:
         self.checksums = checksums
         self._flattener = Flattener(strategy, pack_threshold=pack_threshold, wire_dtype=wire_dtype)
         self.wire_dtype = wire_dtype
+        self.delta = delta
+        self._tracker: DeltaTracker | None = None
+        #: What the latest send sent as deltas (status()["delta"]).
+        self._last_delta: dict[str, Any] | None = None
         self._layout: StreamLayout | None = None
         self._ring = _Ring(self.chunk_bytes)
         #: How long chunks usually take to be let go of (seconds, a moving average).
@@ -469,6 +548,7 @@ class WeightSender:
             "params_moved": 0,
             "repairs_skipped": 0,
             "timeouts": 0,
+            "deltas_sent": 0,
         }
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
@@ -596,6 +676,8 @@ class WeightSender:
                 raise RuntimeError("publish() is for the weights before the first send()")
             copy = self._copy_of(weights, 0)
             copy.write_through(copy.count - 1)  # the weights may change once this returns
+            if self.delta:
+                self._record(copy)
             with self._snapshot_lock:
                 self._snapshot = copy  # kept until the first send, whatever retain_snapshot
             with self._cond:
@@ -622,17 +704,100 @@ class WeightSender:
         copy = self._copy_of(weights, version, whole=whole or self.retain_snapshot)
         copy.metadata = metadata
         self._metadata = metadata
+        if self.delta:
+            copy.write_through(copy.count - 1)
+            self._record(copy)
         with self._cond:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
             pending = self._pending = _Pending(send, copy)
+            holdings = self.fleet.holdings(send.targets) if self.delta else {}
+        deltas: dict[int, tuple[int, int]] = {}  # base -> (workers, bytes each)
         for runner in self._runners:
-            if worker_ids is None:
-                runner.begin(_Transfer(copy, None))
+            if self.delta:
+                transfers = self._delta_transfers(
+                    copy, runner, holdings.get(runner.index, []), worker_ids is None
+                )
+            elif worker_ids is None:
+                transfers = [_Transfer(copy, None)]
             elif peers.get(runner.index):
-                runner.begin(_Transfer(copy, list(peers[runner.index])))
+                transfers = [_Transfer(copy, list(peers[runner.index]))]
+            else:
+                transfers = []
+            for transfer in transfers:
+                runner.begin(transfer)
+                if transfer.spans is not None:
+                    n, _ = deltas.get(transfer.base, (0, 0))
+                    deltas[transfer.base] = (n + transfer.workers, transfer.nbytes)
+        patched = sum(n for n, _ in deltas.values())
+        unpatched = max(0, len(send.targets) - patched)
         self._totals["versions_sent"] += 1
-        self._totals["bytes_sent"] += copy.nbytes * max(1, len(send.targets))
+        # Bytes each targeted worker is sent (at least one copy's worth when none is).
+        self._totals["bytes_sent"] += sum(n * size for n, size in deltas.values()) + (
+            copy.nbytes * (unpatched if unpatched or patched else 1)
+        )
+        if self.delta:
+            self._totals["deltas_sent"] += 1 if deltas else 0
+            self._last_delta = {
+                "version": version,
+                "bases": [
+                    {"base": b, "workers": n, "bytes": size}
+                    for b, (n, size) in sorted(deltas.items())
+                ],
+                "whole_to": unpatched,
+            }
         return pending
+
+    def _record(self, copy: _Copy) -> None:
+        """Digest a whole, written version (``delta``): which blocks it changed."""
+        assert copy.data is not None
+        tracker = self._tracker
+        if tracker is None or tracker.layout is not copy.layout:
+            # Blocks no larger than a chunk: a delta never moves more than a chunk for
+            # a change of one byte.
+            tracker = self._tracker = DeltaTracker(copy.layout, min(DELTA_BLOCK, self.chunk_bytes))
+        tracker.record(copy.version, copy.data)
+
+    def _delta_transfers(
+        self,
+        copy: _Copy,
+        runner: _HubRunner,
+        holdings: list[tuple[PeerId, int | None]],
+        fan_out: bool,
+    ) -> list[_Transfer]:
+        """How ``copy`` goes to one hub's targeted peers (``holdings``: each with the
+        version it holds whole, if any) with ``delta``: deltas where they can be
+        applied, the whole version to the rest (``fan_out``: also to peers that are not
+        targeted, as a send to every worker does)."""
+        tracker = self._tracker
+        assert tracker is not None
+        known = [(peer, base) for peer, base in holdings if base is not None]
+        if not known:
+            return [_Transfer(copy, None if fan_out else [p for p, _ in holdings])]
+        if runner.hub.fans_out or runner.hub.shares_memory():
+            # One stream reaches every peer: one delta, against the oldest version held.
+            groups = {min(base for _, base in known): [peer for peer, _ in known]}
+        else:
+            groups = {}
+            for peer, base in known:
+                groups.setdefault(base, []).append(peer)
+        whole = [peer for peer, base in holdings if base is None]
+        deltas = []
+        for base, peers in sorted(groups.items()):
+            spans = tracker.spans(base, self.chunk_bytes)
+            if spans is None:
+                whole += peers
+            else:
+                deltas.append((base, peers, spans))
+        if fan_out and not whole and len(deltas) == 1 and runner.hub.fans_out:
+            base, peers, spans = deltas[0]
+            return [_Transfer(copy, None, spans, base, len(peers))]
+        # Addressed, so that no worker is sent two streams of one version at once.
+        transfers = [
+            _Transfer(copy, peers, spans, base, len(peers)) for base, peers, spans in deltas
+        ]
+        if whole:
+            transfers.append(_Transfer(copy, whole))
+        return transfers
 
     def _copy_of(self, weights: Any, version: int, *, whole: bool = True) -> _Copy:
         """``weights`` (``None``: the model's), to be copied chunk by chunk as it is
@@ -1026,6 +1191,7 @@ class WeightSender:
             "num_workers": self.num_workers,
             "metadata": self._metadata,
             "wire_dtype": None if self.wire_dtype is None else dtype_name(self.wire_dtype),
+            "delta": self._last_delta if self.delta else None,
             "share_params": (
                 None
                 if not self.share_params
@@ -1219,7 +1385,7 @@ class _HubRunner:
             if not transfer.copy.readable:
                 self.transfers.popleft()  # a ring copy whose send is over
                 continue
-            lent = transfer.copy.frames(transfer.next)
+            lent = transfer.frames()
             if lent is None:
                 self._window_full = True  # every ring buffer is held: wait as for the window
                 return True
@@ -1234,7 +1400,8 @@ class _HubRunner:
             sender._totals["chunks_sent"] += 1
             if transfer.sent:
                 self.transfers.popleft()
-                self.done.append((transfer.copy.version, transfer.to, transfer.started, now))
+                if transfer.spans is None:  # a delta brings the version to some only
+                    self.done.append((transfer.copy.version, transfer.to, transfer.started, now))
         return False
 
     def _poke(self) -> None:

@@ -90,14 +90,18 @@ HEADER: Final = struct.Struct("!4sBBHQQIH16s")
 #: then (FLAG_METADATA) the version's metadata JSON and its length (:data:`META_LEN`).
 CHUNK_BODY: Final = struct.Struct("!IIQQQ")
 META_LEN: Final = struct.Struct("!I")
+#: After the body struct of every chunk of a delta (FLAG_DELTA): the version the delta
+#: is against (see :class:`~zmqsync.protocol.messages.Chunk`).
+DELTA_BASE: Final = struct.Struct("!Q")
 #: Header flags of a chunk: the first and the last of its version, whether it carries a
-#: checksum, and (first chunk only) metadata. Transports read FIRST without decoding
-#: (see starts_version).
+#: checksum, (first chunk only) metadata, and whether the version is a delta.
+#: Transports read FIRST without decoding (see starts_version).
 FLAG_FIRST: Final = 1
 FLAG_LAST: Final = 2
 FLAG_CHECKSUM: Final = 4
 FLAG_METADATA: Final = 8
-_CHUNK_FLAGS: Final = FLAG_FIRST | FLAG_LAST | FLAG_CHECKSUM | FLAG_METADATA
+FLAG_DELTA: Final = 16
+_CHUNK_FLAGS: Final = FLAG_FIRST | FLAG_LAST | FLAG_CHECKSUM | FLAG_METADATA | FLAG_DELTA
 _U64_MAX: Final = (1 << 64) - 1
 _NO_DIGEST: Final = bytes(16)
 _SCHEMA_CACHE_SIZE: Final = 32
@@ -232,8 +236,13 @@ def _encode_chunk(chunk: Chunk, schema_bytes: bytes | None) -> list[Buffer]:
         | (FLAG_LAST if chunk.index == chunk.count - 1 else 0)
         | (FLAG_CHECKSUM if chunk.checksum else 0)
         | (FLAG_METADATA if chunk.metadata is not None else 0)
+        | (FLAG_DELTA if chunk.base is not None else 0)
     )
     body = CHUNK_BODY.pack(chunk.index, chunk.count, chunk.offset, chunk.total, chunk.checksum)
+    if chunk.base is not None:
+        if not 0 <= chunk.base < chunk.version:
+            raise ValueError(f"a delta of version {chunk.version} against {chunk.base}")
+        body += DELTA_BASE.pack(chunk.base)
     head = _header(Kind.WEIGHTS, chunk.model_id, chunk.version, chunk.epoch, 1, chunk.layout, flags)
     return [head, body + schema if schema else body, chunk.payload]
 
@@ -521,15 +530,28 @@ def _decode_chunk(
             f"chunk {index} spans bytes {offset}..{offset + size} of a version of {total}; "
             f"limits: {MAX_CHUNK_BYTES} per chunk, {MAX_VERSION_BYTES} per version"
         )
+    delta = bool(flags & FLAG_DELTA)
     expected = (
         (FLAG_FIRST if index == 0 else 0)
         | (FLAG_LAST if index == count - 1 else 0)
         | (flags & FLAG_CHECKSUM)
         | (flags & FLAG_METADATA if index == 0 else 0)
+        | (flags & FLAG_DELTA)
     )
     if flags != expected or flags & ~_CHUNK_FLAGS:
         raise FrameError(f"chunk {index} of {count} has flags {flags:#x}; expected {expected:#x}")
-    if index == count - 1 and offset + size != total:
+    base: int | None = None
+    fixed = CHUNK_BODY.size
+    if delta:
+        # A delta carries only the stretches that changed: its chunks may start and end
+        # anywhere in the stream (in order, which the receiver's ChunkStream checks).
+        if len(body) < fixed + DELTA_BASE.size:
+            raise FrameError("a delta chunk carries no base version")
+        (base,) = DELTA_BASE.unpack_from(body, fixed)
+        if base >= version:
+            raise FrameError(f"a delta of version {version} against version {base}")
+        fixed += DELTA_BASE.size
+    elif index == count - 1 and offset + size != total:
         raise FrameError(f"the last chunk ends at {offset + size}, not at the total {total}")
     if flags & FLAG_CHECKSUM and checksum(payload) != crc:
         raise FrameError(f"chunk {index} of version {version}: checksum mismatch (corrupted)")
@@ -538,13 +560,13 @@ def _decode_chunk(
     schema: WeightsSchema | None = None
     metadata: dict[str, Any] | None = None
     if index == 0:
-        if offset != 0:
+        if offset != 0 and not delta:
             raise FrameError(f"the first chunk starts at {offset}, not 0")
-        rest = bytes(body[CHUNK_BODY.size :])
+        rest = bytes(body[fixed:])
         if flags & FLAG_METADATA:
             rest, metadata = _split_metadata(rest)
         schema = _chunk_schema(rest, layout, total)
-    elif len(body) != CHUNK_BODY.size:
+    elif len(body) != fixed:
         raise FrameError("only the first chunk of a version carries a schema")
     return Chunk(
         model_id,
@@ -559,6 +581,7 @@ def _decode_chunk(
         schema,
         crc,
         metadata,
+        base,
     )
 
 

@@ -162,6 +162,12 @@ class Chunk:
     schema's digest), so no chunk can be applied under another version's layout.
     ``checksum``: the payload's CRC-32 plus one, or 0 when the sender computed none.
     ``metadata``: what the learner attached to the version (first chunk only; JSON).
+
+    ``base``: the version is a *delta* against version ``base`` of the same epoch: its
+    ``count`` chunks carry only the stretches of the stream that changed since then, in
+    order, each at its ``offset``; every other byte is the same in ``base`` and in every
+    version up to this one, so a worker holding any of them (whole) may apply it, and
+    nobody else. ``None``: the whole stream.
     """
 
     model_id: str
@@ -176,6 +182,7 @@ class Chunk:
     schema: WeightsSchema | None = None
     checksum: int = 0
     metadata: dict[str, Any] | None = None
+    base: int | None = None
 
     kind = Kind.WEIGHTS
 
@@ -269,6 +276,9 @@ class SnapshotRequest:
     session: str = ""
     #: The worker's model is torn (an in-place stream broke): it holds no whole version.
     torn: bool = False
+    #: A delta of the latest version came that it cannot apply (it holds an older
+    #: version than the delta's base, or not the bytes to patch): it needs the whole one.
+    whole: bool = False
 
     kind = Kind.SNAPSHOT_REQUEST
 

@@ -4,8 +4,9 @@ A receiver feeds every decoded :class:`~zmqsync.protocol.messages.Chunk` to a
 :class:`ChunkStream` and gets back what to do with it: start a version, apply a piece,
 finish, or give up on the version in progress because its stream broke. The stream
 never looks at tensors or locks; it only checks that chunks follow each other: the same
-epoch, version, layout, count and total, each index once and in order, each starting
-where the previous one ended, none later than ``gap`` seconds after the previous one.
+epoch, version, layout, count, total and base, each index once and in order, each
+starting where the previous one ended (or, in a delta, anywhere after it), none later
+than ``gap`` seconds after the previous one.
 
 Which versions are worth receiving (newer than the one held, of an epoch not left) is
 the caller's call: :meth:`ChunkStream.feed` takes it as ``wanted``.
@@ -70,6 +71,7 @@ class _Progress:
     next_index: int
     next_offset: int
     last_seen: float
+    base: int | None
 
 
 class ChunkStream:
@@ -120,8 +122,9 @@ class ChunkStream:
                 chunk.count,
                 chunk.total,
                 0,
-                0,
+                chunk.offset,
                 now,
+                chunk.base,
             )
             p = self._progress
         if p is None:
@@ -144,7 +147,7 @@ class ChunkStream:
             events.append(Ignored(chunk, mismatch))
             return events
         p.next_index += 1
-        p.next_offset += len(chunk.payload)
+        p.next_offset = chunk.offset + len(chunk.payload)
         p.last_seen = now
         if chunk.last:
             self._progress = None
@@ -152,12 +155,19 @@ class ChunkStream:
         return events
 
     def _mismatch(self, p: _Progress, chunk: Chunk) -> str:
-        if chunk.layout != p.layout or chunk.count != p.count or chunk.total != p.total:
+        if (
+            chunk.layout != p.layout
+            or chunk.count != p.count
+            or chunk.total != p.total
+            or chunk.base != p.base
+        ):
             return f"chunk {chunk.index} of version {p.version} does not match its first chunk"
         if chunk.index != p.next_index:
             return f"chunk {p.next_index} of {p.count} of version {p.version} never came"
-        if chunk.offset != p.next_offset:
+        if p.base is None and chunk.offset != p.next_offset:
             return f"chunk {chunk.index} starts at byte {chunk.offset}, not {p.next_offset}"
+        if chunk.offset < p.next_offset:  # a delta's stretches come in order, apart
+            return f"chunk {chunk.index} starts at byte {chunk.offset}, before {p.next_offset}"
         return ""
 
     def expire(self, now: float) -> Broken | None:

@@ -70,6 +70,9 @@ class HubTransport(_Closable):
 
     #: Short name shown in status ("zmq-pubsub", "memory", ...).
     name: str = "hub"
+    #: Whether one ``send_frames(to=None)`` reaches every peer for the cost of one
+    #: send (a PUB socket): a sender then sends one delta to all rather than one each.
+    fans_out: bool = False
 
     @property
     @abc.abstractmethod

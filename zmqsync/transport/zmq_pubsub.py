@@ -32,6 +32,7 @@ class PubSubHub(ZMQHub):
     """Sender end of the ``pubsub`` mode: PUB for fan-out, ROUTER, PULL for acks."""
 
     name = "zmq-pubsub"
+    fans_out = True
 
     def __init__(self, endpoint: str | None = None, *, data_endpoint: str | None = None, **kw: Any):
         self._data_request = data_endpoint
