@@ -1,11 +1,13 @@
-"""Bytes and time per version over tcp, with and without ``wire_dtype``, in one run.
+"""Bytes and time per version over tcp: whole, with ``wire_dtype``, and as deltas.
 
 A float32 model to ``--workers`` worker processes over ``tcp://127.0.0.1`` (PUB/SUB),
-one sender per variant, the variants taking turns version by version (A B B A ...):
+one sender per variant, the variants taking turns version by version (A B C C B A ...):
 
-- ``float32``: the default, every tensor's own bytes;
+- ``float32``: the default, every tensor's own bytes, every tensor changed;
 - ``bfloat16``: ``wire_dtype=torch.bfloat16``, each float cast chunk by chunk on the
-  learner and back on each worker.
+  learner and back on each worker;
+- ``delta5``: ``delta=True``, and each version changes 5% of the model's elements (a
+  stretch of one tensor, a different one each version).
 
 Bytes per version are the sender's own counter (``status()["totals"]["bytes_sent"]``
 over the versions sent), so they are what went on the wire, per worker. Each worker checks
@@ -29,7 +31,13 @@ import torch
 from benchmarks._harness import machine_info
 
 MIB = 1 << 20
-VARIANTS = {"float32": None, "bfloat16": torch.bfloat16}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "float32": {"retain_snapshot": False},
+    "bfloat16": {"retain_snapshot": False, "wire_dtype": torch.bfloat16},
+    "delta5": {"delta": True},
+}
+#: The share of the model's elements a delta5 version changes.
+DELTA_SHARE = 0.05
 
 
 def _model(mib: int, value: float) -> dict[str, torch.Tensor]:
@@ -41,7 +49,7 @@ def _model(mib: int, value: float) -> dict[str, torch.Tensor]:
 
 
 def _worker(index: int, mib: int, endpoints: dict[str, str], control: Any, results: Any) -> None:
-    from zmqsync import WeightReceiver
+    from zmqsync import WeightReceiver, checksum
     from zmqsync.transport.zmq_pubsub import PubSubSpoke
 
     models = {name: _model(mib, 0.0) for name in endpoints}
@@ -63,9 +71,12 @@ def _worker(index: int, mib: int, endpoints: dict[str, str], control: Any, resul
         what = control.get(timeout=900)
         if what == "stop":
             break
-        name, value = what
+        name, value, digest = what
         with receivers[name].lock:
-            exact = all(bool((t == value).all()) for t in models[name].values())
+            if digest:
+                exact = checksum(models[name]) == digest
+            else:
+                exact = all(bool((t == value).all()) for t in models[name].values())
         results.put(("checked", index, exact))
     for r in receivers.values():
         r.close()
@@ -76,16 +87,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mib", default="16,128,512", help="model sizes in MiB")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=8, help="versions per variant and size")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="which, in order")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
 
-    from zmqsync import WeightSender
+    from zmqsync import WeightSender, checksum
     from zmqsync.transport.zmq_pubsub import PubSubHub
 
     ctx = mp.get_context("spawn")
     out: dict[str, Any] = {"machine": machine_info(), "command": " ".join(sys.argv), "rows": []}
     for mib in [int(x) for x in args.mib.split(",")]:
-        learners = {name: _model(mib, 1.0) for name in VARIANTS}
+        learners = {name: _model(mib, 1.0) for name in variants}
         senders = {
             name: WeightSender(
                 PubSubHub("tcp://127.0.0.1:*"),
@@ -93,10 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 strategy="state_dict",
                 num_workers=args.workers,
                 timeout=120,
-                retain_snapshot=False,
-                wire_dtype=wire,
+                **options,
             )
-            for name, wire in VARIANTS.items()
+            for name, options in variants.items()
         }
         endpoints = {name: s.endpoint for name, s in senders.items()}
         controls = [ctx.Queue() for _ in range(args.workers)]
@@ -110,43 +122,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             for _ in procs:
                 results.get(timeout=300)
-            times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-            order = list(VARIANTS)
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            bytes_sent: dict[str, int] = dict.fromkeys(variants, 0)
+            order = list(variants)
             value = 1.0
             for rep in range(args.repeats + 1):  # the first round warms up
                 for name in order if rep % 2 == 0 else order[::-1]:
                     value += 1.0
+                    digest = ""
                     with torch.no_grad():
-                        for t in learners[name].values():
-                            t.fill_(value)  # representable in bfloat16: exact both ways
+                        if name == "delta5":
+                            big = learners[name][f"layer{rep % 16}.weight"]
+                            big[: int(DELTA_SHARE * 16 * big.numel())].fill_(value)
+                            digest = checksum(learners[name])
+                        else:
+                            for t in learners[name].values():
+                                t.fill_(value)  # representable in bfloat16: exact both ways
+                    before = senders[name].status()["totals"]["bytes_sent"]
                     started = time.perf_counter()
                     senders[name].send()
                     if rep:
                         times[name].append(time.perf_counter() - started)
+                        bytes_sent[name] += senders[name].status()["totals"]["bytes_sent"] - before
                     for c in controls:
-                        c.put((name, value))
+                        c.put((name, value, digest))
                     checked = [results.get(timeout=120) for _ in procs]
                     if not all(ok for _, _, ok in checked):
                         raise RuntimeError(f"{name}: a worker does not hold version {value}")
-            for name in VARIANTS:
-                totals = senders[name].status()["totals"]
-                row = {
+            rows = {
+                name: {
                     "mib": mib,
                     "variant": name,
                     "median_ms": 1000 * statistics.median(times[name]),
-                    "bytes_per_version_per_worker": totals["bytes_sent"]
-                    / totals["versions_sent"]
+                    "bytes_per_version_per_worker": bytes_sent[name]
+                    / len(times[name])
                     / args.workers,
                 }
-                out["rows"].append(row)
-            f32, bf16 = out["rows"][-2:]
-            a, b = f32["bytes_per_version_per_worker"], bf16["bytes_per_version_per_worker"]
-            print(
-                f"{mib:5d} MiB  float32 {f32['median_ms']:8.2f} ms {a / MIB:8.1f} MiB  |  "
-                f"bfloat16 {bf16['median_ms']:8.2f} ms {b / MIB:8.1f} MiB  |  bytes {b / a:.3f}x"
-                f"  speed-up {f32['median_ms'] / bf16['median_ms']:.2f}x",
-                flush=True,
-            )
+                for name in variants
+            }
+            out["rows"].extend(rows.values())
+            base = rows.get("float32")
+            line = [f"{mib:5d} MiB"]
+            for name, row in rows.items():
+                ms, size = row["median_ms"], row["bytes_per_version_per_worker"]
+                line.append(f"{name} {ms:8.2f} ms {size / MIB:8.2f} MiB")
+                if base is not None and row is not base:
+                    line[-1] += (
+                        f" (bytes {size / base['bytes_per_version_per_worker']:.3f}x,"
+                        f" time {ms / base['median_ms']:.3f}x)"
+                    )
+            print("  |  ".join(line), flush=True)
         finally:
             for c in controls:
                 c.put("stop")

@@ -436,28 +436,34 @@ def test_the_tracker_marks_changed_blocks_and_cuts_stretches() -> None:
     layout = StreamLayout(flat, MIB)
     tracker = DeltaTracker(layout, block=256 * 1024)
     data = np.zeros(layout.total, dtype=np.uint8)
-    assert tracker.record(1, data) == 16  # all new
+    view = memoryview(data)
+
+    def read(lo: int, hi: int) -> list[memoryview]:
+        return [view[lo:hi]]
+
+    assert tracker.record(1, read) == 16  # all new
     assert tracker.spans(1, MIB) == [(0, 0)]  # nothing changed since 1
     assert tracker.spans(0, MIB) is None  # before anything recorded: unknown
     data[300_000] = 1  # block 1
     data[2 * MIB : 2 * MIB + 5] = 1  # block 8
     data[2 * MIB + 256 * 1024] = 1  # block 9: one run with 8
-    assert tracker.record(2, data) == 3
+    assert tracker.record(2, read) == 3
     assert tracker.spans(1, MIB) == [(256 * 1024, 256 * 1024), (2 * MIB, 512 * 1024)]
+    assert tracker.chunks_changed(2) == [0, 2]  # the 1 MiB chunks that hold them
     assert tracker.spans(1, 300 * 1024) == [
         (256 * 1024, 256 * 1024),
         (2 * MIB, 300 * 1024),
         (2 * MIB + 300 * 1024, 212 * 1024),
     ]
     data[:] = 7  # everything: a delta would be the whole version
-    tracker.record(3, data)
+    tracker.record(3, read)
     assert tracker.spans(2, MIB) is None
     with pytest.raises(ValueError):
-        tracker.record(2, data)
+        tracker.record(2, read)
     # The same version again (weights published twice as version 0): no delta is known
     # against it, since workers may hold either.
     data[:] = 8
-    tracker.record(3, data)
+    tracker.record(3, read)
     assert tracker.spans(3, MIB) is None
 
 

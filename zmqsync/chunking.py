@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -120,6 +120,7 @@ class StreamLayout:
             for e in flat.schema.entries
         )
         self.total = max((e.offset + e.nbytes for e in entries if e.nbytes), default=0)
+        self.bases = bases
         self.schema = WeightsSchema(flat.schema.strategy, entries)
         self.schema_bytes = encode_schema(self.schema)
         self.layout = layout_digest(self.schema_bytes)
@@ -142,6 +143,27 @@ class StreamLayout:
             and chunk_bytes == self.chunk_bytes
             and flat.sizes == self.sizes
         )
+
+    def stretches(self, sources: Sources, lo: int, hi: int) -> list[Buffer] | None:
+        """The sources' bytes that stream bytes ``[lo, hi)`` hold, in order, without the
+        alignment gaps (zeros), or None if some must be cast or copied off a device
+        first: what a delta's digests read without writing the stream."""
+        if isinstance(sources, DeviceReader):
+            return None
+        out: list[Buffer] = []
+        bases, sizes = self.bases, self.sizes
+        for b in range(max(0, bisect.bisect_right(bases, lo) - 1), len(bases)):
+            start = bases[b]
+            if start >= hi:
+                break
+            end = start + sizes[b]
+            if end <= lo:
+                continue
+            source = sources[b]
+            if not isinstance(source, np.ndarray):
+                return None
+            out.append(source[max(lo, start) - start : min(hi, end) - start].data)
+        return out
 
     def span(self, index: int) -> tuple[int, int]:
         """Chunk ``index``'s ``(offset, length)`` in the stream."""
@@ -546,16 +568,19 @@ class DeltaTracker:
         self.since: int | None = None
         self.latest = -1
 
-    def record(self, version: int, data: np.ndarray) -> int:
-        """Take ``version``'s whole stream; returns how many blocks it changed."""
+    def record(self, version: int, read: Callable[[int, int], Iterable[Buffer]]) -> int:
+        """Take ``version``'s whole stream, whose bytes ``[lo, hi)`` are ``read(lo, hi)``
+        (in parts); returns how many blocks it changed."""
         if version < self.latest:
             raise ValueError(f"version {version} recorded after {self.latest}")
         again = version == self.latest  # its weights changed under the same number
-        view = memoryview(data.data)
-        digest = xxhash.xxh3_128_digest
         block, digests, changed = self.block, self._digests, 0
+        total = self.layout.total
         for k in range(len(digests)):
-            d = digest(view[k * block : (k + 1) * block])
+            hasher = xxhash.xxh3_128()
+            for part in read(k * block, min((k + 1) * block, total)):
+                hasher.update(part)
+            d = hasher.digest()
             if d != digests[k]:
                 digests[k] = d
                 self._changed[k] = version
@@ -566,6 +591,15 @@ class DeltaTracker:
             self.since = version + 1 if again else version
         self.latest = version
         return changed
+
+    def chunks_changed(self, version: int) -> list[int]:
+        """The chunks of the layout that hold a block ``version`` changed."""
+        per = self.layout.chunk_bytes
+        out: set[int] = set()
+        for k in np.flatnonzero(self._changed == version).tolist():
+            lo, hi = k * self.block, min((k + 1) * self.block, self.layout.total)
+            out.update(range(lo // per, max(lo, hi - 1) // per + 1))
+        return sorted(out)
 
     def spans(self, base: int, max_bytes: int) -> list[tuple[int, int]] | None:
         """``(offset, length)`` stretches, each at most ``max_bytes``, holding every block

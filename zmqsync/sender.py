@@ -43,6 +43,7 @@ from zmqsync.chunking import (
     MIN_CHUNK_BYTES,
     DeltaTracker,
     DeviceReader,
+    Sources,
     StreamLayout,
 )
 from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
@@ -231,6 +232,9 @@ class _Copy:
         self.live = live
         #: The peers its chunks went to (None: a hub's every peer).
         self.reached: set[PeerId] | None = set()
+        #: The version whose whole stream ``data`` held when this copy took it over
+        #: (the previous snapshot's memory, reused), or None.
+        self.holds: int | None = None
         self.lease = _Lease()
         self._model_id = sender.model_id
         self._epoch = sender.epoch
@@ -267,6 +271,22 @@ class _Copy:
                 self._written += 1
             if self._written == self.layout.count:
                 self._let_go()  # the caller's memory is read no more
+
+    def write_chunks(self, indices: Iterable[int]) -> None:
+        """Write only chunks ``indices``: ``data`` holds the others already (``holds``
+        a version that differs from this one in those chunks alone)."""
+        assert self.data is not None and self._sources is not None
+        with self._lock:
+            for index in indices:
+                offset, length = self.layout.span(index)
+                self.layout.write(index, self._sources, self.data[offset : offset + length])
+            self._written = self.layout.count
+            self._let_go()
+
+    @property
+    def sources(self) -> Sources | None:
+        """What the chunks are written from, while they are still read."""
+        return self._sources
 
     def end(self) -> None:
         """The send is over: a ring or live copy reads the caller's tensors no more."""
@@ -675,9 +695,9 @@ class WeightSender:
             if self.fleet.version > 0:
                 raise RuntimeError("publish() is for the weights before the first send()")
             copy = self._copy_of(weights, 0)
-            copy.write_through(copy.count - 1)  # the weights may change once this returns
             if self.delta:
                 self._record(copy)
+            copy.write_through(copy.count - 1)  # the weights may change once this returns
             with self._snapshot_lock:
                 self._snapshot = copy  # kept until the first send, whatever retain_snapshot
             with self._cond:
@@ -705,7 +725,6 @@ class WeightSender:
         copy.metadata = metadata
         self._metadata = metadata
         if self.delta:
-            copy.write_through(copy.count - 1)
             self._record(copy)
         with self._cond:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
@@ -748,14 +767,35 @@ class WeightSender:
         return pending
 
     def _record(self, copy: _Copy) -> None:
-        """Digest a whole, written version (``delta``): which blocks it changed."""
+        """Write a version whole and digest it (``delta``): which blocks it changed.
+
+        The digests read the caller's tensors where they are plain CPU bytes; then only
+        the chunks that changed are written into the previous snapshot's memory, when
+        the copy took it over. Otherwise (casts, a GPU) the stream is written whole
+        first and its bytes digested."""
         assert copy.data is not None
         tracker = self._tracker
         if tracker is None or tracker.layout is not copy.layout:
             # Blocks no larger than a chunk: a delta never moves more than a chunk for
             # a change of one byte.
             tracker = self._tracker = DeltaTracker(copy.layout, min(DELTA_BLOCK, self.chunk_bytes))
-        tracker.record(copy.version, copy.data)
+        layout, sources, latest = copy.layout, copy.sources, tracker.latest
+        if sources is not None and layout.stretches(sources, 0, layout.total) is not None:
+
+            def read(lo: int, hi: int) -> list[Buffer]:
+                parts = layout.stretches(sources, lo, hi)
+                assert parts is not None  # every source is plain bytes
+                return parts
+
+            tracker.record(copy.version, read)
+            if copy.holds is not None and copy.holds == latest:
+                copy.write_chunks(tracker.chunks_changed(copy.version))
+            else:
+                copy.write_through(copy.count - 1)
+            return
+        copy.write_through(copy.count - 1)
+        data = memoryview(copy.data.data)
+        tracker.record(copy.version, lambda lo, hi: (data[lo:hi],))
 
     def _delta_transfers(
         self,
@@ -903,6 +943,7 @@ class WeightSender:
         # (fresh memory costs a page fault per page); else it is left to whoever still
         # holds it, and freed when they let go.
         data = None
+        previous = old.version if old is not None and old.layout is layout else None
         if alloc is not None:
             data = alloc(layout.total)
         elif (
@@ -915,9 +956,13 @@ class WeightSender:
             data = old.data
         old = None
         lent = data is not None and alloc is not None
+        holds = None
         if data is None:
             data = np.empty(layout.total, dtype=np.uint8)
+        elif alloc is None:
+            holds = previous  # the previous snapshot's memory: its bytes, whole
         owned = _Copy(self, version, layout, data, flat, lent_by_hub=lent)
+        owned.holds = holds
         if self.retain_snapshot or version == 0:
             with self._snapshot_lock:
                 self._snapshot = owned
