@@ -13,6 +13,12 @@ chunk to the last (no model-sized buffer). If an in-place stream breaks, the mod
 *torn*: the lock refuses forward passes (:class:`~zmqsync.errors.TornWeights` after a
 wait) until a whole version, the sender's snapshot or the next one, repairs it.
 
+A *delta* (the sender's ``delta=True``) carries only the stretches that changed since
+its base version; it is applied (the same two ways, staged ones stretch by stretch) only
+by a worker that holds a whole version of the same epoch and layout at or after the base
+(without a model, or with a sink, in its staging buffer). Any other worker skips it and
+asks for the whole version.
+
 Connecting follows ZeroMQ's Clone pattern: say hello, subscribe, prove the subscription
 is live with a probe (no ``sleep()``), then ask for a snapshot of the latest version.
 Heartbeats (a snapshot request with the version held) keep a worker caught up after
