@@ -100,3 +100,45 @@ def run_worker(
             conn.send(("error", traceback.format_exc()))
     finally:
         scheme.shutdown()
+
+
+def run_leaves(endpoints: list[str], ids: list[int], conn: Any, timeout: float) -> None:
+    """Many light workers in one process: a receiver per id (each its own thread and
+    sockets), worker ``i`` under ``endpoints[i % len(endpoints)]``. Answers ``"state"``
+    with ``{id: (version, checksum)}``."""
+    from zmqsync.transport.zmq_pubsub import PubSubSpoke
+
+    receivers: dict[int, Any] = {}
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        for i in ids:
+            models[i] = {"w": torch.zeros(1024), "b": torch.zeros(16)}
+            receivers[i] = zmqsync.WeightReceiver(
+                PubSubSpoke(endpoints[i % len(endpoints)], identity=f"leaf{i}"),
+                model=models[i],
+                strategy="state_dict",
+                worker_idx=i,
+                timeout=timeout,
+            )
+        for r in receivers.values():
+            r.connect(timeout=timeout)
+            r.start()
+        conn.send("ready")
+        while True:
+            if not conn.poll(0.05):
+                continue
+            command = conn.recv()
+            if command == "stop":
+                break
+            state = {}
+            for i, r in receivers.items():
+                with r.lock:
+                    state[i] = (r.version, zmqsync.checksum(models[i], "state_dict"))
+            conn.send(state)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        for r in receivers.values():
+            with contextlib.suppress(Exception):
+                r.close()

@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "MultiProcessedRemoteWeightUpdate": "zmqsync.schemes.legacy",
     "NoWeightSyncScheme": "zmqsync.schemes.noop",
     "RayWeightSyncScheme": "zmqsync.schemes.ray",
+    "Relay": "zmqsync.relay",
     "SchemaMismatchError": "zmqsync.errors",
     "SyncTimeout": "zmqsync.errors",
     "TornWeights": "zmqsync.errors",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
         ZMQSyncError,
     )
     from zmqsync.receiver import WeightReceiver
+    from zmqsync.relay import Relay
     from zmqsync.schemes.base import WeightStrategy, WeightSyncScheme
     from zmqsync.schemes.legacy import MultiProcessedRemoteWeightUpdate
     from zmqsync.schemes.mixed import MixedWeightSyncScheme

@@ -136,6 +136,23 @@ class StreamLayout:
                 self._pieces[i].append(_Piece(index, pos, pos + take, at))
                 pos += take
 
+    @classmethod
+    def received(cls, schema: WeightsSchema, chunk_bytes: int) -> StreamLayout:
+        """The layout of a stream received whole (a relay's copy): its chunks can be cut
+        and sent again, not written from tensors."""
+        self = cls.__new__(cls)
+        self.chunk_bytes = chunk_bytes
+        self.source_schema = schema
+        self.sizes = []
+        self.bases = []
+        self.total = max((e.offset + e.nbytes for e in schema.entries if e.nbytes), default=0)
+        self.schema = schema
+        self.schema_bytes = encode_schema(schema)
+        self.layout = layout_digest(self.schema_bytes)
+        self.count = max(1, -(-self.total // chunk_bytes))
+        self._pieces = [[] for _ in range(self.count)]
+        return self
+
     def fits(self, flat: Flat, chunk_bytes: int) -> bool:
         """Whether this layout serves ``flat`` too (the same schema and sizes)."""
         return (
@@ -502,6 +519,12 @@ class Staging:
 
     def release(self) -> None:
         self._buffer = None
+
+    def detach(self) -> None:
+        """Go on in a copy of the buffer: the one held so far is someone else's now (a
+        relay's snapshot that a repair may still be reading)."""
+        if self._buffer is not None:
+            self._buffer = self._buffer.copy()
 
 
 class SinkFeed:

@@ -28,6 +28,7 @@ from typing import Any, Final, TypeAlias
 
 from zmqsync.protocol import (
     AUTO_WORKER,
+    MAX_BELOW,
     Ack,
     ErrorMessage,
     Goodbye,
@@ -155,6 +156,8 @@ class Session:
     #: The latest version when it last asked for a whole one (a delta it could not
     #: apply): it is answered at once, once per version.
     asked_whole: int = -1
+    #: For a relay: the workers behind it and the version each holds (its heartbeats).
+    below: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -177,6 +180,15 @@ class Send:
     @property
     def missing(self) -> set[int]:
         return set(self.targets - self.acked - self.rejected.keys())
+
+
+def _below(below: Mapping[str, Any]) -> dict[int, int]:
+    """A relay's report of the workers behind it, checked and cut to MAX_BELOW."""
+    out: dict[int, int] = {}
+    for key, version in itertools.islice(below.items(), MAX_BELOW):
+        if key.isdigit() and type(version) is int and version >= 0:
+            out[int(key)] = version
+    return out
 
 
 class Fleet:
@@ -499,6 +511,8 @@ class Fleet:
         # those workers); one that is joining gets the latest version.
         meant = fresh or max(s.target_version, self.broadcast_version) >= self.version
         s.torn = request.torn
+        if request.below:
+            s.below = _below(request.below)
         if request.epoch == self.epoch:
             s.version = max(s.version, min(request.version, self.version))
         refused = s.refused == (self.epoch, self.version)
@@ -560,8 +574,30 @@ class Fleet:
     ) -> tuple[Send, dict[int, list[PeerId]]]:
         """Start the next version: returns it, and per hub the peers an addressed send
         (``worker_ids`` given) goes to."""
-        targets = self.targets(worker_ids, now)
-        self.version += 1
+        return self._begin(
+            self.version + 1, self.targets(worker_ids, now), worker_ids, now, timeout
+        )
+
+    def begin_forward(self, version: int, epoch: int, now: float, timeout: float) -> Send:
+        """A relay starts sending on ``version`` of ``epoch`` (its upstream's numbering,
+        which a new epoch starts again) to every worker."""
+        if epoch != self.epoch:
+            # What workers held of the old life is void; its version 0 may come now.
+            self.epoch, self.version, self.published = epoch, 0, False
+        if version < self.version or (version == self.version and self.published):
+            raise ValueError(f"version {version} forwarded after {self.version}")
+        send, _ = self._begin(version, self.targets(None, now), None, now, timeout)
+        return send
+
+    def _begin(
+        self,
+        version: int,
+        targets: frozenset[int],
+        worker_ids: int | Iterable[int] | None,
+        now: float,
+        timeout: float,
+    ) -> tuple[Send, dict[int, list[PeerId]]]:
+        self.version = version
         self.published = True
         send = Send(
             self.version,
@@ -666,6 +702,7 @@ class Fleet:
                     "rejections": list(s.rejections),
                     "torn": s.torn,
                     "repairing": s.torn and now - s.last_repair < self.repair_after,
+                    "below": {str(b): v for b, v in sorted(s.below.items())} or None,
                 }
             )
         counts = {
@@ -719,6 +756,15 @@ class Fleet:
                 else f"worker {w} ({s.transport}, pid {s.pid or '?'}) holds version "
                 f"{s.version}, last heard {now - s.last_seen:.1f}s ago"
             )
+            if s is not None and s.below:
+                behind = [(b, v) for b, v in sorted(s.below.items()) if v < self.version]
+                shown = ", ".join(f"worker {b} holds {v}" for b, v in behind[:8])
+                more = f" and {len(behind) - 8} more" if len(behind) > 8 else ""
+                out[w] += (
+                    f" (a relay for {len(s.below)} worker(s); behind it: {shown}{more})"
+                    if behind
+                    else f" (a relay for {len(s.below)} worker(s))"
+                )
         return out
 
     def transport_of(self, worker: int) -> str:

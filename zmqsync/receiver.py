@@ -256,6 +256,9 @@ class WeightReceiver:
         self._delta_spans: list[tuple[int, int]] | None = None
         #: Whether staging holds the whole version in progress once its stream is in.
         self._fills_staging = False
+        #: Without a model: make :attr:`weights` of each version (a relay needs only its
+        #: staging buffer).
+        self._materialize = True
         self._started_at = 0.0
         self._schema: WeightsSchema | None = None
         #: The ack to send once the last chunk's frames are let go of.
@@ -457,8 +460,13 @@ class WeightReceiver:
                 self._session,
                 torn=self.torn,
                 whole=whole,
+                below=self._below(),
             )
         )
+
+    def _below(self) -> dict[str, Any]:
+        """Workers this one speaks for (a relay's), for its heartbeats: none."""
+        return {}
 
     # --- receiving -------------------------------------------------------------------
 
@@ -737,7 +745,7 @@ class WeightReceiver:
                 self._plan.apply(
                     self._staging.weights(self.model_id, chunk.version, chunk.epoch, schema)
                 )
-            else:
+            elif self._materialize:
                 assert self._schema is not None
                 weights = self._staging.weights(
                     self.model_id, chunk.version, chunk.epoch, self._schema

@@ -368,13 +368,56 @@ class _Copy:
         return lent
 
 
+class _Forwarded:
+    """A version as a relay receives it from upstream: each chunk's frames, sent on as
+    they come (:meth:`frames` is None until chunk ``index`` arrived) and let go of once
+    sent. Nothing of it is kept: the relay's snapshot serves repairs and late joiners.
+    """
+
+    data = None
+    live = False
+
+    def __init__(self, chunk: Chunk) -> None:
+        self.version = chunk.version
+        self.count = chunk.count
+        self.nbytes = chunk.total
+        self.metadata = chunk.metadata
+        self.reached: set[PeerId] | None = set()
+        self.lease = _Lease()
+        self._frames: dict[int, list[Any]] = {}
+        self._ended = False
+
+    @property
+    def readable(self) -> bool:
+        return not self._ended
+
+    def add(self, index: int, frames: list[Any]) -> None:
+        if not self._ended:
+            self._frames[index] = frames
+
+    def end(self) -> None:
+        """The upstream stream broke (or the relay closes): nothing more will come."""
+        self._ended = True
+        self._frames.clear()
+
+    def reach(self, to: Sequence[PeerId] | None) -> None:
+        if to is None:
+            self.reached = None
+        elif self.reached is not None:
+            self.reached.update(to)
+
+    def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+        frames = self._frames.pop(index, None)
+        return None if frames is None else self.lease.lend(frames)
+
+
 class _Transfer:
     """One version streaming to one hub: fanned out (``to=None``) or to given peers;
     whole, or (``spans``) as a delta against version ``base``."""
 
     def __init__(
         self,
-        copy: _Copy,
+        copy: _Copy | _Forwarded,
         to: list[PeerId] | None,
         spans: list[tuple[int, int]] | None = None,
         base: int = 0,
@@ -389,7 +432,7 @@ class _Transfer:
         self.next = 0
         self.started = time.monotonic()
 
-    def covers(self, copy: _Copy, peer: PeerId) -> bool:
+    def covers(self, copy: _Copy | _Forwarded, peer: PeerId) -> bool:
         """Whether it brings ``peer`` the whole ``copy`` (a delta may not do)."""
         return self.copy is copy and self.spans is None and (self.to is None or peer in self.to)
 
@@ -405,6 +448,7 @@ class _Transfer:
     def frames(self) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
         if self.spans is None:
             return self.copy.frames(self.next)
+        assert isinstance(self.copy, _Copy)
         return self.copy.delta_frames(self.next, self.spans, self.base)
 
     @property
@@ -556,6 +600,8 @@ class WeightSender:
         self._share_problem: str | None = None
         self._metadata: dict[str, Any] | None = None  # the latest version's
         self._pending: _Pending | None = None
+        #: A relay's version in progress (see _forward_begin), and its send.
+        self._forwarding: tuple[Send, _Forwarded] | None = None
         self._async_pending = False
         self._started = time.monotonic()
         self._last_expiry = self._started
@@ -766,6 +812,42 @@ class WeightSender:
             }
         return pending
 
+    # --- a relay's end: versions that arrive from upstream, sent on as they come -----
+
+    def _forward_begin(self, chunk: Chunk) -> _Forwarded:
+        """A relay: send ``chunk``'s version on to every worker as its chunks come."""
+        copy = _Forwarded(chunk)
+        with self._cond:
+            if chunk.epoch != self.epoch:
+                self.epoch = chunk.epoch  # the upstream's life, which workers follow
+                with self._snapshot_lock:
+                    self._snapshot = None  # of the life before: nobody gets it now
+            send = self.fleet.begin_forward(
+                chunk.version, chunk.epoch, time.monotonic(), self.timeout
+            )
+            self._forwarding = (send, copy)
+            self._metadata = chunk.metadata
+        for runner in self._runners:
+            runner.begin(_Transfer(copy, None))
+        self._totals["versions_sent"] += 1
+        self._totals["bytes_sent"] += copy.nbytes * max(1, len(send.targets))
+        return copy
+
+    def _forward(self, copy: _Forwarded, index: int, frames: list[Any]) -> None:
+        """Chunk ``index`` of a forwarded version came: send it on now (cut-through)."""
+        copy.add(index, frames)
+        for runner in self._runners:
+            with runner.holding():
+                streaming = runner.advance()
+            if streaming and runner._waiting:
+                runner._poke()
+
+    def _serve(self, copy: _Copy) -> None:
+        """A relay's whole copy of the latest version it received: what its late joiners
+        and repairs get (it may be older than the version being forwarded)."""
+        with self._snapshot_lock:
+            self._snapshot = copy
+
     def _record(self, copy: _Copy) -> None:
         """Write a version whole and digest it (``delta``): which blocks it changed.
 
@@ -973,8 +1055,8 @@ class WeightSender:
         version = self.fleet.version
         with self._snapshot_lock:
             snapshot = self._snapshot
-            if snapshot is not None and snapshot.version == version:
-                return snapshot
+            if snapshot is not None and (snapshot.version == version or self._forwarding):
+                return snapshot  # a relay serves the latest it holds whole
             pending = self._pending
             if pending is not None and pending.copy.version == version and pending.copy.readable:
                 return pending.copy

@@ -21,6 +21,9 @@ PROTOCOL_VERSION: Final = 3
 # --- limits: each is checked before anything is allocated for it ----------------------
 #: model_ids are short names ("policy"); a longer one is garbage, not a name.
 MAX_MODEL_ID_BYTES: Final = 256
+#: Workers a relay names in each heartbeat (``SnapshotRequest.below``); the rest are
+#: counted by the relay's own status.
+MAX_BELOW: Final = 1_000
 #: One tensor per entry; 100k covers the largest state_dicts seen in practice (LLMs have
 #: a few thousand) while keeping a hostile schema from describing billions of entries.
 MAX_TENSORS: Final = 100_000
@@ -279,6 +282,9 @@ class SnapshotRequest:
     #: A delta of the latest version came that it cannot apply (it holds an older
     #: version than the delta's base, or not the bytes to patch): it needs the whole one.
     whole: bool = False
+    #: From a relay: the workers behind it, ``{"<worker id>": version held}`` (at most
+    #: :data:`MAX_BELOW`), so that its sender can say who a late ack waits for.
+    below: dict[str, Any] = field(default_factory=dict)
 
     kind = Kind.SNAPSHOT_REQUEST
 

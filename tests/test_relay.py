@@ -1,0 +1,293 @@
+"""Relays: a learner sends each version once per relay, relays forward chunks as they
+come, and ``send()`` still returns only when the leaves hold the version.
+
+Every case checks each leaf's checksum against the learner's, and what moved against
+the sender's own byte counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import resource
+from collections.abc import Iterator
+
+import pytest
+import torch
+from _faults import until
+from _workers import run_leaves
+
+from zmqsync import Relay, SyncTimeout, WeightReceiver, WeightSender, checksum
+from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
+from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
+
+MIB = 1 << 20
+SPAWN = mp.get_context("spawn")
+
+
+def _model(mib: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {f"layer{i}.weight": torch.randn(mib * MIB // 4 // 4, generator=g) for i in range(4)}
+    out["layer0.bias"] = torch.randn(16, generator=g)
+    return out
+
+
+def _hub(mode: str = "pubsub"):  # type: ignore[no-untyped-def]
+    return (PubSubHub if mode == "pubsub" else RouterHub)("tcp://127.0.0.1:*", insecure=True)
+
+
+def _spoke(endpoint: str, name: str, mode: str = "pubsub"):  # type: ignore[no-untyped-def]
+    return (PubSubSpoke if mode == "pubsub" else RouterSpoke)(endpoint, identity=name)
+
+
+def _bump(model: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t in model.values():
+            t.add_(torch.randn_like(t))
+
+
+@contextlib.contextmanager
+def _leaves(
+    upstream: str, ids: list[int], models: dict[int, dict[str, torch.Tensor]], **kw: object
+) -> Iterator[dict[int, WeightReceiver]]:
+    receivers = {}
+    try:
+        for i in ids:
+            models[i] = {k: torch.zeros_like(v) for k, v in _model().items()}
+            receivers[i] = WeightReceiver(
+                _spoke(upstream, f"leaf{i}"),
+                model=models[i],
+                strategy="state_dict",
+                worker_idx=i,
+                **kw,  # type: ignore[arg-type]
+            )
+            receivers[i].connect(timeout=30)
+            receivers[i].start()
+        yield receivers
+    finally:
+        for r in receivers.values():
+            r.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_two_relays_forward_every_version_and_the_learner_sends_once_per_relay(
+    mode: str,
+) -> None:
+    model = _model()
+    nbytes = sum(t.numel() * 4 for t in model.values())
+    learner = WeightSender(
+        _hub(mode), model=model, strategy="state_dict", num_workers=2, timeout=30
+    )
+    relays = [
+        Relay(
+            _spoke(learner.endpoint, f"relay{r}", mode),
+            _hub(mode),
+            strategy="state_dict",
+            worker_idx=r,
+            num_workers=None,
+            heartbeat=0.2,
+            chunk_bytes=MIB,
+        )
+        for r in range(2)
+    ]
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        for relay in relays:
+            relay.connect(timeout=30)
+            relay.start()
+        with (
+            _leaves(relays[0].endpoint, [10, 11, 12], models),
+            _leaves(relays[1].endpoint, [20, 21, 22], models),
+        ):
+            for _ in range(4):
+                _bump(model)
+                before = learner.status()["totals"]["bytes_sent"]
+                learner.send()
+                # Returned: every leaf holds it (each relay acked for its own).
+                assert {i: checksum(m) for i, m in models.items()} == dict.fromkeys(
+                    models, checksum(model)
+                )
+                assert learner.status()["totals"]["bytes_sent"] - before == 2 * nbytes
+            for relay in relays:
+                forwarded = relay.status()["relay"]
+                assert forwarded["versions_forwarded"] >= 4, forwarded
+            until(
+                lambda: all(
+                    row["below"] is not None and len(row["below"]) == 3
+                    for row in learner.status()["workers"]
+                ),
+                10,
+                "each relay named its workers in a heartbeat",
+            )
+    finally:
+        for relay in relays:
+            relay.close()
+        learner.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_late_joiner_is_served_by_its_relay_and_a_tree_of_two_levels_converges() -> None:
+    model = _model()
+    learner = WeightSender(_hub(), model=model, strategy="state_dict", timeout=30)
+    top = Relay(_spoke(learner.endpoint, "top"), _hub(), strategy="state_dict", heartbeat=0.2)
+    mid = Relay(_spoke(top.endpoint, "mid"), _hub(), strategy="state_dict", heartbeat=0.2)
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        for relay in (top, mid):
+            relay.connect(timeout=30)
+            relay.start()
+        with _leaves(mid.endpoint, [1, 2], models):
+            for _ in range(3):
+                _bump(model)
+                learner.send()
+                assert [checksum(m) for m in models.values()] == [checksum(model)] * 2
+            # A worker joins the lower relay late: it is served from that relay's copy;
+            # nothing more comes down from the learner or the upper relay.
+            received = (top.receiver.stats["received_bytes"], mid.receiver.stats["received_bytes"])
+            with _leaves(mid.endpoint, [3], models):
+                assert checksum(models[3]) == checksum(model)
+                assert (
+                    top.receiver.stats["received_bytes"],
+                    mid.receiver.stats["received_bytes"],
+                ) == received
+                _bump(model)
+                learner.send()
+                assert [checksum(m) for m in models.values()] == [checksum(model)] * 3
+    finally:
+        mid.close()
+        top.close()
+        learner.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_names_the_relay_and_the_worker_behind_it_that_lags() -> None:
+    model = _model()
+    learner = WeightSender(_hub(), model=model, strategy="state_dict", num_workers=1, timeout=2)
+    relay = Relay(
+        _spoke(learner.endpoint, "relay"),
+        _hub(),
+        strategy="state_dict",
+        worker_idx=0,
+        num_workers=3,  # an ack upstream waits for workers 0, 1 and 2
+        heartbeat=0.2,
+    )
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        with _leaves(relay.endpoint, [0, 1, 2], models) as leaves:
+            _bump(model)
+            learner.send()
+            leaves[2].stop()  # worker 2 stops applying (its session stays)
+            _bump(model)
+            with pytest.raises(SyncTimeout) as caught:
+                learner.send()
+            message = str(caught.value)
+            assert "a relay for 3 worker(s)" in message, message
+            assert "worker 2 holds 1" in message, message
+            assert [checksum(models[i]) for i in (0, 1)] == [checksum(model)] * 2
+            leaves[2].start()  # back: it catches up, and the relay acks
+            _bump(model)
+            learner.send()
+            assert [checksum(m) for m in models.values()] == [checksum(model)] * 3
+    finally:
+        relay.close()
+        learner.close()
+
+
+@pytest.mark.timeout(120)
+def test_deltas_pass_through_a_relay() -> None:
+    model = _model()
+    learner = WeightSender(_hub(), model=model, strategy="state_dict", delta=True, timeout=30)
+    relay = Relay(_spoke(learner.endpoint, "relay"), _hub(), strategy="state_dict")
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        with _leaves(relay.endpoint, [1, 2], models) as leaves:
+            _bump(model)
+            learner.send()
+            for step in range(3):
+                with torch.no_grad():
+                    model[f"layer{step}.weight"][:1000].add_(1)
+                before = relay.receiver.stats["received_bytes"]
+                learner.send()
+                assert relay.receiver.stats["received_bytes"] - before <= 2 * MIB
+                assert [checksum(m) for m in models.values()] == [checksum(model)] * 2
+            assert all(r.stats["deltas"] >= 3 for r in leaves.values())
+            assert relay.receiver.stats["deltas"] >= 3
+    finally:
+        relay.close()
+        learner.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_hundred_workers_behind_two_relays_reach_every_version() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 8192), hard), hard))
+    model = {"w": torch.zeros(1024), "b": torch.zeros(16)}
+    learner = WeightSender(_hub(), model=model, strategy="state_dict", num_workers=2, timeout=60)
+    relays = [
+        Relay(
+            _spoke(learner.endpoint, f"relay{r}"),
+            _hub(),
+            strategy="state_dict",
+            worker_idx=r,
+            heartbeat=0.5,
+            timeout=60,
+        )
+        for r in range(2)
+    ]
+    procs, conns = [], []
+    try:
+        for relay in relays:
+            relay.connect(timeout=30)
+            relay.start()
+        for p in range(4):  # light processes of 50 receivers each
+            parent, child = SPAWN.Pipe()
+            ids = list(range(p * 50, (p + 1) * 50))
+            proc = SPAWN.Process(
+                target=run_leaves, args=([r.endpoint for r in relays], ids, child, 120), daemon=True
+            )
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+        for conn in conns:
+            assert conn.poll(180), "a process of workers did not start"
+            assert conn.recv() == "ready"
+        until(
+            lambda: all(len(r.sender.connected_workers()) == 100 for r in relays),
+            60,
+            "each relay has its 100 workers",
+        )
+        nbytes = sum(t.numel() * 4 for t in model.values())
+        for version in range(1, 4):
+            with torch.no_grad():
+                model["w"].add_(float(version))
+            before = learner.status()["totals"]["bytes_sent"]
+            learner.send()
+            # Once per relay, whatever the number of workers behind them.
+            assert learner.status()["totals"]["bytes_sent"] - before == 2 * nbytes
+            state: dict[int, tuple[int, str]] = {}
+            for conn in conns:
+                conn.send("state")
+                assert conn.poll(60)
+                reply = conn.recv()
+                assert not isinstance(reply, tuple), reply
+                state.update(reply)
+            assert len(state) == 200
+            assert set(state.values()) == {(version, checksum(model))}
+    finally:
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send("stop")
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        for relay in relays:
+            relay.close()
+        learner.close()

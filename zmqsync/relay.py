@@ -1,0 +1,301 @@
+"""A relay: a worker to its upstream, a sender to its own workers, holding no model.
+
+Fleets of hundreds put relays between the learner and the workers, so that the learner
+sends each version once per relay rather than once per worker. A relay forwards each
+chunk to its workers as soon as it arrives (cut-through: a level of the tree adds about
+a chunk's time), and acks a version upstream only once every worker it serves acked it:
+the learner's ``send()`` still returns when the leaves hold the version, and a timeout
+names the relay and, from its heartbeats, the workers behind it that lag.
+
+It keeps the latest version it received whole, as its stream's bytes (patched by
+deltas), for its late joiners and repairs: the Clone pattern one level down, so that the
+learner never resends to everyone. A relay may serve another relay: trees of any depth.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+from zmqsync.chunking import DEFAULT_CHUNK_BYTES, StreamLayout
+from zmqsync.errors import SchemaMismatchError
+from zmqsync.protocol import MAX_BELOW, Chunk, encode
+from zmqsync.protocol.stream import Broken, Start
+from zmqsync.receiver import WeightReceiver
+from zmqsync.sender import WeightSender, _Copy, _Forwarded
+from zmqsync.transport.base import HubTransport, SpokeTransport
+
+__all__ = ["Relay"]
+
+log = logging.getLogger("zmqsync.relay")
+
+#: How often the relay's loop looks for its workers' acks while one is owed upstream.
+ACK_POLL: Final = 0.002
+#: How long its loop waits for upstream messages otherwise.
+IDLE_POLL: Final = 0.05
+
+
+class _Upstream(WeightReceiver):
+    """The relay's receiver: it applies versions to nothing but its staging buffer, and
+    hands each chunk to the relay as it comes."""
+
+    def __init__(self, relay: Relay, spoke: SpokeTransport, **kw: Any) -> None:
+        super().__init__(spoke, model=None, **kw)
+        self._relay = relay
+        self._materialize = False
+
+    def _on_start(self, event: Start) -> None:
+        self._relay._before_version()
+        super()._on_start(event)
+        if self._writing:  # taken: not a delta this relay cannot apply, not refused
+            self._relay._begin(event.chunk)
+
+    def _on_piece(self, chunk: Chunk) -> None:
+        if self._writing:
+            self._relay._forward(chunk)  # before staging it: cut-through
+        super()._on_piece(chunk)
+
+    def _complete(self, chunk: Chunk) -> None:
+        super()._complete(chunk)
+        self._relay._completed()
+
+    def _on_broken(self, broken: Broken) -> None:
+        super()._on_broken(broken)
+        self._relay._abort()
+
+    def _ack(
+        self,
+        *,
+        applied: bool,
+        reason: str = "",
+        version: int | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        if applied and not self._relay._settled(self.version):
+            self._relay._owed = True  # acked once every worker below holds it
+            return
+        super()._ack(applied=applied, reason=reason, version=version, epoch=epoch)
+
+    def _below(self) -> dict[str, Any]:
+        return self._relay._below()
+
+
+class Relay:
+    """Forwards one model's versions from ``upstream`` (a learner's or another relay's
+    spoke) to the workers of ``hub`` (see the module).
+
+    Args:
+        upstream: the spoke it receives through; the relay owns and closes it.
+        hub: the hub its workers connect to (or several); owned and closed by it.
+        model_id, strategy: the model, as the learner names it.
+        worker_idx: its id among the upstream's workers (None: the upstream picks one).
+        num_workers: its workers ``0..num_workers-1`` that an ack upstream waits for;
+            None: every live worker.
+        timeout: seconds ``connect()`` waits for the upstream's latest version.
+        heartbeat: its workers' heartbeat (and its own, upstream: the upstream's).
+        chunk_bytes: the chunks its late joiners and repairs are sent in.
+    """
+
+    def __init__(
+        self,
+        upstream: SpokeTransport,
+        hub: HubTransport | Sequence[HubTransport],
+        *,
+        model_id: str = "policy",
+        strategy: str = "tensordict",
+        worker_idx: int | None = None,
+        num_workers: int | None = None,
+        timeout: float = 10.0,
+        heartbeat: float = 1.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        self.model_id = model_id
+        self.chunk_bytes = chunk_bytes
+        self.sender = WeightSender(
+            hub,
+            model_id=model_id,
+            strategy=strategy,
+            num_workers=num_workers,
+            timeout=timeout,
+            heartbeat=heartbeat,
+            retain_snapshot=False,
+            chunk_bytes=chunk_bytes,
+        )
+        self.receiver = _Upstream(
+            self,
+            upstream,
+            model_id=model_id,
+            strategy=strategy,
+            worker_idx=worker_idx,
+            timeout=timeout,
+        )
+        #: The version being forwarded, if any.
+        self._copy: _Forwarded | None = None
+        #: The layout of the stream the relay holds, reused while the schema is the same.
+        self._layout: StreamLayout | None = None
+        #: An applied ack is owed upstream, until every worker below holds the version.
+        self._owed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats = {"versions_forwarded": 0, "chunks_forwarded": 0, "aborted": 0}
+
+    # --- public ----------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """Where its workers connect."""
+        return self.sender.endpoint
+
+    @property
+    def version(self) -> int:
+        """The latest version it holds whole."""
+        return self.receiver.version
+
+    def connect(self, timeout: float | None = None) -> None:
+        """Join the upstream and receive its latest version (see ``WeightReceiver.connect``)."""
+        self.receiver.connect(timeout)
+
+    def start(self) -> None:
+        """Serve in a background thread (after :meth:`connect`)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"zmqsync-relay-{self.model_id}", daemon=True
+            )
+            self._thread.start()
+
+    def status(self) -> dict[str, Any]:
+        """Its sender's status (its workers), with where it stands upstream."""
+        status = self.sender.status()
+        receiver = self.receiver
+        status["upstream"] = {
+            "worker": receiver.worker_idx,
+            "version": receiver.version,
+            "epoch": receiver.epoch,
+            "ack_owed": self._owed,
+            **receiver.stats,
+        }
+        status["relay"] = dict(self.stats)
+        return status
+
+    def close(self) -> None:
+        """Stop serving and close both ends (never waits on a dead peer)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        if self._copy is not None:
+            self._copy.end()
+        self.receiver.close()
+        self.sender.close()
+
+    def __enter__(self) -> Relay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the loop --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        receiver = self.receiver
+        while not self._stop.is_set():
+            try:
+                receiver._process(ACK_POLL if self._owed else IDLE_POLL)
+                if self._owed and self._settled(receiver.version):
+                    self._owed = False
+                    with receiver._io_lock:
+                        WeightReceiver._ack(receiver, applied=True)
+            except Exception:
+                if self._stop.is_set() or receiver.closed:
+                    return
+                log.exception("relay %s: its loop failed; going on", self.model_id)
+                time.sleep(IDLE_POLL)
+
+    # --- called by its receiver, on the loop's thread ---------------------------------
+
+    def _before_version(self) -> None:
+        """A version starts: if a repair may still read the staging buffer the relay
+        serves from, write the new one into a copy."""
+        sender = self.sender
+        snapshot = sender._snapshot
+        if snapshot is None:
+            return
+        reading = not snapshot.lease.released
+        for runner in sender._runners:
+            with runner.holding():
+                reading = reading or any(t.copy is snapshot for t in runner.transfers)
+        if reading:
+            self.receiver._staging.detach()
+
+    def _begin(self, chunk: Chunk) -> None:
+        if self._copy is not None:
+            self._copy.end()
+        self._owed = False  # a newer version supersedes the one owed
+        self._copy = self.sender._forward_begin(chunk)
+        self.stats["versions_forwarded"] += 1
+
+    def _forward(self, chunk: Chunk) -> None:
+        copy = self._copy
+        if copy is None:
+            return
+        schema_bytes = None
+        if chunk.first:
+            layout = self._layout_of(chunk)
+            schema_bytes = layout.schema_bytes
+        self.sender._forward(copy, chunk.index, encode(chunk, schema_bytes=schema_bytes))
+        self.stats["chunks_forwarded"] += 1
+
+    def _layout_of(self, chunk: Chunk) -> StreamLayout:
+        layout = self._layout
+        if layout is None or layout.schema is not chunk.schema:
+            assert chunk.schema is not None
+            layout = StreamLayout.received(chunk.schema, self.chunk_bytes)
+            if layout.layout != chunk.layout:
+                raise SchemaMismatchError("the schema does not encode to its own digest")
+            self._layout = layout
+        return layout
+
+    def _completed(self) -> None:
+        """The version is whole in the staging buffer: serve it to late joiners."""
+        receiver = self.receiver
+        if receiver._schema is None:
+            return
+        layout = self._layout
+        if layout is None or layout.schema is not receiver._schema:
+            layout = self._layout = StreamLayout.received(receiver._schema, self.chunk_bytes)
+        copy = _Copy(self.sender, receiver.version, layout, receiver._staging.array, None)
+        copy.metadata = receiver.metadata
+        self.sender._serve(copy)
+        self._copy = None
+
+    def _abort(self) -> None:
+        if self._copy is not None:
+            self._copy.end()
+            self._copy = None
+            self.stats["aborted"] += 1
+
+    def _settled(self, version: int) -> bool:
+        """Whether every worker an ack upstream waits for holds ``version``."""
+        sender = self.sender
+        now = time.monotonic()
+        with sender._cond:
+            fleet = sender.fleet
+            if fleet.epoch != self.receiver.epoch:
+                return not fleet.targets(None, now)
+            for w in fleet.targets(None, now):
+                s = fleet.workers.get(w)
+                if s is None or s.epoch != fleet.epoch or s.version < version:
+                    return False
+        return True
+
+    def _below(self) -> dict[str, Any]:
+        sender = self.sender
+        with sender._cond:
+            fleet = sender.fleet
+            return {
+                str(w): (s.version if s.epoch == fleet.epoch else 0)
+                for w, s in list(fleet.workers.items())[:MAX_BELOW]
+                if s.left is None
+            }
