@@ -255,11 +255,18 @@ def status_table(status: Mapping[str, Any], *, silent_after: float | None) -> Ta
     for w in status.get("workers", []):
         connected = bool(w.get("connected"))
         rejected = int(w.get("rejected_frames", 0))
+        state = worker_state(w, version, silent_after)
+        below = w.get("below") or {}
+        if below:  # a relay: the workers behind it, from its heartbeats
+            behind = sum(1 for v in below.values() if v < version)
+            state.append(f"; relay for {len(below)}", style="dim")
+            if behind:
+                state.append(f", {behind} behind", style="yellow")
         table.add_row(
             str(w["worker"]),
             str(w.get("version", 0)),
             str(w.get("lag", 0)),
-            worker_state(w, version, silent_after),
+            state,
             fmt_ago(w.get("since_last_ack_s")) if connected else "-",
             fmt_ago(w.get("since_last_seen_s")) if connected else "-",
             fmt_seconds(w.get("last_latency_s")) if connected else "-",

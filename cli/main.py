@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from . import demo, keys, serve, status, watch, worker
+from . import demo, keys, relay, serve, status, watch, worker
 from ._common import State, set_state, setup_logging
 
 app = typer.Typer(
@@ -52,6 +52,7 @@ app.command("status")(status.status)
 app.command("watch")(watch.watch)
 app.command("serve")(serve.serve)
 app.command("worker")(worker.worker)
+app.command("relay")(relay.relay)
 app.command("keys")(keys.keys)
 
 

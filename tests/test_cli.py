@@ -43,7 +43,7 @@ from zmqsync.errors import EndpointError, SchemaMismatchError, SyncTimeout
 from zmqsync_cli.main import app
 
 ROW = re.compile(r"^\s*[│|]\s*(\d+)\s*[│|]\s*(\d+)\s*[│|]\s*(\d+)\s*[│|]", re.MULTILINE)
-COMMANDS = ["demo", "status", "watch", "serve", "worker", "keys"]
+COMMANDS = ["demo", "status", "watch", "serve", "worker", "relay", "keys"]
 
 
 @pytest.fixture
@@ -700,3 +700,14 @@ def test_a_torn_worker_is_named_as_such() -> None:
     assert worker_state({**row, "repairing": True}, 3, None).plain == "torn, repairing"
     assert "is torn" in assess(status)[0] and "waiting for a repair" in assess(status)[0]
     assert worker_state({**row, "torn": False}, 3, None).plain == "ok"
+
+
+def test_relay_refuses_an_open_address_without_keys_and_a_half_pair_of_keys(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    result = runner.invoke(app, ["relay", "tcp://127.0.0.1:5555", "--endpoint", "tcp://0.0.0.0:*"])
+    assert "reachable from other hosts" in _one_error_line(result)
+    result = runner.invoke(
+        app, ["relay", "tcp://127.0.0.1:5555", "--curve-server-key", str(tmp_path / "x.key")]
+    )
+    assert "secret key file" in _one_error_line(result)

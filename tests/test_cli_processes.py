@@ -445,3 +445,60 @@ def test_a_secret_key_file_others_can_read_is_warned_about_once(
     assert lines[0].startswith("warning: ") and str(secret) in lines[0]
     assert "mode 0640" in lines[0] and f"chmod 600 {secret}" in lines[0]
     assert "no zmqsync sender answered" in lines[1]
+
+
+# --- zmqsync relay ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_serve_a_relay_and_two_workers_behind_it(tmp_path: Path, spawn: Any, run_id: str) -> None:
+    (tmp_path / "policy_factory.py").write_text(FACTORY)
+    ckpt = tmp_path / "policy.pt"
+    first = _save_checkpoint(ckpt, seed=1)
+    serve = spawn(
+        "serve", str(ckpt), "--endpoint", "tcp://127.0.0.1:*", "--workers", "1", "--poll", "0.2"
+    )
+    endpoint = serve.expect(r"zmqsync serve: listening on (tcp://127\.0\.0\.1:\d+)", 120)[1]
+    relay = spawn(
+        "relay", endpoint, "--endpoint", "tcp://127.0.0.1:*", "--relay-idx", "0", "--workers", "2"
+    )
+    below = relay.expect(
+        r"zmqsync relay: listening on (tcp://127\.0\.0\.1:\d+) .* as worker 0", 120
+    )
+    workers = [
+        spawn(
+            "worker",
+            below[1],
+            "--model",
+            "policy_factory:make_policy",
+            "--worker-idx",
+            str(i),
+            "--checksum",
+        )
+        for i in range(2)
+    ]
+    for i, w in enumerate(workers):
+        assert (
+            w.expect(rf"^worker {i}  version 1  applied on connect .* checksum (\w+)$", 120)[1]
+            == first
+        )
+
+    # A new checkpoint goes through the relay; the learner's send waits for both workers.
+    second = _save_checkpoint(ckpt, seed=2)
+    for i, w in enumerate(workers):
+        assert w.expect(rf"^worker {i}  version 2  applied in .* checksum (\w+)$", 60)[1] == second
+    serve.expect(r"^version 2: .* synced to 1 workers", 30)
+    relay.expect(r"^version 2: forwarded to 2 worker", 30)
+    # The learner sees the relay and, through its heartbeats, the workers behind it.
+    code, doc = _poll_status(
+        endpoint,
+        tmp_path,
+        run_id,
+        lambda c, d: (d["workers"][0].get("below") or {}) == {"0": 2, "1": 2},
+        30,
+    )
+    assert code == 0 and _versions(doc) == {0: 2}
+    code, doc = _status(below[1], tmp_path, run_id)
+    assert code == 0 and _versions(doc) == {0: 2, 1: 2}
+    table = _run(["status", endpoint], cwd=tmp_path, run_id=run_id, timeout=60)
+    assert table.returncode == 0 and "relay for 2" in table.stdout, table.stdout

@@ -25,6 +25,7 @@ from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import MAX_BELOW, Chunk, encode
 from zmqsync.protocol.stream import Broken, Start
 from zmqsync.receiver import WeightReceiver
+from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender, _Copy, _Forwarded
 from zmqsync.transport.base import HubTransport, SpokeTransport
 
@@ -141,6 +142,39 @@ class Relay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats = {"versions_forwarded": 0, "chunks_forwarded": 0, "aborted": 0}
+
+    @classmethod
+    def over_zmq(
+        cls,
+        upstream: str,
+        endpoint: str | None = None,
+        *,
+        mode: str = "pubsub",
+        curve_server: CurveServer | None = None,
+        curve_client: CurveClient | None = None,
+        insecure: bool = False,
+        **options: Any,
+    ) -> Relay:
+        """A relay between ZeroMQ endpoints: it connects to ``upstream`` (a learner's or a
+        relay's endpoint, with ``curve_client`` keys) and listens on ``endpoint`` (None:
+        a private ipc path) in ``mode`` (``"pubsub"`` or ``"router"``, with
+        ``curve_server`` keys). ``options`` go to :class:`Relay`."""
+        from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
+        from zmqsync.transport.zmq_router import RouterHub
+
+        if mode not in ("pubsub", "router"):
+            raise ValueError(f"mode must be 'pubsub' or 'router'; got {mode!r}")
+        name = options.get("worker_idx")
+        spoke = PubSubSpoke(
+            upstream, identity=f"relay{'' if name is None else name}", curve=curve_client
+        )
+        try:
+            hub_cls = PubSubHub if mode == "pubsub" else RouterHub
+            hub = hub_cls(endpoint, curve=curve_server, insecure=insecure)
+        except BaseException:
+            spoke.close()
+            raise
+        return cls(spoke, hub, **options)
 
     # --- public ----------------------------------------------------------------------
 

@@ -1,0 +1,149 @@
+"""``zmqsync relay UPSTREAM``: forwards a learner's versions to workers of its own."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from zmqsync.client import (
+    curve_client_from_files,
+    curve_server_from_files,
+    reachable_from_other_hosts,
+)
+from zmqsync.relay import Relay
+
+from ._common import (
+    SECURITY_LOGGER,
+    CurveSecret,
+    CurveServerKey,
+    console,
+    fail,
+    quiet_logger,
+    sigterm_as_interrupt,
+    user_errors,
+)
+from .serve import Mode
+from .worker import Strategy
+
+
+def relay(
+    upstream: Annotated[
+        str, typer.Argument(help="The learner's (or an upper relay's) endpoint, as it printed it.")
+    ],
+    endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="Where this relay's workers connect: tcp://HOST:PORT, tcp://HOST:* or "
+            "ipc:///PATH. Default: an ipc path in a new private directory, printed at start.",
+            show_default=False,
+        ),
+    ] = None,
+    mode: Annotated[
+        Mode, typer.Option(help="How the relay reaches its own workers (see `zmqsync serve`).")
+    ] = Mode.pubsub,
+    relay_idx: Annotated[
+        int | None,
+        typer.Option(
+            "--relay-idx",
+            min=0,
+            envvar="ZMQSYNC_RELAY_IDX",
+            help="This relay's id among the upstream's workers. Default: the upstream assigns one.",
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Wait for workers 0..N-1 before acking a version upstream. Default: the "
+            "workers that have connected.",
+        ),
+    ] = None,
+    strategy: Annotated[
+        Strategy, typer.Option(help="Must match the learner's; `zmqsync serve` sends state_dict.")
+    ] = Strategy.state_dict,
+    timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds to wait for the upstream when connecting.")
+    ] = 30.0,
+    curve_secret: CurveSecret = None,
+    curve_server_key: CurveServerKey = None,  # the upstream's
+    curve_clients: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="ZMQSYNC_CURVE_CLIENTS",
+            file_okay=False,
+            help="Accept only the workers whose public keys (*.key) are in this directory; "
+            "needs --curve-secret (this relay's keys, upstream and down).",
+        ),
+    ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Listen on an address other hosts can reach without CURVE keys (a "
+            "trusted network only).",
+        ),
+    ] = False,
+) -> None:
+    """Follow an upstream learner (or relay) and forward every version to workers of its
+    own, chunk by chunk as it arrives, holding no model.
+
+    The learner sends each version once per relay; the relay acks a version upstream
+    once every worker it serves holds it, and serves its late joiners itself. Prints
+    'zmqsync relay: listening on ENDPOINT' once it listens, then a line per version.
+    Runs until Ctrl-C.
+    """
+    out = console()
+    with user_errors(), sigterm_as_interrupt(), quiet_logger("zmqsync.receiver"):
+        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
+            # One key pair for both ends: a client upstream (with the upstream's public
+            # key), a server downstream.
+            client = (
+                curve_client_from_files(curve_secret, curve_server_key)
+                if curve_server_key is not None
+                else None
+            )
+            server = curve_server_from_files(curve_secret, curve_clients)
+        if server is None and not insecure and endpoint and reachable_from_other_hosts(endpoint):
+            fail(
+                f"{endpoint} is reachable from other hosts: give the relay CURVE keys "
+                "(--curve-secret and --curve-clients), or --insecure on a trusted network"
+            )
+        node = Relay.over_zmq(
+            upstream,
+            endpoint,
+            mode=mode.value,
+            curve_server=server,
+            curve_client=client,
+            insecure=insecure,
+            strategy=strategy.value,
+            worker_idx=relay_idx,
+            num_workers=workers,
+            timeout=timeout,
+        )
+        try:
+            node.connect(timeout)
+            node.start()
+            secured = ", CURVE" if server is not None else ""
+            out.print(
+                f"zmqsync relay: listening on {node.endpoint} ({mode.value}{secured}), "
+                f"forwarding {upstream} as worker {node.receiver.worker_idx}",
+                soft_wrap=True,
+            )
+            out.print(f"version {node.version}: held, served to workers as they connect")
+            last = node.version
+            while True:
+                time.sleep(0.2)
+                if node.version != last:
+                    last = node.version
+                    status = node.status()
+                    out.print(
+                        f"version {last}: forwarded to {status['workers_live']} worker(s)",
+                        soft_wrap=True,
+                    )
+        except KeyboardInterrupt:
+            out.print(f"zmqsync relay: stopped at version {node.version}")
+        finally:
+            node.close()
