@@ -68,6 +68,26 @@ CurveServerKey = Annotated[
     ),
 ]
 
+MetricsPort = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        min=0,
+        envvar="ZMQSYNC_METRICS_PORT",
+        help="Serve Prometheus metrics (versions, lag and state per worker, latency "
+        "histogram, bytes, timeouts, rejections) on http://ADDR:PORT/metrics.",
+        show_default=False,
+    ),
+]
+MetricsAddr = Annotated[
+    str,
+    typer.Option(
+        "--metrics-addr",
+        envvar="ZMQSYNC_METRICS_ADDR",
+        help="The address --metrics-port listens on (0.0.0.0 for a scraper on another host).",
+    ),
+]
+
 
 @dataclass
 class State:

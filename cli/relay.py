@@ -19,13 +19,15 @@ from ._common import (
     SECURITY_LOGGER,
     CurveSecret,
     CurveServerKey,
+    MetricsAddr,
+    MetricsPort,
     console,
     fail,
     quiet_logger,
     sigterm_as_interrupt,
     user_errors,
 )
-from .serve import Mode
+from .serve import Mode, _metrics
 from .worker import Strategy
 
 
@@ -67,6 +69,8 @@ def relay(
     timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds to wait for the upstream when connecting.")
     ] = 30.0,
+    metrics_port: MetricsPort = None,
+    metrics_addr: MetricsAddr = "127.0.0.1",
     curve_secret: CurveSecret = None,
     curve_server_key: CurveServerKey = None,  # the upstream's
     curve_clients: Annotated[
@@ -123,9 +127,11 @@ def relay(
             num_workers=workers,
             timeout=timeout,
         )
+        metrics = None
         try:
             node.connect(timeout)
             node.start()
+            metrics = _metrics(node, metrics_port, metrics_addr, out)
             secured = ", CURVE" if server is not None else ""
             out.print(
                 f"zmqsync relay: listening on {node.endpoint} ({mode.value}{secured}), "
@@ -146,4 +152,6 @@ def relay(
         except KeyboardInterrupt:
             out.print(f"zmqsync relay: stopped at version {node.version}")
         finally:
+            if metrics is not None:
+                metrics.close()
             node.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from pathlib import Path
-from typing import Annotated, Final
+from typing import Annotated, Any, Final
 
 import typer
 from rich.console import Console
@@ -18,10 +18,13 @@ from zmqsync.client import (
     curve_server_from_files,
     reachable_from_other_hosts,
 )
+from zmqsync.metrics import MetricsServer, serve_metrics
 
 from ._common import (
     SECURITY_LOGGER,
     CurveSecret,
+    MetricsAddr,
+    MetricsPort,
     console,
     fail,
     fmt_bytes,
@@ -88,6 +91,8 @@ def serve(
     timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds each new version waits for workers' acks.")
     ] = 30.0,
+    metrics_port: MetricsPort = None,
+    metrics_addr: MetricsAddr = "127.0.0.1",
     curve_secret: CurveSecret = None,
     curve_clients: Annotated[
         Path | None,
@@ -141,8 +146,10 @@ def serve(
             curve=curve,
             insecure=insecure,
         )
+        metrics: MetricsServer | None = None
         try:
             first = publisher.start()
+            metrics = _metrics(publisher, metrics_port, metrics_addr, out)
             secured = ", CURVE" if curve is not None else ""
             out.print(
                 f"zmqsync serve: listening on {publisher.endpoint} "
@@ -177,7 +184,18 @@ def serve(
         except KeyboardInterrupt:
             out.print("zmqsync serve: stopped")
         finally:
+            if metrics is not None:
+                metrics.close()
             publisher.close()
+
+
+def _metrics(source: Any, port: int | None, addr: str, out: Console) -> MetricsServer | None:
+    """Serve ``source``'s status as Prometheus metrics, if asked to (``--metrics-port``)."""
+    if port is None:
+        return None
+    server = serve_metrics(source, port, addr)
+    out.print(f"metrics on http://{addr}:{server.port}/metrics", soft_wrap=True)
+    return server
 
 
 def _publish(publisher: CheckpointPublisher, out: Console) -> PublishResult:

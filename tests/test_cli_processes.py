@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from _prom import one, scrape
 
 from zmqsync import checksum
 
@@ -456,11 +457,30 @@ def test_serve_a_relay_and_two_workers_behind_it(tmp_path: Path, spawn: Any, run
     ckpt = tmp_path / "policy.pt"
     first = _save_checkpoint(ckpt, seed=1)
     serve = spawn(
-        "serve", str(ckpt), "--endpoint", "tcp://127.0.0.1:*", "--workers", "1", "--poll", "0.2"
+        "serve",
+        str(ckpt),
+        "--endpoint",
+        "tcp://127.0.0.1:*",
+        "--workers",
+        "1",
+        "--poll",
+        "0.2",
+        "--metrics-port",
+        "0",
     )
     endpoint = serve.expect(r"zmqsync serve: listening on (tcp://127\.0\.0\.1:\d+)", 120)[1]
+    metrics = int(serve.expect(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", 30)[1])
     relay = spawn(
-        "relay", endpoint, "--endpoint", "tcp://127.0.0.1:*", "--relay-idx", "0", "--workers", "2"
+        "relay",
+        endpoint,
+        "--endpoint",
+        "tcp://127.0.0.1:*",
+        "--relay-idx",
+        "0",
+        "--workers",
+        "2",
+        "--metrics-port",
+        "0",
     )
     below = relay.expect(
         r"zmqsync relay: listening on (tcp://127\.0\.0\.1:\d+) .* as worker 0", 120
@@ -502,3 +522,9 @@ def test_serve_a_relay_and_two_workers_behind_it(tmp_path: Path, spawn: Any, run
     assert code == 0 and _versions(doc) == {0: 2, 1: 2}
     table = _run(["status", endpoint], cwd=tmp_path, run_id=run_id, timeout=60)
     assert table.returncode == 0 and "relay for 2" in table.stdout, table.stdout
+    # Both expose Prometheus metrics: the learner its relay and the workers behind it.
+    top = scrape(metrics)
+    assert one(top, "zmqsync_version") == 2
+    assert {ls["worker"]: v for ls, v in top["zmqsync_below_version"]} == {"0": 2, "1": 2}
+    mid = scrape(int(relay.expect(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", 5)[1]))
+    assert one(mid, "zmqsync_relay_upstream_version") == 2

@@ -20,6 +20,7 @@ still reads one whole version.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -113,6 +114,26 @@ STALL_MEMORY: Final = 5.0
 STALL_KNOWN: Final = 0.02
 #: How long a transfer blocked on its window waits for transports before looking again.
 WINDOW_WAIT: Final = 0.0005
+
+
+#: Upper bounds (seconds) of the buckets sync latencies are counted in (and one more
+#: bucket for the rest).
+LATENCY_BUCKETS: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 def new_epoch() -> int:
@@ -606,6 +627,10 @@ class WeightSender:
         self._started = time.monotonic()
         self._last_expiry = self._started
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        #: Every send's latency, counted in LATENCY_BUCKETS (cumulative: Prometheus's
+        #: histogram), with their sum.
+        self._latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self._latency_sum = 0.0
         self._totals = {
             "versions_sent": 0,
             "bytes_sent": 0,
@@ -1150,7 +1175,10 @@ class WeightSender:
                 rejections=rejected,
                 version=send.version,
             )
-        self._latencies.append(time.monotonic() - send.started)
+        latency = time.monotonic() - send.started
+        self._latencies.append(latency)
+        self._latency_sum += latency
+        self._latency_counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
 
     def _timeout_message(self, send: Send, missing: set[int]) -> str:
         gone = self._lost(missing)
@@ -1337,6 +1365,11 @@ class WeightSender:
                 "latency_p50_s": pct(0.5),
                 "latency_p90_s": pct(0.9),
                 "latency_p99_s": pct(0.99),
+                "latency_histogram": {
+                    "le": list(LATENCY_BUCKETS),
+                    "counts": list(self._latency_counts),
+                    "sum_s": self._latency_sum,
+                },
                 "rejections": reasons,
                 **_sum_counters(r.hub.counters() for r in self._runners),
             },

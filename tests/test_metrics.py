@@ -1,0 +1,85 @@
+"""Prometheus metrics of a learner and a relay, scraped over HTTP as Prometheus would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _faults import until
+from _prom import one, scrape
+
+from zmqsync import Relay, WeightReceiver, WeightSender
+from zmqsync.metrics import serve_metrics
+from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_and_a_relay_expose_their_fleet() -> None:
+    model = {"w": torch.zeros(100_000), "b": torch.zeros(10)}
+    learner = WeightSender(
+        PubSubHub("tcp://127.0.0.1:*", insecure=True),
+        model=model,
+        strategy="state_dict",
+        num_workers=1,
+        timeout=30,
+    )
+    relay = Relay(
+        PubSubSpoke(learner.endpoint, identity="relay"),
+        PubSubHub("tcp://127.0.0.1:*", insecure=True),
+        strategy="state_dict",
+        worker_idx=0,
+        heartbeat=0.2,
+    )
+    targets = [{k: torch.ones_like(v) for k, v in model.items()} for _ in range(2)]
+    receivers = []
+    servers = []
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        for i in range(2):
+            r = WeightReceiver(
+                PubSubSpoke(relay.endpoint, identity=f"w{i}"),
+                model=targets[i],
+                strategy="state_dict",
+                worker_idx=i + 5,
+            )
+            r.connect(timeout=30)
+            r.start()
+            receivers.append(r)
+        for _ in range(3):
+            model["w"].add_(1)
+            learner.send()
+        servers = [serve_metrics(learner, 0), serve_metrics(relay, 0)]
+        top, mid = (scrape(s.port) for s in servers)
+
+        assert one(top, "zmqsync_version", model_id="policy") == 3
+        assert one(top, "zmqsync_worker_version", worker="0") == 3
+        assert one(top, "zmqsync_worker_lag", worker="0") == 0
+        assert one(top, "zmqsync_worker_live", worker="0") == 1
+        totals = learner.status()["totals"]
+        assert one(top, "zmqsync_bytes_sent_total") == totals["bytes_sent"]
+        assert one(top, "zmqsync_versions_sent_total") == 3
+        # Every send's latency, in a histogram whose count is the number of sends.
+        assert one(top, "zmqsync_sync_latency_seconds_count") == 3
+        assert one(top, "zmqsync_sync_latency_seconds_bucket", le="+Inf") == 3
+        assert 0 < one(top, "zmqsync_sync_latency_seconds_sum") < 30
+
+        # The relay's own fleet, and what it forwarded.
+        assert {ls["worker"]: v for ls, v in mid["zmqsync_worker_version"]} == {"5": 3, "6": 3}
+        assert one(mid, "zmqsync_relay_versions_forwarded_total") >= 3
+        assert one(mid, "zmqsync_relay_chunks_forwarded_total") >= 3
+        assert one(mid, "zmqsync_relay_upstream_version") == 3
+
+        # The learner sees the workers behind the relay once a heartbeat said so.
+        until(lambda: "zmqsync_below_version" in scrape(servers[0].port), 10, "a heartbeat")
+        top = scrape(servers[0].port)
+        below = {
+            ls["worker"]: v for ls, v in top.get("zmqsync_below_version", []) if ls["relay"] == "0"
+        }
+        assert below == {"5": 3, "6": 3}
+    finally:
+        for s in servers:
+            s.close()
+        for r in receivers:
+            r.close()
+        relay.close()
+        learner.close()
