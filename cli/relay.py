@@ -33,7 +33,11 @@ from .worker import Strategy
 
 def relay(
     upstream: Annotated[
-        str, typer.Argument(help="The learner's (or an upper relay's) endpoint, as it printed it.")
+        str,
+        typer.Argument(
+            envvar="ZMQSYNC_UPSTREAM",
+            help="The learner's (or an upper relay's) endpoint, as it printed it.",
+        ),
     ],
     endpoint: Annotated[
         str | None,

@@ -29,7 +29,13 @@ class Strategy(str, enum.Enum):
 
 
 def worker(
-    endpoint: Annotated[str, typer.Argument(help="The learner's endpoint, as it printed it.")],
+    endpoint: Annotated[
+        str,
+        typer.Argument(
+            envvar="ZMQSYNC_UPSTREAM",
+            help="The learner's (or a relay's) endpoint, as it printed it.",
+        ),
+    ],
     model: Annotated[
         str,
         typer.Option(

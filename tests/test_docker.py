@@ -48,13 +48,20 @@ def _cli_args(test: list[str]) -> list[list[str]]:
     return calls
 
 
-def _parses(args: list[str]) -> None:
-    """Parse args with the real CLI (typer's click command) without running anything."""
+def _parses(args: list[str], env: dict[str, str] | None = None) -> None:
+    """Parse args with the real CLI (typer's click command) without running anything,
+    in the service's environment (arguments may come from it)."""
     command = typer.main.get_command(app)
-    with command.make_context("zmqsync", list(args), resilient_parsing=False) as ctx:
-        sub = command.get_command(ctx, args[0])  # type: ignore[attr-defined]
-        assert sub is not None, f"{args[0]!r} is not a zmqsync command"
-        sub.make_context(args[0], list(args[1:]), parent=ctx).close()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with command.make_context("zmqsync", list(args), resilient_parsing=False) as ctx:
+            sub = command.get_command(ctx, args[0])  # type: ignore[attr-defined]
+            assert sub is not None, f"{args[0]!r} is not a zmqsync command"
+            sub.make_context(args[0], list(args[1:]), parent=ctx).close()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_dockerfile_builds_the_cli_on_cpu_torch() -> None:
@@ -70,11 +77,14 @@ def test_dockerfile_builds_the_cli_on_cpu_torch() -> None:
 def test_every_compose_command_is_a_valid_cli_command() -> None:
     compose = _compose()
     services = compose["services"]
-    assert set(services) == {"learner", "actor"}
+    assert set(services) == {"learner", "relay", "actor"}
     for service in services.values():
-        _parses(service["command"])
+        _parses(service["command"], service["environment"])
         for call in _cli_args(service["healthcheck"]["test"]):
-            _parses(call)
+            _parses(call, service["environment"])
+    # Without its environment, an actor has no upstream: the check reads it.
+    with pytest.raises(typer.TyperException, match="Missing parameter: endpoint"):
+        _parses(services["actor"]["command"])
     # The check has teeth: a wrong option is refused.
     with pytest.raises(typer.TyperException, match="no-such-option"):
         _parses(["worker", "tcp://learner:5555", "--no-such-option"])
@@ -82,30 +92,45 @@ def test_every_compose_command_is_a_valid_cli_command() -> None:
 
 def test_compose_fleet_is_scalable_and_keyed() -> None:
     services = _compose()["services"]
-    learner, actor = services["learner"], services["actor"]
+    learner, relay, actor = services["learner"], services["relay"], services["actor"]
     assert learner["command"][0] == "serve" and actor["command"][0] == "worker"
-    # Scalable with --scale actor=N: no fixed name, no host ports, no per-replica id.
-    assert "container_name" not in actor and "ports" not in actor
-    assert (
-        "--worker-idx" not in actor["command"] and "ZMQSYNC_WORKER_IDX" not in actor["environment"]
-    )
-    assert actor["depends_on"]["learner"]["condition"] == "service_healthy"
-    # CURVE keys from files, mounted read-only.
-    for service in (learner, actor):
+    assert relay["command"][0] == "relay"
+    # Scalable with --scale relay=R --scale actor=N: no fixed name, no host ports, no
+    # per-replica id.
+    for service, idx in ((relay, "--relay-idx"), (actor, "--worker-idx")):
+        assert "container_name" not in service and "ports" not in service
+        assert idx not in service["command"]
+        assert not {"ZMQSYNC_WORKER_IDX", "ZMQSYNC_RELAY_IDX"} & service["environment"].keys()
+    # Actors reach a relay (by its service name), relays the learner.
+    assert actor["environment"]["ZMQSYNC_UPSTREAM"] == "tcp://relay:5555"
+    assert relay["environment"]["ZMQSYNC_UPSTREAM"] == "tcp://learner:5555"
+    assert actor["depends_on"]["relay"]["condition"] == "service_healthy"
+    assert relay["depends_on"]["learner"]["condition"] == "service_healthy"
+    # CURVE keys from files, mounted read-only, on every hop.
+    for service in (learner, relay, actor):
         assert all(v.endswith(":ro") for v in service["volumes"])
         assert service["environment"]["ZMQSYNC_CURVE_SECRET"].startswith("/keys/")
-    assert learner["environment"]["ZMQSYNC_CURVE_CLIENTS"] == "/keys/clients"
-    assert actor["environment"]["ZMQSYNC_CURVE_SERVER_KEY"] == "/keys/learner.key"
-    # Up to 3 descriptors per actor at the learner: room for thousands of actors.
-    nofile = learner["ulimits"]["nofile"]
-    assert nofile["soft"] >= 3 * 4096 and nofile["hard"] >= nofile["soft"]
+    for service in (learner, relay):
+        assert service["environment"]["ZMQSYNC_CURVE_CLIENTS"] == "/keys/clients"
+    assert relay["environment"]["ZMQSYNC_CURVE_SERVER_KEY"] == "/keys/learner.key"
+    assert actor["environment"]["ZMQSYNC_CURVE_SERVER_KEY"] == "/keys/clients/relay.key"
+    # Up to 3 descriptors per peer at the learner and the relays: room for thousands.
+    for service in (learner, relay):
+        nofile = service["ulimits"]["nofile"]
+        assert nofile["soft"] >= 3 * 4096 and nofile["hard"] >= nofile["soft"]
+    # Metrics on a documented port, served to the compose network.
+    for service in (learner, relay):
+        command = service["command"]
+        assert command[command.index("--metrics-port") + 1] == "9100"
+        assert "9100" in service["expose"]
 
 
-def _mapped(value: str, tmp: Path, learner_address: str) -> str:
+def _mapped(value: str, tmp: Path, learner_address: str, relay_address: str = "") -> str:
     return (
         value.replace("/keys", str(tmp / "keys"))
         .replace("/checkpoints", str(tmp / "checkpoints"))
         .replace("tcp://learner:", f"tcp://{learner_address}:")
+        .replace("tcp://relay:", f"tcp://{relay_address}:")
     )
 
 
@@ -130,12 +155,12 @@ def _wait_for(log: Path, pattern: str, proc: subprocess.Popen[bytes], within: fl
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_fleet_runs_with_the_compose_commands_across_namespaces(tmp_path: Path) -> None:
     if (reason := why_unavailable()) is not None:
         pytest.fail(reason)
     # The README's steps: keys with the CLI, a checkpoint the actors' factory fits.
-    for where, name in (("keys", "learner"), ("keys/clients", "actor")):
+    for where, name in (("keys", "learner"), ("keys/clients", "relay"), ("keys/clients", "actor")):
         subprocess.run(
             [ZMQSYNC, "keys", str(tmp_path / where), "--name", name],
             check=True,
@@ -147,60 +172,77 @@ def test_fleet_runs_with_the_compose_commands_across_namespaces(tmp_path: Path) 
 
     services = _compose()["services"]
     procs: list[subprocess.Popen[bytes]] = []
-    with Topology(["learner", "actor1", "actor2"]) as topo:
-        address = topo.address("learner")
-        try:
-            learner = services["learner"]
-            env = {k: _mapped(v, tmp_path, address) for k, v in learner["environment"].items()}
-            args = [_mapped(a, tmp_path, address) for a in learner["command"]]
-            llog = tmp_path / "learner.log"
-            procs.append(_spawn(topo, "learner", args, env, llog))
-            _wait_for(llog, r"listening on tcp://", procs[0], within=60)
+    with Topology(["learner", "relay", "actor1", "actor2"]) as topo:
+        address, relay_address = topo.address("learner"), topo.address("relay")
 
-            # The learner's healthcheck, as compose runs it, inside the learner's host.
-            (check,) = _cli_args(learner["healthcheck"]["test"])
-            check = [_mapped(a, tmp_path, address) for a in check]
-            health = subprocess.run(
-                ["ip", "netns", "exec", topo.namespace("learner"), ZMQSYNC, *check, "--json"],
+        def mapped(values: list[str]) -> list[str]:
+            return [_mapped(v, tmp_path, address, relay_address) for v in values]
+
+        def environment(service: dict[str, Any]) -> dict[str, str]:
+            return {
+                k: _mapped(v, tmp_path, address, relay_address)
+                for k, v in service["environment"].items()
+            }
+
+        def health(host: str, service: dict[str, Any]) -> dict[str, Any]:
+            (check,) = _cli_args(service["healthcheck"]["test"])
+            done = subprocess.run(
+                ["ip", "netns", "exec", topo.namespace(host), ZMQSYNC, *mapped(check), "--json"],
                 capture_output=True,
                 timeout=60,
-                env=env,
+                env={**os.environ, **environment(service)},
             )
-            assert health.returncode in (0, 1), health.stderr.decode()
+            assert done.returncode in (0, 1), done.stdout.decode() + done.stderr.decode()
+            return json.loads(done.stdout)  # type: ignore[no-any-return]
 
-            actor = services["actor"]
-            aenv = {k: _mapped(v, tmp_path, address) for k, v in actor["environment"].items()}
-            aargs = [_mapped(a, tmp_path, address) for a in actor["command"]]
+        try:
+            learner, relay, actor = services["learner"], services["relay"], services["actor"]
+            llog = tmp_path / "learner.log"
+            procs.append(
+                _spawn(topo, "learner", mapped(learner["command"]), environment(learner), llog)
+            )
+            _wait_for(llog, r"listening on tcp://", procs[0], within=60)
+            health("learner", learner)  # as compose runs it, inside the learner's host
+
+            rlog = tmp_path / "relay.log"
+            procs.append(_spawn(topo, "relay", mapped(relay["command"]), environment(relay), rlog))
+            _wait_for(rlog, r"zmqsync relay: listening on tcp://", procs[1], within=60)
+            health("relay", relay)
+
             logs = []
             for host in ("actor1", "actor2"):
                 logs.append(tmp_path / f"{host}.log")
-                procs.append(_spawn(topo, host, aargs, aenv, logs[-1]))
-            for log, proc in zip(logs, procs[1:], strict=True):
+                procs.append(
+                    _spawn(topo, host, mapped(actor["command"]), environment(actor), logs[-1])
+                )
+            for log, proc in zip(logs, procs[2:], strict=True):
                 _wait_for(log, r"version 1\b", proc, within=90)
 
-            # A new checkpoint (written, then renamed into place) reaches both actors.
+            # A new checkpoint (written, then renamed into place) reaches both actors
+            # through the relay.
             new = demo_model(seed=7).state_dict()
             torch.save(new, tmp_path / "checkpoints" / "policy.pt.tmp")
             os.replace(
                 tmp_path / "checkpoints" / "policy.pt.tmp", tmp_path / "checkpoints" / "policy.pt"
             )
-            for log, proc in zip(logs, procs[1:], strict=True):
+            for log, proc in zip(logs, procs[2:], strict=True):
                 _wait_for(log, r"version 2\b", proc, within=60)
+            _wait_for(llog, r"version 2: .* synced to 1 workers", procs[0], within=30)
 
-            # The actors' healthcheck command, from an actor host, with its environment.
-            (acheck,) = _cli_args(actor["healthcheck"]["test"])
-            acheck = [_mapped(a, tmp_path, address) for a in acheck]
-            status = subprocess.run(
-                ["ip", "netns", "exec", topo.namespace("actor1"), ZMQSYNC, *acheck, "--json"],
-                capture_output=True,
-                timeout=60,
-                env={**os.environ, **aenv},
-            )
-            assert status.returncode == 0, status.stdout.decode() + status.stderr.decode()
-            state = json.loads(status.stdout)
+            # The actors' healthcheck, from an actor's host: the relay and its actors.
+            state = health("actor1", actor)
             assert state["version"] == 2
             assert sorted(w["worker"] for w in state["workers"]) == [0, 1]  # assigned ids
             assert all(w["version"] == 2 for w in state["workers"])
+            # The learner sees one peer, the relay, and the two actors behind it.
+            deadline = time.monotonic() + 30
+            while True:
+                top = health("learner", learner)
+                below = top["workers"][0].get("below") or {}
+                if below == {"0": 2, "1": 2} or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert [w["version"] for w in top["workers"]] == [2] and below == {"0": 2, "1": 2}
         finally:
             for proc in procs:
                 proc.terminate()
