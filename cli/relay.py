@@ -75,6 +75,15 @@ def relay(
     ] = 30.0,
     metrics_port: MetricsPort = None,
     metrics_addr: MetricsAddr = "127.0.0.1",
+    failover: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--failover",
+            envvar="ZMQSYNC_FAILOVER",
+            help="Another upstream (a relay, or the learner) to follow when this one goes "
+            "silent; repeat it for several, tried in turn. The same CURVE keys serve all.",
+        ),
+    ] = None,
     curve_secret: CurveSecret = None,
     curve_server_key: CurveServerKey = None,  # the upstream's
     curve_clients: Annotated[
@@ -126,6 +135,7 @@ def relay(
             curve_server=server,
             curve_client=client,
             insecure=insecure,
+            failover=failover or [],
             strategy=strategy.value,
             worker_idx=relay_idx,
             num_workers=workers,

@@ -72,6 +72,15 @@ def worker(
             "slow for large models).",
         ),
     ] = False,
+    failover: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--failover",
+            envvar="ZMQSYNC_FAILOVER",
+            help="Another upstream (a relay, or the learner) to follow when this one goes "
+            "silent; repeat it for several, tried in turn. The same CURVE keys serve all.",
+        ),
+    ] = None,
     curve_secret: CurveSecret = None,
     curve_server_key: CurveServerKey = None,
 ) -> None:
@@ -94,6 +103,7 @@ def worker(
             strategy=strategy.value,
             timeout=timeout,
             curve=curve,
+            failover=failover or [],
         )
 
         def digest() -> str:

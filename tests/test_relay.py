@@ -291,3 +291,68 @@ def test_two_hundred_workers_behind_two_relays_reach_every_version() -> None:
         for relay in relays:
             relay.close()
         learner.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_workers_of_a_dead_relay_fail_over_and_the_learner_names_it() -> None:
+    model = _model()
+    learner = WeightSender(_hub(), model=model, strategy="state_dict", num_workers=2, timeout=3)
+    relays = [
+        Relay(
+            _spoke(learner.endpoint, f"relay{r}"),
+            _hub(),
+            strategy="state_dict",
+            worker_idx=r,
+            heartbeat=0.2,
+        )
+        for r in range(2)
+    ]
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    backup = relays[1].endpoint
+    try:
+        for relay in relays:
+            relay.connect(timeout=30)
+            relay.start()
+        with (
+            _leaves(
+                relays[0].endpoint,
+                [1, 2],
+                models,
+                failover=[lambda: _spoke(backup, "moved")],
+            ) as moving,
+            _leaves(backup, [3], models),
+        ):
+            _bump(model)
+            learner.send()
+            until(
+                lambda: len(learner.status()["workers"][0]["below"] or {}) == 2,
+                10,
+                "relay 0 named its workers in a heartbeat",
+            )
+            # Relay 0 dies without a word (as a SIGKILL would leave it).
+            dead = relays[0]
+            dead._stop.set()
+            assert dead._thread is not None
+            dead._thread.join(10)
+            dead.receiver._spoke.close()
+            dead.sender.close()
+            _bump(model)
+            with pytest.raises(SyncTimeout) as caught:
+                learner.send()
+            assert list(caught.value.missing_workers) == [0]
+            assert "a relay for 2 worker(s)" in str(caught.value)
+            # Its workers move to relay 1 and catch up from it.
+            until(
+                lambda: {1, 2, 3} <= set(relays[1].sender.connected_workers()),
+                20,
+                "the workers of the dead relay joined the other one",
+            )
+            assert all(r.stats["failovers"] == 1 for r in moving.values())
+            learner.num_workers = None  # the live relay: relay 0 is gone
+            until(lambda: 0 not in learner.current_workers(), 20, "relay 0 counts as gone")
+            _bump(model)
+            learner.send()
+            assert [checksum(m) for m in models.values()] == [checksum(model)] * 3
+    finally:
+        relays[1].close()
+        learner.close()

@@ -26,7 +26,7 @@ import pickle
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
@@ -604,6 +604,8 @@ class ModelWorker:
         timeout: seconds :meth:`connect` waits for the sender.
         curve: this worker's CURVE keys and the sender's public key, when the sender
             has CURVE keys.
+        failover: other upstreams (relays, or the learner) to follow in turn when this
+            one goes silent (the same CURVE keys serve them all).
 
     Example::
 
@@ -623,10 +625,13 @@ class ModelWorker:
         timeout: float = 30.0,
         model_id: str = "policy",
         curve: CurveClient | None = None,
+        failover: Sequence[str] = (),
     ) -> None:
         from zmqsync.schemes import ZMQWeightSyncScheme
 
         check_connectable(endpoint)
+        for other in failover:
+            check_connectable(other)
         if worker_idx is not None and worker_idx < 0:
             raise ValueError(f"worker_idx must be >= 0; got {worker_idx}")
         self.endpoint = endpoint
@@ -638,7 +643,9 @@ class ModelWorker:
             timeout=timeout,
             curve_client=curve,
         )
-        self._scheme.init_on_receiver(model_id=model_id, model=model, worker_idx=worker_idx)
+        self._scheme.init_on_receiver(
+            model_id=model_id, model=model, worker_idx=worker_idx, failover=list(failover)
+        )
         self._receiver = self._scheme.get_receiver()
         self._rejections_seen = 0
 

@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -77,6 +77,10 @@ log = logging.getLogger("zmqsync.receiver")
 #: seconds, doubling up to RETRY_INTERVAL (a new subscription takes a few ms to be live).
 FIRST_RETRY: Final = 0.005
 RETRY_INTERVAL: Final = 0.2
+#: A worker with a failover list moves on when its upstream, which answers every
+#: heartbeat, was silent this many heartbeats (and at least FAILOVER_MIN_SECONDS).
+FAILOVER_HEARTBEATS: Final = 4
+FAILOVER_MIN_SECONDS: Final = 2.0
 #: Epochs a receiver remembers having left, to drop their late frames.
 RETIRED_EPOCHS: Final = 16
 #: ``apply_mode="auto"`` stages versions of a few chunks up to this size: a buffer this
@@ -195,6 +199,10 @@ class WeightReceiver:
             shared memory, in place otherwise (see the module).
         chunk_timeout: seconds between two chunks of a version before its stream counts
             as broken.
+        failover: makers of spokes to other upstreams (relays, or the learner itself),
+            tried in turn when the upstream goes silent (nothing heard for
+            :data:`FAILOVER_HEARTBEATS` heartbeats, at least :data:`FAILOVER_MIN_SECONDS`):
+            the worker says hello there, keeping the version it holds, and is caught up.
         sink: instead of a model, a callable (an inference engine's ``load_weights``)
             called with each chunk's complete tensors as a list of ``(name, tensor)``
             (names dotted, as the learner's strategy spells them; each tensor in its own
@@ -215,6 +223,7 @@ class WeightReceiver:
         apply_mode: str = "auto",
         chunk_timeout: float = DEFAULT_GAP,
         sink: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+        failover: Sequence[Callable[[], SpokeTransport]] = (),
     ) -> None:
         if apply_mode not in APPLY_MODES:
             raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
@@ -225,6 +234,10 @@ class WeightReceiver:
         #: The version the sink last refused during connect(), and why.
         self._sink_refused: tuple[int, str] | None = None
         self._spoke = spoke
+        self._failover = list(failover)
+        self._failovers = 0
+        #: When the upstream was last heard from (any message).
+        self._last_heard = time.monotonic()
         self.apply_mode = apply_mode
         self.model_id = model_id
         self.model = model
@@ -278,6 +291,7 @@ class WeightReceiver:
             "torn": 0,
             "deltas": 0,
             "deltas_skipped": 0,
+            "failovers": 0,
         }
         self.rejections: deque[str] = deque(maxlen=8)
         #: The last version refused for not fitting the model, and why, until one fits:
@@ -523,12 +537,20 @@ class WeightReceiver:
 
     def _process_locked(self, timeout: float) -> None:
         now = time.monotonic()
+        if (
+            self._failover
+            and self._welcomed
+            and now - self._last_heard
+            > max(FAILOVER_HEARTBEATS * self._heartbeat, FAILOVER_MIN_SECONDS)
+        ):
+            self._fail_over()
         if self._welcomed and now - self._last_heartbeat >= self._heartbeat:
             self._last_heartbeat = now
             self._send_snapshot_request()
         frames = self._spoke.recv_frames(timeout)
         while True:
             if frames is not None:
+                self._last_heard = time.monotonic()
                 message = self._decode(frames)
                 if isinstance(message, Chunk):
                     self._on_chunk(message)
@@ -564,6 +586,33 @@ class WeightReceiver:
                 frames = self._spoke.recv_frames(0)  # anything more? asking first spares a read
             if frames is None:
                 return
+
+    def _fail_over(self) -> None:
+        """The upstream went silent: say hello to the next one in the failover list,
+        keeping the version held (a version half in the model is torn, and repaired)."""
+        now = time.monotonic()
+        self._last_heard = now  # the next one gets its own grace period
+        make = self._failover[self._failovers % len(self._failover)]
+        self._failovers += 1
+        try:
+            spoke = make()
+        except Exception as exc:  # a bad address: try the next one later
+            log.warning("worker %s: failover failed: %s", self.worker_idx, exc)
+            return
+        broken = self._stream.abandon("the upstream went silent")
+        self._welcomed = False
+        if broken is not None:
+            self._on_broken(broken)
+        old, self._spoke = self._spoke, spoke
+        old.close()
+        self.stats["failovers"] += 1
+        log.warning(
+            "worker %s: its upstream went silent; now following %s",
+            self.worker_idx,
+            getattr(spoke, "endpoint", "the next upstream"),
+        )
+        self._new_attempt()
+        self._send_hello()
 
     def _on_chunk(self, chunk: Chunk) -> None:
         self.stats["received_bytes"] += len(chunk.payload)

@@ -14,10 +14,11 @@ learner never resends to everyone. A relay may serve another relay: trees of any
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from zmqsync.chunking import DEFAULT_CHUNK_BYTES, StreamLayout
@@ -98,6 +99,8 @@ class Relay:
         timeout: seconds ``connect()`` waits for the upstream's latest version.
         heartbeat: its workers' heartbeat (and its own, upstream: the upstream's).
         chunk_bytes: the chunks its late joiners and repairs are sent in.
+        failover: makers of spokes to other upstreams, followed in turn when this one
+            goes silent (see ``WeightReceiver``).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class Relay:
         timeout: float = 10.0,
         heartbeat: float = 1.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        failover: Sequence[Callable[[], SpokeTransport]] = (),
     ) -> None:
         self.model_id = model_id
         self.chunk_bytes = chunk_bytes
@@ -132,6 +136,7 @@ class Relay:
             strategy=strategy,
             worker_idx=worker_idx,
             timeout=timeout,
+            failover=failover,
         )
         #: The version being forwarded, if any.
         self._copy: _Forwarded | None = None
@@ -153,21 +158,26 @@ class Relay:
         curve_server: CurveServer | None = None,
         curve_client: CurveClient | None = None,
         insecure: bool = False,
+        failover: Sequence[str] = (),
         **options: Any,
     ) -> Relay:
         """A relay between ZeroMQ endpoints: it connects to ``upstream`` (a learner's or a
         relay's endpoint, with ``curve_client`` keys) and listens on ``endpoint`` (None:
         a private ipc path) in ``mode`` (``"pubsub"`` or ``"router"``, with
-        ``curve_server`` keys). ``options`` go to :class:`Relay`."""
+        ``curve_server`` keys); ``failover``: other upstreams' endpoints, followed in
+        turn when this one goes silent. ``options`` go to :class:`Relay`."""
         from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
         from zmqsync.transport.zmq_router import RouterHub
 
         if mode not in ("pubsub", "router"):
             raise ValueError(f"mode must be 'pubsub' or 'router'; got {mode!r}")
         name = options.get("worker_idx")
-        spoke = PubSubSpoke(
-            upstream, identity=f"relay{'' if name is None else name}", curve=curve_client
-        )
+        identity = f"relay{'' if name is None else name}"
+        spoke = PubSubSpoke(upstream, identity=identity, curve=curve_client)
+        options["failover"] = [
+            functools.partial(PubSubSpoke, e, identity=identity, curve=curve_client)
+            for e in failover
+        ]
         try:
             hub_cls = PubSubHub if mode == "pubsub" else RouterHub
             hub = hub_cls(endpoint, curve=curve_server, insecure=insecure)

@@ -16,6 +16,7 @@ with its endpoint and settings, but not its sockets, threads or model::
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any, Final
@@ -353,7 +354,8 @@ class WeightSyncScheme:
                 :class:`WeightReceiver`'s ``apply_mode=`` (``"auto"``, ``"staged"``,
                 ``"in_place"``), ``chunk_timeout=`` and ``sink=`` (a callable taking
                 ``(name, tensor)`` lists in place of a model: an inference engine's
-                ``load_weights``).
+                ``load_weights``); ``failover=``: other upstreams' endpoints (relays,
+                or the learner), followed in turn when this one goes silent.
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")
@@ -369,8 +371,17 @@ class WeightSyncScheme:
         worker_idx = kwargs.pop("worker_idx", self._worker_idx)
         self._worker_idx = None if worker_idx is None else int(worker_idx)
         options = _receiver_options(kwargs)
+        failover = [str(e) for e in kwargs.pop("failover", ())]
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_receiver: {sorted(kwargs)}")
+        if failover:
+            # Spokes to the other upstreams, made (with this scheme's keys) when needed.
+            options["failover"] = [
+                functools.partial(
+                    self.create_transport, role="spoke", endpoint=e, **self._spoke_options()
+                )
+                for e in failover
+            ]
         spoke = self.create_transport(role="spoke", **self._spoke_options())
         try:
             self._receiver = WeightReceiver(
