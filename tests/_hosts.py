@@ -37,12 +37,20 @@ def make_model(mb: float, seed: int) -> nn.Module:
 
 
 def host_worker(
-    ns: str, scheme: Any, worker_idx: int, mb: float, slow_apply: float, conn: Any
+    ns: str,
+    scheme: Any,
+    worker_idx: int,
+    mb: float,
+    slow_apply: float,
+    conn: Any,
+    failover: tuple[str, ...] = (),
 ) -> None:
     try:
         enter_netns(ns)
         model = make_model(mb, seed=1000 + worker_idx)
-        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        scheme.init_on_receiver(
+            model_id="policy", model=model, worker_idx=worker_idx, failover=list(failover)
+        )
         receiver = scheme.get_receiver()
         history: list[tuple[int, int, str]] = []
 
@@ -113,12 +121,52 @@ def host_sender(ns: str, options: dict[str, Any], mb: float, num_workers: int, c
         scheme.shutdown()
 
 
+def host_relay(
+    ns: str,
+    upstream: str,
+    endpoint: str,
+    relay_idx: int,
+    keys: tuple[Any, Any],
+    conn: Any,
+) -> None:
+    """A relay on its own host: ``keys`` are its CURVE server (downstream) and client
+    (upstream) keys."""
+    relay = None
+    try:
+        enter_netns(ns)
+        server, client = keys
+        relay = zmqsync.Relay.over_zmq(
+            upstream,
+            endpoint,
+            curve_server=server,
+            curve_client=client,
+            strategy="state_dict",
+            worker_idx=relay_idx,
+            heartbeat=0.5,
+            timeout=30,
+        )
+        relay.connect(timeout=30)
+        relay.start()
+        conn.send("ready")
+        while True:
+            if not conn.poll(0.05):
+                continue
+            if conn.recv() == "stop":
+                break
+            conn.send(relay.status())
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if relay is not None:
+            relay.close()
+
+
 class Proc:
     """A spawned host process and its control pipe."""
 
-    def __init__(self, target: Any, *args: Any) -> None:
+    def __init__(self, target: Any, *args: Any, **kwargs: Any) -> None:
         self.conn, child = SPAWN.Pipe()
-        self.proc = SPAWN.Process(target=target, args=(*args, child), daemon=True)
+        self.proc = SPAWN.Process(target=target, args=(*args, child), kwargs=kwargs, daemon=True)
         self.proc.start()
 
     def recv(self, timeout: float = 60.0) -> Any:

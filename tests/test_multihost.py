@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _hosts import Proc, SenderProc, host_sender, host_worker
+from _hosts import Proc, SenderProc, host_relay, host_sender, host_worker
 from netns import Topology, why_unavailable
 
+from zmqsync import ZMQWeightSyncScheme
 from zmqsync.security import CurveClient, CurveServer, generate_keypair
 
 pytestmark = [pytest.mark.slow]
@@ -230,3 +231,85 @@ def test_slow_worker_lets_the_queue_fill(net: Net) -> None:
     assert all(missing in ([], [1]) for missing in outcomes)
     net.wait_for_latest([0, 1], within=60)
     net.check_histories([0, 1])
+
+
+@pytest.mark.timeout(300)
+def test_a_tree_over_curve_survives_a_killed_relay_a_restart_and_a_cut_link() -> None:
+    """Learner -> relays r0, r1 (hosts of their own) -> two workers each, CURVE on every
+    hop. Relay r0 is killed mid-stream: its workers fail over to r1 and the learner's
+    timeout names r0; r0 restarts; then r1's link is cut and restored. Every worker ends
+    at the latest version and only ever applied whole versions the learner sent."""
+    learner_pub, learner_sec = generate_keypair()
+    relay_pub, relay_sec = generate_keypair()
+    actor_pub, actor_sec = generate_keypair()
+    hosts = ["learner", "r0", "r1", "w0", "w1", "w2", "w3"]
+    with Topology(hosts) as topo:
+        net = Net(topo, 2)  # the learner's workers: the two relays
+        relays: dict[int, Proc] = {}
+        try:
+            net.start_sender(
+                4.0, curve_server=CurveServer(learner_pub, learner_sec, frozenset({relay_pub}))
+            )
+            upstream = f"tcp://{topo.address('learner')}:{PORT}"
+            ends = [f"tcp://{topo.address(f'r{r}')}:{PORT}" for r in range(2)]
+            keys = (
+                CurveServer(relay_pub, relay_sec, frozenset({actor_pub})),
+                CurveClient(relay_pub, relay_sec, learner_pub),
+            )
+
+            def start_relay(r: int) -> None:
+                relays[r] = Proc(host_relay, topo.namespace(f"r{r}"), upstream, ends[r], r, keys)
+                assert relays[r].recv() == "ready"
+
+            for r in range(2):
+                start_relay(r)
+            net.names = ["w0", "w1", "w2", "w3"]
+            for i in range(4):
+                r = i // 2  # w0, w1 behind r0; w2, w3 behind r1; each may go to the other
+                scheme = ZMQWeightSyncScheme(
+                    "state_dict",
+                    endpoint=ends[r],
+                    curve_client=CurveClient(actor_pub, actor_sec, relay_pub),
+                )
+                net.workers[i] = Proc(
+                    host_worker,
+                    topo.namespace(f"w{i}"),
+                    scheme,
+                    i,
+                    4.0,
+                    0.0,
+                    failover=(ends[1 - r],),
+                )
+            net.ready(0, 1, 2, 3)
+            assert net.send() == ("ok", [])
+            net.wait_for_latest([0, 1, 2, 3], within=30)
+
+            # r0 is killed while a version streams through its slow link.
+            topo.shape("r0", rate="20mbit", burst="64kb", latency="100ms")
+            sender = net.sender
+            assert sender is not None
+            net.start_send(None, 5.0)
+            time.sleep(0.5)
+            relays[0].signal(signal.SIGKILL)
+            result, _, _, missing = sender.recv(60)
+            assert (result, missing) == ("timeout", [0])
+            net.wait_for_latest([0, 1, 2, 3], within=60)  # w0 and w1 moved to r1
+            start_relay(0)  # restarted: same host, same address, a new process
+            assert net.send(timeout=20.0) == ("ok", [])
+            net.wait_for_latest([0, 1, 2, 3], within=30)
+
+            # r1's link is cut: the learner names it; once restored, everyone converges.
+            topo.link("r1", up=False)
+            result, missing = net.send(timeout=3.0)
+            # Named; r0 may be late too, as r1's workers move to it and catch up there.
+            assert result == "timeout" and 1 in missing
+            topo.link("r1", up=True)
+            deadline = time.monotonic() + 90
+            while net.send(timeout=10.0) != ("ok", []):
+                assert time.monotonic() < deadline, "the tree never converged"
+            net.wait_for_latest([0, 1, 2, 3], within=60)
+            net.check_histories([0, 1, 2, 3])
+        finally:
+            for proc in relays.values():
+                proc.close()
+            net.close()

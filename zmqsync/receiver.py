@@ -199,8 +199,9 @@ class WeightReceiver:
             shared memory, in place otherwise (see the module).
         chunk_timeout: seconds between two chunks of a version before its stream counts
             as broken.
-        failover: makers of spokes to other upstreams (relays, or the learner itself),
-            tried in turn when the upstream goes silent (nothing heard for
+        failover: makers of spokes to other upstreams (relays, or the learner itself;
+            the first upstream's again at the end, to come round to it), tried in
+            turn when the upstream goes silent (nothing heard for
             :data:`FAILOVER_HEARTBEATS` heartbeats, at least :data:`FAILOVER_MIN_SECONDS`):
             the worker says hello there, keeping the version it holds, and is caught up.
         sink: instead of a model, a callable (an inference engine's ``load_weights``)

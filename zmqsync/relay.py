@@ -176,7 +176,8 @@ class Relay:
         spoke = PubSubSpoke(upstream, identity=identity, curve=curve_client)
         options["failover"] = [
             functools.partial(PubSubSpoke, e, identity=identity, curve=curve_client)
-            for e in failover
+            for e in [*failover, upstream]
+            if failover
         ]
         try:
             hub_cls = PubSubHub if mode == "pubsub" else RouterHub

@@ -375,12 +375,13 @@ class WeightSyncScheme:
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_receiver: {sorted(kwargs)}")
         if failover:
-            # Spokes to the other upstreams, made (with this scheme's keys) when needed.
+            # Spokes to the other upstreams, made (with this scheme's keys) when needed;
+            # this one comes round again after them.
             options["failover"] = [
                 functools.partial(
                     self.create_transport, role="spoke", endpoint=e, **self._spoke_options()
                 )
-                for e in failover
+                for e in [*failover, self.endpoint]
             ]
         spoke = self.create_transport(role="spoke", **self._spoke_options())
         try:
