@@ -23,6 +23,7 @@ from rich.text import Text
 
 from zmqsync.client import worker_problem
 from zmqsync.errors import ZMQSyncError
+from zmqsync.metrics import MetricsServer
 from zmqsync.security import exposed_secret_file
 
 #: Width of output that goes to a file or a pipe (rich would pick 80 columns, which
@@ -68,6 +69,15 @@ CurveServerKey = Annotated[
     ),
 ]
 
+Failover = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--failover",
+        envvar="ZMQSYNC_FAILOVER",
+        help="Another upstream (a relay, or the learner) to follow when this one goes "
+        "silent; repeat it for several, tried in turn. The same CURVE keys serve all.",
+    ),
+]
 MetricsPort = Annotated[
     int | None,
     typer.Option(
@@ -324,3 +334,14 @@ def status_view(
         status_table(status, silent_after=silent_after),
         verdict(status, problems),
     )
+
+
+def start_metrics(source: Any, port: int | None, addr: str, out: Console) -> MetricsServer | None:
+    """Serve ``source``'s status as Prometheus metrics, if asked to (``--metrics-port``)."""
+    if port is None:
+        return None
+    from zmqsync.metrics import serve_metrics
+
+    server = serve_metrics(source, port, addr)
+    out.print(f"metrics on http://{addr}:{server.port}/metrics", soft_wrap=True)
+    return server

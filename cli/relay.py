@@ -19,15 +19,17 @@ from ._common import (
     SECURITY_LOGGER,
     CurveSecret,
     CurveServerKey,
+    Failover,
     MetricsAddr,
     MetricsPort,
     console,
     fail,
     quiet_logger,
     sigterm_as_interrupt,
+    start_metrics,
     user_errors,
 )
-from .serve import Mode, _metrics
+from .serve import Mode
 from .worker import Strategy
 
 
@@ -75,15 +77,7 @@ def relay(
     ] = 30.0,
     metrics_port: MetricsPort = None,
     metrics_addr: MetricsAddr = "127.0.0.1",
-    failover: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--failover",
-            envvar="ZMQSYNC_FAILOVER",
-            help="Another upstream (a relay, or the learner) to follow when this one goes "
-            "silent; repeat it for several, tried in turn. The same CURVE keys serve all.",
-        ),
-    ] = None,
+    failover: Failover = None,
     curve_secret: CurveSecret = None,
     curve_server_key: CurveServerKey = None,  # the upstream's
     curve_clients: Annotated[
@@ -145,7 +139,7 @@ def relay(
         try:
             node.connect(timeout)
             node.start()
-            metrics = _metrics(node, metrics_port, metrics_addr, out)
+            metrics = start_metrics(node, metrics_port, metrics_addr, out)
             secured = ", CURVE" if server is not None else ""
             out.print(
                 f"zmqsync relay: listening on {node.endpoint} ({mode.value}{secured}), "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Final
 
 import typer
 from rich.console import Console
@@ -18,7 +18,7 @@ from zmqsync.client import (
     curve_server_from_files,
     reachable_from_other_hosts,
 )
-from zmqsync.metrics import MetricsServer, serve_metrics
+from zmqsync.metrics import MetricsServer
 
 from ._common import (
     SECURITY_LOGGER,
@@ -31,6 +31,7 @@ from ._common import (
     fmt_seconds,
     quiet_logger,
     sigterm_as_interrupt,
+    start_metrics,
     user_errors,
 )
 
@@ -149,7 +150,7 @@ def serve(
         metrics: MetricsServer | None = None
         try:
             first = publisher.start()
-            metrics = _metrics(publisher, metrics_port, metrics_addr, out)
+            metrics = start_metrics(publisher, metrics_port, metrics_addr, out)
             secured = ", CURVE" if curve is not None else ""
             out.print(
                 f"zmqsync serve: listening on {publisher.endpoint} "
@@ -187,15 +188,6 @@ def serve(
             if metrics is not None:
                 metrics.close()
             publisher.close()
-
-
-def _metrics(source: Any, port: int | None, addr: str, out: Console) -> MetricsServer | None:
-    """Serve ``source``'s status as Prometheus metrics, if asked to (``--metrics-port``)."""
-    if port is None:
-        return None
-    server = serve_metrics(source, port, addr)
-    out.print(f"metrics on http://{addr}:{server.port}/metrics", soft_wrap=True)
-    return server
 
 
 def _publish(publisher: CheckpointPublisher, out: Console) -> PublishResult:

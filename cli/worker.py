@@ -13,6 +13,7 @@ from ._common import (
     SECURITY_LOGGER,
     CurveSecret,
     CurveServerKey,
+    Failover,
     console,
     fmt_seconds,
     quiet_logger,
@@ -72,15 +73,7 @@ def worker(
             "slow for large models).",
         ),
     ] = False,
-    failover: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--failover",
-            envvar="ZMQSYNC_FAILOVER",
-            help="Another upstream (a relay, or the learner) to follow when this one goes "
-            "silent; repeat it for several, tried in turn. The same CURVE keys serve all.",
-        ),
-    ] = None,
+    failover: Failover = None,
     curve_secret: CurveSecret = None,
     curve_server_key: CurveServerKey = None,
 ) -> None:

@@ -68,18 +68,11 @@ class _Upstream(WeightReceiver):
         super()._on_broken(broken)
         self._relay._abort()
 
-    def _ack(
-        self,
-        *,
-        applied: bool,
-        reason: str = "",
-        version: int | None = None,
-        epoch: int | None = None,
-    ) -> None:
-        if applied and not self._relay._settled(self.version):
+    def _ack(self, **ack: Any) -> None:
+        if ack["applied"] and not self._relay._settled(self.version):
             self._relay._owed = True  # acked once every worker below holds it
             return
-        super()._ack(applied=applied, reason=reason, version=version, epoch=epoch)
+        super()._ack(**ack)
 
     def _below(self) -> dict[str, Any]:
         return self._relay._below()
