@@ -240,7 +240,8 @@ def _set_body(body: bytes, **fields: int) -> bytes:
         (lambda f: [f[0], _set_body(f[1], index=3, count=2), f[2]], "out of range"),
         (lambda f: [f[0], _set_body(f[1], total=1 << 50), f[2]], "limits"),
         (lambda f: [_set_flags(f[0], 1), *f[1:]], "flags"),  # first, not last: it is both
-        (lambda f: [_set_flags(f[0], 3 | 32), *f[1:]], "flags"),
+        (lambda f: [_set_flags(f[0], 3 | 64), *f[1:]], "flags"),
+        (lambda f: [_set_flags(f[0], 3 | 32), *f[1:]], "targets"),
         (lambda f: [_set_flags(f[0], 3 | 16), *f[1:]], "delta of version 1 against"),
         (lambda f: [_set_flags(f[0], 3 | 4), _set_body(f[1], crc=5), f[2]], "checksum"),
         (lambda f: [f[0], _set_body(f[1], crc=5), f[2]], "do not announce"),

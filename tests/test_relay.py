@@ -356,3 +356,83 @@ def test_the_workers_of_a_dead_relay_fail_over_and_the_learner_names_it() -> Non
     finally:
         relays[1].close()
         learner.close()
+
+
+@pytest.mark.timeout(120)
+def test_worker_ids_reach_workers_behind_relays_and_only_them() -> None:
+    model = _model()
+    nbytes = sum(t.numel() * 4 for t in model.values())
+    learner = WeightSender(_hub(), model=model, strategy="state_dict", num_workers=2, timeout=30)
+    top = Relay(
+        _spoke(learner.endpoint, "top"), _hub(), strategy="state_dict", worker_idx=0, heartbeat=0.2
+    )
+    side = Relay(
+        _spoke(learner.endpoint, "side"), _hub(), strategy="state_dict", worker_idx=1, heartbeat=0.2
+    )
+    mid = Relay(
+        _spoke(top.endpoint, "mid"), _hub(), strategy="state_dict", worker_idx=5, heartbeat=0.2
+    )
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        for relay in (top, side, mid):
+            relay.connect(timeout=30)
+            relay.start()
+        with (
+            _leaves(top.endpoint, [10, 11], models),
+            _leaves(mid.endpoint, [20, 21], models),
+            _leaves(side.endpoint, [30, 31], models),
+        ):
+            _bump(model)
+            learner.send()
+            first = checksum(model)
+            until(
+                lambda: (
+                    {w for row in learner.status()["workers"] for w in (row["below"] or {})}
+                    >= {"5", "10", "11", "20", "21", "30", "31"}
+                ),
+                15,
+                "the relays named every worker behind them, two levels down included",
+            )
+            _bump(model)
+            before = learner.status()["totals"]["bytes_sent"]
+            learner.send(worker_ids=[11, 21, 31])  # behind top, behind mid, behind side
+            # Returned: exactly those three hold it; the learner sent one copy per relay.
+            held = {i: checksum(m) for i, m in models.items()}
+            assert {i for i, c in held.items() if c == checksum(model)} == {11, 21, 31}
+            assert {i for i, c in held.items() if c == first} == {10, 20, 30}
+            assert learner.status()["totals"]["bytes_sent"] - before == 2 * nbytes
+            # One more, for a single worker two relays down; an id nobody knows is refused.
+            _bump(model)
+            learner.send(worker_ids=[20])
+            assert {i for i, m in models.items() if checksum(m) == checksum(model)} == {20}
+            with pytest.raises(ValueError, match="does not exist"):
+                learner.send(worker_ids=[99])
+    finally:
+        for relay in (mid, side, top):
+            relay.close()
+        learner.close()
+
+
+def test_targets_ride_in_the_first_chunk_and_forged_ones_are_refused() -> None:
+    from zmqsync.chunking import version_messages
+    from zmqsync.errors import FrameError
+    from zmqsync.protocol import Chunk, decode, encode
+
+    (frames,) = version_messages({"w": torch.zeros(8)})
+    chunk = decode(frames)
+    assert isinstance(chunk, Chunk)
+    for targets in [(), (3, 7, 2**40)]:
+        again = decode(encode(Chunk(**{**_fields(chunk), "targets": targets})))
+        assert isinstance(again, Chunk) and again.targets == targets
+    with pytest.raises(ValueError, match="worker ids"):
+        encode(Chunk(**{**_fields(chunk), "targets": (-1,)}))
+    good = encode(Chunk(**{**_fields(chunk), "targets": (1,)}))
+    body = bytes(good[1])
+    for named in (b'["x"]', b"{}", b"[-1]", b"[1.5]"):
+        forged = body[: -len(b"[1]") - 4] + named + len(named).to_bytes(4, "big")
+        with pytest.raises(FrameError, match="targets"):
+            decode([good[0], forged, good[2]])
+
+
+def _fields(chunk):  # type: ignore[no-untyped-def]
+    return {f: getattr(chunk, f) for f in chunk.__dataclass_fields__}

@@ -172,6 +172,8 @@ class Send:
     dynamic: bool = False
     acked: set[int] = field(default_factory=set)
     rejected: dict[int, str] = field(default_factory=dict)
+    #: Targets reached through relays: relay id -> the workers behind it it is for.
+    routes: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -563,30 +565,57 @@ class Fleet:
         for w in ids:
             if isinstance(w, bool) or not isinstance(w, int) or w < 0:
                 raise ValueError(f"worker_ids must be non-negative ints; got {w!r}")
-            if self.num_workers is not None and w >= self.num_workers:
+        behind = self._behind_relays(ids)
+        for w in ids:
+            if self.num_workers is not None and w >= self.num_workers and w not in behind:
                 raise ValueError(
                     f"worker {w} does not exist: this sender has workers 0..{self.num_workers - 1}"
                 )
         return frozenset(ids)
 
+    def _behind_relays(self, ids: Iterable[int]) -> dict[int, int]:
+        """Of ``ids``, those that are no session of this sender's but a relay's worker
+        (its heartbeats say so), with that relay's id."""
+        wanted = {w for w in ids if w not in self.workers or self.workers[w].left is not None}
+        out: dict[int, int] = {}
+        if wanted:
+            for s in self.workers.values():
+                if s.left is None and s.below:
+                    out.update((w, s.worker) for w in wanted.intersection(s.below))
+        return out
+
     def begin_send(
         self, worker_ids: int | Iterable[int] | None, now: float, timeout: float
     ) -> tuple[Send, dict[int, list[PeerId]]]:
         """Start the next version: returns it, and per hub the peers an addressed send
-        (``worker_ids`` given) goes to."""
-        return self._begin(
-            self.version + 1, self.targets(worker_ids, now), worker_ids, now, timeout
-        )
+        (``worker_ids`` given) goes to; a worker behind a relay is reached through it
+        (``Send.routes``)."""
+        ids = self.targets(worker_ids, now)
+        return self._begin(self.version + 1, ids, worker_ids, now, timeout)
 
-    def begin_forward(self, version: int, epoch: int, now: float, timeout: float) -> Send:
+    def begin_forward(
+        self,
+        version: int,
+        epoch: int,
+        now: float,
+        timeout: float,
+        worker_ids: Iterable[int] | None = None,
+    ) -> Send:
         """A relay starts sending on ``version`` of ``epoch`` (its upstream's numbering,
-        which a new epoch starts again) to every worker."""
+        which a new epoch starts again) to every worker, or to ``worker_ids`` (those of
+        them it knows: its own and those behind its relays)."""
         if epoch != self.epoch:
             # What workers held of the old life is void; its version 0 may come now.
             self.epoch, self.version, self.published = epoch, 0, False
         if version < self.version or (version == self.version and self.published):
             raise ValueError(f"version {version} forwarded after {self.version}")
-        send, _ = self._begin(version, self.targets(None, now), None, now, timeout)
+        if worker_ids is None:
+            ids = self.targets(None, now)
+        else:
+            wanted = list(worker_ids)
+            behind = self._behind_relays(wanted)
+            ids = frozenset(w for w in wanted if w in self.workers or w in behind)
+        send, _ = self._begin(version, ids, worker_ids, now, timeout)
         return send
 
     def _begin(
@@ -599,12 +628,18 @@ class Fleet:
     ) -> tuple[Send, dict[int, list[PeerId]]]:
         self.version = version
         self.published = True
+        routes: dict[int, list[int]] = {}
+        if worker_ids is not None:
+            for w, relay in self._behind_relays(targets).items():
+                routes.setdefault(relay, []).append(w)
+            targets = (targets - {w for ws in routes.values() for w in ws}) | routes.keys()
         send = Send(
             self.version,
             targets,
             now,
             now + timeout,
             dynamic=worker_ids is None and self.num_workers is None,
+            routes={r: tuple(sorted(ws)) for r, ws in routes.items()},
         )
         self.pending = send
         if worker_ids is None:

@@ -315,11 +315,19 @@ class Relay:
             self.stats["aborted"] += 1
 
     def _settled(self, version: int) -> bool:
-        """Whether every worker an ack upstream waits for holds ``version``."""
+        """Whether every worker an ack upstream waits for holds ``version``: those it
+        was forwarded to (its targets, when it came with some), else every live one."""
         sender = self.sender
         now = time.monotonic()
         with sender._cond:
             fleet = sender.fleet
+            forwarding = sender._forwarding
+            if (
+                forwarding is not None
+                and forwarding[0].version == version
+                and fleet.epoch == self.receiver.epoch
+            ):
+                return forwarding[0].done
             if fleet.epoch != self.receiver.epoch:
                 return not fleet.targets(None, now)
             for w in fleet.targets(None, now):
@@ -329,11 +337,17 @@ class Relay:
         return True
 
     def _below(self) -> dict[str, Any]:
+        """Its workers and the version each holds, and those behind its own relays (so
+        that a send upstream may target any of them)."""
         sender = self.sender
+        out: dict[str, Any] = {}
         with sender._cond:
             fleet = sender.fleet
-            return {
-                str(w): (s.version if s.epoch == fleet.epoch else 0)
-                for w, s in list(fleet.workers.items())[:MAX_BELOW]
-                if s.left is None
-            }
+            for w, s in fleet.workers.items():
+                if s.left is not None:
+                    continue
+                out[str(w)] = s.version if s.epoch == fleet.epoch else 0
+                out.update((str(b), v) for b, v in s.below.items())
+                if len(out) >= MAX_BELOW:
+                    break
+        return dict(list(out.items())[:MAX_BELOW])

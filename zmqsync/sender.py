@@ -328,7 +328,11 @@ class _Copy:
             self.reached.update(to)
 
     def delta_frames(
-        self, index: int, spans: list[tuple[int, int]], base: int
+        self,
+        index: int,
+        spans: list[tuple[int, int]],
+        base: int,
+        targets: tuple[int, ...] | None = None,
     ) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
         """Chunk ``index`` of the delta against ``base`` that carries ``spans`` (a whole
         copy, written: the sender records a version's digests once it is)."""
@@ -348,13 +352,17 @@ class _Copy:
             checksum=checksum(payload) if self._checksums else 0,
             metadata=self.metadata if index == 0 else None,
             base=base,
+            targets=targets if index == 0 else None,
         )
         frames = encode(chunk, schema_bytes=self.layout.schema_bytes if index == 0 else None)
         return self.lease.lend(frames)
 
-    def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+    def frames(
+        self, index: int, targets: tuple[int, ...] | None = None
+    ) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
         """Chunk ``index`` as frames to send, lent afresh (and written first if need
-        be); None while the ring has no free buffer."""
+        be); None while the ring has no free buffer. ``targets``: the workers behind a
+        relay the version is for (the first chunk says so)."""
         layout = self.layout
         offset, length = layout.span(index)
         if self.data is not None:
@@ -380,6 +388,7 @@ class _Copy:
             payload,
             checksum=checksum(payload) if self._checksums else 0,
             metadata=self.metadata if index == 0 else None,
+            targets=targets if index == 0 else None,
         )
         frames = encode(chunk, schema_bytes=layout.schema_bytes if index == 0 else None)
         lent = self.lease.lend(frames)
@@ -443,8 +452,11 @@ class _Transfer:
         spans: list[tuple[int, int]] | None = None,
         base: int = 0,
         workers: int = 0,
+        targets: tuple[int, ...] | None = None,
     ) -> None:
         self.copy = copy
+        #: The workers behind the relay it goes to that the version is for, if some.
+        self.targets = targets
         self.to = to
         self.spans = spans
         self.base = base
@@ -468,9 +480,11 @@ class _Transfer:
 
     def frames(self) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
         if self.spans is None:
-            return self.copy.frames(self.next)
+            if isinstance(self.copy, _Forwarded):
+                return self.copy.frames(self.next)
+            return self.copy.frames(self.next, self.targets)
         assert isinstance(self.copy, _Copy)
-        return self.copy.delta_frames(self.next, self.spans, self.base)
+        return self.copy.delta_frames(self.next, self.spans, self.base, self.targets)
 
     @property
     def sent(self) -> bool:
@@ -801,6 +815,11 @@ class WeightSender:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
             pending = self._pending = _Pending(send, copy)
             holdings = self.fleet.holdings(send.targets) if self.delta else {}
+            routes: dict[PeerId, tuple[int, ...]] = {}
+            for relay, behind in send.routes.items():
+                s = self.fleet.workers.get(relay)
+                if s is not None and s.origin.peer is not None:
+                    routes[s.origin.peer] = behind
         deltas: dict[int, tuple[int, int]] = {}  # base -> (workers, bytes each)
         for runner in self._runners:
             if self.delta:
@@ -813,6 +832,8 @@ class WeightSender:
                 transfers = [_Transfer(copy, list(peers[runner.index]))]
             else:
                 transfers = []
+            if routes:
+                transfers = self._routed(transfers, routes)
             for transfer in transfers:
                 runner.begin(transfer)
                 if transfer.spans is not None:
@@ -848,12 +869,17 @@ class WeightSender:
                 with self._snapshot_lock:
                     self._snapshot = None  # of the life before: nobody gets it now
             send = self.fleet.begin_forward(
-                chunk.version, chunk.epoch, time.monotonic(), self.timeout
+                chunk.version, chunk.epoch, time.monotonic(), self.timeout, chunk.targets
             )
             self._forwarding = (send, copy)
             self._metadata = chunk.metadata
+            peers = self._peers_of(send.targets) if chunk.targets is not None else {}
         for runner in self._runners:
-            runner.begin(_Transfer(copy, None))
+            if chunk.targets is None:
+                runner.begin(_Transfer(copy, None))
+            elif peers.get(runner.index):
+                # Only to the workers (and relays) it is for: they filter it further.
+                runner.begin(_Transfer(copy, peers[runner.index]))
         self._totals["versions_sent"] += 1
         self._totals["bytes_sent"] += copy.nbytes * max(1, len(send.targets))
         return copy
@@ -866,6 +892,34 @@ class WeightSender:
                 streaming = runner.advance()
             if streaming and runner._waiting:
                 runner._poke()
+
+    def _peers_of(self, workers: Iterable[int]) -> dict[int, list[PeerId]]:
+        """Per hub, the peers of ``workers`` that have one (holding the condition)."""
+        out: dict[int, list[PeerId]] = {}
+        for w in workers:
+            s = self.fleet.workers.get(w)
+            if s is not None and s.origin.peer is not None and s.left is None:
+                out.setdefault(s.origin.hub, []).append(s.origin.peer)
+        return out
+
+    def _routed(
+        self, transfers: list[_Transfer], routes: dict[PeerId, tuple[int, ...]]
+    ) -> list[_Transfer]:
+        """``transfers`` with each relay a version is routed through on a transfer of its
+        own, whose first chunk names the workers behind it that the version is for."""
+        out = []
+        for t in transfers:
+            routed = [p for p in t.to or [] if p in routes]
+            rest = [p for p in t.to or [] if p not in routes]
+            if not routed:
+                out.append(t)
+                continue
+            if rest:
+                out.append(_Transfer(t.copy, rest, t.spans, t.base, len(rest) if t.spans else 0))
+            for p in routed:
+                each = 1 if t.spans is not None else 0
+                out.append(_Transfer(t.copy, [p], t.spans, t.base, each, targets=routes[p]))
+        return out
 
     def _serve(self, copy: _Copy) -> None:
         """A relay's whole copy of the latest version it received: what its late joiners

@@ -39,6 +39,7 @@ from zmqsync.protocol.messages import (
     MAX_MODEL_ID_BYTES,
     MAX_NDIM,
     MAX_SCHEMA_BYTES,
+    MAX_TARGETS,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
     MAX_TEXT_CHARS,
@@ -94,14 +95,17 @@ META_LEN: Final = struct.Struct("!I")
 #: is against (see :class:`~zmqsync.protocol.messages.Chunk`).
 DELTA_BASE: Final = struct.Struct("!Q")
 #: Header flags of a chunk: the first and the last of its version, whether it carries a
-#: checksum, (first chunk only) metadata, and whether the version is a delta.
+#: checksum, (first chunk only) metadata and targets, and whether the version is a delta.
 #: Transports read FIRST without decoding (see starts_version).
 FLAG_FIRST: Final = 1
 FLAG_LAST: Final = 2
 FLAG_CHECKSUM: Final = 4
 FLAG_METADATA: Final = 8
 FLAG_DELTA: Final = 16
-_CHUNK_FLAGS: Final = FLAG_FIRST | FLAG_LAST | FLAG_CHECKSUM | FLAG_METADATA | FLAG_DELTA
+FLAG_TARGETS: Final = 32
+_CHUNK_FLAGS: Final = (
+    FLAG_FIRST | FLAG_LAST | FLAG_CHECKSUM | FLAG_METADATA | FLAG_DELTA | FLAG_TARGETS
+)
 _U64_MAX: Final = (1 << 64) - 1
 _NO_DIGEST: Final = bytes(16)
 _SCHEMA_CACHE_SIZE: Final = 32
@@ -229,14 +233,22 @@ def _encode_chunk(chunk: Chunk, schema_bytes: bytes | None) -> list[Buffer]:
         if chunk.metadata is not None:
             meta = encode_metadata(chunk.metadata)
             schema = schema + meta + META_LEN.pack(len(meta))
-    elif chunk.metadata is not None:
-        raise ValueError("only the first chunk of a version carries metadata")
+        if chunk.targets is not None:
+            if len(chunk.targets) > MAX_TARGETS or not all(
+                type(w) is int and 0 <= w <= _U64_MAX for w in chunk.targets
+            ):
+                raise ValueError(f"targets must be at most {MAX_TARGETS} worker ids")
+            named = _JSON.encode(list(chunk.targets)).encode()
+            schema = schema + named + META_LEN.pack(len(named))
+    elif chunk.metadata is not None or chunk.targets is not None:
+        raise ValueError("only the first chunk of a version carries metadata and targets")
     flags = (
         (FLAG_FIRST if chunk.index == 0 else 0)
         | (FLAG_LAST if chunk.index == chunk.count - 1 else 0)
         | (FLAG_CHECKSUM if chunk.checksum else 0)
         | (FLAG_METADATA if chunk.metadata is not None else 0)
         | (FLAG_DELTA if chunk.base is not None else 0)
+        | (FLAG_TARGETS if chunk.targets is not None else 0)
     )
     body = CHUNK_BODY.pack(chunk.index, chunk.count, chunk.offset, chunk.total, chunk.checksum)
     if chunk.base is not None:
@@ -537,6 +549,7 @@ def _decode_chunk(
         | (flags & FLAG_CHECKSUM)
         | (flags & FLAG_METADATA if index == 0 else 0)
         | (flags & FLAG_DELTA)
+        | (flags & FLAG_TARGETS if index == 0 else 0)
     )
     if flags != expected or flags & ~_CHUNK_FLAGS:
         raise FrameError(f"chunk {index} of {count} has flags {flags:#x}; expected {expected:#x}")
@@ -559,12 +572,22 @@ def _decode_chunk(
         raise FrameError(f"chunk {index} carries a checksum its flags do not announce")
     schema: WeightsSchema | None = None
     metadata: dict[str, Any] | None = None
+    targets: tuple[int, ...] | None = None
     if index == 0:
         if offset != 0 and not delta:
             raise FrameError(f"the first chunk starts at {offset}, not 0")
         rest = bytes(body[fixed:])
+        if flags & FLAG_TARGETS:
+            rest, named = _split_trailer(rest, MAX_TARGETS * 21, "targets")
+            if not isinstance(named, list) or not all(
+                type(w) is int and 0 <= w <= _U64_MAX for w in named
+            ):
+                raise FrameError("targets must be a JSON list of worker ids")
+            targets = tuple(named)
         if flags & FLAG_METADATA:
-            rest, metadata = _split_metadata(rest)
+            rest, metadata = _split_trailer(rest, MAX_METADATA_BYTES, "metadata")
+            if not isinstance(metadata, dict):
+                raise FrameError(f"metadata must be a JSON object; got {type(metadata).__name__}")
         schema = _chunk_schema(rest, layout, total)
     elif len(body) != fixed:
         raise FrameError("only the first chunk of a version carries a schema")
@@ -582,26 +605,24 @@ def _decode_chunk(
         crc,
         metadata,
         base,
+        targets,
     )
 
 
-def _split_metadata(rest: bytes) -> tuple[bytes, dict[str, Any]]:
-    """A first chunk's schema JSON, and the metadata after it (checked)."""
+def _split_trailer(rest: bytes, limit: int, what: str) -> tuple[bytes, Any]:
+    """A first chunk's body without its last trailer (JSON, then its length), and the
+    trailer's value (checked to be JSON of at most ``limit`` bytes)."""
     if len(rest) < META_LEN.size:
-        raise FrameError("a chunk announces metadata but carries none")
+        raise FrameError(f"a chunk announces {what} but carries none")
     (n,) = META_LEN.unpack_from(rest, len(rest) - META_LEN.size)
-    if n > MAX_METADATA_BYTES or n > len(rest) - META_LEN.size:
-        raise FrameError(
-            f"metadata of {n} bytes: over the limit ({MAX_METADATA_BYTES}) or the body"
-        )
+    if n > limit or n > len(rest) - META_LEN.size:
+        raise FrameError(f"{what} of {n} bytes: over the limit ({limit}) or the body")
     start = len(rest) - META_LEN.size - n
     try:
-        metadata = json.loads(rest[start : start + n])
+        value = json.loads(rest[start : start + n])
     except (ValueError, RecursionError) as exc:  # deep nesting: a RecursionError
-        raise FrameError(f"metadata is not JSON: {str(exc)[:200]}") from None
-    if not isinstance(metadata, dict):
-        raise FrameError(f"metadata must be a JSON object; got {type(metadata).__name__}")
-    return rest[:start], metadata
+        raise FrameError(f"{what} is not JSON: {str(exc)[:200]}") from None
+    return rest[:start], value
 
 
 def _chunk_schema(body: bytes, layout_digest: bytes, total: int) -> WeightsSchema:

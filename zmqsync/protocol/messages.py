@@ -24,6 +24,8 @@ MAX_MODEL_ID_BYTES: Final = 256
 #: Workers a relay names in each heartbeat (``SnapshotRequest.below``); the rest are
 #: counted by the relay's own status.
 MAX_BELOW: Final = 1_000
+#: Worker ids a version's first chunk may name as its targets (through relays).
+MAX_TARGETS: Final = 16_384
 #: One tensor per entry; 100k covers the largest state_dicts seen in practice (LLMs have
 #: a few thousand) while keeping a hostile schema from describing billions of entries.
 MAX_TENSORS: Final = 100_000
@@ -186,6 +188,9 @@ class Chunk:
     checksum: int = 0
     metadata: dict[str, Any] | None = None
     base: int | None = None
+    #: (first chunk only) the workers the version is for, when it was sent to some
+    #: (``worker_ids``): a relay forwards it to those behind it only. None: to all.
+    targets: tuple[int, ...] | None = None
 
     kind = Kind.WEIGHTS
 
