@@ -78,6 +78,8 @@ Failover = Annotated[
         "silent; repeat it for several, tried in turn. The same CURVE keys serve all.",
     ),
 ]
+#: Rows shown under each relay in the status table (the furthest behind first).
+BELOW_ROWS: Final = 20
 MetricsPort = Annotated[
     int | None,
     typer.Option(
@@ -304,7 +306,29 @@ def status_table(status: Mapping[str, Any], *, silent_after: float | None) -> Ta
             Text(str(rejected), style="red" if rejected else ""),
             f"{w.get('host')}:{w.get('pid')}" if connected else "-",
         )
+        _below_rows(table, w["worker"], below, version)
     return table
+
+
+def _below_rows(table: Table, relay: int, below: Mapping[str, int], version: int) -> None:
+    """The tree under a relay: a row per worker behind it (as its heartbeats say), the
+    furthest behind first, so that where a version stopped shows."""
+    shown = sorted(below.items(), key=lambda kv: (kv[1], int(kv[0])))[:BELOW_ROWS]
+    for worker, held in shown:
+        lag = max(0, version - held)
+        state = Text(f"behind {lag}", style="yellow") if lag else Text("ok", style="green")
+        table.add_row(
+            f"└ {worker}",
+            str(held),
+            str(lag),
+            state,
+            *["-"] * 5,
+            Text(f"via relay {relay}", style="dim"),
+        )
+    if len(below) > len(shown):
+        table.add_row(
+            f"└ +{len(below) - len(shown)}", *[""] * 8, Text("more behind it", style="dim")
+        )
 
 
 def verdict(status: Mapping[str, Any], problems: Mapping[int, str]) -> Text:

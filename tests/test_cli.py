@@ -711,3 +711,21 @@ def test_relay_refuses_an_open_address_without_keys_and_a_half_pair_of_keys(
         app, ["relay", "tcp://127.0.0.1:5555", "--curve-server-key", str(tmp_path / "x.key")]
     )
     assert "secret key file" in _one_error_line(result)
+
+
+def test_the_status_table_shows_the_tree_under_a_relay_furthest_behind_first() -> None:
+    from rich.console import Console
+
+    from zmqsync_cli._common import BELOW_ROWS, status_table
+
+    row = {"worker": 0, "connected": True, "live": True, "version": 3, "lag": 0}
+    below = {"10": 3, "11": 2, **{str(100 + i): 3 for i in range(BELOW_ROWS)}}
+    console = Console(record=True, width=200)
+    console.print(
+        status_table({"version": 3, "workers": [{**row, "below": below}]}, silent_after=None)
+    )
+    text = console.export_text()
+    lines = [line for line in text.splitlines() if "└ " in line]
+    assert "└ 11" in lines[0] and "behind 1" in lines[0] and "via relay 0" in lines[0]
+    assert "relay for 22, 1 behind" in text
+    assert "└ +2" in lines[-1] and len(lines) == BELOW_ROWS + 1  # the rest are counted

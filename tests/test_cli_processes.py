@@ -522,6 +522,7 @@ def test_serve_a_relay_and_two_workers_behind_it(tmp_path: Path, spawn: Any, run
     assert code == 0 and _versions(doc) == {0: 2, 1: 2}
     table = _run(["status", endpoint], cwd=tmp_path, run_id=run_id, timeout=60)
     assert table.returncode == 0 and "relay for 2" in table.stdout, table.stdout
+    assert "└ 0" in table.stdout and "└ 1" in table.stdout and "via relay 0" in table.stdout
     # Both expose Prometheus metrics: the learner its relay and the workers behind it.
     top = scrape(metrics)
     assert one(top, "zmqsync_version") == 2
