@@ -436,3 +436,37 @@ def test_targets_ride_in_the_first_chunk_and_forged_ones_are_refused() -> None:
 
 def _fields(chunk):  # type: ignore[no-untyped-def]
     return {f: getattr(chunk, f) for f in chunk.__dataclass_fields__}
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_learner_is_followed_through_a_relay() -> None:
+    model = _model()
+    first = WeightSender(_hub(), model=model, strategy="state_dict", timeout=30)
+    endpoint = first.endpoint  # the new learner binds the same address
+    relay = Relay(_spoke(endpoint, "relay"), _hub(), strategy="state_dict", heartbeat=0.2)
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    second = None
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        with _leaves(relay.endpoint, [1, 2], models) as leaves:
+            for _ in range(3):
+                _bump(model)
+                first.send()
+            old_epoch = first.epoch
+            first.close()
+            # A new learner life on the same address: epoch new, versions from 1 again.
+            _bump(model)
+            second = WeightSender(
+                PubSubHub(endpoint, insecure=True), model=model, strategy="state_dict", timeout=30
+            )
+            assert second.epoch != old_epoch
+            until(lambda: relay.receiver.epoch == second.epoch, 30, "the relay followed it")
+            second.send()
+            assert [checksum(m) for m in models.values()] == [checksum(model)] * 2
+            assert all(r.epoch == second.epoch and r.version == 1 for r in leaves.values())
+    finally:
+        relay.close()
+        if second is not None:
+            second.close()
+        first.close()
