@@ -288,8 +288,12 @@ def test_a_tree_over_curve_survives_a_killed_relay_a_restart_and_a_cut_link() ->
             topo.shape("r0", rate="20mbit", burst="64kb", latency="100ms")
             sender = net.sender
             assert sender is not None
+            forwarded = relays[0].ask("status")["relay"]["versions_forwarded"]
             net.start_send(None, 5.0)
-            time.sleep(0.5)
+            # Killed once the new version's stream reached r0 (not before it began).
+            deadline = time.monotonic() + 10
+            while relays[0].ask("status")["relay"]["versions_forwarded"] == forwarded:
+                assert time.monotonic() < deadline, "the version never reached r0"
             relays[0].signal(signal.SIGKILL)
             result, _, _, missing = sender.recv(60)
             assert (result, missing) == ("timeout", [0])
