@@ -89,6 +89,15 @@ def relay(
             "needs --curve-secret (this relay's keys, upstream and down).",
         ),
     ] = None,
+    snapshot: Annotated[
+        bool,
+        typer.Option(
+            "--snapshot/--no-snapshot",
+            help="Keep the latest version (its size in memory) for late joiners and "
+            "repairs; --no-snapshot keeps only the chunks on their way and fetches the "
+            "latest again from upstream when a worker needs it.",
+        ),
+    ] = True,
     insecure: Annotated[
         bool,
         typer.Option(
@@ -134,6 +143,7 @@ def relay(
             worker_idx=relay_idx,
             num_workers=workers,
             timeout=timeout,
+            retain_snapshot=snapshot,
         )
         metrics = None
         try:
@@ -146,7 +156,8 @@ def relay(
                 f"forwarding {upstream} as worker {node.receiver.worker_idx}",
                 soft_wrap=True,
             )
-            out.print(f"version {node.version}: held, served to workers as they connect")
+            served = "held, served" if snapshot else "fetched again from upstream"
+            out.print(f"version {node.version}: {served} to workers as they connect")
             last = node.version
             while True:
                 time.sleep(0.2)

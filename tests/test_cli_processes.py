@@ -481,6 +481,7 @@ def test_serve_a_relay_and_two_workers_behind_it(tmp_path: Path, spawn: Any, run
         "2",
         "--metrics-port",
         "0",
+        "--no-snapshot",  # its workers join late: it fetches version 1 again for them
     )
     below = relay.expect(
         r"zmqsync relay: listening on (tcp://127\.0\.0\.1:\d+) .* as worker 0", 120
@@ -529,3 +530,4 @@ def test_serve_a_relay_and_two_workers_behind_it(tmp_path: Path, spawn: Any, run
     assert {ls["worker"]: v for ls, v in top["zmqsync_below_version"]} == {"0": 2, "1": 2}
     mid = scrape(int(relay.expect(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", 5)[1]))
     assert one(mid, "zmqsync_relay_upstream_version") == 2
+    assert one(mid, "zmqsync_relay_refetches_total") >= 1

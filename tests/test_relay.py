@@ -470,3 +470,58 @@ def test_a_restarted_learner_is_followed_through_a_relay() -> None:
         if second is not None:
             second.close()
         first.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_that_keeps_no_snapshot_fetches_the_latest_again_for_late_joiners() -> None:
+    model = _model()
+    size = sum(t.numel() * t.element_size() for t in model.values())
+    learner = WeightSender(_hub(), model=model, strategy="state_dict", delta=True, timeout=30)
+    relay = Relay(
+        _spoke(learner.endpoint, "relay"),
+        _hub(),
+        strategy="state_dict",
+        retain_snapshot=False,
+        heartbeat=0.2,
+    )
+    models: dict[int, dict[str, torch.Tensor]] = {}
+
+    def sent() -> int:
+        totals = learner.status()["totals"]
+        return int(totals["bytes_sent"] + totals["repair_bytes"])
+
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        with _leaves(relay.endpoint, [1, 2], models) as leaves:
+            _bump(model)
+            learner.send()
+            # Deltas pass through: the relay patches nothing, its workers do.
+            with torch.no_grad():
+                model["layer1.weight"][:1000].add_(1)
+            before = relay.receiver.stats["received_bytes"]
+            learner.send()
+            assert relay.receiver.stats["received_bytes"] - before <= 2 * MIB
+            assert [checksum(m) for m in models.values()] == [checksum(model)] * 2
+            assert all(r.stats["deltas"] == 1 for r in leaves.values())
+            # A late joiner: the relay fetches the latest again and sends it to the
+            # joiner only; the learner sends one copy more, its workers get nothing.
+            received = [r.stats["received_bytes"] for r in leaves.values()]
+            before, refetches = sent(), relay.stats["refetches"]
+            with _leaves(relay.endpoint, [3], models):
+                assert checksum(models[3]) == checksum(model)
+                assert relay.stats["refetches"] > refetches  # asked again until it came
+                assert size <= sent() - before <= size + MIB
+                assert [r.stats["received_bytes"] for r in leaves.values()] == received
+                # And on: a delta reaches all three.
+                with torch.no_grad():
+                    model["layer2.weight"][:1000].add_(1)
+                learner.send()
+                assert [checksum(m) for m in models.values()] == [checksum(model)] * 3
+            # Nothing of a version is kept: no staging buffer, no snapshot.
+            assert relay.receiver._staging._buffer is None
+            assert relay.sender._snapshot is None
+            assert relay.status()["upstream"]["version"] == learner.version
+    finally:
+        relay.close()
+        learner.close()

@@ -600,14 +600,17 @@ class Fleet:
         now: float,
         timeout: float,
         worker_ids: Iterable[int] | None = None,
+        *,
+        again: bool = False,
     ) -> Send:
         """A relay starts sending on ``version`` of ``epoch`` (its upstream's numbering,
         which a new epoch starts again) to every worker, or to ``worker_ids`` (those of
-        them it knows: its own and those behind its relays)."""
+        them it knows: its own and those behind its relays). ``again``: the version it
+        already sent, fetched anew for workers that lack it."""
         if epoch != self.epoch:
             # What workers held of the old life is void; its version 0 may come now.
             self.epoch, self.version, self.published = epoch, 0, False
-        if version < self.version or (version == self.version and self.published):
+        if version < self.version or (version == self.version and self.published and not again):
             raise ValueError(f"version {version} forwarded after {self.version}")
         if worker_ids is None:
             ids = self.targets(None, now)

@@ -23,6 +23,7 @@ _COUNTERS = (
     ("timeouts", "timeouts", "Sends that raised a timeout."),
     ("rejected_frames", "rejected_frames", "Malformed or unauthenticated messages rejected."),
     ("forged", "forged", "Acks and requests without their worker's session."),
+    ("repair_bytes", "repair_bytes_sent", "Bytes of latest versions sent to one worker each."),
     ("deltas_sent", "deltas_sent", "Versions sent as deltas to some worker."),
     ("stalls", "stalls", "Chunks a stopped worker held past the stall limit."),
     ("expired", "sessions_expired", "Worker sessions dropped for silence."),
@@ -101,7 +102,7 @@ class StatusCollector:
             yield h
         relay = status.get("relay")
         if relay is not None:
-            for key in ("versions_forwarded", "chunks_forwarded", "aborted"):
+            for key in ("versions_forwarded", "chunks_forwarded", "aborted", "refetches"):
                 c = CounterMetricFamily(
                     f"zmqsync_relay_{key}",
                     f"A relay's {key.replace('_', ' ')}.",

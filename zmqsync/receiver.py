@@ -212,6 +212,10 @@ class WeightReceiver:
             with the exception's text in the ack.
     """
 
+    #: Without a model: whether the stream's bytes are kept in the staging buffer (a
+    #: relay that keeps no copy of the latest version only passes them on).
+    _stages = True
+
     def __init__(
         self,
         spoke: SpokeTransport,
@@ -698,6 +702,10 @@ class WeightReceiver:
             feed.start()
             return
         if self.model is None:
+            if not self._stages:
+                self._writing = "passing"  # the bytes are someone else's to keep
+                self._fills_staging = False
+                return
             self._writing = "staged"
             self._staging.start(chunk.total)
             return

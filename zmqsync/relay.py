@@ -7,13 +7,17 @@ a chunk's time), and acks a version upstream only once every worker it serves ac
 the learner's ``send()`` still returns when the leaves hold the version, and a timeout
 names the relay and, from its heartbeats, the workers behind it that lag.
 
-It keeps the latest version it received whole, as its stream's bytes (patched by
-deltas), for its late joiners and repairs: the Clone pattern one level down, so that the
-learner never resends to everyone. A relay may serve another relay: trees of any depth.
+By default it keeps the latest version it received whole, as its stream's bytes
+(patched by deltas), for its late joiners and repairs: the Clone pattern one level down,
+so that the learner never resends to everyone. With ``retain_snapshot=False`` it keeps
+nothing but the chunks on their way, and fetches the latest version from upstream again
+(once for all of them) when some of its workers need it. A relay may serve another
+relay: trees of any depth.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -23,7 +27,8 @@ from typing import Any, Final
 
 from zmqsync.chunking import DEFAULT_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import SchemaMismatchError
-from zmqsync.protocol import MAX_BELOW, Chunk, encode
+from zmqsync.fleet import SendLatest
+from zmqsync.protocol import MAX_BELOW, Chunk, UpToDate, encode
 from zmqsync.protocol.stream import Broken, Start
 from zmqsync.receiver import WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
@@ -38,6 +43,10 @@ log = logging.getLogger("zmqsync.relay")
 ACK_POLL: Final = 0.002
 #: How long its loop waits for upstream messages otherwise.
 IDLE_POLL: Final = 0.05
+#: A relay that keeps no snapshot asks upstream for the latest version again at most
+#: this often (seconds), however many of its workers need it; the upstream limits its
+#: answers too.
+REFETCH_INTERVAL: Final = 1.0
 
 
 class _Upstream(WeightReceiver):
@@ -48,6 +57,25 @@ class _Upstream(WeightReceiver):
         super().__init__(spoke, model=None, **kw)
         self._relay = relay
         self._materialize = False
+        self._stages = relay.retain_snapshot
+
+    @property
+    def torn(self) -> bool:
+        # While it fetches the latest version again, it says it holds none whole: the
+        # upstream then sends it (see Relay._refetch).
+        return self._relay._refetching or super().torn
+
+    def _patchable(self, chunk: Chunk) -> str:
+        if self._stages:
+            return super()._patchable(chunk)
+        # It patches nothing: a delta goes on to workers who hold its base, and those
+        # that do not ask for the whole version.
+        assert chunk.base is not None
+        if chunk.epoch != self.epoch or not chunk.base <= self.version < chunk.version:
+            return f"it is against version {chunk.base}; this relay holds {self.version}"
+        if chunk.layout != self._held_layout:
+            return "its layout is not the one of the version held"
+        return ""
 
     def _on_start(self, event: Start) -> None:
         self._relay._before_version()
@@ -78,6 +106,25 @@ class _Upstream(WeightReceiver):
         return self._relay._below()
 
 
+class _Downstream(WeightSender):
+    """The relay's sender: without a snapshot, a worker that needs the latest version
+    makes the relay fetch it from upstream again."""
+
+    def __init__(self, relay: Relay, hub: Any, **kw: Any) -> None:
+        super().__init__(hub, **kw)
+        self._relay = relay
+
+    def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
+        if self._relay.retain_snapshot or effect.origin.peer is None:
+            super()._unserved(effect, hub)
+            return
+        # On its way: the relay fetches it (a worker that connects waits for it).
+        assert isinstance(effect.otherwise, UpToDate)
+        on_its_way = dataclasses.replace(effect.otherwise, in_flight=True)
+        hub.send_frames(encode(on_its_way), to=[effect.origin.peer])
+        self._relay._wants_latest = True
+
+
 class Relay:
     """Forwards one model's versions from ``upstream`` (a learner's or another relay's
     spoke) to the workers of ``hub`` (see the module).
@@ -94,6 +141,9 @@ class Relay:
         chunk_bytes: the chunks its late joiners and repairs are sent in.
         failover: makers of spokes to other upstreams, followed in turn when this one
             goes silent (see ``WeightReceiver``).
+        retain_snapshot: keep the latest version whole (its size in memory) to serve
+            late joiners and repairs; False: keep only the chunks on their way, and
+            fetch the latest again from upstream (which must keep a snapshot) for them.
     """
 
     def __init__(
@@ -109,10 +159,20 @@ class Relay:
         heartbeat: float = 1.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         failover: Sequence[Callable[[], SpokeTransport]] = (),
+        retain_snapshot: bool = True,
     ) -> None:
         self.model_id = model_id
         self.chunk_bytes = chunk_bytes
-        self.sender = WeightSender(
+        self.retain_snapshot = retain_snapshot
+        #: Some worker needs the latest version, which it does not keep (set by its
+        #: sender's pump, read by its loop).
+        self._wants_latest = False
+        #: It asked upstream for the latest version again (when), and says it is torn
+        #: until the version comes or REFETCH_INTERVAL passes.
+        self._refetching = False
+        self._refetched_at = -REFETCH_INTERVAL
+        self.sender = _Downstream(
+            self,
             hub,
             model_id=model_id,
             strategy=strategy,
@@ -139,7 +199,12 @@ class Relay:
         self._owed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.stats = {"versions_forwarded": 0, "chunks_forwarded": 0, "aborted": 0}
+        self.stats = {
+            "versions_forwarded": 0,
+            "chunks_forwarded": 0,
+            "aborted": 0,
+            "refetches": 0,
+        }
 
     @classmethod
     def over_zmq(
@@ -245,11 +310,39 @@ class Relay:
                     self._owed = False
                     with receiver._io_lock:
                         WeightReceiver._ack(receiver, applied=True)
+                self._refetch()
             except Exception:
                 if self._stop.is_set() or receiver.closed:
                     return
                 log.exception("relay %s: its loop failed; going on", self.model_id)
                 time.sleep(IDLE_POLL)
+
+    def _refetch(self) -> None:
+        """Without a snapshot: ask upstream for the latest version again if a worker
+        needs it (once per REFETCH_INTERVAL, for all of them)."""
+        now = time.monotonic()
+        if self._refetching and now - self._refetched_at >= REFETCH_INTERVAL:
+            self._refetching = False  # unanswered: the next need asks again
+        if not self._wants_latest or self._refetching:
+            return
+        self._wants_latest = False
+        self._refetching = True
+        self._refetched_at = now
+        self.stats["refetches"] += 1
+        receiver = self.receiver
+        with receiver._io_lock:
+            receiver._send_snapshot_request()
+
+    def _lacking(self, version: int) -> tuple[int, ...]:
+        """Its workers that do not hold ``version`` of its epoch whole."""
+        sender = self.sender
+        with sender._cond:
+            fleet = sender.fleet
+            return tuple(
+                w
+                for w, s in fleet.workers.items()
+                if s.left is None and (s.epoch != fleet.epoch or s.version < version or s.torn)
+            )
 
     # --- called by its receiver, on the loop's thread ---------------------------------
 
@@ -270,6 +363,14 @@ class Relay:
     def _begin(self, chunk: Chunk) -> None:
         if self._copy is not None:
             self._copy.end()
+            self._copy = None
+        receiver = self.receiver
+        if (chunk.version, chunk.epoch) == (receiver.version, receiver.epoch):
+            # The version it holds, fetched again: for its workers that lack it.
+            lacking = self._lacking(chunk.version)
+            if lacking:
+                self._copy = self.sender._forward_begin(chunk, targets=lacking)
+            return
         self._owed = False  # a newer version supersedes the one owed
         self._copy = self.sender._forward_begin(chunk)
         self.stats["versions_forwarded"] += 1
@@ -297,8 +398,10 @@ class Relay:
 
     def _completed(self) -> None:
         """The version is whole in the staging buffer: serve it to late joiners."""
+        self._refetching = False
         receiver = self.receiver
-        if receiver._schema is None:
+        if receiver._schema is None or not self.retain_snapshot:
+            self._copy = None
             return
         layout = self._layout
         if layout is None or layout.schema is not receiver._schema:

@@ -651,6 +651,8 @@ class WeightSender:
             "chunks_sent": 0,
             "stalls": 0,
             "params_moved": 0,
+            "repairs_sent": 0,
+            "repair_bytes": 0,
             "repairs_skipped": 0,
             "timeouts": 0,
             "deltas_sent": 0,
@@ -860,8 +862,11 @@ class WeightSender:
 
     # --- a relay's end: versions that arrive from upstream, sent on as they come -----
 
-    def _forward_begin(self, chunk: Chunk) -> _Forwarded:
-        """A relay: send ``chunk``'s version on to every worker as its chunks come."""
+    def _forward_begin(self, chunk: Chunk, targets: tuple[int, ...] | None = None) -> _Forwarded:
+        """A relay: send ``chunk``'s version on to every worker as its chunks come, or
+        to ``chunk.targets``, or (``targets``) to those that lack the version it holds."""
+        again = targets is not None
+        targets = chunk.targets if targets is None else targets
         copy = _Forwarded(chunk)
         with self._cond:
             if chunk.epoch != self.epoch:
@@ -869,13 +874,13 @@ class WeightSender:
                 with self._snapshot_lock:
                     self._snapshot = None  # of the life before: nobody gets it now
             send = self.fleet.begin_forward(
-                chunk.version, chunk.epoch, time.monotonic(), self.timeout, chunk.targets
+                chunk.version, chunk.epoch, time.monotonic(), self.timeout, targets, again=again
             )
             self._forwarding = (send, copy)
             self._metadata = chunk.metadata
-            peers = self._peers_of(send.targets) if chunk.targets is not None else {}
+            peers = self._peers_of(send.targets) if targets is not None else {}
         for runner in self._runners:
-            if chunk.targets is None:
+            if targets is None:
                 runner.begin(_Transfer(copy, None))
             elif peers.get(runner.index):
                 # Only to the workers (and relays) it is for: they filter it further.
@@ -1334,13 +1339,22 @@ class WeightSender:
                     continue
                 latest = self._latest()
                 if latest is None:
-                    hub.send_frames(encode(effect.otherwise), to=[effect.origin.peer])
-                elif not runner.repair(latest, effect.origin.peer):
+                    self._unserved(effect, hub)
+                elif runner.repair(latest, effect.origin.peer):
+                    self._totals["repairs_sent"] += 1
+                    self._totals["repair_bytes"] += latest.nbytes
+                else:
                     self._totals["repairs_skipped"] += 1
             elif isinstance(effect, FanOut):
                 hub.send_frames(encode(effect.message))
             elif isinstance(effect, Forget) and effect.origin.peer is not None:
                 hub.peer_left(effect.origin.peer)
+
+    def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
+        """A worker needs the latest version and the sender keeps none: it is told so,
+        and gets the next version."""
+        assert effect.origin.peer is not None
+        hub.send_frames(encode(effect.otherwise), to=[effect.origin.peer])
 
     def _released_after(self, seconds: float) -> None:
         """A chunk was let go of ``seconds`` after it was sent (an upper bound)."""
