@@ -1,20 +1,7 @@
-"""The fleet core, sans-IO: who may say what to a sender, and what the sender does then.
-
-:class:`Fleet` takes ``(message, origin, now)`` and returns :data:`Effect` values (reply
-to this peer, send it the latest version, fan a probe out, forget a peer). It holds no
-sockets, threads, locks or torch: :class:`~zmqsync.sender.WeightSender` is the I/O shell
-that feeds it every message and carries out what it returns, under one lock.
-
-The rules, each enforced here and nowhere else:
-
-- A worker's record (a *session*) comes only from a Hello over an identified
-  connection; the Welcome carries a secret that every later ack, request and goodbye
-  must carry, from the same connection (acks may come over the shared ack channel).
-- A claim on an id another live connection holds is refused; auto-assignment hands out
-  only ids that no session holds and no hub reserves.
-- The ack channel carries acks only. No request is answered by a send to the fleet:
-  a snapshot goes to its asker alone, a probe is rate-limited per session.
-- Sessions expire when quiet; the table and the status rows are bounded.
+"""The fleet's rules, sans-IO: :class:`Fleet` takes ``(message, origin, now)`` and
+returns the effects its shell (:class:`~zmqsync.sender.WeightSender`) carries out. It
+holds no sockets, threads, locks or torch; the rules are listed in the package's
+docstring, and each is enforced here and nowhere else.
 """
 
 from __future__ import annotations
@@ -22,13 +9,25 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
 
+from zmqsync.fleet.records import (
+    REASON_CHARS,
+    REASONS_KEPT,
+    Effect,
+    FanOut,
+    Forget,
+    Origin,
+    Reply,
+    Send,
+    SendLatest,
+    Session,
+    parse_below,
+)
+from zmqsync.fleet.views import FleetViews
 from zmqsync.protocol import (
     AUTO_WORKER,
-    MAX_BELOW,
     Ack,
     ErrorMessage,
     Goodbye,
@@ -42,24 +41,8 @@ from zmqsync.protocol import (
 )
 from zmqsync.transport.base import PeerId
 
-__all__ = [
-    "EXPIRE_HEARTBEATS",
-    "EXPIRE_MIN_SECONDS",
-    "LIVE_HEARTBEATS",
-    "MAX_SESSIONS",
-    "FanOut",
-    "Fleet",
-    "Forget",
-    "Origin",
-    "Reply",
-    "Send",
-    "SendLatest",
-    "Session",
-]
+__all__ = ["EXPIRE_HEARTBEATS", "EXPIRE_MIN_SECONDS", "MAX_SESSIONS", "Fleet"]
 
-#: A worker heard from within this many heartbeats is live: a fleet that is whoever
-#: connected waits for it, and no other connection may claim its id.
-LIVE_HEARTBEATS: Final = 3
 #: A session not heard from for this many heartbeats, and at least EXPIRE_MIN_SECONDS
 #: (or that long after its goodbye), is dropped, and its id may be handed out again: a
 #: crashed worker says no goodbye. The floor spares a worker paused for a few seconds
@@ -68,132 +51,11 @@ EXPIRE_HEARTBEATS: Final = 30
 EXPIRE_MIN_SECONDS: Final = 30.0
 #: Sessions a sender keeps at most: thousands of workers fit, a flood of hellos does not.
 MAX_SESSIONS: Final = 16_384
-#: Worker rows in a status reply; the rest are counted, so a reply stays far below the
-#: protocol's body limit at any fleet size.
-STATUS_ROWS: Final = 1_000
-#: Rejection reasons kept per worker and for the sender, and the length each is cut to.
-REASONS_KEPT: Final = 8
-REASON_CHARS: Final = 300
 #: A session's probes are answered at most this often (each goes to every subscriber).
 PROBE_INTERVAL: Final = 0.005
 
 
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where a message came from: a hub and its peer, or ``peer=None`` for the ack
-    channel, where nobody is identified."""
-
-    hub: int
-    peer: PeerId | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """Send ``message`` to the peer at ``origin``, and nobody else."""
-
-    origin: Origin
-    message: Message
-
-
-@dataclass(frozen=True, slots=True)
-class SendLatest:
-    """Send the latest version to the peer at ``origin``; ``otherwise`` if there is none."""
-
-    origin: Origin
-    otherwise: Message
-
-
-@dataclass(frozen=True, slots=True)
-class FanOut:
-    """Send ``message`` down hub ``hub``'s data path (a probe proving a subscription)."""
-
-    hub: int
-    message: Message
-
-
-@dataclass(frozen=True, slots=True)
-class Forget:
-    """The peer at ``origin`` is no longer anyone's: drop what the hub keeps for it."""
-
-    origin: Origin
-
-
-Effect: TypeAlias = Reply | SendLatest | FanOut | Forget
-
-
-@dataclass
-class Session:
-    """One worker's connection as the sender knows it (a row of ``status()``)."""
-
-    worker: int
-    origin: Origin
-    transport: str
-    secret: str
-    attempt: str
-    first_seen: float
-    last_seen: float
-    pid: int = 0
-    host: str = ""
-    version: int = 0
-    epoch: int = 0
-    last_ack: float | None = None
-    last_latency: float | None = None
-    received_bytes: int = 0
-    rejected_frames: int = 0
-    rejections: deque[str] = field(default_factory=lambda: deque(maxlen=REASONS_KEPT))
-    last_repair: float = 0.0
-    last_probe: float = float("-inf")
-    #: The newest version a targeted send meant for this worker.
-    target_version: int = 0
-    #: (epoch, version) it last rejected: sending it again would only be rejected again.
-    refused: tuple[int, int] = (0, 0)
-    #: The latest version when it said hello: it gets (at least) that one.
-    joining_to: int = 0
-    #: When it said goodbye (None: it has not).
-    left: float | None = None
-    #: Its model is torn (it said so in its last request): a repair is what it waits for.
-    torn: bool = False
-    #: The latest version when it last asked for a whole one (a delta it could not
-    #: apply): it is answered at once, once per version.
-    asked_whole: int = -1
-    #: For a relay: the workers behind it and the version each holds (its heartbeats).
-    below: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass
-class Send:
-    """One version on its way, and who has answered."""
-
-    version: int
-    targets: frozenset[int]
-    started: float
-    deadline: float
-    #: Targets chosen as "every live worker": one that says goodbye meanwhile is dropped.
-    dynamic: bool = False
-    acked: set[int] = field(default_factory=set)
-    rejected: dict[int, str] = field(default_factory=dict)
-    #: Targets reached through relays: relay id -> the workers behind it it is for.
-    routes: dict[int, tuple[int, ...]] = field(default_factory=dict)
-
-    @property
-    def done(self) -> bool:
-        return self.targets <= (self.acked | self.rejected.keys())
-
-    @property
-    def missing(self) -> set[int]:
-        return set(self.targets - self.acked - self.rejected.keys())
-
-
-def _below(below: Mapping[str, Any]) -> dict[int, int]:
-    """A relay's report of the workers behind it, checked and cut to MAX_BELOW."""
-    out: dict[int, int] = {}
-    for key, version in itertools.islice(below.items(), MAX_BELOW):
-        if key.isdigit() and type(version) is int and version >= 0:
-            out[int(key)] = version
-    return out
-
-
-class Fleet:
+class Fleet(FleetViews):
     """The sender's view of its workers, and the rules for every message they send.
 
     Args:
@@ -251,14 +113,6 @@ class Fleet:
         self.reasons: deque[str] = deque(maxlen=REASONS_KEPT)
 
     # --- liveness ------------------------------------------------------------------
-
-    @property
-    def _beat(self) -> float:
-        return max(self.heartbeat, 0.1)
-
-    def live(self, session: Session, now: float) -> bool:
-        """Whether a worker counts as present: not gone, and heard from lately."""
-        return session.left is None and now - session.last_seen < LIVE_HEARTBEATS * self._beat
 
     def expire(self, now: float) -> list[Effect]:
         """Drop sessions quiet for :data:`EXPIRE_HEARTBEATS` heartbeats (or gone that
@@ -514,7 +368,7 @@ class Fleet:
         meant = fresh or max(s.target_version, self.broadcast_version) >= self.version
         s.torn = request.torn
         if request.below:
-            s.below = _below(request.below)
+            s.below = parse_below(request.below)
         if request.epoch == self.epoch:
             s.version = max(s.version, min(request.version, self.version))
         refused = s.refused == (self.epoch, self.version)
@@ -669,142 +523,3 @@ class Fleet:
             known = s.epoch == self.epoch and not s.torn and s.version < self.version
             out.setdefault(s.origin.hub, []).append((s.origin.peer, s.version if known else None))
         return out
-
-    def gone(self, workers: Iterable[int], lost: Mapping[int, frozenset[PeerId]]) -> set[int]:
-        """Those of ``workers`` that said goodbye, or whose hub says their peer is lost."""
-        out = set()
-        for w in workers:
-            s = self.workers.get(w)
-            if s is None:
-                continue
-            if s.left is not None or s.origin.peer in lost.get(s.origin.hub, frozenset()):
-                out.add(w)
-        return out
-
-    def may_still_read(self, version: int, peers: Collection[PeerId] | None) -> bool:
-        """Whether a worker that was sent ``version``'s chunks (those at ``peers``; None:
-        every worker) may still be reading them: it neither applied nor refused that
-        version (or a later one) and did not say goodbye. A worker whose transport
-        lost it counts: a stopped process reads on once it is continued."""
-        for s in self.workers.values():
-            if s.left is not None or (peers is not None and s.origin.peer not in peers):
-                continue
-            if s.epoch == self.epoch and s.version >= version:
-                continue
-            if s.refused == (self.epoch, version):
-                continue
-            return True
-        return False
-
-    # --- status ----------------------------------------------------------------------
-
-    def status_rows(self, now: float) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        """Worker rows for ``status()`` (the furthest behind first, at most
-        :data:`STATUS_ROWS`) and counts over the whole fleet."""
-        expected = set(range(self.num_workers)) if self.num_workers is not None else set()
-        rows: list[dict[str, Any]] = []
-        for w in sorted(expected | self.workers.keys()):
-            s = self.workers.get(w)
-            if s is None:
-                rows.append(
-                    {
-                        "worker": w,
-                        "connected": False,
-                        "live": False,
-                        "left": False,
-                        "expected": True,
-                        "version": 0,
-                        "lag": self.version,
-                    }
-                )
-                continue
-            version = s.version if s.epoch in (self.epoch, 0) else 0
-            rows.append(
-                {
-                    "worker": w,
-                    "connected": True,
-                    "live": self.live(s, now),
-                    "left": s.left is not None,
-                    "since_left_s": None if s.left is None else now - s.left,
-                    "expected": w in expected,
-                    "transport": s.transport,
-                    "host": s.host,
-                    "pid": s.pid,
-                    "version": version,
-                    "lag": max(0, self.version - version),
-                    "since_last_ack_s": None if s.last_ack is None else now - s.last_ack,
-                    "since_last_seen_s": now - s.last_seen,
-                    "last_latency_s": s.last_latency,
-                    "received_bytes": s.received_bytes,
-                    "rejected_frames": s.rejected_frames,
-                    "rejections": list(s.rejections),
-                    "torn": s.torn,
-                    "repairing": s.torn and now - s.last_repair < self.repair_after,
-                    "below": {str(b): v for b, v in sorted(s.below.items())} or None,
-                }
-            )
-        counts = {
-            "workers_total": len(rows),
-            "workers_live": sum(1 for r in rows if r["live"]),
-            "workers_shown": min(len(rows), STATUS_ROWS),
-        }
-        if len(rows) > STATUS_ROWS:
-            # Keep the rows worth a look: furthest behind first, then by id.
-            rows = sorted(rows, key=lambda r: (-r["lag"], r["worker"]))[:STATUS_ROWS]
-            rows.sort(key=lambda r: r["worker"])
-        return rows, counts
-
-    def acked_versions(self, lost: Mapping[int, frozenset[PeerId]]) -> dict[int, int]:
-        """The newest version each worker acked in this epoch (0: none yet), by worker
-        id: every worker not gone (see :meth:`gone`; ``lost``: each hub's lost peers),
-        and every expected one.
-
-        A gone worker holds nothing the sender can count on: 0 if it is expected, else
-        not listed. A silent one still holds what it acked as far as anyone knows, so it
-        is listed until its session expires (whether it is live is :meth:`status_rows`'
-        business).
-        """
-        expected = range(self.num_workers) if self.num_workers is not None else range(0)
-        versions = dict.fromkeys(expected, 0)
-        gone = self.gone(self.workers, lost)
-        for w, s in self.workers.items():
-            if w not in gone:
-                versions[w] = s.version if s.epoch in (self.epoch, 0) else 0
-        return dict(sorted(versions.items()))
-
-    def current(self, lost: Mapping[int, frozenset[PeerId]]) -> frozenset[int]:
-        """Workers not gone that hold the latest version of this epoch: they acked it
-        (or said so in their hello). Nothing published: every worker not gone."""
-        gone = self.gone(self.workers, lost)
-        return frozenset(
-            w
-            for w, s in self.workers.items()
-            if w not in gone
-            and (not self.published or (s.epoch == self.epoch and s.version >= self.version))
-        )
-
-    def describe(self, workers: Iterable[int], now: float) -> dict[int, str]:
-        """A line per worker for error messages: where it is and what it holds."""
-        out = {}
-        for w in workers:
-            s = self.workers.get(w)
-            out[w] = (
-                f"worker {w} never connected"
-                if s is None
-                else f"worker {w} ({s.transport}, pid {s.pid or '?'}) holds version "
-                f"{s.version}, last heard {now - s.last_seen:.1f}s ago"
-            )
-            if s is not None and s.below:
-                behind = [(b, v) for b, v in sorted(s.below.items()) if v < self.version]
-                shown = ", ".join(f"worker {b} holds {v}" for b, v in behind[:8])
-                more = f" and {len(behind) - 8} more" if len(behind) > 8 else ""
-                out[w] += (
-                    f" (a relay for {len(s.below)} worker(s); behind it: {shown}{more})"
-                    if behind
-                    else f" (a relay for {len(s.below)} worker(s))"
-                )
-        return out
-
-    def transport_of(self, worker: int) -> str:
-        s = self.workers.get(worker)
-        return s.transport if s is not None else self.mode
