@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from zmqsync.chunking import DEFAULT_CHUNK_BYTES, StreamLayout
+from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import MAX_BELOW, Chunk, encode
 from zmqsync.protocol.stream import Broken, Start
