@@ -19,6 +19,7 @@ from zmqsync.protocol.codec import layout_digest
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MAX_REMEMBERED_CHUNKS",
     "MIN_CHUNK_BYTES",
     "STREAM_ALIGN",
     "BufferReader",
@@ -40,6 +41,9 @@ MIN_CHUNK_BYTES: Final = 64 * 1024
 #: Each buffer of a Flat starts on this boundary in the stream (a cache line), so a
 #: receiver can view any tensor at its natural alignment.
 STREAM_ALIGN: Final = 64
+#: What a receiver remembers per stretch of a stream (views made once) is kept for at most
+#: this many stretches: one per chunk of any stream, and bounded whatever comes.
+MAX_REMEMBERED_CHUNKS: Final = 1 << 16
 
 
 def _aligned(n: int) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import torch
 
-from zmqsync.chunking.layout import overlapping
+from zmqsync.chunking.layout import MAX_REMEMBERED_CHUNKS, overlapping
 from zmqsync.errors import FrameError
 from zmqsync.protocol import TensorEntry
 from zmqsync.tensors.extract import KeyPath
@@ -117,7 +117,7 @@ class CastPlan:
             if few is None:
                 first = max(0, bisect.bisect_right(self._starts, offset) - 1)
                 few = bisect.bisect_left(self._starts, offset + length) - first <= _FEW_CASTS
-                if len(self._few) < 1 << 16:  # one per chunk of the stream
+                if len(self._few) < MAX_REMEMBERED_CHUNKS:
                     self._few[(offset, length)] = few
             if few:
                 dests, views = self._span(source, offset, length)
@@ -135,7 +135,7 @@ class CastPlan:
         span = self._spans.get((offset, length))
         if span is None:
             span = self._span(source, offset, length)
-            if len(self._spans) < 1 << 16:  # one per chunk of the stream
+            if len(self._spans) < MAX_REMEMBERED_CHUNKS:
                 self._spans[(offset, length)] = span
         dests, views = span
         if dests:

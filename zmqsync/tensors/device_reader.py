@@ -7,7 +7,7 @@ What a sender writes its chunks from when its flattened weights stay on their de
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -16,6 +16,9 @@ from zmqsync.chunking.layout import StreamLayout
 from zmqsync.tensors.casts import WireCast
 
 __all__ = ["DeviceReader"]
+
+#: Chunk-sized host buffers a reader copies through: one is sent while the next fills.
+_SLOTS: Final = 2
 
 
 class DeviceReader:
@@ -57,7 +60,7 @@ class DeviceReader:
         if not self._slots:
             pin = self._stream is not None
             n = min(self.layout.chunk_bytes, self.layout.total)
-            for _ in range(2 if self.layout.count > 1 else 1):
+            for _ in range(_SLOTS if self.layout.count > 1 else 1):
                 slot = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
                 self._slots.append(slot)
                 self._arrays.append(slot.numpy())

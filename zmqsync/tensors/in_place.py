@@ -15,7 +15,7 @@ from typing import Final
 import numpy as np
 import torch
 
-from zmqsync.chunking.layout import overlapping
+from zmqsync.chunking.layout import MAX_REMEMBERED_CHUNKS, overlapping
 from zmqsync.protocol import Buffer, WeightsSchema
 from zmqsync.tensors.casts import CastPlan
 from zmqsync.tensors.extract import KeyPath
@@ -100,7 +100,7 @@ class InPlace(TargetPlan):
                     if s.views is not None:
                         s.views = self._views(s)
             span.views = self._views(span)
-        if len(self._spans) < 1 << 16:  # one per chunk of the stream; bounded regardless
+        if len(self._spans) < MAX_REMEMBERED_CHUNKS:
             self._spans[(offset, length)] = span
         return span
 
