@@ -149,7 +149,7 @@ class ApplyPlan(TargetPlan):
         self.nbytes = sum(e.nbytes for e in schema.entries)
         # Below this size a plain memcpy per tensor beats torch's parallel copy: waking
         # torch's intra-op threads costs milliseconds on a busy machine, more than the
-        # whole copy (a 1 MB version: 0.1 ms serial, up to 20 ms waiting for threads).
+        # whole copy.
         self.serial = self.nbytes <= SERIAL_COPY_BYTES
 
     def apply(self, message: Weights) -> None:
