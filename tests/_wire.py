@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from zmqsync.chunking import MIN_CHUNK_BYTES, Staging, StreamLayout
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES, StreamLayout
+from zmqsync.chunking.staging import Staging
 from zmqsync.protocol import Chunk, Weights, decode, encode
-from zmqsync.tensors import Flat
+from zmqsync.tensors.flatten import Flat
 
 
 def through_the_wire(flat: Flat, chunk_bytes: int = MIN_CHUNK_BYTES) -> Weights:

@@ -20,7 +20,8 @@ import zmqsync
 from zmqsync import MultiProcessWeightSyncScheme, ZMQWeightSyncScheme
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Weights
-from zmqsync.tensors import ApplyPlan, Flattener
+from zmqsync.tensors.apply import ApplyPlan
+from zmqsync.tensors.flatten import Flattener
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -86,7 +87,8 @@ def test_flatten_and_apply_across_devices(source: str, target: str) -> None:
 def test_a_sender_reads_chunks_off_the_gpu_with_the_same_bytes(chunk_bytes: int) -> None:
     """What a CUDA learner sends: each chunk copied off the GPU as it is written (pinned
     slots, a copy stream), the same bytes as staging the whole version first."""
-    from zmqsync.chunking import DeviceReader, StreamLayout
+    from zmqsync.chunking.layout import StreamLayout
+    from zmqsync.tensors.device_reader import DeviceReader
 
     sent = _weights("cuda")
     flattener = Flattener("state_dict")

@@ -18,13 +18,14 @@ from _faults import stop, until
 from conftest import Fleet
 
 from zmqsync import WeightReceiver, WeightSender, ZMQWeightSyncScheme, checksum
-from zmqsync.chunking import DeltaTracker, StreamLayout
+from zmqsync.chunking.delta import DeltaTracker
+from zmqsync.chunking.layout import StreamLayout
 from zmqsync.errors import FrameError
 from zmqsync.fleet import Fleet as FleetCore
 from zmqsync.fleet import Origin, SendLatest
 from zmqsync.protocol import Chunk, Hello, SnapshotRequest, UpToDate, decode, encode
 from zmqsync.protocol.stream import Apply, Broken, ChunkStream, Ignored, Start
-from zmqsync.tensors import Flattener
+from zmqsync.tensors.flatten import Flattener
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 from zmqsync.transport.zmq_router import RouterHub, RouterSpoke

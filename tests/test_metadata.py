@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from zmqsync import WeightReceiver, WeightSender, checksum
-from zmqsync.chunking import MIN_CHUNK_BYTES, version_messages
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES
 from zmqsync.errors import FrameError
 from zmqsync.protocol import MAX_METADATA_BYTES, Chunk, decode, encode
 from zmqsync.protocol.codec import FLAG_METADATA, HEADER, META_LEN
+from zmqsync.tensors.version_messages import version_messages
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
 

@@ -22,10 +22,10 @@ from torch import nn
 
 import zmqsync
 from zmqsync import SyncTimeout
-from zmqsync.chunking import version_messages
 from zmqsync.errors import TransportError
 from zmqsync.protocol import Chunk, decode
 from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
+from zmqsync.tensors.version_messages import version_messages
 from zmqsync.testing import check_transport
 from zmqsync.transport import pipe as pipe_module
 from zmqsync.transport.pipe import PipeHub, PipeSpoke, peer_id

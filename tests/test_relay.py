@@ -414,9 +414,9 @@ def test_worker_ids_reach_workers_behind_relays_and_only_them() -> None:
 
 
 def test_targets_ride_in_the_first_chunk_and_forged_ones_are_refused() -> None:
-    from zmqsync.chunking import version_messages
     from zmqsync.errors import FrameError
     from zmqsync.protocol import Chunk, decode, encode
+    from zmqsync.tensors.version_messages import version_messages
 
     (frames,) = version_messages({"w": torch.zeros(8)})
     chunk = decode(frames)

@@ -18,9 +18,10 @@ from zmqsync import (
     WeightsRejected,
     checksum,
 )
-from zmqsync.chunking import version_messages
 from zmqsync.protocol import Hello, SnapshotRequest, encode
-from zmqsync.tensors import Flattener, extract
+from zmqsync.tensors.extract import extract
+from zmqsync.tensors.flatten import Flattener
+from zmqsync.tensors.version_messages import version_messages
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 

@@ -13,7 +13,7 @@ from _faults import until
 from torch import nn
 
 from zmqsync import SyncTimeout, WeightReceiver, WeightSender, checksum
-from zmqsync.chunking import MIN_CHUNK_BYTES
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES
 from zmqsync.transport.pipe import PipeHub, PipeSpoke
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from zmqsync import TornWeights, WeightReceiver, WeightSender, checksum
-from zmqsync.chunking import MIN_CHUNK_BYTES, version_messages
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES
+from zmqsync.tensors.version_messages import version_messages
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 from zmqsync.transport.zmq_router import RouterHub, RouterSpoke

@@ -9,17 +9,12 @@ from _wire import through_the_wire
 from tensordict import TensorDict
 from torch import nn
 
-from zmqsync.chunking import MIN_CHUNK_BYTES, StreamLayout
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Weights
-from zmqsync.tensors import (
-    Flattener,
-    apply_weights,
-    as_weights_object,
-    checksum,
-    extract,
-    materialize,
-)
+from zmqsync.tensors.apply import apply_weights, materialize
+from zmqsync.tensors.extract import as_weights_object, checksum, extract
+from zmqsync.tensors.flatten import Flattener
 
 ALL_DTYPES = [
     torch.bool,
@@ -174,7 +169,7 @@ def test_as_weights_object_shapes() -> None:
 
 
 def test_model_tensors_cache_follows_the_model() -> None:
-    from zmqsync.tensors import ModelTensors
+    from zmqsync.tensors.model_tensors import ModelTensors
 
     model = _model()
     cache = ModelTensors("state_dict")
@@ -192,7 +187,7 @@ def test_model_tensors_cache_follows_the_model() -> None:
 
 @pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
 def test_model_tensors_cache_follows_a_dict_of_tensors(strategy: str) -> None:
-    from zmqsync.tensors import ModelTensors
+    from zmqsync.tensors.model_tensors import ModelTensors
 
     weights = {"a": torch.zeros(3), "inner": {"b": torch.ones(2)}}
     cache = ModelTensors(strategy)
@@ -213,7 +208,7 @@ def test_model_tensors_cache_follows_a_dict_of_tensors(strategy: str) -> None:
 @pytest.mark.parametrize("serial", [True, False])  # memcpy per tensor / torch's foreach copy
 @pytest.mark.parametrize("pack_threshold", [0, 1 << 20])
 def test_both_copy_paths_land_every_dtype_in_place(serial: bool, pack_threshold: int) -> None:
-    from zmqsync.tensors import ApplyPlan
+    from zmqsync.tensors.apply import ApplyPlan
 
     source, target = {}, {}
     for i, dtype in enumerate(ALL_DTYPES):
@@ -239,7 +234,7 @@ def test_both_copy_paths_land_every_dtype_in_place(serial: bool, pack_threshold:
 def test_chunks_written_in_place_land_every_dtype_and_layout(chunk_bytes: int) -> None:
     """However a stream is cut (chunk edges inside tensors, many tensors in a chunk),
     InPlace puts every byte where it belongs, in the target's own memory."""
-    from zmqsync.chunking import InPlace
+    from zmqsync.tensors.in_place import InPlace
 
     source, target = {}, {}
     for i, dtype in enumerate(ALL_DTYPES):
@@ -271,7 +266,7 @@ def test_a_staged_apply_reads_the_same_buffer_through_views_made_once() -> None:
     """A worker's staging buffer is the same memory every version: the plan slices it
     once, and each apply reads what the buffer holds then; another buffer is sliced
     afresh."""
-    from zmqsync.tensors import ApplyPlan
+    from zmqsync.tensors.apply import ApplyPlan
 
     source = {(f"t{i}",): torch.full((3,), float(i)) for i in range(50)}
     target = {k: torch.zeros(3) for k in source}
@@ -289,7 +284,7 @@ def test_a_staged_apply_reads_the_same_buffer_through_views_made_once() -> None:
 
 
 def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
-    from zmqsync.tensors import ModelTensors
+    from zmqsync.tensors.model_tensors import ModelTensors
 
     model = {
         "big": torch.zeros(64, 64),
@@ -335,8 +330,8 @@ def test_a_device_reader_cuts_the_same_chunks_through_two_slots(chunk_bytes: int
     reader takes tensors on any device, so its mapping is checked here on CPU tensors
     standing where a GPU's would be: every chunk, in order, out of order (a repair) and
     again, has the same bytes as the host path's, gaps zeroed."""
-    from zmqsync.chunking import DeviceReader
-    from zmqsync.tensors import Flat
+    from zmqsync.tensors.device_reader import DeviceReader
+    from zmqsync.tensors.flatten import Flat
 
     source = {(f"t{i}",): torch.randn(5, 3).to(dtype) for i, dtype in enumerate(ALL_DTYPES)}
     for i in range(100):

@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from zmqsync import WeightReceiver, WeightSender, checksum
-from zmqsync.chunking import DeviceReader, StreamLayout, version_messages
+from zmqsync.chunking.layout import StreamLayout
 from zmqsync.errors import FrameError
 from zmqsync.protocol import Chunk, decode, encode_schema
 from zmqsync.protocol.codec import digest
-from zmqsync.tensors import Flat, Flattener
+from zmqsync.tensors.device_reader import DeviceReader
+from zmqsync.tensors.flatten import Flat, Flattener
+from zmqsync.tensors.version_messages import version_messages
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
 

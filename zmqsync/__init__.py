@@ -44,7 +44,7 @@ _EXPORTS: dict[str, str] = {
     "WeightsRejected": "zmqsync.errors",
     "ZMQSyncError": "zmqsync.errors",
     "ZMQWeightSyncScheme": "zmqsync.schemes.zmq",
-    "checksum": "zmqsync.tensors",
+    "checksum": "zmqsync.tensors.extract",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -87,4 +87,4 @@ if TYPE_CHECKING:
     from zmqsync.schemes.ray import RayWeightSyncScheme, WeightSyncActorMixin
     from zmqsync.schemes.zmq import ZMQWeightSyncScheme
     from zmqsync.sender import WeightSender
-    from zmqsync.tensors import checksum
+    from zmqsync.tensors.extract import checksum

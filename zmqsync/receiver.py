@@ -39,7 +39,7 @@ from typing import Any, Final
 
 import torch
 
-from zmqsync.chunking import InPlace, SinkFeed, Staging
+from zmqsync.chunking.staging import Staging
 from zmqsync.errors import (
     FrameError,
     SchemaMismatchError,
@@ -66,7 +66,11 @@ from zmqsync.protocol import (
     encode,
 )
 from zmqsync.protocol.stream import DEFAULT_GAP, Apply, Broken, ChunkStream, Ignored, Start
-from zmqsync.tensors import ApplyPlan, ModelTensors, as_weights_object, materialize
+from zmqsync.tensors.apply import ApplyPlan, materialize
+from zmqsync.tensors.extract import as_weights_object
+from zmqsync.tensors.in_place import InPlace
+from zmqsync.tensors.model_tensors import ModelTensors
+from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.transport.base import SpokeTransport
 
 __all__ = ["WeightReceiver"]

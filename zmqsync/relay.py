@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from zmqsync.chunking import DEFAULT_CHUNK_BYTES, StreamLayout
+from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.fleet import SendLatest
 from zmqsync.protocol import MAX_BELOW, Chunk, UpToDate, encode

@@ -38,15 +38,8 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from zmqsync.chunking import (
-    DEFAULT_CHUNK_BYTES,
-    DELTA_BLOCK,
-    MIN_CHUNK_BYTES,
-    DeltaTracker,
-    DeviceReader,
-    Sources,
-    StreamLayout,
-)
+from zmqsync.chunking.delta import DELTA_BLOCK, DeltaTracker
+from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, Sources, StreamLayout
 from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
 from zmqsync.fleet import FanOut, Fleet, Forget, Origin, Reply, Send, SendLatest
 from zmqsync.protocol import (
@@ -64,16 +57,12 @@ from zmqsync.protocol import (
     encode_metadata,
     peek_kind,
 )
-from zmqsync.shared_params import SharedParams, why_not_shared
-from zmqsync.tensors import (
-    DEFAULT_PACK_THRESHOLD,
-    Flat,
-    Flattener,
-    KeyPath,
-    ModelTensors,
-    dtype_name,
-    extract,
-)
+from zmqsync.tensors.device_reader import DeviceReader
+from zmqsync.tensors.extract import KeyPath, extract
+from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD, Flat, Flattener
+from zmqsync.tensors.model_tensors import ModelTensors
+from zmqsync.tensors.shared_params import SharedParams, why_not_shared
+from zmqsync.tensors.views import dtype_name
 from zmqsync.transport.base import HubTransport, Incoming, PeerId
 
 __all__ = ["WeightSender"]

@@ -27,7 +27,8 @@ from tensordict import TensorDict, TensorDictBase
 from zmqsync.errors import SyncTimeout
 from zmqsync.receiver import WeightReceiver
 from zmqsync.sender import WeightSender
-from zmqsync.tensors import check_fits, extract
+from zmqsync.tensors.extract import extract
+from zmqsync.tensors.fit import check_fits
 from zmqsync.transport import resolve
 from zmqsync.transport.base import HubTransport, SpokeTransport
 
@@ -500,7 +501,7 @@ class WeightSyncScheme:
             from zmqsync.errors import SchemaMismatchError
 
             raise SchemaMismatchError(f"weights lack {name!r} that the model has", key=name)
-        from zmqsync.tensors import Flattener
+        from zmqsync.tensors.flatten import Flattener
 
         check_fits(
             Flattener(self.strategy).flatten(source, stage=False).schema, target, self.strategy

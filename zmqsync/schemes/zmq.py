@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme
 from zmqsync.security import CurveClient, CurveServer
-from zmqsync.tensors import ModelTensors
+from zmqsync.tensors.model_tensors import ModelTensors
 
 __all__ = ["ZMQWeightSyncScheme"]
 

@@ -1,14 +1,10 @@
-"""A model's parameters moved into one buffer laid out as its version stream.
+"""A model's parameters moved into one shared buffer laid out as its version stream.
 
-Part of the tensors layer. With ``share_params=True`` a sender on the workers' host keeps
-the model's tensors inside a shared-memory block, each at its offset in the version's
-byte stream (:class:`~zmqsync.chunking.StreamLayout`). A version is then the block
-itself: the sender copies nothing, and each worker copies the chunks straight from the
-learner's parameters into its own tensors, once.
-
-The tensors are moved the way ``Tensor.share_memory_()`` moves them: each parameter,
-buffer or dict value keeps its identity (an optimizer holding it still updates it), and
-only its storage changes (``tensor.data = view``).
+With ``share_params=True`` a sender on the workers' host keeps each of the model's tensors
+in a shared-memory block at its stream offset (:class:`~zmqsync.chunking.layout.
+StreamLayout`): a version is then the block itself, which workers copy from directly.
+Tensors move as with ``Tensor.share_memory_()``: each keeps its identity (an optimizer
+still updates it) and only its storage changes (``tensor.data = view``).
 """
 
 from __future__ import annotations
@@ -18,8 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from zmqsync.chunking import StreamLayout
-from zmqsync.tensors import Flat, KeyPath
+from zmqsync.chunking.layout import StreamLayout
+from zmqsync.tensors.extract import KeyPath
+from zmqsync.tensors.flatten import Flat
 
 __all__ = ["SharedParams", "why_not_shared"]
 
