@@ -132,7 +132,8 @@ class Relay:
     Args:
         upstream: the spoke it receives through; the relay owns and closes it.
         hub: the hub its workers connect to (or several); owned and closed by it.
-        model_id, strategy: the model, as the learner names it.
+        model_id: the model, as the learner names it.
+        strategy: ``"tensordict"`` or ``"state_dict"``, as the learner's.
         worker_idx: its id among the upstream's workers (None: the upstream picks one).
         num_workers: its workers ``0..num_workers-1`` that an ack upstream waits for;
             None: every live worker.

@@ -34,7 +34,9 @@ class ZMQWeightSyncScheme(_CollectorScheme):
         endpoint: where the learner binds; ``None`` picks a free ipc path.
         timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
             every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
-        curve_server / curve_client / insecure: ZeroMQ CURVE, as in zmqsync.
+        curve_server: the learner's CURVE keys, as in zmqsync.
+        curve_client: a worker's CURVE keys, as in zmqsync.
+        insecure: allow a non-loopback endpoint without keys, as in zmqsync.
         connect_timeout: seconds a worker waits in ``connect()`` for the learner and
             its first version (and the learner, when it waits, for its workers).
         **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
