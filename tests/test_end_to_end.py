@@ -1,4 +1,5 @@
-"""DESIGN.md's promises, end to end: real worker processes, real ZeroMQ sockets."""
+"""The promises in the README's guarantees table, end to end: real worker processes, real
+ZeroMQ sockets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The code keeps to STYLE.md: ruff-clean, ruff-formatted and mypy-clean.
+"""The code keeps to the project's style: ruff-clean, ruff-formatted and mypy-clean.
 
 CI runs only the test command, so these checks live here: a lint or type error fails
 the suite like any other defect. The tools' versions are pinned in the ``test`` extra,
