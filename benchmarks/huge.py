@@ -9,7 +9,7 @@ same bytes, in the same run, in the same worker processes.
   ``WeightReceiver(..., apply_mode="in_place")``.
 
 Repeats alternate A B B A so drift on a shared machine hits both alike. Peak extra
-memory is :class:`benchmarks._harness.PeakMemoryMeter`'s (malloc'd bytes and anonymous
+memory is :class:`benchmarks._memory.PeakMemoryMeter`'s (malloc'd bytes and anonymous
 RSS over the model itself), per process, over all of a variant's versions.
 
 Run ``python -m benchmarks.huge --help``; see ``benchmarks/README.md``.
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 import zmq
 
-from benchmarks._harness import PeakMemoryMeter, machine_info
+from benchmarks._memory import PeakMemoryMeter
+from benchmarks._results import machine_info
 
 GIB = 1 << 30
 _HEAD = struct.Struct("!QQ")  # version, frame index

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._harness import machine_info
+from benchmarks._results import machine_info
 
 MIB = 1 << 20
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

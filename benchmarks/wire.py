@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._harness import machine_info
+from benchmarks._results import machine_info
 
 MIB = 1 << 20
 VARIANTS: dict[str, dict[str, Any]] = {
