@@ -34,15 +34,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks._harness import SIZES, digest, make_state_dict
+from benchmarks._models import SIZES, digest, make_state_dict
 from benchmarks._peers import FlatLayout
-from benchmarks._transports_worker import (
-    RAY_STORE,
-    TORCHRL_RAY,
-    module_state,
-    module_view,
-    ownership,
-)
+from benchmarks._transports_spec import RAY_STORE, TORCHRL_RAY
+from benchmarks._transports_worker import module_state, module_view, ownership
 from zmqsync import WeightSyncActorMixin
 
 

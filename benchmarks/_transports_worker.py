@@ -26,31 +26,16 @@ the sessions of each cell. Commands::
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from benchmarks._harness import SIZES, digest, make_state_dict
+from benchmarks._models import SIZES, digest, make_state_dict
 from benchmarks._peers import GlooWorker
-
-#: How often an idle worker looks whether its parent is still there.
-PARENT_CHECK_SECONDS = 1.0
-
-#: Variant (and session) names, shared with the learner's side.
-PIPE = "zmqsync-pipe"
-TORCHRL_MP = "torchrl-mp"
-TORCHRL_SHM = "torchrl-shm"
-ZMQ = "zmqsync-zmq"
-ZMQSYNC_RAY = "zmqsync-ray"
-TORCHRL_RAY = "torchrl-ray"
-RAY_STORE = "ray-store"
-GLOO = "gloo-flat"
-MEMCPY = "memcpy"
+from benchmarks._sessions import ZmqsyncSessions
 
 
 @dataclass
@@ -118,12 +103,23 @@ def ownership(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 @dataclass
-class _Sessions:
-    worker: int
+class Sessions:
+    """A worker's sessions, by variant name (served by :func:`benchmarks._pool.worker_main`)."""
+
     slots: dict[str, Slot]
-    zmqsync: dict[str, tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    zmqsync: ZmqsyncSessions = field(default_factory=ZmqsyncSessions)
     torchrl: dict[str, tuple[Any, nn.Module]] = field(default_factory=dict)
     gloo: dict[str, GlooWorker] = field(default_factory=dict)
+
+    def commands(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "open_pipe": self.open_pipe,
+            "open_zmq": self.open_zmq,
+            "open_torchrl": self.open_torchrl,
+            "open_gloo": self.open_gloo,
+            "digest": self.digest,
+            "close": self.close,
+        }
 
     def open_pipe(
         self,
@@ -134,12 +130,14 @@ class _Sessions:
         options: dict[str, Any],
         timeout: float,
     ) -> str:
-        state_dict = make_state_dict(SIZES[size], fill="zeros")
-        self.zmqsync[name] = (scheme, state_dict)
-        scheme.init_on_worker(name, pipe=self.slots[slot].pipes[name], model=state_dict, **options)
-        scheme.connect(timeout=timeout)
-        scheme.start_receiver_thread()
-        return name
+        pipe = self.slots[slot].pipes[name]
+        return self.zmqsync.open(
+            name,
+            scheme,
+            size,
+            lambda state_dict: scheme.init_on_worker(name, pipe=pipe, model=state_dict, **options),
+            timeout,
+        )
 
     def open_zmq(
         self,
@@ -150,12 +148,15 @@ class _Sessions:
         options: dict[str, Any],
         timeout: float,
     ) -> str:
-        state_dict = make_state_dict(SIZES[size], fill="zeros")
-        self.zmqsync[name] = (scheme, state_dict)
-        scheme.init_on_receiver(model_id=name, model=state_dict, worker_idx=idx, **options)
-        scheme.connect(timeout=timeout)
-        scheme.start_receiver_thread()
-        return name
+        return self.zmqsync.open(
+            name,
+            scheme,
+            size,
+            lambda state_dict: scheme.init_on_receiver(
+                model_id=name, model=state_dict, worker_idx=idx, **options
+            ),
+            timeout,
+        )
 
     def open_torchrl(self, slot: str, name: str, size: str, idx: int) -> dict[str, Any]:
         """torchrl's multiprocess or shared-memory receiver, as its collectors' workers
@@ -197,81 +198,25 @@ class _Sessions:
                     "applied": peer.applied,
                     "error": peer.error,
                 }
-        scheme, state_dict = self.zmqsync[name]
-        receiver = scheme.get_receiver()
-        with scheme.lock:
-            return {
-                "digest": digest(state_dict),
-                "ownership": ownership(state_dict),
-                "version": receiver.version,
-                "stats": dict(receiver.stats),
-            }
+        return {**self.zmqsync.digest(name), "ownership": ownership(self.zmqsync.tensors(name))}
 
     def close(self) -> int:
-        closed = len(self.zmqsync) + len(self.torchrl) + len(self.gloo)
-        for scheme, _ in [*self.zmqsync.values(), *self.torchrl.values()]:
+        closed = self.zmqsync.close() + len(self.torchrl) + len(self.gloo)
+        for scheme, _ in self.torchrl.values():
             with contextlib.suppress(Exception):
                 scheme.shutdown()
         for peer in self.gloo.values():
             peer.close()
-        self.zmqsync.clear()
         self.torchrl.clear()
         self.gloo.clear()
         return closed
 
 
-def worker_main(
-    worker: int,
-    conn: Any,
-    parent_pid: int,
-    torch_threads: int | None,
-    slots: dict[str, Slot],
-) -> None:
-    """Entry point of a spawned worker; returns (and the process ends) on "exit", when
-    the control pipe breaks, or when the parent is gone."""
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)
-    # Ctrl-C goes to the whole process group: the parent cleans up, workers just follow.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torchrl.weight_update  # noqa: F401  (imported now, not during a cell)
+def open_worker(slots: dict[str, Slot]) -> Sessions:
+    """A pool worker's set-up: the libraries every cell uses, imported now (not during a
+    cell), and no session yet."""
+    import torchrl.weight_update  # noqa: F401
 
     import zmqsync  # noqa: F401
 
-    sessions = _Sessions(worker, slots)
-    try:
-        while True:
-            if not conn.poll(PARENT_CHECK_SECONDS):
-                if os.getppid() != parent_pid:
-                    return
-                continue
-            try:
-                command, args = conn.recv()
-            except EOFError:
-                return
-            if command == "exit":
-                return
-            try:
-                if command == "start":
-                    reply: Any = "ready"
-                elif command == "open_pipe":
-                    reply = sessions.open_pipe(*args)
-                elif command == "open_zmq":
-                    reply = sessions.open_zmq(*args)
-                elif command == "open_torchrl":
-                    reply = sessions.open_torchrl(*args)
-                elif command == "open_gloo":
-                    reply = sessions.open_gloo(*args)
-                elif command == "digest":
-                    reply = sessions.digest(*args)
-                elif command == "close":
-                    reply = sessions.close()
-                else:
-                    raise ValueError(f"unknown command {command!r}")
-            except Exception:  # the parent reports it, with this traceback
-                conn.send(("error", traceback.format_exc()))
-            else:
-                conn.send(("ok", reply))
-    except (EOFError, BrokenPipeError, OSError):
-        return
-    finally:
-        sessions.close()
+    return Sessions(slots)

@@ -9,7 +9,7 @@ same bytes, in the same run, in the same worker processes.
   ``WeightReceiver(..., apply_mode="in_place")``.
 
 Repeats alternate A B B A so drift on a shared machine hits both alike. Peak extra
-memory is :class:`benchmarks._harness.PeakMemoryMeter`'s (malloc'd bytes and anonymous
+memory is :class:`benchmarks._memory.PeakMemoryMeter`'s (malloc'd bytes and anonymous
 RSS over the model itself), per process, over all of a variant's versions.
 
 Run ``python -m benchmarks.huge --help``; see ``benchmarks/README.md``.
@@ -19,21 +19,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import struct
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 import numpy as np
 import torch
 import zmq
 
-from benchmarks._harness import PeakMemoryMeter, machine_info
+from benchmarks._memory import PeakMemoryMeter
+from benchmarks._models import MIB
+from benchmarks._pool import WorkerPool
+from benchmarks._results import machine_info, write_json
 
-GIB = 1 << 30
-_HEAD = struct.Struct("!QQ")  # version, frame index
+GIB: Final = 1 << 30
+_HEAD: Final = struct.Struct("!QQ")  # version, frame index
+#: Tensors of the model, unless ``--single``.
+TENSORS: Final = 16
+#: How long anything may wait on the other side: a worker on the learner's frames, the
+#: learner on the workers' acks or their reports (a model of several GiB is slow to move).
+WAIT_SECONDS: Final = 600
+#: How long the workers may take to start and join.
+START_SECONDS: Final = 300
+#: The zmqsync learner's and receivers' ``timeout=``.
+ZMQSYNC_SECONDS: Final = 120
+#: How often the learner looks for a pong, or an ack, between its pings or checks.
+PING_MS: Final = 50
+ACK_POLL_MS: Final = 1000
 
 
 def _layout(gib: float, single: bool) -> list[tuple[str, int]]:
@@ -41,8 +56,7 @@ def _layout(gib: float, single: bool) -> list[tuple[str, int]]:
     total = int(gib * GIB) // 2
     if single:
         return [("weight", total)]
-    n = 16
-    return [(f"layer{i}.weight", total // n) for i in range(n)]
+    return [(f"layer{i}.weight", total // TENSORS) for i in range(TENSORS)]
 
 
 def _tensors(layout: list[tuple[str, int]], fill: float | None) -> dict[str, torch.Tensor]:
@@ -64,92 +78,122 @@ def _frames(model: dict[str, torch.Tensor], chunk: int) -> list[memoryview]:
     return out
 
 
-def _worker(index: int, args: dict[str, Any], control: Any, results: Any) -> None:
-    from zmqsync import WeightReceiver
-    from zmqsync.transport.zmq_pubsub import PubSubSpoke
+class _Worker:
+    """A worker process: a raw SUB socket and a zmqsync receiver into the same tensors.
 
-    model = _tensors(_layout(args["gib"], args["single"]), 0.0)
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.rcvhwm = 0
-    sub.rcvtimeo = 600_000  # a learner gone for 10 minutes: this worker fails, not hangs
-    sub.subscribe(b"")
-    sub.connect(args["raw_pub"])
-    push = ctx.socket(zmq.PUSH)
-    push.connect(args["raw_ack"])
-    receiver = WeightReceiver(
-        PubSubSpoke(args["zmq"], identity=str(index)),
-        model=model,
-        strategy="state_dict",
-        worker_idx=index,
-        apply_mode="in_place",
-        timeout=120,
-    )
-    receiver.connect()
-    receiver.start()
-    targets = _frames(model, args["chunk"])
-    arrays = [np.frombuffer(t, dtype=np.uint8) for t in targets]
-    results.put(("ready", index, None))
-    while True:
-        what = control.get()
-        if what == "stop":
-            break
-        if what == "ping":
-            while True:  # until the learner's pings reach us: the subscription is live
-                frames = sub.recv_multipart()
-                if frames[0] == b"ping":
-                    push.send(b"pong")
-                    break
-            continue
-        variant, versions, target, value = what
+    Answers ``("ping", ())`` once the learner's pings reach its SUB socket (its
+    subscription is live), and ``("receive", (variant, versions, target, value))`` once it
+    has received ``versions`` versions by ``variant``, with its peak extra memory over
+    them, its receiver's counters, and whether every element holds ``value``.
+    """
+
+    def __init__(self, index: int, args: dict[str, Any]) -> None:
+        from zmqsync import WeightReceiver
+        from zmqsync.transport.zmq_pubsub import PubSubSpoke
+
+        self.index = index
+        self.model = _tensors(_layout(args["gib"], args["single"]), 0.0)
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.rcvhwm = 0
+        # A learner gone this long: this worker fails, not hangs.
+        self.sub.rcvtimeo = WAIT_SECONDS * 1000
+        self.sub.subscribe(b"")
+        self.sub.connect(args["raw_pub"])
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(args["raw_ack"])
+        self.receiver = WeightReceiver(
+            PubSubSpoke(args["zmq"], identity=str(index)),
+            model=self.model,
+            strategy="state_dict",
+            worker_idx=index,
+            apply_mode="in_place",
+            timeout=ZMQSYNC_SECONDS,
+        )
+        self.receiver.connect()
+        self.receiver.start()
+        targets = _frames(self.model, args["chunk"])
+        self.arrays = [np.frombuffer(t, dtype=np.uint8) for t in targets]
+
+    def commands(self) -> Mapping[str, Callable[..., Any]]:
+        return {"ping": self.ping, "receive": self.receive}
+
+    def ping(self) -> None:
+        while True:  # until the learner's pings reach us: the subscription is live
+            frames = self.sub.recv_multipart()
+            if frames[0] == b"ping":
+                self.push.send(b"pong")
+                return
+
+    def _receive_raw(self, versions: int) -> None:
+        for _ in range(versions):
+            for i, dest in enumerate(self.arrays):
+                parts = self.sub.recv_multipart(copy=False)
+                while len(parts) == 1:  # a ping that outlived the handshake
+                    parts = self.sub.recv_multipart(copy=False)
+                head, payload = parts
+                version, frame = _HEAD.unpack(head.bytes)
+                assert frame == i, (frame, i)
+                np.copyto(dest, np.frombuffer(payload.buffer, dtype=np.uint8))
+            self.push.send(_HEAD.pack(version, self.index))
+
+    def _await_version(self, target: int) -> None:
+        reached = threading.Event()
+
+        def applied(epoch: int, version: int) -> None:
+            if version >= target:
+                reached.set()
+
+        self.receiver.on_applied.append(applied)
+        if self.receiver.version >= target:
+            reached.set()
+        if not reached.wait(WAIT_SECONDS):
+            raise TimeoutError(f"worker {self.index} never reached version {target}")
+        self.receiver.on_applied.clear()
+
+    def receive(self, variant: str, versions: int, target: int, value: float) -> dict[str, Any]:
         with PeakMemoryMeter() as meter:
             if variant == "raw-pyzmq":
-                for _ in range(versions):
-                    for i, dest in enumerate(arrays):
-                        parts = sub.recv_multipart(copy=False)
-                        while len(parts) == 1:  # a ping that outlived the handshake
-                            parts = sub.recv_multipart(copy=False)
-                        head, payload = parts
-                        version, frame = _HEAD.unpack(head.bytes)
-                        assert frame == i, (frame, i)
-                        np.copyto(dest, np.frombuffer(payload.buffer, dtype=np.uint8))
-                    push.send(_HEAD.pack(version, index))
+                self._receive_raw(versions)
             else:
-                reached = threading.Event()
-
-                def applied(epoch: int, version: int, t: int = target, r: Any = reached) -> None:
-                    if version >= t:
-                        r.set()
-
-                receiver.on_applied.append(applied)
-                if receiver.version >= target:
-                    reached.set()
-                if not reached.wait(600):
-                    raise TimeoutError(f"worker {index} never reached version {target}")
-                receiver.on_applied.clear()
+                self._await_version(target)
         # Every element of every tensor holds the learner's value now.
-        with receiver.lock:
-            exact = all(bool((t == value).all()) for t in model.values())
-        stats = {k: receiver.stats[k] for k in ("chunks", "broken_streams", "torn")}
+        with self.receiver.lock:
+            exact = all(bool((t == value).all()) for t in self.model.values())
+        stats = {k: self.receiver.stats[k] for k in ("chunks", "broken_streams", "torn")}
         stats["exact"] = exact
-        results.put(("memory", index, {"variant": variant, **meter.extra, **stats}))
-    receiver.close()
-    ctx.destroy(linger=0)
+        return {"variant": variant, **meter.extra, **stats}
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.ctx.destroy(linger=0)
 
 
 def _raw_send(
-    pub: Any, pull: Any, frames: list[memoryview], version: int, procs: list[Any]
+    pub: Any, pull: Any, frames: list[memoryview], version: int, pool: WorkerPool
 ) -> None:
     for i, frame in enumerate(frames):
         pub.send_multipart([_HEAD.pack(version, i), frame], copy=False)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + WAIT_SECONDS
     acks = 0
-    while acks < len(procs):
-        if pull.poll(1000):
+    while acks < pool.size:
+        if pull.poll(ACK_POLL_MS):
             pull.recv()
             acks += 1
-        elif time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+        elif time.monotonic() > deadline or not pool.alive():
             raise TimeoutError("a worker did not ack the raw version")
+
+
+def _handshake(pub: Any, pull: Any, pool: WorkerPool) -> None:
+    """Publish pings until every worker's SUB socket has seen one (no sleeps)."""
+    ids = pool.post(range(pool.size), "ping", ())
+    pongs = 0
+    while pongs < pool.size:
+        pub.send(b"ping")
+        if pull.poll(PING_MS):
+            pull.recv()
+            pongs += 1
+    pool.collect(ids, "ping", WAIT_SECONDS)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -180,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model=None,
         strategy="state_dict",
         num_workers=ns.workers,
-        timeout=600,
+        timeout=WAIT_SECONDS,
         retain_snapshot=False,
         chunk_bytes=chunk,
     )
@@ -192,37 +236,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "raw_ack": f"tcp://127.0.0.1:{ack_port}",
         "zmq": hub.endpoint,
     }
-    spawn = mp.get_context("spawn")
-    controls = [spawn.Queue() for _ in range(ns.workers)]
-    results = spawn.Queue()
-    procs = [
-        spawn.Process(target=_worker, args=(i, args, controls[i], results), daemon=True)
-        for i in range(ns.workers)
-    ]
+    pool = WorkerPool(_Worker, [(i, args) for i in range(ns.workers)])
     times: dict[str, list[float]] = {"raw-pyzmq": [], "zmqsync": []}
     memory: dict[str, dict[str, list[int]]] = {}
     receivers: dict[str, dict[str, int]] = {}
     try:
-        for p in procs:
-            p.start()
-        for _ in procs:
-            results.get(timeout=300)
-        for c in controls:
-            c.put("ping")
-        pongs = 0
-        while pongs < ns.workers:
-            pub.send(b"ping")
-            if pull.poll(50):
-                pull.recv()
-                pongs += 1
+        pool.start(START_SECONDS)
+        _handshake(pub, pull, pool)
         frames = _frames(model, chunk)
         version = 0
         for variant in ["raw-pyzmq", "zmqsync", "zmqsync", "raw-pyzmq"]:
-            for c in controls:
-                # The learner starts at 1.0 and adds 1 per version, whichever variant.
-                c.put(
-                    (variant, ns.repeats, sender.version + ns.repeats, 1.0 + version + ns.repeats)
-                )
+            # The learner starts at 1.0 and adds 1 per version, whichever variant.
+            target = (variant, ns.repeats, sender.version + ns.repeats, 1.0 + version + ns.repeats)
+            ids = pool.post(range(pool.size), "receive", target)
             with PeakMemoryMeter() as meter:
                 for _ in range(ns.repeats):
                     version += 1
@@ -230,18 +256,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         t.add_(1)
                     start = time.perf_counter()
                     if variant == "raw-pyzmq":
-                        _raw_send(pub, pull, frames, version, procs)
+                        _raw_send(pub, pull, frames, version, pool)
                     else:
                         sender.send(model)
                     times[variant].append(time.perf_counter() - start)
-            memory.setdefault(f"learner {variant}", {}).setdefault("heap", []).append(
-                meter.extra.get("heap", 0)
-            )
-            memory[f"learner {variant}"].setdefault("rss_anon", []).append(
-                meter.extra.get("rss_anon", 0)
-            )
-            for _ in procs:
-                _, _, extra = results.get(timeout=600)
+            for key in ("heap", "rss_anon"):
+                row = memory.setdefault(f"learner {variant}", {})
+                row.setdefault(key, []).append(meter.extra.get(key, 0))
+            for extra in pool.collect(ids, "receive", WAIT_SECONDS):
                 row = memory.setdefault(f"worker {extra['variant']}", {})
                 for key in ("heap", "rss_anon"):
                     row.setdefault(key, []).append(extra.get(key, 0))
@@ -251,14 +273,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if not extra["exact"]:
                     raise AssertionError(f"a worker's tensors differ after {extra['variant']}")
         totals = sender.status()["totals"]
-        for c in controls:
-            c.put("stop")
-        for p in procs:
-            p.join(30)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        pool.close()
         sender.close()
         ctx.destroy(linger=0)
     out: dict[str, Any] = {
@@ -270,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": {k: sorted(v) for k, v in times.items()},
         "gb_per_s": {k: nbytes / sorted(v)[len(v) // 2] / 1e9 for k, v in times.items()},
         "peak_extra_mib": {
-            k: {m: max(v) / (1 << 20) for m, v in row.items()} for k, row in memory.items()
+            k: {m: max(v) / MIB for m, v in row.items()} for k, row in memory.items()
         },
     }
     out["sender"] = {k: totals[k] for k in ("chunks_sent", "stalls", "repairs_skipped")}
@@ -278,9 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     raw, ours = (sorted(times[k])[len(times[k]) // 2] for k in ("raw-pyzmq", "zmqsync"))
     out["zmqsync_vs_raw_throughput"] = raw / ours
     print(json.dumps(out, indent=2))
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(ns.json, out)
     return out
 
 

@@ -10,92 +10,92 @@ The learner's egress per version is what left its link (``ip -s link``: tx bytes
 counter of zmqsync's; the time per version is ``send()``'s, which returns once every
 worker holds the version.
 
-Needs root (``ip netns``) and ``tc``. Run ``python -m benchmarks.tree --help``; see
-``benchmarks/README.md``.
+Needs root (``ip netns``) and ``tc``; the hosts are the multi-host tests' own
+(:mod:`tests.netns`). Run ``python -m benchmarks.tree --help`` from the repository root;
+see ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import multiprocessing as mp
+import functools
 import re
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 import torch
 
-from benchmarks._harness import machine_info
+from benchmarks._models import MIB
+from benchmarks._pool import WorkerPool
+from benchmarks._results import machine_info, write_json
+from benchmarks._turns import PEER_SECONDS, Receivers, check_workers, float_model, take_turns
+from tests.netns import Topology, enter_netns
 
-MIB = 1 << 20
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from netns import Topology, enter_netns  # noqa: E402
+#: The model: 4 equal weights.
+WEIGHTS: Final = 4
+#: Where each relay listens for its workers, on its own host.
+RELAY_PORT: Final = 7000
+#: Where the star's and the tree's learners listen, on the learner's host.
+STAR_PORT: Final = 6000
+TREE_PORT: Final = 6100
+#: The learners' ``timeout=``: a version crosses shaped links, and a relay.
+SENDER_SECONDS: Final = 300
+#: How long the relays, then the workers, may take to start and join.
+RELAY_START_SECONDS: Final = 180
+WORKER_START_SECONDS: Final = 300
+#: How long a relay may take to report its status at the end.
+STATUS_SECONDS: Final = 10
+#: How long reading one host's link counters may take.
+IP_SECONDS: Final = 20
 
 
 def _model(mib: int, value: float) -> dict[str, torch.Tensor]:
-    n = mib * MIB // 4 // 4
-    return {f"layer{i}.weight": torch.full((n,), value) for i in range(4)}
+    return float_model(mib, value, weights=WEIGHTS)
 
 
-def _relay(namespace: str, upstream: str, index: int, conn: Any) -> None:
-    enter_netns(namespace)
-    from zmqsync import Relay
+class _RelayHost:
+    """A relay process on its own host: forwards the tree's learner to its workers;
+    answers ``("status", ())`` with its relay and upstream status."""
 
-    relay = Relay.over_zmq(
-        upstream,
-        "tcp://0.0.0.0:7000",
-        insecure=True,
-        strategy="state_dict",
-        worker_idx=index,
-        timeout=120,
-    )
-    try:
-        relay.connect(timeout=120)
-        relay.start()
-        conn.send("ready")
-        conn.recv()  # "stop"
-        status = relay.status()
-        conn.send({"relay": status["relay"], "upstream": status["upstream"]})
-    finally:
-        relay.close()
+    def __init__(self, namespace: str, upstream: str, index: int) -> None:
+        enter_netns(namespace)
+        from zmqsync import Relay
 
-
-def _worker(namespace: str, index: int, mib: int, endpoints: dict[str, str], conn: Any) -> None:
-    enter_netns(namespace)
-    from zmqsync import WeightReceiver
-    from zmqsync.transport.zmq_pubsub import PubSubSpoke
-
-    models = {name: _model(mib, 0.0) for name in endpoints}
-    receivers = {
-        name: WeightReceiver(
-            PubSubSpoke(endpoint, identity=f"{name}{index}"),
-            model=models[name],
+        self.relay = Relay.over_zmq(
+            upstream,
+            f"tcp://0.0.0.0:{RELAY_PORT}",
+            insecure=True,
             strategy="state_dict",
             worker_idx=index,
-            timeout=120,
+            timeout=PEER_SECONDS,
         )
-        for name, endpoint in endpoints.items()
-    }
-    try:
-        for r in receivers.values():
-            r.connect(timeout=120)
-            r.start()
-        conn.send("ready")
-        while True:
-            what = conn.recv()
-            if what == "stop":
-                break
-            name, value = what
-            with receivers[name].lock:
-                conn.send(all(bool((t == value).all()) for t in models[name].values()))
-    finally:
-        for r in receivers.values():
-            r.close()
+        try:
+            self.relay.connect(timeout=PEER_SECONDS)
+            self.relay.start()
+        except BaseException:
+            self.relay.close()
+            raise
+
+    def commands(self) -> Mapping[str, Callable[..., Any]]:
+        return {"status": self.status}
+
+    def status(self) -> dict[str, Any]:
+        status = self.relay.status()
+        return {"relay": status["relay"], "upstream": status["upstream"]}
+
+    def close(self) -> None:
+        self.relay.close()
+
+
+def _worker(namespace: str, index: int, mib: int, endpoints: dict[str, str]) -> Receivers:
+    enter_netns(namespace)
+    model = functools.partial(_model, mib, 0.0)
+    return Receivers(index, endpoints, model, identity="{name}{index}")
 
 
 def _tx_bytes(namespace: str) -> int:
@@ -104,7 +104,7 @@ def _tx_bytes(namespace: str) -> int:
         capture_output=True,
         text=True,
         check=True,
-        timeout=20,
+        timeout=IP_SECONDS,
     ).stdout
     lines = out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.strip().startswith("TX:"))
@@ -118,80 +118,59 @@ def run(
     from zmqsync.transport.zmq_pubsub import PubSubHub
 
     hosts = ["learner", *[f"r{i}" for i in range(relays)], *[f"w{i}" for i in range(workers)]]
-    ctx = mp.get_context("spawn")
     with Topology(hosts) as topo:
         for host in hosts:
             topo.shape(host, rate=rate, burst="256kb", latency="200ms")
         enter_netns(topo.namespace("learner"))  # this process is the learners' host
         address = topo.address("learner")
         learners = {name: _model(mib, 1.0) for name in ("star", "tree")}
+        fleets = {"star": workers, "tree": relays}  # who each learner sends to
+        ports = {"star": STAR_PORT, "tree": TREE_PORT}
         senders = {
-            "star": WeightSender(
-                PubSubHub(f"tcp://{address}:6000", insecure=True),
-                model=learners["star"],
+            name: WeightSender(
+                PubSubHub(f"tcp://{address}:{ports[name]}", insecure=True),
+                model=learners[name],
                 strategy="state_dict",
-                num_workers=workers,
+                num_workers=fleets[name],
                 chunk_bytes=chunk_bytes,
-                timeout=300,
-            ),
-            "tree": WeightSender(
-                PubSubHub(f"tcp://{address}:6100", insecure=True),
-                model=learners["tree"],
-                strategy="state_dict",
-                num_workers=relays,
-                chunk_bytes=chunk_bytes,
-                timeout=300,
-            ),
+                timeout=SENDER_SECONDS,
+            )
+            for name in ("star", "tree")
         }
-        procs: list[Any] = []
-        conns: list[Any] = []
-        workers_conns: list[Any] = []
+        relay_pool = WorkerPool(
+            _RelayHost,
+            [(topo.namespace(f"r{i}"), senders["tree"].endpoint, i) for i in range(relays)],
+            name="bench-relay",
+        )
+        endpoints = [
+            {
+                "star": senders["star"].endpoint,
+                "tree": f"tcp://{topo.address(f'r{i % relays}')}:{RELAY_PORT}",
+            }
+            for i in range(workers)
+        ]
+        worker_pool = WorkerPool(
+            _worker, [(topo.namespace(f"w{i}"), i, mib, endpoints[i]) for i in range(workers)]
+        )
         try:
-            for i in range(relays):
-                parent, child = ctx.Pipe()
-                args = (topo.namespace(f"r{i}"), senders["tree"].endpoint, i, child)
-                procs.append(ctx.Process(target=_relay, args=args, daemon=True))
-                procs[-1].start()
-                assert parent.poll(180) and parent.recv() == "ready"
-                conns.append(parent)
-            for i in range(workers):
-                parent, child = ctx.Pipe()
-                endpoints = {
-                    "star": senders["star"].endpoint,
-                    "tree": f"tcp://{topo.address(f'r{i % relays}')}:7000",
-                }
-                procs.append(
-                    ctx.Process(
-                        target=_worker,
-                        args=(topo.namespace(f"w{i}"), i, mib, endpoints, child),
-                        daemon=True,
-                    )
-                )
-                procs[-1].start()
-                workers_conns.append(parent)
-                conns.append(parent)
-            for conn in workers_conns:
-                assert conn.poll(300) and conn.recv() == "ready"
+            relay_pool.start(RELAY_START_SECONDS)
+            worker_pool.start(WORKER_START_SECONDS)
             times: dict[str, list[float]] = {"star": [], "tree": []}
             egress: dict[str, list[int]] = {"star": [], "tree": []}
             value = 1.0
-            for rep in range(repeats + 1):  # the first round warms up
-                for name in ("star", "tree") if rep % 2 == 0 else ("tree", "star"):
-                    value += 1.0
-                    for t in learners[name].values():
-                        t.fill_(value)
-                    before = _tx_bytes(topo.namespace("learner"))
-                    started = time.perf_counter()
-                    senders[name].send()
-                    elapsed = time.perf_counter() - started
-                    sent = _tx_bytes(topo.namespace("learner")) - before
-                    for conn in workers_conns:
-                        conn.send((name, value))
-                    if not all(conn.recv() for conn in workers_conns):
-                        raise RuntimeError(f"{name}: a worker does not hold version {value}")
-                    if rep:
-                        times[name].append(elapsed)
-                        egress[name].append(sent)
+            for rep, name in take_turns(["star", "tree"], repeats):
+                value += 1.0
+                for t in learners[name].values():
+                    t.fill_(value)
+                before = _tx_bytes(topo.namespace("learner"))
+                started = time.perf_counter()
+                senders[name].send()
+                elapsed = time.perf_counter() - started
+                sent = _tx_bytes(topo.namespace("learner")) - before
+                check_workers(worker_pool, name, value)
+                if rep:
+                    times[name].append(elapsed)
+                    egress[name].append(sent)
             return {
                 name: {
                     "median_s": statistics.median(times[name]),
@@ -201,17 +180,11 @@ def run(
                 for name in times
             }
         finally:
-            for conn in conns:
-                with contextlib.suppress(OSError):
-                    conn.send("stop")
-            for conn in conns[:relays]:
-                with contextlib.suppress(OSError, EOFError):
-                    if conn.poll(10):
-                        print("relay:", conn.recv(), flush=True)
-            for p in procs:
-                p.join(20)
-                if p.is_alive():
-                    p.kill()
+            with contextlib.suppress(Exception):
+                for status in relay_pool.call(range(relays), "status", (), STATUS_SECONDS):
+                    print("relay:", status, flush=True)
+            worker_pool.close()
+            relay_pool.close()
             for s in senders.values():
                 s.close()
 
@@ -241,9 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{tree['median_s'] / star['median_s']:.2f}x",
             flush=True,
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(args.json, out)
     return out
 
 

@@ -19,67 +19,55 @@ Run ``python -m benchmarks.wire --help``; see ``benchmarks/README.md``.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
+import functools
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Final
 
 import torch
 
-from benchmarks._harness import machine_info
+from benchmarks._models import MIB
+from benchmarks._pool import WorkerPool
+from benchmarks._results import machine_info, write_json
+from benchmarks._turns import PEER_SECONDS, Receivers, check_workers, float_model, take_turns
 
-MIB = 1 << 20
-VARIANTS: dict[str, dict[str, Any]] = {
+VARIANTS: Final[dict[str, dict[str, Any]]] = {
     "float32": {"retain_snapshot": False},
     "bfloat16": {"retain_snapshot": False, "wire_dtype": torch.bfloat16},
     "delta5": {"delta": True},
 }
 #: The share of the model's elements a delta5 version changes.
-DELTA_SHARE = 0.05
+DELTA_SHARE: Final = 0.05
+#: The model: 16 equal weights (and 64 small biases, as a real model has).
+WEIGHTS: Final = 16
+BIASES: Final = 64
+#: How long the workers may take to start and join every learner.
+START_SECONDS: Final = 300
 
 
 def _model(mib: int, value: float) -> dict[str, torch.Tensor]:
-    """``mib`` MiB of float32 in 16 tensors (and 64 small ones, as a real model has)."""
-    n = mib * MIB // 4 // 16
-    out = {f"layer{i}.weight": torch.full((n,), value) for i in range(16)}
-    out.update({f"layer{i}.bias": torch.full((256,), value) for i in range(64)})
-    return out
+    return float_model(mib, value, weights=WEIGHTS, biases=BIASES)
 
 
-def _worker(index: int, mib: int, endpoints: dict[str, str], control: Any, results: Any) -> None:
-    from zmqsync import WeightReceiver, checksum
-    from zmqsync.transport.zmq_pubsub import PubSubSpoke
+def _worker(index: int, mib: int, endpoints: dict[str, str]) -> Receivers:
+    model = functools.partial(_model, mib, 0.0)
+    return Receivers(index, endpoints, model, identity="{name}-{index}")
 
-    models = {name: _model(mib, 0.0) for name in endpoints}
-    receivers = {
-        name: WeightReceiver(
-            PubSubSpoke(endpoint, identity=f"{name}-{index}"),
-            model=models[name],
-            strategy="state_dict",
-            worker_idx=index,
-            timeout=120,
-        )
-        for name, endpoint in endpoints.items()
-    }
-    for r in receivers.values():
-        r.connect(timeout=120)
-        r.start()
-    results.put(("ready", index, None))
-    while True:
-        what = control.get(timeout=900)
-        if what == "stop":
-            break
-        name, value, digest = what
-        with receivers[name].lock:
-            if digest:
-                exact = checksum(models[name]) == digest
-            else:
-                exact = all(bool((t == value).all()) for t in models[name].values())
-        results.put(("checked", index, exact))
-    for r in receivers.values():
-        r.close()
+
+def _line(mib: int, rows: dict[str, dict[str, Any]]) -> str:
+    """A size's line: each variant's time and bytes per version, against float32's."""
+    base = rows.get("float32")
+    line = [f"{mib:5d} MiB"]
+    for name, row in rows.items():
+        ms, size = row["median_ms"], row["bytes_per_version_per_worker"]
+        line.append(f"{name} {ms:8.2f} ms {size / MIB:8.2f} MiB")
+        if base is not None and row is not base:
+            line[-1] += (
+                f" (bytes {size / base['bytes_per_version_per_worker']:.3f}x,"
+                f" time {ms / base['median_ms']:.3f}x)"
+            )
+    return "  |  ".join(line)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -95,7 +83,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from zmqsync import WeightSender, checksum
     from zmqsync.transport.zmq_pubsub import PubSubHub
 
-    ctx = mp.get_context("spawn")
     out: dict[str, Any] = {"machine": machine_info(), "command": " ".join(sys.argv), "rows": []}
     for mib in [int(x) for x in args.mib.split(",")]:
         learners = {name: _model(mib, 1.0) for name in variants}
@@ -105,50 +92,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 model=learners[name],
                 strategy="state_dict",
                 num_workers=args.workers,
-                timeout=120,
+                timeout=PEER_SECONDS,
                 **options,
             )
             for name, options in variants.items()
         }
         endpoints = {name: s.endpoint for name, s in senders.items()}
-        controls = [ctx.Queue() for _ in range(args.workers)]
-        results = ctx.Queue()
-        procs = [
-            ctx.Process(target=_worker, args=(i, mib, endpoints, controls[i], results))
-            for i in range(args.workers)
-        ]
-        for p in procs:
-            p.start()
+        pool = WorkerPool(_worker, [(i, mib, endpoints) for i in range(args.workers)])
         try:
-            for _ in procs:
-                results.get(timeout=300)
+            pool.start(START_SECONDS)
             times: dict[str, list[float]] = {name: [] for name in variants}
             bytes_sent: dict[str, int] = dict.fromkeys(variants, 0)
-            order = list(variants)
             value = 1.0
-            for rep in range(args.repeats + 1):  # the first round warms up
-                for name in order if rep % 2 == 0 else order[::-1]:
-                    value += 1.0
-                    digest = ""
-                    with torch.no_grad():
-                        if name == "delta5":
-                            big = learners[name][f"layer{rep % 16}.weight"]
-                            big[: int(DELTA_SHARE * 16 * big.numel())].fill_(value)
-                            digest = checksum(learners[name])
-                        else:
-                            for t in learners[name].values():
-                                t.fill_(value)  # representable in bfloat16: exact both ways
-                    before = senders[name].status()["totals"]["bytes_sent"]
-                    started = time.perf_counter()
-                    senders[name].send()
-                    if rep:
-                        times[name].append(time.perf_counter() - started)
-                        bytes_sent[name] += senders[name].status()["totals"]["bytes_sent"] - before
-                    for c in controls:
-                        c.put((name, value, digest))
-                    checked = [results.get(timeout=120) for _ in procs]
-                    if not all(ok for _, _, ok in checked):
-                        raise RuntimeError(f"{name}: a worker does not hold version {value}")
+            for rep, name in take_turns(list(variants), args.repeats):
+                value += 1.0
+                digest = ""
+                with torch.no_grad():
+                    if name == "delta5":
+                        big = learners[name][f"layer{rep % WEIGHTS}.weight"]
+                        big[: int(DELTA_SHARE * WEIGHTS * big.numel())].fill_(value)
+                        digest = checksum(learners[name])
+                    else:
+                        for t in learners[name].values():
+                            t.fill_(value)  # representable in bfloat16: exact both ways
+                before = senders[name].status()["totals"]["bytes_sent"]
+                started = time.perf_counter()
+                senders[name].send()
+                if rep:
+                    times[name].append(time.perf_counter() - started)
+                    bytes_sent[name] += senders[name].status()["totals"]["bytes_sent"] - before
+                check_workers(pool, name, value, digest)
             rows = {
                 name: {
                     "mib": mib,
@@ -161,29 +134,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for name in variants
             }
             out["rows"].extend(rows.values())
-            base = rows.get("float32")
-            line = [f"{mib:5d} MiB"]
-            for name, row in rows.items():
-                ms, size = row["median_ms"], row["bytes_per_version_per_worker"]
-                line.append(f"{name} {ms:8.2f} ms {size / MIB:8.2f} MiB")
-                if base is not None and row is not base:
-                    line[-1] += (
-                        f" (bytes {size / base['bytes_per_version_per_worker']:.3f}x,"
-                        f" time {ms / base['median_ms']:.3f}x)"
-                    )
-            print("  |  ".join(line), flush=True)
+            print(_line(mib, rows), flush=True)
         finally:
-            for c in controls:
-                c.put("stop")
-            for p in procs:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
+            pool.close()
             for s in senders.values():
                 s.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(args.json, out)
     return out
 
 
