@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from pathlib import Path
 from typing import Annotated, Final
@@ -11,20 +10,19 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from zmqsync.client import (
-    CheckpointError,
-    CheckpointPublisher,
-    PublishResult,
-    curve_server_from_files,
-    reachable_from_other_hosts,
-)
+from zmqsync.checkpoints import CheckpointPublisher, PublishResult
+from zmqsync.endpoints import reachable_from_other_hosts
+from zmqsync.errors import CheckpointError
 from zmqsync.metrics import MetricsServer
+from zmqsync.security import curve_server_from_files
 
 from ._common import (
     SECURITY_LOGGER,
     CurveSecret,
     MetricsAddr,
     MetricsPort,
+    ModeChoice,
+    ModeOption,
     console,
     fail,
     fmt_bytes,
@@ -37,13 +35,6 @@ from ._common import (
 
 #: Sends of at least this many bytes show a progress bar (acks so far) on a terminal.
 LARGE_SEND: Final = 64 * 1024 * 1024
-
-
-class Mode(str, enum.Enum):
-    """How the learner reaches its workers."""
-
-    pubsub = "pubsub"
-    router = "router"
 
 
 def serve(
@@ -63,12 +54,7 @@ def serve(
             show_default=False,
         ),
     ] = None,
-    mode: Annotated[
-        Mode,
-        typer.Option(
-            help="pubsub: one send fans out to every worker; router: one addressed send per worker."
-        ),
-    ] = Mode.pubsub,
+    mode: ModeOption = ModeChoice["pubsub"],
     workers: Annotated[
         int | None,
         typer.Option(
