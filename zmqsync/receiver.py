@@ -68,6 +68,7 @@ from zmqsync.protocol import (
 from zmqsync.protocol.stream import DEFAULT_GAP, Apply, Broken, ChunkStream, Ignored, Start
 from zmqsync.tensors import ApplyPlan, ModelTensors, as_weights_object, materialize
 from zmqsync.transport.base import SpokeTransport
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["WeightReceiver"]
 
@@ -218,7 +219,7 @@ class WeightReceiver:
         *,
         model_id: str = "policy",
         model: Any = None,
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
         worker_idx: int | None = 0,
         timeout: float = 10.0,
         apply_mode: str = "auto",

@@ -75,6 +75,7 @@ from zmqsync.tensors import (
     extract,
 )
 from zmqsync.transport.base import HubTransport, Incoming, PeerId
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["WeightSender"]
 
@@ -557,7 +558,7 @@ class WeightSender:
         *,
         model_id: str = "policy",
         model: Any = None,
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
         num_workers: int | None = None,
         timeout: float = 10.0,
         retain_snapshot: bool = True,

@@ -30,6 +30,7 @@ from zmqsync.sender import WeightSender
 from zmqsync.tensors import check_fits, extract
 from zmqsync.transport import resolve
 from zmqsync.transport.base import HubTransport, SpokeTransport
+from zmqsync.vocabulary import Strategy, as_strategy
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "WeightStrategy", "WeightSyncScheme"]
 
@@ -46,7 +47,7 @@ class WeightStrategy:
     torchrl passes one of these to ``prepare_weights``; zmqsync only needs its name.
     """
 
-    def __init__(self, extract_as: str = "tensordict") -> None:
+    def __init__(self, extract_as: Strategy = "tensordict") -> None:
         self.extract_as = extract_as
 
     def extract_weights(self, source: Any) -> Any:
@@ -113,7 +114,7 @@ class WeightSyncScheme:
 
     def __init__(
         self,
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
         *,
         transport: str | None = None,
         endpoint: str | None = None,
@@ -123,9 +124,7 @@ class WeightSyncScheme:
     ) -> None:
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be positive seconds; got {connect_timeout}")
-        if strategy not in ("state_dict", "tensordict"):
-            raise ValueError(f"strategy must be 'state_dict' or 'tensordict'; got {strategy!r}")
-        self.strategy = strategy
+        self.strategy = as_strategy(strategy)
         if transport is not None:
             self._transport_alias = transport
         self.endpoint = endpoint
@@ -475,7 +474,7 @@ class WeightSyncScheme:
     # --- local helpers (seeds) -------------------------------------------------------
 
     def prepare_weights(
-        self, weights: Any, model_id: str, strategy: WeightStrategy | str, context: Any = None
+        self, weights: Any, model_id: str, strategy: WeightStrategy | Strategy, context: Any = None
     ) -> Any:
         """Resolve ``weights`` (None -> the context's or scheme's model) to a TensorDict
         or state_dict, ready to send."""

@@ -26,6 +26,7 @@ from tensordict import TensorDictBase
 from zmqsync.receiver import WeightReceiver
 from zmqsync.sender import WeightSender
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["MultiProcessedRemoteWeightUpdate"]
 
@@ -59,7 +60,7 @@ class MultiProcessedRemoteWeightUpdate:
         policy_weights: Mapping[Hashable, Any],
         *,
         timeout: float = 10.0,
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
     ) -> None:
         if not isinstance(policy_weights, Mapping) or not policy_weights:
             raise ValueError(

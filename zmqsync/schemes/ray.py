@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from zmqsync.errors import SchemaMismatchError, SyncTimeout
 from zmqsync.receiver import WeightReceiver
@@ -33,6 +33,7 @@ from zmqsync.transport.ray import (
     RaySpoke,
     WeightSyncActorMixin,
 )
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["RayWeightSyncScheme", "WeightSyncActorMixin"]
 
@@ -201,7 +202,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        strategy: Strategy = "state_dict",
         *,
         timeout: float = 10.0,
         method: str = DELIVER_METHOD,

@@ -24,6 +24,7 @@ from zmqsync.torchrl._model import (
     _weightless,
 )
 from zmqsync.torchrl._plan import _count_workers, _Fanout, _is_per_worker, _nth, _Plan
+from zmqsync.vocabulary import Strategy
 
 
 class _CollectorScheme(_TorchRLWeightSyncScheme):
@@ -33,7 +34,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 
     def __init__(
         self,
-        strategy: str,
+        strategy: Strategy,
         inner: _ZmqsyncScheme,
         *,
         sync: bool = True,

@@ -7,7 +7,7 @@ import time
 import types
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any
 
 from zmqsync.errors import SyncTimeout
 from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT
@@ -19,6 +19,7 @@ from zmqsync.torchrl._collector import _CollectorScheme
 from zmqsync.torchrl._model import _check_retain_snapshot
 from zmqsync.torchrl._plan import _STATUS_POLL
 from zmqsync.transport.ray import DELIVER_METHOD, POLL_INTERVAL, deliver
+from zmqsync.vocabulary import Mode, Strategy
 
 __all__ = ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme", "ZMQWeightSyncScheme"]
 
@@ -45,9 +46,9 @@ class ZMQWeightSyncScheme(_CollectorScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "tensordict",
+        strategy: Strategy = "tensordict",
         *,
-        mode: Literal["pubsub", "router"] = "pubsub",
+        mode: Mode = "pubsub",
         endpoint: str | None = None,
         timeout: float = 10.0,
         curve_server: CurveServer | None = None,
@@ -80,7 +81,7 @@ class ZMQWeightSyncScheme(_CollectorScheme):
         super().__init__(strategy, inner, sync=sync, per_worker_weights=per_worker_weights)
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         """``"pubsub"`` or ``"router"``."""
         return self._inner.mode
 
@@ -120,7 +121,7 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        strategy: Strategy = "state_dict",
         *,
         timeout: float = 10.0,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -276,7 +277,7 @@ class RayWeightSyncScheme(_CollectorScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        strategy: Strategy = "state_dict",
         *,
         timeout: float = 10.0,
         method: str | None = None,
