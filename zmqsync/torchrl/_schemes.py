@@ -271,6 +271,19 @@ class RayWeightSyncScheme(_CollectorScheme):
     A remote collector applies versions between its own method calls (a plain Ray actor
     runs one call at a time), so an update sent while it collects a batch lands when
     that batch is done; ``timeout`` must cover one batch.
+
+    Under ``RayCollector``, ``init_on_sender(remote_collectors=)`` starts calling each
+    remote collector actor; torchrl then ships the scheme to each actor
+    (``register_scheme_receiver``), where ``init_on_receiver`` registers a receiver and
+    returns at once. The learner's calls reach it through Ray's built-in
+    ``__ray_call__``, which every Ray actor has, so torchrl's collector classes need no
+    method of zmqsync's (a method added inside the actor later would be unknown to the
+    learner's handle, and ``cascade_execute("_receiver_schemes[...]...")`` fails until
+    torchrl has registered the scheme there): each call hands its frames to the receiver
+    registered in that process (none yet: the call returns nothing), which applies a
+    version and acks on the same call. The actor joins (hello, snapshot) through those
+    calls, and torchrl's lazy ``connect()`` on the learner returns once every actor
+    holds the latest version.
     """
 
     _inner: _RayScheme
