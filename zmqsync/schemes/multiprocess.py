@@ -1,6 +1,6 @@
 """MultiProcessWeightSyncScheme: weight sync with worker processes over pipes.
 
-torchrl's scheme of the same name (seed ``001``), on zmqsync's pipe transport: the same
+torchrl's scheme of the same name, on zmqsync's pipe transport: the same
 versioned frames as the ZeroMQ schemes (tensor bytes, never pickled tensors), acks back
 through the same pipe. Unlike torchrl's, a worker never aliases the sender's memory (it
 holds its own copy, changed only by a send) and ``worker_ids`` reaches only the named
