@@ -272,18 +272,19 @@ def worker_state(worker: Mapping[str, Any], version: int, silent_after: float | 
 
 def status_header(status: Mapping[str, Any]) -> Text:
     """Three lines about the sender itself: what, where, which version, totals."""
-    t = status.get("totals", {})
+    totals = status.get("totals", {})
     epoch = int(status.get("epoch", 0))
     lines = [
         f"model {status.get('model_id')!r}  version {status.get('version')}  "
         f"epoch {epoch:016x}  {status.get('mode')} ({status.get('strategy')})",
         f"endpoint {status.get('endpoint')}  sender {status.get('host')} pid "
         f"{status.get('pid')}  up {fmt_seconds(status.get('uptime_s'))}",
-        f"sent {t.get('versions_sent', 0)} versions, {fmt_bytes(t.get('bytes_sent', 0))}  "
-        f"sync latency p50 {fmt_seconds(t.get('latency_p50_s'))}  "
-        f"p90 {fmt_seconds(t.get('latency_p90_s'))}  "
-        f"p99 {fmt_seconds(t.get('latency_p99_s'))}  "
-        f"timeouts {t.get('timeouts', 0)}  rejected frames {t.get('rejected_frames', 0)}",
+        f"sent {totals.get('versions_sent', 0)} versions, "
+        f"{fmt_bytes(totals.get('bytes_sent', 0))}  "
+        f"sync latency p50 {fmt_seconds(totals.get('latency_p50_s'))}  "
+        f"p90 {fmt_seconds(totals.get('latency_p90_s'))}  "
+        f"p99 {fmt_seconds(totals.get('latency_p99_s'))}  "
+        f"timeouts {totals.get('timeouts', 0)}  rejected frames {totals.get('rejected_frames', 0)}",
     ]
     return Text("\n".join(lines))
 

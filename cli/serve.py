@@ -204,15 +204,15 @@ def _publish(publisher: CheckpointPublisher, out: Console) -> PublishResult:
 
 def _report(result: PublishResult, out: Console) -> None:
     """One line per version: who has it, how long it took, and who did not take it."""
-    n = len(result.targets)
+    targeted = len(result.targets)
     size = fmt_bytes(result.nbytes)
     took = fmt_seconds(result.seconds)
     if result.ok:
-        who = f"{n} workers" if n else "no workers yet"
+        who = f"{targeted} workers" if targeted else "no workers yet"
         out.print(f"version {result.version}: {size} synced to {who} in {took}", soft_wrap=True)
         return
-    reached = n - len(result.missing) - len(result.rejected)
-    line = f"version {result.version}: {size} reached {reached} of {n} workers in {took}"
+    reached = targeted - len(result.missing) - len(result.rejected)
+    line = f"version {result.version}: {size} reached {reached} of {targeted} workers in {took}"
     if result.missing:
         ids = ", ".join(map(str, result.missing))
         line += (

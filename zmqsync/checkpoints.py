@@ -46,97 +46,111 @@ def load_checkpoint(
     """
     import torch
 
-    p = Path(path)
-    if not p.exists():
+    file = Path(path)
+    contents = _read(file)
+    if key is not None:
+        if not isinstance(contents, Mapping) or key not in contents:
+            keys = (
+                ", ".join(map(str, contents))
+                if isinstance(contents, Mapping)
+                else type(contents).__name__
+            )
+            raise CheckpointError(f"{file} has no entry {key!r} (it has: {keys})")
+        contents = contents[key]
+    if isinstance(contents, torch.Tensor):
+        raise CheckpointError(f"{file} holds a single tensor, not a dict of named tensors")
+    if not isinstance(contents, Mapping):
         raise CheckpointError(
-            f"checkpoint {p} does not exist: give the path of a .pt or .safetensors file "
+            f"{file} holds a {type(contents).__name__}, not a dict of tensors: save "
+            "model.state_dict()"
+        )
+    flat: dict[str, torch.Tensor] = {}
+    _flatten_into(flat, contents, (), file, top=contents)
+    if not flat:
+        raise CheckpointError(f"{file} holds no tensors")
+    return flat
+
+
+def _read(file: Path) -> Any:
+    """What a checkpoint file holds, on the CPU: safetensors' dict, or what
+    ``torch.load(weights_only=True)`` gives."""
+    import torch
+
+    if not file.exists():
+        raise CheckpointError(
+            f"checkpoint {file} does not exist: give the path of a .pt or .safetensors file "
             "(save one with torch.save(model.state_dict(), path))"
         )
-    if not p.is_file():
-        raise CheckpointError(f"checkpoint {p} is not a file")
-    if p.suffix == ".safetensors":
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {file} is not a file")
+    if file.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
         except ImportError as exc:
             raise CheckpointError(
-                f"reading {p} needs the safetensors package: pip install 'zmqsync[safetensors]'"
+                f"reading {file} needs the safetensors package: pip install 'zmqsync[safetensors]'"
             ) from exc
         try:
-            obj: Any = load_file(str(p), device="cpu")
+            return load_file(str(file), device="cpu")
         except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
-            raise CheckpointError(f"cannot read {p} as safetensors: {exc}") from exc
-    else:
-        try:
-            obj = torch.load(p, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-            if found is None:  # not a pickle torch would load at all: corrupt or garbage
-                raise CheckpointError(
-                    f"cannot read {p} as a torch checkpoint (the file is corrupt, or not "
-                    "a .pt file)"
-                ) from exc
+            raise CheckpointError(f"cannot read {file} as safetensors: {exc}") from exc
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if found is None:  # not a pickle torch would load at all: corrupt or garbage
             raise CheckpointError(
-                f"{p} holds Python objects ({found[1]}) that torch.load(weights_only=True) "
-                "refuses to unpickle (zmqsync never runs code from a checkpoint): save the "
-                "tensors only, torch.save(model.state_dict(), path)"
+                f"cannot read {file} as a torch checkpoint (the file is corrupt, or not a .pt file)"
             ) from exc
-        except Exception as exc:  # torch.load of damaged bytes raises almost anything
-            raise CheckpointError(
-                f"cannot read {p} as a torch checkpoint ({type(exc).__name__}: {exc}); if "
-                "it is being written, write it to a temporary name and rename it into place"
-            ) from exc
-    if key is not None:
-        if not isinstance(obj, Mapping) or key not in obj:
-            keys = ", ".join(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
-            raise CheckpointError(f"{p} has no entry {key!r} (it has: {keys})")
-        obj = obj[key]
-    if isinstance(obj, torch.Tensor):
-        raise CheckpointError(f"{p} holds a single tensor, not a dict of named tensors")
-    if not isinstance(obj, Mapping):
         raise CheckpointError(
-            f"{p} holds a {type(obj).__name__}, not a dict of tensors: save model.state_dict()"
-        )
-    flat: dict[str, torch.Tensor] = {}
-    _flatten_into(flat, obj, (), p, top=obj)
-    if not flat:
-        raise CheckpointError(f"{p} holds no tensors")
-    return flat
+            f"{file} holds Python objects ({found[1]}) that torch.load(weights_only=True) "
+            "refuses to unpickle (zmqsync never runs code from a checkpoint): save the "
+            "tensors only, torch.save(model.state_dict(), path)"
+        ) from exc
+    except Exception as exc:  # torch.load of damaged bytes raises almost anything
+        raise CheckpointError(
+            f"cannot read {file} as a torch checkpoint ({type(exc).__name__}: {exc}); if "
+            "it is being written, write it to a temporary name and rename it into place"
+        ) from exc
 
 
 def _flatten_into(
     out: dict[str, torch.Tensor],
-    obj: Mapping[Any, Any],
+    tree: Mapping[Any, Any],
     prefix: tuple[str, ...],
-    path: Path,
+    file: Path,
     *,
     top: Mapping[Any, Any],
 ) -> None:
+    """Add ``tree``'s tensors to ``out`` under dotted names; ``top``: the whole
+    checkpoint, to suggest a ``--key`` when an entry is not a tensor."""
     import torch
 
-    for k, v in obj.items():
-        name = (*prefix, str(k))
-        if isinstance(v, Mapping):
-            _flatten_into(out, v, name, path, top=top)
-        elif isinstance(v, torch.Tensor):
-            out[".".join(name)] = v
+    for entry, value in tree.items():
+        name = (*prefix, str(entry))
+        if isinstance(value, Mapping):
+            _flatten_into(out, value, name, file, top=top)
+        elif isinstance(value, torch.Tensor):
+            out[".".join(name)] = value
         else:
-            dicts = [str(t) for t, sub in top.items() if isinstance(sub, Mapping)]
+            dicts = [str(k) for k, sub in top.items() if isinstance(sub, Mapping)]
             hint = (
                 f" use --key to pick the state_dict inside it ({', '.join(dicts)})"
                 if dicts
                 else " save model.state_dict() only"
             )
             raise CheckpointError(
-                f"{path}: entry {'.'.join(name)!r} is a {type(v).__name__}, not a tensor;{hint}"
+                f"{file}: entry {'.'.join(name)!r} is a {type(value).__name__}, not a tensor;{hint}"
             )
 
 
 def _file_signature(path: Path) -> tuple[int, int] | None:
+    """The file's (mtime, size): what changes when it is rewritten; None if it is gone."""
     try:
-        st = path.stat()
+        stat = path.stat()
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size
+    return stat.st_mtime_ns, stat.st_size
 
 
 @dataclass

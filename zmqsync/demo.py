@@ -41,10 +41,10 @@ def demo_model(size_mb: float = 1.0, *, seed: int = 0) -> torch.nn.Module:
 
     if size_mb <= 0:
         raise ValueError(f"size_mb must be positive; got {size_mb}")
-    n = size_mb * 1024 * 1024 / 4
-    # parameters = h*h + (IN + OUT + 1)*h + OUT: solve for the hidden width h.
-    b = DEMO_IN + DEMO_OUT + 1
-    hidden = max(1, int((-b + (b * b + 4 * n) ** 0.5) / 2))
+    params = size_mb * 1024 * 1024 / 4  # float32
+    # params = h*h + (IN + OUT + 1)*h + OUT: solve for the hidden width h (OUT is small).
+    linear = DEMO_IN + DEMO_OUT + 1
+    hidden = max(1, int((-linear + (linear * linear + 4 * params) ** 0.5) / 2))
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(DEMO_IN, hidden),

@@ -46,8 +46,8 @@ def parse_endpoint(endpoint: str) -> tuple[str, str]:
         )
     scheme, _, rest = endpoint.partition("://")
     if scheme == "tcp":
-        m = _TCP_ENDPOINT.match(endpoint)
-        if not m or (m["port"] != "*" and not 0 <= int(m["port"]) <= MAX_PORT):
+        match = _TCP_ENDPOINT.match(endpoint)
+        if not match or (match["port"] != "*" and not 0 <= int(match["port"]) <= MAX_PORT):
             raise EndpointError(
                 f"tcp endpoint {endpoint!r} needs a host and a port: tcp://127.0.0.1:5555, "
                 "or tcp://127.0.0.1:* for any free port"
@@ -77,11 +77,11 @@ def derive_endpoint(endpoint: str, suffix: str, port_offset: int) -> str:
     """
     scheme, _ = parse_endpoint(endpoint)
     if scheme == "tcp":
-        m = _TCP_ENDPOINT.match(endpoint)
-        assert m is not None
-        port = m["port"]
+        match = _TCP_ENDPOINT.match(endpoint)
+        assert match is not None
+        port = match["port"]
         new_port = "*" if port in ("*", "0") else str(int(port) + port_offset)
-        return f"tcp://{m['host']}:{new_port}"
+        return f"tcp://{match['host']}:{new_port}"
     return f"{endpoint}-{suffix}"
 
 
@@ -107,13 +107,13 @@ def connect_address(announced: str, main_endpoint: str) -> str:
     A hub bound on a wildcard host (``0.0.0.0``, ``*``) announces that; the spoke
     connects to the host it already reached the hub on instead.
     """
-    m = _TCP_ENDPOINT.match(announced)
-    if not m or m["host"] not in ("0.0.0.0", "*", "[::]", "[::0]"):
+    match = _TCP_ENDPOINT.match(announced)
+    if not match or match["host"] not in ("0.0.0.0", "*", "[::]", "[::0]"):
         return announced
     main = _TCP_ENDPOINT.match(main_endpoint)
     if main is None:
         return announced
-    return f"tcp://{main['host']}:{m['port']}"
+    return f"tcp://{main['host']}:{match['port']}"
 
 
 def check_connectable(endpoint: str) -> None:

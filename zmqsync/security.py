@@ -92,6 +92,12 @@ def _create(path: Path, text: str, mode: int, *, replace: bool) -> None:
         f.write(text)
 
 
+def _key_files(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """The pair ``name``'s files in ``directory``: ``(NAME.key, NAME.key_secret)``."""
+    folder = Path(directory)
+    return folder / f"{name}.key", folder / f"{name}.key_secret"
+
+
 def write_keypair(
     directory: str | os.PathLike[str], name: str, *, force: bool = False
 ) -> tuple[Path, Path]:
@@ -101,8 +107,7 @@ def write_keypair(
     Raises ``FileExistsError`` if either file (or a link) is there, unless ``force``,
     which replaces them with new files. Returns ``(public_file, secret_file)``.
     """
-    d = Path(directory)
-    public_file, secret_file = d / f"{name}.key", d / f"{name}.key_secret"
+    public_file, secret_file = _key_files(directory, name)
     public, secret = generate_keypair()
     _create(secret_file, _certificate(public, secret), SECRET_FILE_MODE, replace=force)
     _create(public_file, _certificate(public, None), PUBLIC_FILE_MODE, replace=force)
@@ -161,10 +166,12 @@ class CurveServer:
         public, secret = _load(secret_file, secret=True)
         allowed = None
         if allowed_clients_dir is not None:
-            d = Path(allowed_clients_dir)
-            if not d.is_dir():
-                raise FileNotFoundError(f"allowed-clients directory {d} does not exist")
-            allowed = frozenset(_load(f, secret=False)[0] for f in sorted(d.glob("*.key")))
+            clients = Path(allowed_clients_dir)
+            if not clients.is_dir():
+                raise FileNotFoundError(f"allowed-clients directory {clients} does not exist")
+            allowed = frozenset(
+                _load(file, secret=False)[0] for file in sorted(clients.glob("*.key"))
+            )
         assert secret is not None
         return cls(public, secret, allowed)
 
@@ -237,14 +244,13 @@ def create_curve_keypair(
         raise ZMQSyncError("this libzmq was built without CURVE support; install pyzmq's wheel")
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"key name {name!r} must be a plain file name, like 'learner'")
-    d = Path(directory)
-    public, secret = d / f"{name}.key", d / f"{name}.key_secret"
+    public, secret = _key_files(directory, name)
     if not force and (os.path.lexists(public) or os.path.lexists(secret)):  # links too
         raise FileExistsError(
             f"{public} or {secret} already exists; pick another --name, or --force to replace"
         )
-    d.mkdir(parents=True, exist_ok=True)
-    return write_keypair(d, name, force=force)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return write_keypair(directory, name, force=force)
 
 
 def curve_server_from_files(

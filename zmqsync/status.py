@@ -105,32 +105,35 @@ def worker_problem(
     worker: Mapping[str, Any], version: int, silent_after: float | None = DEFAULT_SILENT_AFTER
 ) -> str | None:
     """What is wrong with one worker of a status dict, in words; ``None`` if nothing."""
-    w = worker["worker"]
+    worker_id = worker["worker"]
     if not worker.get("connected"):
-        return f"worker {w} has not connected"
+        return f"worker {worker_id} has not connected"
     if worker.get("left"):
         # Gone on purpose: a problem only where the fleet has a fixed size that counts it.
         if not worker.get("expected"):
             return None
         ago = worker.get("since_left_s")
         when = "" if ago is None else f" {ago:.0f}s ago"
-        return f"worker {w} left{when} (its receiver closed; sends to it fail until it is back)"
+        return (
+            f"worker {worker_id} left{when} (its receiver closed; sends to it fail until it "
+            "is back)"
+        )
     held = int(worker.get("version", 0))
     if worker.get("torn"):
         doing = "being repaired" if worker.get("repairing") else "waiting for a repair"
         return (
-            f"worker {w} is torn (a version's stream broke while it was written in place; "
+            f"worker {worker_id} is torn (a version's stream broke while it was written in place; "
             f"forward passes wait): {doing}, last whole version {held}"
         )
     if held < version:
-        problem = f"worker {w} holds version {held} of {version} ({version - held} behind)"
+        problem = f"worker {worker_id} holds version {held} of {version} ({version - held} behind)"
         refusals = worker.get("rejections") or []
         if refusals:  # why it is behind, when it said so
             problem += f"; it refused: {str(refusals[-1])[:MAX_REASON_CHARS]}"
         return problem
     seen = worker.get("since_last_seen_s")
     if silent_after is not None and seen is not None and seen > silent_after:
-        return f"worker {w} has been silent for {seen:.0f}s (is it still running?)"
+        return f"worker {worker_id} has been silent for {seen:.0f}s (is it still running?)"
     return None
 
 
