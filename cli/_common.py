@@ -1,12 +1,13 @@
 """What the commands share: consoles, error reporting, and the status table.
 
-No sync logic lives here: the table only lays out what :func:`zmqsync.client.query_status`
-(or ``scheme.status()``) returned, and :func:`zmqsync.client.assess` judged.
+No sync logic lives here: the table only lays out what :func:`zmqsync.status.query_status`
+(or ``scheme.status()``) returned, and :func:`zmqsync.status.assess` judged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import signal
@@ -21,10 +22,11 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from zmqsync.client import worker_problem
 from zmqsync.errors import ZMQSyncError
 from zmqsync.metrics import MetricsServer
 from zmqsync.security import exposed_secret_file
+from zmqsync.status import worker_problem
+from zmqsync.vocabulary import MODES, STRATEGIES
 
 #: Width of output that goes to a file or a pipe (rich would pick 80 columns, which
 #: folds the status table); a terminal's own width wins.
@@ -76,6 +78,25 @@ Failover = Annotated[
         envvar="ZMQSYNC_FAILOVER",
         help="Another upstream (a relay, or the learner) to follow when this one goes "
         "silent; repeat it for several, tried in turn. The same CURVE keys serve all.",
+    ),
+]
+
+# The choices of --strategy and --mode, made from zmqsync's own vocabulary: typer offers
+# an Enum's members as an option's choices (mypy cannot see members made from a tuple).
+StrategyChoice = enum.Enum(  # type: ignore[misc]
+    "StrategyChoice", [(s, s) for s in STRATEGIES], type=str
+)
+ModeChoice = enum.Enum("ModeChoice", [(m, m) for m in MODES], type=str)  # type: ignore[misc]
+#: --strategy, for the commands that follow a learner (worker, relay).
+StrategyOption = Annotated[
+    StrategyChoice,
+    typer.Option(help="Must match the learner's; `zmqsync serve` sends state_dict."),
+]
+#: --mode, for the commands that run a learner (serve, demo).
+ModeOption = Annotated[
+    ModeChoice,
+    typer.Option(
+        help="pubsub: one send fans out to every worker; router: one addressed send per worker."
     ),
 ]
 #: Rows shown under each relay in the status table (the furthest behind first).
@@ -251,18 +272,19 @@ def worker_state(worker: Mapping[str, Any], version: int, silent_after: float | 
 
 def status_header(status: Mapping[str, Any]) -> Text:
     """Three lines about the sender itself: what, where, which version, totals."""
-    t = status.get("totals", {})
+    totals = status.get("totals", {})
     epoch = int(status.get("epoch", 0))
     lines = [
         f"model {status.get('model_id')!r}  version {status.get('version')}  "
         f"epoch {epoch:016x}  {status.get('mode')} ({status.get('strategy')})",
         f"endpoint {status.get('endpoint')}  sender {status.get('host')} pid "
         f"{status.get('pid')}  up {fmt_seconds(status.get('uptime_s'))}",
-        f"sent {t.get('versions_sent', 0)} versions, {fmt_bytes(t.get('bytes_sent', 0))}  "
-        f"sync latency p50 {fmt_seconds(t.get('latency_p50_s'))}  "
-        f"p90 {fmt_seconds(t.get('latency_p90_s'))}  "
-        f"p99 {fmt_seconds(t.get('latency_p99_s'))}  "
-        f"timeouts {t.get('timeouts', 0)}  rejected frames {t.get('rejected_frames', 0)}",
+        f"sent {totals.get('versions_sent', 0)} versions, "
+        f"{fmt_bytes(totals.get('bytes_sent', 0))}  "
+        f"sync latency p50 {fmt_seconds(totals.get('latency_p50_s'))}  "
+        f"p90 {fmt_seconds(totals.get('latency_p90_s'))}  "
+        f"p99 {fmt_seconds(totals.get('latency_p99_s'))}  "
+        f"timeouts {totals.get('timeouts', 0)}  rejected frames {totals.get('rejected_frames', 0)}",
     ]
     return Text("\n".join(lines))
 

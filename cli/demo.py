@@ -11,9 +11,12 @@ import typer
 from rich.console import RenderableType
 from rich.live import Live
 
-from zmqsync.client import LocalFleet, assess
+from zmqsync.demo import DEMO_TRANSPORTS, LocalFleet
+from zmqsync.status import assess
 
 from ._common import (
+    ModeChoice,
+    ModeOption,
     console,
     fmt_bytes,
     fmt_seconds,
@@ -22,19 +25,10 @@ from ._common import (
     user_errors,
 )
 
-
-class Mode(str, enum.Enum):
-    """How the learner reaches its workers."""
-
-    pubsub = "pubsub"
-    router = "router"
-
-
-class Transport(str, enum.Enum):
-    """Which ZeroMQ transport the demo runs on."""
-
-    ipc = "ipc"
-    tcp = "tcp"
+# The choices of --transport (see ModeChoice for why an Enum, and why the ignore).
+TransportChoice = enum.Enum(  # type: ignore[misc]
+    "TransportChoice", [(t, t) for t in DEMO_TRANSPORTS], type=str
+)
 
 
 def demo(
@@ -47,16 +41,11 @@ def demo(
     size_mb: Annotated[
         float, typer.Option("--size-mb", min=0.001, help="Size of the demo MLP's weights, in MB.")
     ] = 1.0,
-    mode: Annotated[
-        Mode,
-        typer.Option(
-            help="pubsub: one send fans out to every worker; router: one addressed send per worker."
-        ),
-    ] = Mode.pubsub,
+    mode: ModeOption = ModeChoice["pubsub"],
     transport: Annotated[
-        Transport,
+        TransportChoice,
         typer.Option(help="ipc (unix sockets in a private temp dir) or tcp on 127.0.0.1."),
-    ] = Transport.ipc,
+    ] = TransportChoice["ipc"],
     interval: Annotated[
         float,
         typer.Option(

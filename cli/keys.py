@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from zmqsync.client import create_curve_keypair
+from zmqsync.security import create_curve_keypair
 
 from ._common import console, user_errors
 

@@ -8,12 +8,9 @@ from typing import Annotated
 
 import typer
 
-from zmqsync.client import (
-    curve_client_from_files,
-    curve_server_from_files,
-    reachable_from_other_hosts,
-)
+from zmqsync.endpoints import reachable_from_other_hosts
 from zmqsync.relay import Relay
+from zmqsync.security import curve_client_from_files, curve_server_from_files
 
 from ._common import (
     SECURITY_LOGGER,
@@ -22,6 +19,9 @@ from ._common import (
     Failover,
     MetricsAddr,
     MetricsPort,
+    ModeChoice,
+    StrategyChoice,
+    StrategyOption,
     console,
     fail,
     quiet_logger,
@@ -29,8 +29,6 @@ from ._common import (
     start_metrics,
     user_errors,
 )
-from .serve import Mode
-from .worker import Strategy
 
 
 def relay(
@@ -50,8 +48,9 @@ def relay(
         ),
     ] = None,
     mode: Annotated[
-        Mode, typer.Option(help="How the relay reaches its own workers (see `zmqsync serve`).")
-    ] = Mode.pubsub,
+        ModeChoice,
+        typer.Option(help="How the relay reaches its own workers (see `zmqsync serve`)."),
+    ] = ModeChoice["pubsub"],
     relay_idx: Annotated[
         int | None,
         typer.Option(
@@ -69,9 +68,7 @@ def relay(
             "workers that have connected.",
         ),
     ] = None,
-    strategy: Annotated[
-        Strategy, typer.Option(help="Must match the learner's; `zmqsync serve` sends state_dict.")
-    ] = Strategy.state_dict,
+    strategy: StrategyOption = StrategyChoice["state_dict"],
     timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds to wait for the upstream when connecting.")
     ] = 30.0,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from pathlib import Path
 from typing import Annotated, Final
@@ -11,20 +10,19 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from zmqsync.client import (
-    CheckpointError,
-    CheckpointPublisher,
-    PublishResult,
-    curve_server_from_files,
-    reachable_from_other_hosts,
-)
+from zmqsync.checkpoints import CheckpointPublisher, PublishResult
+from zmqsync.endpoints import reachable_from_other_hosts
+from zmqsync.errors import CheckpointError
 from zmqsync.metrics import MetricsServer
+from zmqsync.security import curve_server_from_files
 
 from ._common import (
     SECURITY_LOGGER,
     CurveSecret,
     MetricsAddr,
     MetricsPort,
+    ModeChoice,
+    ModeOption,
     console,
     fail,
     fmt_bytes,
@@ -37,13 +35,6 @@ from ._common import (
 
 #: Sends of at least this many bytes show a progress bar (acks so far) on a terminal.
 LARGE_SEND: Final = 64 * 1024 * 1024
-
-
-class Mode(str, enum.Enum):
-    """How the learner reaches its workers."""
-
-    pubsub = "pubsub"
-    router = "router"
 
 
 def serve(
@@ -63,12 +54,7 @@ def serve(
             show_default=False,
         ),
     ] = None,
-    mode: Annotated[
-        Mode,
-        typer.Option(
-            help="pubsub: one send fans out to every worker; router: one addressed send per worker."
-        ),
-    ] = Mode.pubsub,
+    mode: ModeOption = ModeChoice["pubsub"],
     workers: Annotated[
         int | None,
         typer.Option(
@@ -218,15 +204,15 @@ def _publish(publisher: CheckpointPublisher, out: Console) -> PublishResult:
 
 def _report(result: PublishResult, out: Console) -> None:
     """One line per version: who has it, how long it took, and who did not take it."""
-    n = len(result.targets)
+    targeted = len(result.targets)
     size = fmt_bytes(result.nbytes)
     took = fmt_seconds(result.seconds)
     if result.ok:
-        who = f"{n} workers" if n else "no workers yet"
+        who = f"{targeted} workers" if targeted else "no workers yet"
         out.print(f"version {result.version}: {size} synced to {who} in {took}", soft_wrap=True)
         return
-    reached = n - len(result.missing) - len(result.rejected)
-    line = f"version {result.version}: {size} reached {reached} of {n} workers in {took}"
+    reached = targeted - len(result.missing) - len(result.rejected)
+    line = f"version {result.version}: {size} reached {reached} of {targeted} workers in {took}"
     if result.missing:
         ids = ", ".join(map(str, result.missing))
         line += (

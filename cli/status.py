@@ -7,13 +7,8 @@ from typing import Annotated
 
 import typer
 
-from zmqsync.client import (
-    DEFAULT_SILENT_AFTER,
-    DEFAULT_STATUS_TIMEOUT,
-    assess,
-    curve_client_from_files,
-    query_status,
-)
+from zmqsync.security import curve_client_from_files
+from zmqsync.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
 
 from ._common import (
     SECURITY_LOGGER,

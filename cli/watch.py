@@ -10,16 +10,10 @@ from rich.console import RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from zmqsync.client import (
-    DEFAULT_SILENT_AFTER,
-    DEFAULT_STATUS_TIMEOUT,
-    assess,
-    check_connectable,
-    curve_client_from_files,
-    query_status,
-)
+from zmqsync.endpoints import check_connectable
 from zmqsync.errors import ZMQSyncError
-from zmqsync.security import CurveClient
+from zmqsync.security import CurveClient, curve_client_from_files
+from zmqsync.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
 
 from ._common import (
     SECURITY_LOGGER,

@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
-import enum
 from typing import Annotated
 
 import typer
 
-from zmqsync.client import ModelWorker, build_model, curve_client_from_files
+from zmqsync.security import curve_client_from_files
+from zmqsync.worker import ModelWorker, build_model
 
 from ._common import (
     SECURITY_LOGGER,
     CurveSecret,
     CurveServerKey,
     Failover,
+    StrategyChoice,
+    StrategyOption,
     console,
     fmt_seconds,
     quiet_logger,
     sigterm_as_interrupt,
     user_errors,
 )
-
-
-class Strategy(str, enum.Enum):
-    """How weights are named on the wire; the learner and its workers must agree."""
-
-    state_dict = "state_dict"
-    tensordict = "tensordict"
 
 
 def worker(
@@ -58,9 +53,7 @@ def worker(
             "lowest free id (replicas of one container image have no ids of their own).",
         ),
     ] = None,
-    strategy: Annotated[
-        Strategy, typer.Option(help="Must match the learner's; `zmqsync serve` sends state_dict.")
-    ] = Strategy.state_dict,
+    strategy: StrategyOption = StrategyChoice["state_dict"],
     timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds to wait for the learner when connecting.")
     ] = 30.0,

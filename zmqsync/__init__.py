@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "TransportError": "zmqsync.errors",
     "WeightReceiver": "zmqsync.receiver",
     "WeightSender": "zmqsync.sender",
-    "WeightStrategy": "zmqsync.schemes.base",
+    "WeightStrategy": "zmqsync.schemes.weights",
     "WeightSyncActorMixin": "zmqsync.schemes.ray",
     "WeightSyncScheme": "zmqsync.schemes.base",
     "WeightsRejected": "zmqsync.errors",
@@ -79,12 +79,13 @@ if TYPE_CHECKING:
     )
     from zmqsync.receiver import WeightReceiver
     from zmqsync.relay import Relay
-    from zmqsync.schemes.base import WeightStrategy, WeightSyncScheme
+    from zmqsync.schemes.base import WeightSyncScheme
     from zmqsync.schemes.legacy import MultiProcessedRemoteWeightUpdate
     from zmqsync.schemes.mixed import MixedWeightSyncScheme
     from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
     from zmqsync.schemes.noop import NoWeightSyncScheme
     from zmqsync.schemes.ray import RayWeightSyncScheme, WeightSyncActorMixin
+    from zmqsync.schemes.weights import WeightStrategy
     from zmqsync.schemes.zmq import ZMQWeightSyncScheme
     from zmqsync.sender import WeightSender
     from zmqsync.tensors.extract import checksum

@@ -34,6 +34,7 @@ from zmqsync.receiver import WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender, _Copy, _Forwarded
 from zmqsync.transport.base import HubTransport, SpokeTransport
+from zmqsync.vocabulary import Mode, Strategy
 
 __all__ = ["Relay"]
 
@@ -153,7 +154,7 @@ class Relay:
         hub: HubTransport | Sequence[HubTransport],
         *,
         model_id: str = "policy",
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
         worker_idx: int | None = None,
         num_workers: int | None = None,
         timeout: float = 10.0,
@@ -213,7 +214,7 @@ class Relay:
         upstream: str,
         endpoint: str | None = None,
         *,
-        mode: str = "pubsub",
+        mode: Mode = "pubsub",
         curve_server: CurveServer | None = None,
         curve_client: CurveClient | None = None,
         insecure: bool = False,

@@ -1,17 +1,13 @@
 """ZeroMQ CURVE: encryption and authentication for every socket of a fleet.
 
-The sender holds a server key pair; each worker holds a client key pair and the server's
-public key. With ``allowed_clients`` the sender accepts only those client public keys
-(checked by a ZAP handler): anyone else can neither receive weights nor send acks or
-status requests. Key files are the ones ``zmqsync keys`` (``zmq.auth.create_certificates``)
-writes: ``NAME.key`` (public) and ``NAME.key_secret`` (both keys). A secret key file is
-created readable by its owner only (:func:`write_keypair`), and loading one that other
-users can read logs a warning.
+The sender holds a server key pair (:class:`CurveServer`); each worker holds a client
+pair and the server's public key (:class:`CurveClient`). With ``allowed_clients`` the
+sender's ZAP handler accepts only those client keys. Key files are what ``zmqsync keys``
+writes (:func:`create_curve_keypair`), in ``zmq.auth``'s format: ``NAME.key`` (public)
+and ``NAME.key_secret`` (both keys, readable by its owner only)::
 
-::
-
-    server = CurveServer.from_files("keys/server.key_secret", allowed_clients_dir="keys/clients")
-    client = CurveClient.from_files("keys/worker.key_secret", server_public_file="keys/server.key")
+    server = curve_server_from_files("keys/server.key_secret", "keys/clients")
+    client = curve_client_from_files("keys/worker.key_secret", "keys/server.key")
 """
 
 from __future__ import annotations
@@ -30,10 +26,15 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from zmqsync.errors import ZMQSyncError
+
 __all__ = [
     "ZAP_DOMAIN",
     "CurveClient",
     "CurveServer",
+    "create_curve_keypair",
+    "curve_client_from_files",
+    "curve_server_from_files",
     "exposed_secret_file",
     "generate_keypair",
     "write_keypair",
@@ -91,6 +92,12 @@ def _create(path: Path, text: str, mode: int, *, replace: bool) -> None:
         f.write(text)
 
 
+def _key_files(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """The pair ``name``'s files in ``directory``: ``(NAME.key, NAME.key_secret)``."""
+    folder = Path(directory)
+    return folder / f"{name}.key", folder / f"{name}.key_secret"
+
+
 def write_keypair(
     directory: str | os.PathLike[str], name: str, *, force: bool = False
 ) -> tuple[Path, Path]:
@@ -100,8 +107,7 @@ def write_keypair(
     Raises ``FileExistsError`` if either file (or a link) is there, unless ``force``,
     which replaces them with new files. Returns ``(public_file, secret_file)``.
     """
-    d = Path(directory)
-    public_file, secret_file = d / f"{name}.key", d / f"{name}.key_secret"
+    public_file, secret_file = _key_files(directory, name)
     public, secret = generate_keypair()
     _create(secret_file, _certificate(public, secret), SECRET_FILE_MODE, replace=force)
     _create(public_file, _certificate(public, None), PUBLIC_FILE_MODE, replace=force)
@@ -160,10 +166,12 @@ class CurveServer:
         public, secret = _load(secret_file, secret=True)
         allowed = None
         if allowed_clients_dir is not None:
-            d = Path(allowed_clients_dir)
-            if not d.is_dir():
-                raise FileNotFoundError(f"allowed-clients directory {d} does not exist")
-            allowed = frozenset(_load(f, secret=False)[0] for f in sorted(d.glob("*.key")))
+            clients = Path(allowed_clients_dir)
+            if not clients.is_dir():
+                raise FileNotFoundError(f"allowed-clients directory {clients} does not exist")
+            allowed = frozenset(
+                _load(file, secret=False)[0] for file in sorted(clients.glob("*.key"))
+            )
         assert secret is not None
         return cls(public, secret, allowed)
 
@@ -218,3 +226,63 @@ class CurveClient:
         sock.curve_serverkey = self.server_key
         sock.curve_publickey = self.public_key
         sock.curve_secretkey = self.secret_key
+
+
+# --- key files, as the commands take them ---------------------------------------------
+
+
+def create_curve_keypair(
+    directory: str | os.PathLike[str], name: str = "zmqsync", *, force: bool = False
+) -> tuple[Path, Path]:
+    """Write a ZeroMQ CURVE key pair: ``NAME.key`` (public) and ``NAME.key_secret``.
+
+    The secret file is created readable by its owner only (mode 0600 from the start).
+    Refuses to overwrite an existing pair unless ``force``. Returns
+    ``(public_file, secret_file)``.
+    """
+    if not zmq.has("curve"):
+        raise ZMQSyncError("this libzmq was built without CURVE support; install pyzmq's wheel")
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"key name {name!r} must be a plain file name, like 'learner'")
+    public, secret = _key_files(directory, name)
+    if not force and (os.path.lexists(public) or os.path.lexists(secret)):  # links too
+        raise FileExistsError(
+            f"{public} or {secret} already exists; pick another --name, or --force to replace"
+        )
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return write_keypair(directory, name, force=force)
+
+
+def curve_server_from_files(
+    secret_file: str | os.PathLike[str] | None,
+    allowed_clients_dir: str | os.PathLike[str] | None = None,
+) -> CurveServer | None:
+    """The sender's CURVE keys from ``zmqsync keys`` files; ``None`` without a secret file.
+
+    ``allowed_clients_dir`` holds the public ``*.key`` files of the workers (and status
+    clients) to accept; without it, any client with the server's public key may connect
+    (encrypted, but not authenticated).
+    """
+    if secret_file is None:
+        if allowed_clients_dir is not None:
+            raise ValueError(
+                "a directory of allowed client keys needs the sender's own secret key file too"
+            )
+        return None
+    return CurveServer.from_files(secret_file, allowed_clients_dir=allowed_clients_dir)
+
+
+def curve_client_from_files(
+    secret_file: str | os.PathLike[str] | None,
+    server_public_file: str | os.PathLike[str] | None,
+) -> CurveClient | None:
+    """A client's CURVE keys (its secret file and the sender's public key file), or
+    ``None`` when neither is given. One without the other is an error."""
+    if secret_file is None and server_public_file is None:
+        return None
+    if secret_file is None or server_public_file is None:
+        raise ValueError(
+            "CURVE needs both this side's secret key file (NAME.key_secret) and the "
+            "sender's public key file (NAME.key)"
+        )
+    return CurveClient.from_files(secret_file, server_public_file=server_public_file)

@@ -64,6 +64,7 @@ from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.shared_params import SharedParams, why_not_shared
 from zmqsync.tensors.views import dtype_name
 from zmqsync.transport.base import HubTransport, Incoming, PeerId
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["WeightSender"]
 
@@ -546,7 +547,7 @@ class WeightSender:
         *,
         model_id: str = "policy",
         model: Any = None,
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
         num_workers: int | None = None,
         timeout: float = 10.0,
         retain_snapshot: bool = True,

@@ -46,7 +46,6 @@ from zmqsync.protocol.messages import (
     MAX_VERSION_BYTES,
     PROTOCOL_VERSION,
     SESSION_CHARS,
-    STRATEGIES,
     WIRE_DTYPES,
     Ack,
     Buffer,
@@ -66,6 +65,7 @@ from zmqsync.protocol.messages import (
     WeightsSchema,
     Welcome,
 )
+from zmqsync.vocabulary import STRATEGIES
 
 __all__ = [
     "ACK_BODY",

@@ -87,7 +87,6 @@ FLOAT_DTYPES: Final = frozenset(n for n in DTYPE_ITEMSIZE if n.startswith(("floa
 #: A session secret travels as this many hex characters (128 random bits).
 SESSION_CHARS: Final = 32
 
-STRATEGIES: Final = ("state_dict", "tensordict")
 #: A Hello from a worker that has no id yet: the sender assigns one in its Welcome.
 AUTO_WORKER: Final = (1 << 64) - 1
 

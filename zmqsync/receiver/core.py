@@ -32,6 +32,7 @@ from zmqsync.tensors.in_place import InPlace
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.transport.base import SpokeTransport
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["WeightReceiver"]
 
@@ -78,7 +79,7 @@ class WeightReceiver(Applying, Session):
         *,
         model_id: str = "policy",
         model: Any = None,
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
         worker_idx: int | None = 0,
         timeout: float = 10.0,
         apply_mode: str = "auto",

@@ -18,43 +18,30 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Mapping
 from typing import Any, Final
 
-import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from zmqsync.errors import SyncTimeout
 from zmqsync.receiver import WeightReceiver
+from zmqsync.schemes.weights import WeightStrategy, apply_to_model
 from zmqsync.sender import WeightSender
-from zmqsync.tensors.extract import extract
-from zmqsync.tensors.fit import check_fits
 from zmqsync.transport import resolve
 from zmqsync.transport.base import HubTransport, SpokeTransport
+from zmqsync.vocabulary import Strategy, as_strategy
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT", "WeightStrategy", "WeightSyncScheme"]
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "WeightSyncScheme"]
 
 #: Seconds ``connect()`` waits by default, on either side (torchrl's default too).
 #: Generous, because spawned workers connect only once they have imported torch, and
 #: several of them import it at once; the send ``timeout`` is kept short to see dead
 #: workers quickly, so it cannot serve for joining too.
 DEFAULT_CONNECT_TIMEOUT: Final = 120.0
-
-
-class WeightStrategy:
-    """How weights are taken from a model: ``"state_dict"`` or ``"tensordict"``.
-
-    torchrl passes one of these to ``prepare_weights``; zmqsync only needs its name.
-    """
-
-    def __init__(self, extract_as: str = "tensordict") -> None:
-        self.extract_as = extract_as
-
-    def extract_weights(self, source: Any) -> Any:
-        tensors = extract(source, self.extract_as)
-        if self.extract_as == "state_dict":
-            return {".".join(k): v for k, v in tensors.items()}
-        return TensorDict(dict(tensors.items()), batch_size=[])
+#: Seconds between looks at which workers have connected, while a sender's ``connect()``
+#: waits for them.
+WORKERS_POLL: Final = 0.01
 
 
 #: What a scheme passes to :class:`WeightSender` itself; the rest of the sender's
@@ -97,7 +84,7 @@ def _model_from_context(context: Any, model_id: str) -> Any:
 
 
 class WeightSyncScheme:
-    """Base of every scheme: the seeds' surface, over a transport chosen by alias.
+    """Base of every scheme: torchrl's scheme surface, over a transport chosen by alias.
 
     Args:
         strategy: ``"state_dict"`` or ``"tensordict"``; both ends must agree.
@@ -114,7 +101,7 @@ class WeightSyncScheme:
 
     def __init__(
         self,
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
         *,
         transport: str | None = None,
         endpoint: str | None = None,
@@ -124,9 +111,7 @@ class WeightSyncScheme:
     ) -> None:
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be positive seconds; got {connect_timeout}")
-        if strategy not in ("state_dict", "tensordict"):
-            raise ValueError(f"strategy must be 'state_dict' or 'tensordict'; got {strategy!r}")
-        self.strategy = strategy
+        self.strategy = as_strategy(strategy)
         if transport is not None:
             self._transport_alias = transport
         self.endpoint = endpoint
@@ -153,7 +138,7 @@ class WeightSyncScheme:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    # --- properties (seeds) ----------------------------------------------------------
+    # --- properties (torchrl's) ------------------------------------------------------
 
     @property
     def context(self) -> Any | None:
@@ -444,8 +429,6 @@ class WeightSyncScheme:
         raise RuntimeError("connect() needs init_on_sender() or init_on_receiver() first")
 
     def _wait_for_workers(self, timeout: float) -> None:
-        import time
-
         sender = self.get_sender()
         expected = set(range(sender.num_workers or 0))
         deadline = time.monotonic() + timeout
@@ -458,7 +441,7 @@ class WeightSyncScheme:
                     f"workers {sorted(missing)} did not connect within {timeout:g}s",
                     missing_workers=missing,
                 )
-            time.sleep(0.01)
+            time.sleep(WORKERS_POLL)
 
     def receive(self, timeout: float | None = None) -> Any:
         """Wait for a new version, apply it, return it (``None`` on timeout)."""
@@ -473,10 +456,10 @@ class WeightSyncScheme:
         """Hold during a forward pass: no version is applied meanwhile."""
         return self.get_receiver().lock
 
-    # --- local helpers (seeds) -------------------------------------------------------
+    # --- local helpers (torchrl's) ---------------------------------------------------
 
     def prepare_weights(
-        self, weights: Any, model_id: str, strategy: WeightStrategy | str, context: Any = None
+        self, weights: Any, model_id: str, strategy: WeightStrategy | Strategy, context: Any = None
     ) -> Any:
         """Resolve ``weights`` (None -> the context's or scheme's model) to a TensorDict
         or state_dict, ready to send."""
@@ -493,31 +476,7 @@ class WeightSyncScheme:
         """Apply ``weights`` to this side's model (all-or-nothing)."""
         if self._model is None:
             raise RuntimeError("this scheme has no model to apply weights to")
-        target = extract(self._model, self.strategy)
-        source = extract(weights, self.strategy)
-        missing = target.keys() - source.keys()
-        if missing:
-            name = ".".join(sorted(missing)[0])
-            from zmqsync.errors import SchemaMismatchError
-
-            raise SchemaMismatchError(f"weights lack {name!r} that the model has", key=name)
-        from zmqsync.tensors.flatten import Flattener
-
-        check_fits(
-            Flattener(self.strategy).flatten(source, stage=False).schema, target, self.strategy
-        )
-        with torch.no_grad():
-            if inplace:
-                for key, dest in target.items():
-                    dest.copy_(source[key])
-            elif isinstance(self._model, torch.nn.Module):
-                clones = {".".join(k): v.clone() for k, v in source.items()}
-                if self.strategy == "state_dict":
-                    self._model.load_state_dict(clones, assign=True)
-                else:
-                    TensorDict(dict(source.items()), batch_size=[]).clone().to_module(self._model)
-            else:
-                raise ValueError("inplace=False needs an nn.Module model")
+        apply_to_model(self._model, weights, self.strategy, inplace=inplace)
 
     # --- lifecycle -------------------------------------------------------------------
 

@@ -1,17 +1,10 @@
 """MultiProcessedRemoteWeightUpdate: torchrl's legacy collector-side weight updater.
 
-Seed ``004``: the updater holds, per worker (a device or a process index), the weights
-that worker runs with (``policy_weights``; in torchrl's multiprocess collectors, tensors in
-shared memory that the worker processes read), and copies the server's weights into them.
-
-Here each of those destinations is the model of a :class:`~zmqsync.WeightReceiver` on the
-in-process **memory** transport, fed by one :class:`~zmqsync.WeightSender`. Why memory:
-the destinations are objects in this process, so bytes never have to cross a process
-boundary; a socket or pipe would only add copies and ways to fail. What zmqsync adds over
-a bare ``update_``: every push is a version (``version``, ``status()``), applied to each
-worker whole or not at all after a key/dtype/shape check (a mismatch raises
-:class:`~zmqsync.WeightsRejected` naming the worker and the key, and changes nothing), and
-acknowledged.
+It copies the server's weights into each worker's own (``policy_weights``, in this
+process: tensors in shared memory that torchrl's worker processes read). Each
+destination is the model of a :class:`~zmqsync.WeightReceiver` on the in-process memory
+transport (no bytes cross a process), fed by one :class:`~zmqsync.WeightSender`: every
+push is a version, applied whole or not at all after a key/dtype/shape check, and acked.
 """
 
 from __future__ import annotations
@@ -26,6 +19,7 @@ from tensordict import TensorDictBase
 from zmqsync.receiver import WeightReceiver
 from zmqsync.sender import WeightSender
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["MultiProcessedRemoteWeightUpdate"]
 
@@ -59,7 +53,7 @@ class MultiProcessedRemoteWeightUpdate:
         policy_weights: Mapping[Hashable, Any],
         *,
         timeout: float = 10.0,
-        strategy: str = "tensordict",
+        strategy: Strategy = "tensordict",
     ) -> None:
         if not isinstance(policy_weights, Mapping) or not policy_weights:
             raise ValueError(

@@ -1,6 +1,6 @@
 """MultiProcessWeightSyncScheme: weight sync with worker processes over pipes.
 
-torchrl's scheme of the same name (seed ``001``), on zmqsync's pipe transport: the same
+torchrl's scheme of the same name, on zmqsync's pipe transport: the same
 versioned frames as the ZeroMQ schemes (tensor bytes, never pickled tensors), acks back
 through the same pipe. Unlike torchrl's, a worker never aliases the sender's memory (it
 holds its own copy, changed only by a send) and ``worker_ids`` reaches only the named
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any
 
 from zmqsync.receiver import WeightReceiver
 from zmqsync.schemes.base import (
@@ -21,6 +21,7 @@ from zmqsync.schemes.base import (
     _receiver_options,
 )
 from zmqsync.transport.pipe import PipeHub, PipeSpoke
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["MultiProcessWeightSyncScheme"]
 
@@ -79,7 +80,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        strategy: Strategy = "state_dict",
         *,
         timeout: float = 10.0,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from zmqsync.schemes.base import WeightSyncScheme
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["NoWeightSyncScheme"]
 
@@ -26,7 +27,7 @@ class NoWeightSyncScheme(WeightSyncScheme):
     drives the schemes.
     """
 
-    def __init__(self, strategy: Literal["state_dict", "tensordict"] = "tensordict") -> None:
+    def __init__(self, strategy: Strategy = "tensordict") -> None:
         super().__init__(strategy)
         self._initialised = False
 

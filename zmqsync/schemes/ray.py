@@ -1,14 +1,9 @@
 """RayWeightSyncScheme: weight sync with Ray actors, through Ray's object store.
 
-torchrl's scheme of the same name (seed ``003``) on zmqsync's Ray transport
-(:mod:`zmqsync.transport.ray`): one version is put into the object store once and every
-actor on a node reads it without a copy of its own, then copies it once into its model;
-acks are the results of the calls. An actor that dies makes ``send()`` raise
-:class:`~zmqsync.SyncTimeout` naming it.
-
-On the actor's side, ``init_on_worker`` only registers a receiver: the sender's calls
-apply each version as it arrives (between the actor's other methods) and carry the ack
-back as the call's result. Only joining runs on a thread of its own, briefly.
+torchrl's scheme of the same name on zmqsync's Ray transport (:mod:`zmqsync.transport.ray`):
+a version is put into the object store once, each actor copies it into its model as
+the sender's calls arrive (between its other methods), and the calls' results are the
+acks. An actor that dies makes ``send()`` raise :class:`~zmqsync.SyncTimeout` naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from zmqsync.errors import SchemaMismatchError, SyncTimeout
 from zmqsync.receiver import WeightReceiver
@@ -33,6 +28,7 @@ from zmqsync.transport.ray import (
     RaySpoke,
     WeightSyncActorMixin,
 )
+from zmqsync.vocabulary import Strategy
 
 __all__ = ["RayWeightSyncScheme", "WeightSyncActorMixin"]
 
@@ -201,7 +197,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        strategy: Strategy = "state_dict",
         *,
         timeout: float = 10.0,
         method: str = DELIVER_METHOD,

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final
 
 from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.tensors.model_tensors import ModelTensors
+from zmqsync.vocabulary import Mode, Strategy, as_mode
 
 __all__ = ["ZMQWeightSyncScheme"]
 
-_MODES = {"pubsub": "zmq-pubsub", "router": "zmq-router"}
+#: The transport alias that carries each mode.
+_TRANSPORTS: Final[dict[Mode, str]] = {"pubsub": "zmq-pubsub", "router": "zmq-router"}
 
 
 class ZMQWeightSyncScheme(WeightSyncScheme):
@@ -49,9 +51,9 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "tensordict",
+        strategy: Strategy = "tensordict",
         *,
-        mode: Literal["pubsub", "router"] = "pubsub",
+        mode: Mode = "pubsub",
         endpoint: str | None = None,
         timeout: float = 10.0,
         curve_server: CurveServer | None = None,
@@ -65,12 +67,10 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
         self.curve_server = curve_server
         self.curve_client = curve_client
         self.insecure = insecure
-        if mode not in _MODES:
-            raise ValueError(f"mode must be 'pubsub' or 'router'; got {mode!r}")
-        self.mode = mode
+        self.mode = as_mode(mode)
         super().__init__(
             strategy,
-            transport=_MODES[mode],
+            transport=_TRANSPORTS[self.mode],
             endpoint=endpoint,
             timeout=timeout,
             connect_timeout=connect_timeout,

@@ -21,19 +21,42 @@ from zmqsync.torchrl._model import (
     _ForwardLock,
     _materialize,
     _model_of,
+    _PolicyVersion,
     _weightless,
 )
 from zmqsync.torchrl._plan import _count_workers, _Fanout, _is_per_worker, _nth, _Plan
+from zmqsync.vocabulary import Strategy
 
 
 class _CollectorScheme(_TorchRLWeightSyncScheme):
-    """What the torchrl classes share: torchrl's calling conventions around a zmqsync
-    scheme (``self._inner``). Subclasses say how the inner scheme's sender and receiver
-    are set up (:meth:`_start_sender`, :meth:`_start_receiver`)."""
+    """What the torchrl classes share: torchrl's calling conventions and bookkeeping
+    around a zmqsync scheme (``self._inner``), which does the syncing. Subclasses say how
+    the inner scheme's sender and receiver are set up (:meth:`_hub_args`,
+    :meth:`_start_receiver`).
+
+    How a multiprocess collector drives it:
+
+    - learner, ``init_on_sender(model_id=, context=collector, ctx=)``, before any worker
+      starts: the inner scheme binds (ZMQ) or makes a ``ctx.Pipe()`` per worker (pipes),
+      and publishes the policy's weights as version 0, waiting for no worker.
+    - the scheme is pickled into each spawned worker: its settings, the endpoint, a pipe
+      worker's end of its pipe; never sockets, threads, the model or a CURVE secret key.
+    - worker, ``init_on_receiver(model=policy, worker_idx=i)`` then ``connect()``: a
+      ``meta`` policy gets real storage, ``connect()`` returns holding version 0 (or
+      newer), and a background thread applies every later version.
+    - learner, ``connect()``: the pipe scheme closes its copies of the workers' ends, so
+      a worker that dies is seen at once (end of file).
+    - learner, ``update_policy_weights_(worker_ids=...)`` -> :meth:`send`: returns once
+      every targeted worker applied the version, or raises :class:`zmqsync.SyncTimeout`
+      naming those that did not.
+
+    Unlike torchrl's own schemes, a worker holds a copy of its own, changed only by a
+    send, and its forward passes hold the receiver's lock: none runs on half a version.
+    """
 
     def __init__(
         self,
-        strategy: str,
+        strategy: Strategy,
         inner: _ZmqsyncScheme,
         *,
         sync: bool = True,
@@ -57,9 +80,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         self._weightless = False
         self._forward_lock: _ForwardLock | None = None
         self._local_model: Any = None
-        #: What the collector's policy-version tracker was last told: (tracker id,
-        #: epoch, version), so a uuid tracker gets one new id per version, not per call.
-        self._recorded: tuple[int, int, int] | None = None
+        self._policy_version = _PolicyVersion()
 
     # --- pickling into spawned workers -----------------------------------------------
 
@@ -71,7 +92,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         state["_fanout"] = copy.copy(self._fanout)
         state["_forward_lock"] = None
         state["_local_model"] = None
-        state["_recorded"] = None
+        state["_policy_version"] = _PolicyVersion()
         state["_unsynced"] = False
         return state
 
@@ -406,34 +427,8 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
                 self._record_version(receiver.epoch, receiver.version)
 
     def _record_version(self, epoch: int, version: int) -> None:
-        """Set the collector's policy-version tracker (``track_policy_version=True``)
-        to the version the policy now holds: what torchrl writes under
-        ``"policy_version"`` in each frame and saves in ``state_dict()``.
-
-        torchrl's own schemes bump the tracker from their ``receive()``; zmqsync applies
-        versions in its own thread (or at connect), so it is told here, from the
-        receiver's ``on_applied`` listeners: under the receiver's lock, which every
-        forward pass holds too, so no forward runs on a version the tracker does not
-        name yet. (torchrl writes the tag at the env step that follows the forward, after
-        the lock is let go: a version landing in that gap tags that one frame with the
-        newer version, as with torchrl's own schemes.)
-        """
-        tracker = getattr(self.context, "policy_version_tracker", None)
-        if tracker is None:
-            return
-        recorded = (id(tracker), epoch, version)
-        previous, self._recorded = self._recorded, recorded
-        if recorded == previous:
-            return
-        if getattr(tracker, "version_type", int) in (int, "int"):
-            # torchrl counts updates: the initial weights are 0, two updates make 2, as
-            # the learner numbers its versions (it publishes its initial weights as 0).
-            # Numbering by the learner's version, not by updates this worker got, keeps
-            # equal numbers meaning equal weights across workers (a worker skipped by
-            # worker_ids= jumps ahead); a restarted learner numbers from 0 again.
-            tracker.version = version
-        elif version > 0 or (previous is not None and previous[1] != epoch):
-            tracker.increment_version()  # a uuid tracker: a fresh id per new version
+        """Tell the collector's policy-version tracker the version its policy holds."""
+        self._policy_version.record(self.context, epoch, version)
 
     def _cascade(self, epoch: int, version: int) -> None:
         """Hand a version on to the collector's own workers, when this worker is itself a

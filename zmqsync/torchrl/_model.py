@@ -1,5 +1,6 @@
 """The worker's policy as torchrl hands it over: real storage for a ``meta`` policy,
-forward passes that hold the receiver's lock, and finding a model in a collector."""
+forward passes that hold the receiver's lock, the collector's policy-version tracker,
+and finding a model in a collector."""
 
 from __future__ import annotations
 
@@ -71,6 +72,45 @@ class _ForwardLock:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class _PolicyVersion:
+    """Keeps a collector's policy-version tracker (``track_policy_version=True``)
+    naming the version its policy holds: what torchrl writes under
+    ``"policy_version"`` in each frame and saves in ``state_dict()``.
+
+    torchrl's own schemes bump the tracker from their ``receive()``; zmqsync applies
+    versions in its own thread (or at connect), so it is told here, from the
+    receiver's ``on_applied`` listeners: under the receiver's lock, which every
+    forward pass holds too, so no forward runs on a version the tracker does not
+    name yet. (torchrl writes the tag at the env step that follows the forward, after
+    the lock is let go: a version landing in that gap tags that one frame with the
+    newer version, as with torchrl's own schemes.)
+    """
+
+    def __init__(self) -> None:
+        #: What the tracker was last told: (tracker id, epoch, version), so a uuid
+        #: tracker gets one new id per version, not per call.
+        self._told: tuple[int, int, int] | None = None
+
+    def record(self, context: Any, epoch: int, version: int) -> None:
+        """Tell ``context``'s tracker (if it has one) that the policy holds ``version``."""
+        tracker = getattr(context, "policy_version_tracker", None)
+        if tracker is None:
+            return
+        told = (id(tracker), epoch, version)
+        previous, self._told = self._told, told
+        if told == previous:
+            return
+        if getattr(tracker, "version_type", int) in (int, "int"):
+            # torchrl counts updates: the initial weights are 0, two updates make 2, as
+            # the learner numbers its versions (it publishes its initial weights as 0).
+            # Numbering by the learner's version, not by updates this worker got, keeps
+            # equal numbers meaning equal weights across workers (a worker skipped by
+            # worker_ids= jumps ahead); a restarted learner numbers from 0 again.
+            tracker.version = version
+        elif version > 0 or (previous is not None and previous[1] != epoch):
+            tracker.increment_version()  # a uuid tracker: a fresh id per new version
 
 
 def _check_retain_snapshot(sender_options: Mapping[str, Any]) -> None:

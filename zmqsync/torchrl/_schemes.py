@@ -7,7 +7,7 @@ import time
 import types
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any
 
 from zmqsync.errors import SyncTimeout
 from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT
@@ -19,6 +19,7 @@ from zmqsync.torchrl._collector import _CollectorScheme
 from zmqsync.torchrl._model import _check_retain_snapshot
 from zmqsync.torchrl._plan import _STATUS_POLL
 from zmqsync.transport.ray import DELIVER_METHOD, POLL_INTERVAL, deliver
+from zmqsync.vocabulary import Mode, Strategy
 
 __all__ = ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme", "ZMQWeightSyncScheme"]
 
@@ -47,9 +48,9 @@ class ZMQWeightSyncScheme(_CollectorScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "tensordict",
+        strategy: Strategy = "tensordict",
         *,
-        mode: Literal["pubsub", "router"] = "pubsub",
+        mode: Mode = "pubsub",
         endpoint: str | None = None,
         timeout: float = 10.0,
         curve_server: CurveServer | None = None,
@@ -82,7 +83,7 @@ class ZMQWeightSyncScheme(_CollectorScheme):
         super().__init__(strategy, inner, sync=sync, per_worker_weights=per_worker_weights)
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         """``"pubsub"`` or ``"router"``."""
         return self._inner.mode
 
@@ -122,7 +123,7 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        strategy: Strategy = "state_dict",
         *,
         timeout: float = 10.0,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -272,13 +273,26 @@ class RayWeightSyncScheme(_CollectorScheme):
     A remote collector applies versions between its own method calls (a plain Ray actor
     runs one call at a time), so an update sent while it collects a batch lands when
     that batch is done; ``timeout`` must cover one batch.
+
+    Under ``RayCollector``, ``init_on_sender(remote_collectors=)`` starts calling each
+    remote collector actor; torchrl then ships the scheme to each actor
+    (``register_scheme_receiver``), where ``init_on_receiver`` registers a receiver and
+    returns at once. The learner's calls reach it through Ray's built-in
+    ``__ray_call__``, which every Ray actor has, so torchrl's collector classes need no
+    method of zmqsync's (a method added inside the actor later would be unknown to the
+    learner's handle, and ``cascade_execute("_receiver_schemes[...]...")`` fails until
+    torchrl has registered the scheme there): each call hands its frames to the receiver
+    registered in that process (none yet: the call returns nothing), which applies a
+    version and acks on the same call. The actor joins (hello, snapshot) through those
+    calls, and torchrl's lazy ``connect()`` on the learner returns once every actor
+    holds the latest version.
     """
 
     _inner: _RayScheme
 
     def __init__(
         self,
-        strategy: Literal["state_dict", "tensordict"] = "state_dict",
+        strategy: Strategy = "state_dict",
         *,
         timeout: float = 10.0,
         method: str | None = None,

@@ -1,4 +1,4 @@
-"""What the ZeroMQ adapters share: endpoints, sockets, polling, error translation.
+"""What the ZeroMQ adapters share: sockets, polling, error translation.
 
 Every hub binds a ROUTER on the endpoint the user gave (requests in, addressed messages
 out) and a PULL for acks; the pub/sub hub adds a PUB for fan-out. Every spoke connects a
@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
@@ -24,6 +21,13 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from zmqsync.endpoints import (
+    connect_address,
+    default_endpoint,
+    derive_endpoint,
+    is_loopback,
+    parse_endpoint,
+)
 from zmqsync.errors import EndpointError, TransportClosed, TransportError
 from zmqsync.protocol import Buffer, Kind, peek_kind
 from zmqsync.security import CurveClient, CurveServer
@@ -31,13 +35,7 @@ from zmqsync.transport._shm import SHM_AVAILABLE
 from zmqsync.transport._zmq_shm import ADDRESSED, FAN_OUT, ShmLender, ShmReader, is_record
 from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
 
-__all__ = [
-    "ZMQHub",
-    "ZMQSpoke",
-    "default_endpoint",
-    "derive_endpoint",
-    "parse_endpoint",
-]
+__all__ = ["ZMQHub", "ZMQSpoke"]
 
 log = logging.getLogger("zmqsync.transport")
 
@@ -82,90 +80,6 @@ _MORE: Final = int(zmq.SNDMORE) | _NOBLOCK
 _RCVMORE: Final = int(zmq.RCVMORE)
 _EVENTS: Final = int(zmq.EVENTS)
 _POLLIN: Final = int(zmq.POLLIN)
-_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/\[\]]+):(?P<port>\d+|\*)$")
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, str]:
-    """Split ``scheme://address`` and check it is one ZeroMQ can use.
-
-    >>> parse_endpoint("tcp://127.0.0.1:5555")
-    ('tcp', '127.0.0.1:5555')
-    """
-    if not isinstance(endpoint, str) or "://" not in endpoint:
-        raise EndpointError(
-            f"endpoint {endpoint!r} is not an address; use tcp://HOST:PORT, ipc:///PATH "
-            "or inproc://NAME"
-        )
-    scheme, _, rest = endpoint.partition("://")
-    if scheme == "tcp":
-        m = _TCP.match(endpoint)
-        if not m or (m["port"] != "*" and not 0 <= int(m["port"]) <= 65535):
-            raise EndpointError(
-                f"tcp endpoint {endpoint!r} needs a host and a port: tcp://127.0.0.1:5555, "
-                "or tcp://127.0.0.1:* for any free port"
-            )
-    elif scheme == "ipc":
-        if not rest or len(rest.encode()) > 100:
-            raise EndpointError(
-                f"ipc endpoint {endpoint!r} needs a path of at most 100 bytes "
-                "(the kernel's limit for unix sockets)"
-            )
-    elif scheme == "inproc":
-        if not rest:
-            raise EndpointError(f"inproc endpoint {endpoint!r} needs a name: inproc://NAME")
-    else:
-        raise EndpointError(
-            f"endpoint scheme {scheme!r} is not supported by ZeroMQ transports; "
-            "use tcp://, ipc:// or inproc://"
-        )
-    return scheme, rest
-
-
-def derive_endpoint(endpoint: str, suffix: str, port_offset: int) -> str:
-    """The address of a hub's second or third socket, next to its main endpoint.
-
-    ipc and inproc get a suffix; tcp gets the next ports, or any free port when the main
-    one was chosen freely (the real address then travels in the Welcome).
-    """
-    scheme, _ = parse_endpoint(endpoint)
-    if scheme == "tcp":
-        m = _TCP.match(endpoint)
-        assert m is not None
-        port = m["port"]
-        new_port = "*" if port in ("*", "0") else str(int(port) + port_offset)
-        return f"tcp://{m['host']}:{new_port}"
-    return f"{endpoint}-{suffix}"
-
-
-def default_endpoint() -> tuple[str, str]:
-    """A fresh ipc endpoint in a private temp dir: ``(endpoint, dir_to_remove)``."""
-    tmp = tempfile.mkdtemp(prefix="zmqsync-")
-    os.chmod(tmp, 0o700)
-    return f"ipc://{tmp}/hub", tmp
-
-
-def is_loopback(endpoint: str) -> bool:
-    """True for ipc/inproc and tcp on 127.x / ::1 / localhost."""
-    scheme, rest = parse_endpoint(endpoint)
-    if scheme != "tcp":
-        return True
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def connect_address(announced: str, main_endpoint: str) -> str:
-    """Where a spoke connects for an address its hub announced.
-
-    A hub bound on a wildcard host (``0.0.0.0``, ``*``) announces that; the spoke
-    connects to the host it already reached the hub on instead.
-    """
-    m = _TCP.match(announced)
-    if not m or m["host"] not in ("0.0.0.0", "*", "[::]", "[::0]"):
-        return announced
-    main = _TCP.match(main_endpoint)
-    if main is None:
-        return announced
-    return f"tcp://{main['host']}:{m['port']}"
 
 
 @contextlib.contextmanager

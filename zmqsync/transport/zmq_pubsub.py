@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from zmqsync.endpoints import derive_endpoint
 from zmqsync.protocol import Buffer
 from zmqsync.transport._zmq import (
     CONTROL_MAX_MESSAGE,
@@ -20,7 +21,6 @@ from zmqsync.transport._zmq import (
     ZMQHub,
     ZMQSpoke,
     _bind,
-    derive_endpoint,
     send_parts,
 )
 from zmqsync.transport._zmq_shm import FAN_OUT
