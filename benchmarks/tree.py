@@ -62,10 +62,11 @@ class _RelayHost:
     """A relay process on its own host: forwards the tree's learner to its workers;
     answers ``("status", ())`` with its relay and upstream status."""
 
-    def __init__(self, namespace: str, upstream: str, index: int) -> None:
+    def __init__(self, namespace: str, upstream: str, index: int, snapshot: bool) -> None:
         enter_netns(namespace)
         from zmqsync import Relay
 
+        self.rss_before = _memory_kib("VmRSS")
         self.relay = Relay.over_zmq(
             upstream,
             f"tcp://0.0.0.0:{RELAY_PORT}",
@@ -73,6 +74,7 @@ class _RelayHost:
             strategy="state_dict",
             worker_idx=index,
             timeout=PEER_SECONDS,
+            retain_snapshot=snapshot,
         )
         try:
             self.relay.connect(timeout=PEER_SECONDS)
@@ -86,10 +88,20 @@ class _RelayHost:
 
     def status(self) -> dict[str, Any]:
         status = self.relay.status()
-        return {"relay": status["relay"], "upstream": status["upstream"]}
+        grown = (_memory_kib("VmHWM") - self.rss_before) / 1024
+        return {"relay": status["relay"], "upstream": status["upstream"], "peak_growth_mib": grown}
 
     def close(self) -> None:
         self.relay.close()
+
+
+def _memory_kib(field: str) -> int:
+    """This process's ``field`` of /proc/self/status (VmRSS, VmHWM), in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
 
 
 def _worker(namespace: str, index: int, mib: int, endpoints: dict[str, str]) -> Receivers:
@@ -112,7 +124,13 @@ def _tx_bytes(namespace: str) -> int:
 
 
 def run(
-    workers: int, relays: int, mib: int, repeats: int, rate: str, chunk_bytes: int
+    workers: int,
+    relays: int,
+    mib: int,
+    repeats: int,
+    rate: str,
+    chunk_bytes: int,
+    snapshot: bool = True,
 ) -> dict[str, Any]:
     from zmqsync import WeightSender
     from zmqsync.transport.zmq_pubsub import PubSubHub
@@ -139,7 +157,10 @@ def run(
         }
         relay_pool = WorkerPool(
             _RelayHost,
-            [(topo.namespace(f"r{i}"), senders["tree"].endpoint, i) for i in range(relays)],
+            [
+                (topo.namespace(f"r{i}"), senders["tree"].endpoint, i, snapshot)
+                for i in range(relays)
+            ],
             name="bench-relay",
         )
         endpoints = [
@@ -199,11 +220,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--chunk-kib", type=int, default=256, help="chunk size: what a relay forwards at once"
     )
+    parser.add_argument(
+        "--no-snapshot",
+        action="store_true",
+        help="relays keep no copy of the latest version (Relay(retain_snapshot=False))",
+    )
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"machine": machine_info(), "command": " ".join(sys.argv), "rows": []}
     for n in [int(x) for x in args.workers.split(",")]:
-        result = run(n, args.relays, args.mib, args.repeats, args.rate, args.chunk_kib * 1024)
+        result = run(
+            n,
+            args.relays,
+            args.mib,
+            args.repeats,
+            args.rate,
+            args.chunk_kib * 1024,
+            snapshot=not args.no_snapshot,
+        )
         star, tree = result["star"], result["tree"]
         out["rows"].append({"workers": n, "relays": args.relays, **result})
         print(
