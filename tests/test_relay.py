@@ -48,12 +48,16 @@ def _bump(model: dict[str, torch.Tensor]) -> None:
 
 @contextlib.contextmanager
 def _leaves(
-    upstream: str, ids: list[int], models: dict[int, dict[str, torch.Tensor]], **kw: object
+    upstream: str,
+    ids: list[int],
+    models: dict[int, dict[str, torch.Tensor]],
+    mib: int = 4,
+    **kw: object,
 ) -> Iterator[dict[int, WeightReceiver]]:
     receivers = {}
     try:
         for i in ids:
-            models[i] = {k: torch.zeros_like(v) for k, v in _model().items()}
+            models[i] = {k: torch.zeros_like(v) for k, v in _model(mib).items()}
             receivers[i] = WeightReceiver(
                 _spoke(upstream, f"leaf{i}"),
                 model=models[i],
@@ -522,6 +526,45 @@ def test_a_relay_that_keeps_no_snapshot_fetches_the_latest_again_for_late_joiner
             assert relay.receiver._staging._buffer is None
             assert relay.sender._snapshot is None
             assert relay.status()["upstream"]["version"] == learner.version
+    finally:
+        relay.close()
+        learner.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("retain", [True, False], ids=["snapshot", "no-snapshot"])
+def test_a_worker_that_a_relay_is_streaming_to_is_not_sent_anything_else(retain: bool) -> None:
+    # Workers ask for the latest version at every heartbeat while they lack it. While
+    # the relay still forwards that version to them, it must not stream its older
+    # snapshot (which they hold), nor fetch the version from upstream again.
+    model = _model(32)
+    learner = WeightSender(
+        _hub(), model=model, strategy="state_dict", timeout=60, chunk_bytes=MIB // 4
+    )
+    relay = Relay(
+        _spoke(learner.endpoint, "relay"),
+        _hub(),
+        strategy="state_dict",
+        heartbeat=0.01,  # its workers' heartbeat: many requests during one version
+        chunk_bytes=MIB // 4,
+        retain_snapshot=retain,
+    )
+    relay.sender.fleet.repair_after = 0.0  # each request would be answered at once
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        with _leaves(relay.endpoint, [1, 2], models, mib=32) as leaves:
+            skipped = relay.status()["totals"]["repairs_skipped"]
+            repairs = relay.status()["totals"]["repairs_sent"], relay.stats["refetches"]
+            for _ in range(3):
+                _bump(model)
+                learner.send()
+                assert [checksum(m) for m in models.values()] == [checksum(model)] * 2
+            totals = relay.status()["totals"]
+            assert (totals["repairs_sent"], relay.stats["refetches"]) == repairs
+            assert totals["repairs_skipped"] > skipped  # they did ask meanwhile
+            assert all(r.stats["applied"] >= 4 for r in leaves.values())
     finally:
         relay.close()
         learner.close()

@@ -1327,6 +1327,11 @@ class WeightSender:
             elif isinstance(effect, SendLatest):
                 if effect.origin.peer is None:
                     continue
+                if runner.forwarding_to(effect.origin.peer):
+                    # A relay's next version is still streaming to it: what it lacks is
+                    # on its way (what it asks for once it is all sent, it lost).
+                    self._totals["repairs_skipped"] += 1
+                    continue
                 latest = self._latest()
                 if latest is None:
                     self._unserved(effect, hub)
@@ -1577,6 +1582,25 @@ class _HubRunner:
             return False
         self.transfers.append(_Transfer(copy, [peer]))
         return True
+
+    def forwarding_to(self, peer: PeerId) -> bool:
+        """Whether a relay's version is on its way to ``peer`` (holding the baton): still
+        streaming, or sent so lately that the peer may still be reading it."""
+        if any(
+            isinstance(t.copy, _Forwarded) and t.copy.readable and (t.to is None or peer in t.to)
+            for t in self.transfers
+        ):
+            return True
+        forwarding = self.sender._forwarding
+        if forwarding is None:
+            return False
+        now = time.monotonic()
+        return any(
+            version == forwarding[1].version
+            and (to is None or peer in to)
+            and now - finished < finished - started
+            for version, to, started, finished in self.done
+        )
 
     def advance(self) -> bool:
         """Send the chunks the window allows (holding the baton); True while some
