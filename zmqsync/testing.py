@@ -22,7 +22,7 @@ from typing import Final
 
 from zmqsync.errors import TransportClosed
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import HubTransport, PeerId, SpokeTransport
+from zmqsync.transport.base import Announces, Follows, HubTransport, PeerId, SpokeTransport
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
 __all__ = ["FleetFactory", "check_transport", "memory_fleet"]
@@ -71,8 +71,10 @@ def _introduce(hub: HubTransport, spokes: Sequence[SpokeTransport]) -> list[Peer
         assert incoming.peer is not None, "a spoke's message must carry its peer id"
         peers.append(incoming.peer)
     assert len(set(peers)) == len(peers), f"peer ids must be unique: {peers}"
+    announced = hub.announce() if isinstance(hub, Announces) else {}
     for spoke in spokes:
-        spoke.follow(hub.announce())
+        if isinstance(spoke, Follows):
+            spoke.follow(announced)
     return peers
 
 
