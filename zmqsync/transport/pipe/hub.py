@@ -134,12 +134,6 @@ class PipeHub(HubTransport):
     def closed(self) -> bool:
         return self._closed
 
-    @property
-    def peers(self) -> list[PeerId]:
-        """Every worker's peer id, lost or not."""
-        with self._lock:
-            return list(self._peers)
-
     def lost_peers(self) -> frozenset[PeerId]:
         """Workers whose pipe broke (they exited or were killed)."""
         with self._lock:

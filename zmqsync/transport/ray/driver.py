@@ -78,7 +78,7 @@ class _Actor:
     poll_gap: float = FAST_POLL
     dead: str | None = None
     shared: bool | None = None  # reads the hub's lent blocks (None: not offered yet)
-    probing: bool = False
+    answer_due: bool = False  # it was offered the hub's blocks and has not answered
 
 
 class RayHub(HubTransport):
@@ -185,11 +185,6 @@ class RayHub(HubTransport):
                 ) from None
             self._actors[peer] = _Actor(index, handle, method)
         return peer
-
-    @property
-    def peers(self) -> list[PeerId]:
-        """Every actor's peer id, dead or not."""
-        return list(self._actors)
 
     def lost_peers(self) -> frozenset[PeerId]:
         """Actors whose calls failed with ``ActorDiedError``."""
@@ -325,8 +320,8 @@ class RayHub(HubTransport):
                     continue
                 if actor.next_poll <= now:
                     self._counters["polls"] += 1
-                    if actor.shared is None and self._lending is not None and not actor.probing:
-                        actor.probing = True  # offer once: it joins if it reads our blocks
+                    if actor.shared is None and self._lending is not None and not actor.answer_due:
+                        actor.answer_due = True  # offered once: it joins if it reads our blocks
                         self._call(actor, self._lending.offer())
                     else:
                         self._call(actor, None)
@@ -367,7 +362,7 @@ class RayHub(HubTransport):
             self._counters["bad_releases"] += 1
             return True
         if joined is not None:
-            actor.probing = False
+            actor.answer_due = False
             actor.shared = joined
         return True
 
