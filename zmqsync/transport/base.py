@@ -21,10 +21,11 @@ Contract, for every adapter (``zmqsync.testing.check_transport`` tests it):
   seconds pass first (``0`` polls, ``None`` waits until ``wake()`` or a message). A
   hub's messages come as :class:`Incoming` with the sender's ``peer`` id.
 - Received buffers belong to the caller; they never alias the sending side's memory
-  once the send has completed... except over ``inproc``, where they may, which is why
-  receivers always copy before keeping anything.
-- ``wake()`` is the only method that may be called from another thread: it makes a
-  blocked ``recv_frames`` return ``None`` promptly.
+  once the send has completed... except over ``inproc``, where they may, and where the
+  hub lends memory (:class:`Lends`), whose read-only views it rewrites only once
+  released: which is why receivers always copy before keeping anything.
+- A hub's ``wake()`` is the only method that may be called from another thread: it
+  makes a blocked ``recv_frames`` return ``None`` promptly.
 - ``close()`` is idempotent and never waits on a dead peer (linger 0). Any other call
   after it raises :class:`~zmqsync.errors.TransportClosed`.
 - Backend errors are raised as :class:`~zmqsync.errors.TransportError`, chained.
