@@ -22,14 +22,7 @@ from typing import Final
 
 from zmqsync.errors import TransportClosed
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import (
-    Announces,
-    Follows,
-    HubTransport,
-    PeerId,
-    SpokeTransport,
-    Stream,
-)
+from zmqsync.transport.base import Announces, Follows, HubTransport, PeerId, SpokeTransport, Stream
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
 __all__ = ["FleetFactory", "check_transport", "memory_fleet"]
