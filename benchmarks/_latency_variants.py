@@ -15,6 +15,7 @@ import torch
 from benchmarks._baseline import BaselineLearner
 from benchmarks._pool import OPEN_MARGIN_SECONDS, WorkerPool
 from zmqsync import ZMQWeightSyncScheme
+from zmqsync.transport.base import counters
 
 StateDict = dict[str, torch.Tensor]
 
@@ -123,7 +124,7 @@ class ZmqsyncVariant(Variant):
 
     def shared_bytes(self) -> int:
         assert self.scheme is not None
-        return int(self.scheme.get_sender().transport.counters().get("shm_bytes", 0))
+        return int(counters(self.scheme.get_sender().transport).get("shm_bytes", 0))
 
     def close(self) -> None:
         if self.scheme is not None:

@@ -27,8 +27,10 @@ from zmqsync.protocol import Chunk, decode
 from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
 from zmqsync.tensors.version_messages import version_messages
 from zmqsync.testing import check_transport
-from zmqsync.transport import pipe as pipe_module
+from zmqsync.transport.base import Stream
 from zmqsync.transport.pipe import PipeHub, PipeSpoke, peer_id
+from zmqsync.transport.pipe.writer import Outgoing
+from zmqsync.transport.shm.records import Release, encode
 
 SPAWN = mp.get_context("spawn")
 
@@ -66,7 +68,7 @@ def test_a_worker_that_does_not_read_never_blocks_the_hub() -> None:
     try:
         start = time.monotonic()
         for version in (1, 2, 3):
-            hub.send_frames(_weights_frames(version, 8 << 20))
+            hub.send_frames(_weights_frames(version, 8 << 20), stream=Stream.START)
         assert time.monotonic() - start < 1.0, "send_frames waited on a worker that does not read"
         versions = []
         while (frames := spoke.recv_frames(2.0)) is not None:
@@ -77,7 +79,7 @@ def test_a_worker_that_does_not_read_never_blocks_the_hub() -> None:
         assert versions == sorted(versions) and len(versions) <= 2, versions
         assert hub.counters()["dropped_sends"] >= 1
         # Queue another big one the worker will never read, then close: no waiting.
-        hub.send_frames(_weights_frames(4, 8 << 20))
+        hub.send_frames(_weights_frames(4, 8 << 20), stream=Stream.START)
         start = time.monotonic()
         hub.close()
         assert time.monotonic() - start < 1.0
@@ -92,7 +94,7 @@ def test_the_pipe_tells_a_worker_its_index() -> None:
     spokes = [PipeSpoke(child) for _, child in pairs]
     try:
         assert [s.wait_index(5.0) for s in spokes] == [5, 6, 7]
-        assert sorted(hub.peers) == [peer_id(5), peer_id(6), peer_id(7)]
+        assert sorted(hub.reserved_workers()) == [5, 6, 7]
         # Messages that arrive while a worker waits for its index are kept, in order.
         hub.send_frames([b"first"], to=[peer_id(6)])
         assert spokes[1].recv_frames(5.0) == [b"first"]
@@ -596,7 +598,7 @@ def test_large_frames_travel_through_shared_memory_blocks_reused_once_released()
         counts = hub.counters()
         assert counts["bad_releases"] == 0
         blocks = dict(hub._shm._blocks)  # type: ignore[union-attr]
-        busy = [b for b in blocks.values() if b.readers]
+        busy = [b for b in blocks.values() if b.leases]
         assert len(busy) == 1, "only the block whose frame the worker still holds is busy"
         third = send_and_receive(3.0)
         assert (held.view(np.float32) == 1.0).all(), "a held block was reused"
@@ -604,7 +606,7 @@ def test_large_frames_travel_through_shared_memory_blocks_reused_once_released()
         assert set(hub._shm._blocks) == set(blocks), "the released block was not reused"  # type: ignore[union-attr]
 
         # A read-only view of memory the hub lent is sent without another copy.
-        lent = hub.shared_buffer(big.nbytes)
+        lent = hub.lend(big.nbytes)
         assert lent is not None
         np.copyto(lent, big.numpy().view(np.uint8))
         before = hub.counters()["shm_bytes"]
@@ -614,20 +616,14 @@ def test_large_frames_travel_through_shared_memory_blocks_reused_once_released()
         assert hub.counters()["shm_bytes"] == before
 
         # A worker that releases what it never held is counted, and nothing breaks.
-        spoke._writer.put(
-            pipe_module._Outgoing(None, record=pipe_module._HEADER.pack(pipe_module._RELEASE, 999))
-        )
+        spoke._writer.put(Outgoing(None, record=encode(Release((999,)))))
         assert hub.recv_frames(0.5) is None
         assert hub.counters()["bad_releases"] == 1
         # ... as is one that releases a real block more often than it was sent it.
         writer = hub._peers[peer_id(0)].writer
         block = next(iter(hub._shm._blocks.values()))  # type: ignore[union-attr]
-        for _ in range(block.readers.get(writer, 0) + 1):
-            spoke._writer.put(
-                pipe_module._Outgoing(
-                    None, record=pipe_module._HEADER.pack(pipe_module._RELEASE, block.id)
-                )
-            )
+        for _ in range(block.leases.get(writer, 0) + 1):
+            spoke._writer.put(Outgoing(None, record=encode(Release((block.id,)))))
         while hub.recv_frames(0.5) is not None:
             pass
         assert hub.counters()["bad_releases"] == 2
@@ -646,13 +642,13 @@ def test_a_lost_worker_holds_no_shared_block() -> None:
         hub.send_frames([b"h" * 46, np.ones(1 << 20, dtype=np.uint8)])
         held = spoke.recv_frames(10)
         assert held is not None
-        assert any(b.readers for b in hub._shm._blocks.values())  # type: ignore[union-attr]
+        assert any(b.leases for b in hub._shm._blocks.values())  # type: ignore[union-attr]
         spoke.close()  # the worker goes, its frames still alive in this test process
         deadline = time.monotonic() + 10
         while not hub.lost_peers():
             assert time.monotonic() < deadline
             hub.recv_frames(0.1)
-        readers = [dict(b.readers) for b in hub._shm._blocks.values()]  # type: ignore[union-attr]
+        readers = [dict(b.leases) for b in hub._shm._blocks.values()]  # type: ignore[union-attr]
         assert all(peer is not hub._peers[peer_id(0)].writer for r in readers for peer in r)
     finally:
         other.close()

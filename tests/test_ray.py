@@ -79,7 +79,11 @@ class SpokeProxy(SpokeTransport):
     def closed(self) -> bool:
         return self._closed
 
-    def send_frames(self, frames: Sequence[Buffer]) -> None:
+    @property
+    def endpoint(self) -> str:
+        return "ray://proxy"
+
+    def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
         if self._closed:
             raise TransportClosed("proxy closed")
         ray.get(self.actor.send.remote([bytes(f) for f in frames]), timeout=CALL_TIMEOUT)
@@ -324,7 +328,7 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
         assert after["bad_releases"] == 0
         # Every actor let go of what it applied (releases ride on the next replies).
         _wait_for(
-            lambda: not any(b.readers for b in hub._shm._blocks.values()),  # type: ignore[union-attr]
+            lambda: not any(b.leases for b in hub._lending.pool._blocks.values()),  # type: ignore[union-attr]
             "the actors releasing their blocks",
         )
 
@@ -340,7 +344,7 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
             zmqsync.checksum(model),
         )
         _wait_for(
-            lambda: not any(1 in b.readers for b in hub._shm._blocks.values()),  # type: ignore[union-attr]
+            lambda: not any(1 in b.leases for b in hub._lending.pool._blocks.values()),  # type: ignore[union-attr]
             "the dead actor's holds being forgotten",
         )
     finally:

@@ -20,8 +20,9 @@ import pytest
 import zmq
 
 from zmqsync.protocol import Ack, encode
-from zmqsync.transport import _zmq_shm, resolve
-from zmqsync.transport._zmq import SPOKE_PREFIX, ZMQHub, ZMQSpoke
+from zmqsync.transport import resolve
+from zmqsync.transport._zmq import SPOKE_PREFIX, ZMQHub, ZMQSpoke, lending
+from zmqsync.transport.shm import records
 
 MODES = ["pubsub", "router"]
 PAYLOAD = 256 * 1024
@@ -56,13 +57,13 @@ def _join(hub: ZMQHub, spokes: list[ZMQSpoke]) -> None:
     for spoke in spokes:
         spoke.send_frames([b"hello"])
         spoke.follow(hub.announce())
-    got = _pump(hub, spokes, lambda: all(s.lends_memory for s in spokes), "the handshake")
+    got = _pump(hub, spokes, lambda: all(s.borrowing for s in spokes), "the handshake")
     assert got == [[b"hello"]] * len(spokes), "the handshake must not reach the hub's user"
 
 
 def _shared(hub: ZMQHub, payload: bytes) -> list[Any]:
     """A message whose large frame lies in memory the hub lent (as a sender's snapshot)."""
-    buf = hub.shared_buffer(len(payload))
+    buf = hub.lend(len(payload))
     assert buf is not None, "a hub with registered ipc peers lends shared memory"
     buf[:] = np.frombuffer(payload, dtype=np.uint8)
     return [b"head", memoryview(buf).toreadonly()]
@@ -129,7 +130,7 @@ def test_ipc_peers_read_in_place_and_a_block_is_rewritten_only_once_released(
         got = received = view = None
         _release(hub, spokes, 1)
         del frames
-        assert set(block.readers) == {spokes[0].peer_id}
+        assert set(block.leases) == {spokes[0].peer_id}
         second = os.urandom(PAYLOAD)
         frames = _shared(hub, second)
         assert _block(hub, frames[1]) is not block, "a block a worker still reads was lent"
@@ -138,7 +139,7 @@ def test_ipc_peers_read_in_place_and_a_block_is_rewritten_only_once_released(
         # Once it lets go, the block is free again and reused.
         held = frames = None
         _release(hub, spokes, 2)
-        assert not block.readers
+        assert not block.leases
         third = _shared(hub, os.urandom(PAYLOAD))
         assert _block(hub, third[1]) is block, "a released block was not reused"
         assert hub.counters()["shm_bytes"] <= 2 * block.size
@@ -180,7 +181,7 @@ for _ in range(200):
         break
 print(json.dumps({
     "frames": None if frames is None else [hashlib.sha256(f).hexdigest() for f in frames],
-    "lends_memory": spoke.lends_memory,
+    "borrowing": spoke.borrowing,
     "counters": spoke.counters(),
 }))
 spoke.close()
@@ -246,7 +247,7 @@ def test_a_peer_that_cannot_open_the_blocks_gets_every_byte_inline(
         assert proc.returncode == 0, err
         result = json.loads(out)
         assert result["frames"] == [hashlib.sha256(b).hexdigest() for b in (b"head", payload)]
-        assert result["lends_memory"] is False
+        assert result["borrowing"] is False
         assert result["counters"].get("shm_not_readable") == 1
         assert result["counters"].get("shm_shared_frames", 0) == 0
         assert local_got is not None and bytes(local_got[1]) == payload
@@ -269,23 +270,23 @@ def test_forged_and_malformed_records_are_counted_and_change_nothing(
     dealer.routing_id = SPOKE_PREFIX + b"forger"  # it claims to be a worker
     try:
         _, frames, block, (got,) = _first_version(hub, spokes)
-        assert set(block.readers) == {spokes[0].peer_id}
+        assert set(block.leases) == {spokes[0].peer_id}
         for sock, address in ((push, hub.announce()["ack_endpoint"]), (dealer, hub.endpoint)):
             sock.linger = 0
             sock.connect(address)
         member = hub._lender._members[spokes[0].peer_id]  # type: ignore[union-attr]
         forged = [
-            _zmq_shm._RELEASE_HEAD.pack(b"ZSHR", member.slot, b"12345678", 10**6, 10**6, 0),
-            _zmq_shm._RELEASE_HEAD.pack(b"ZSHR", member.slot, b"wrongsec", 0, 0, 0),
-            b"ZSHR" + b"\x00" * 3,
+            records.encode(records.Holding(member.slot, b"12345678", (10**6, 10**6), frozenset())),
+            records.encode(records.Holding(member.slot, b"wrongsec", (0, 0), frozenset())),
+            records.encode(records.Holding(0, bytes(8), (0, 0), frozenset()))[:7],
         ]
         for record in forged:
             push.send(record)
         # A forged release in front of a message: the record is refused, the message
         # behind it still reaches the hub's user (a release rides in front of an ack).
         push.send_multipart([forged[1], b"behind"])
-        dealer.send(b"ZSHJ" + b"\x00" * 16)  # a join with the wrong token
-        dealer.send(b"ZSHO" + b"\x00" * 40)  # an offer, which only a hub makes
+        dealer.send(records.encode(records.Join(bytes(records.TOKEN_BYTES))))  # a wrong token
+        dealer.send(records.encode(records.Offer(0, 0, 0)))  # an offer, which only a hub makes
         bad = 0
         reached: list[Any] = []
         deadline = time.monotonic() + DEADLINE
@@ -296,14 +297,14 @@ def test_forged_and_malformed_records_are_counted_and_change_nothing(
                 reached.append([bytes(f) for f in incoming.frames])
             bad = hub.counters().get("shm_bad_records", 0)
         assert reached == [[b"behind"]], "a record reached the hub's user"
-        assert set(block.readers) == {spokes[0].peer_id}, "a forged release freed a block"
+        assert set(block.leases) == {spokes[0].peer_id}, "a forged release freed a block"
         assert hub.counters()["shm_peers"] == 1
         # Both sides keep working: the worker's real release, in front of its ack, frees
         # the block, and the ack arrives as it was sent.
         del got, frames  # the worker lets go of its frame
         releases = hub.counters().get("shm_releases", 0)
         ack = encode(Ack("policy", 1, 1, 0, True))
-        spokes[0].send_frames(ack)
+        spokes[0].send_frames(ack, ack=True)
         acks = _pump(
             hub,
             spokes,
@@ -312,7 +313,7 @@ def test_forged_and_malformed_records_are_counted_and_change_nothing(
         )
         acks += _pump(hub, spokes, lambda: bool(acks), "the ack")
         assert acks == [[bytes(f) for f in ack]]
-        assert not block.readers
+        assert not block.leases
     finally:
         push.close(linger=0)
         dealer.close(linger=0)
@@ -336,9 +337,9 @@ def test_a_peer_holding_a_block_past_its_lease_is_dropped_and_the_block_never_re
         _release(hub, spokes, 1)
         second = os.urandom(PAYLOAD)
         frames = _shared(hub, second)
-        monkeypatch.setattr(_zmq_shm, "LEASE", 0.0)  # worker 0 has now held it too long
+        monkeypatch.setattr(lending, "LEASE_SECONDS", 0.0)  # worker 0 has now held it too long
         hub.send_frames(frames)
-        monkeypatch.setattr(_zmq_shm, "LEASE", 10.0)
+        monkeypatch.setattr(lending, "LEASE_SECONDS", 10.0)
         got = _send_until_all(hub, spokes, frames)
         assert hub.counters()["shm_expired"] == 1
         assert block.id not in hub._lender.pool.live_ids()  # type: ignore[union-attr]
@@ -383,14 +384,14 @@ def test_shared_memory_is_on_for_ipc_unless_asked_otherwise(
         spoke.follow(hub.announce())
         deadline = time.monotonic() + DEADLINE
         heard = False
-        while not heard or (expected and not spoke.lends_memory):
+        while not heard or (expected and not spoke.borrowing):
             assert time.monotonic() < deadline, "the hello or the handshake never completed"
             heard = hub.recv_frames(0.05) is not None or heard
             assert spoke.recv_frames(0.01) is None
         payload = os.urandom(PAYLOAD)
-        buf = hub.shared_buffer(PAYLOAD)
+        buf = hub.lend(PAYLOAD)
         if not expected:
-            assert buf is None and not spoke.lends_memory
+            assert buf is None and not spoke.borrowing
             assert not any(k.startswith("shm_") for k in spoke.counters())
             return
         buf[:] = np.frombuffer(payload, dtype=np.uint8)
@@ -423,15 +424,17 @@ def test_a_peer_that_never_opened_the_probe_block_cannot_join(mode: str, tmp_pat
             hub.recv_frames(0.02)  # reads the hello, and answers it with an offer
             if dealer.poll(10):
                 record = dealer.recv_multipart(zmq.NOBLOCK)
-                if bytes(record[0][:4]) == b"ZSHO":
+                if records.is_record(record) and isinstance(
+                    records.decode(record[0]), records.Offer
+                ):
                     offer = record[0]
-        token_size = _zmq_shm._JOIN_BODY.size
+        token_size = records.TOKEN_BYTES
         body = offer[4:]
         # Every token-sized piece of the offer (at any alignment), as a join.
         guesses = {body[i : i + token_size] for i in range(len(body) - token_size + 1)}
         guesses.add(body[-token_size:].rjust(token_size, b"\0"))
         for guess in guesses:
-            dealer.send(b"ZSHJ" + guess, zmq.NOBLOCK)
+            dealer.send(records.encode(records.Join(guess)), zmq.NOBLOCK)
         bad = hub.counters().get("shm_bad_records", 0)
         deadline = time.monotonic() + DEADLINE
         while hub.counters().get("shm_bad_records", 0) < bad + len(guesses):
@@ -443,7 +446,7 @@ def test_a_peer_that_never_opened_the_probe_block_cannot_join(mode: str, tmp_pat
         assert dealer.routing_id not in hub._lender.members()  # type: ignore[union-attr]
         assert hub.counters()["shm_joined"] == 1
         assert hub.counters()["shm_peers"] == 1
-        assert spokes[0].lends_memory
+        assert spokes[0].borrowing
         # The real worker still reads in place.
         payload = os.urandom(PAYLOAD)
         (got,) = _send_until_all(hub, spokes, _shared(hub, payload))
@@ -463,7 +466,7 @@ def test_a_block_held_past_its_lease_is_reclaimed_while_other_blocks_are_release
     """A lease runs per lent block: a worker that keeps one old block while it reads
     and releases newer ones does not renew the old block's lease with those releases."""
     lease = 1.0
-    monkeypatch.setattr(_zmq_shm, "LEASE", lease)
+    monkeypatch.setattr(lending, "LEASE_SECONDS", lease)
     hub, spokes = _fleet(mode, tmp_path, 1)
     try:
         first, frames, block, (got,) = _first_version(hub, spokes)

@@ -63,7 +63,20 @@ from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD, Flat, Flattener
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.shared_params import SharedParams, why_not_shared
 from zmqsync.tensors.views import dtype_name
-from zmqsync.transport.base import HubTransport, Incoming, PeerId
+from zmqsync.transport.base import (
+    Announces,
+    ForgetsPeers,
+    HubTransport,
+    Incoming,
+    Lends,
+    PeerId,
+    Stream,
+    Waitable,
+    ZeroCopy,
+    counters,
+    lost_peers,
+    reserved_workers,
+)
 from zmqsync.vocabulary import Strategy
 
 __all__ = ["WeightSender"]
@@ -599,7 +612,7 @@ class WeightSender:
             mode=self.mode,
             strategy=strategy,
             transports=[h.name for h in hubs],
-            announced=[h.announce() for h in hubs],
+            announced=[h.announce() if isinstance(h, Announces) else {} for h in hubs],
             num_workers=num_workers,
             heartbeat=heartbeat,
             repair_after=repair_after,
@@ -653,7 +666,8 @@ class WeightSender:
         self._pump_error: BaseException | None = None
         self._runners = [_HubRunner(self, h, i) for i, h in enumerate(hubs)]
         for h in hubs:
-            h.zero_copy_from(MIN_CHUNK_BYTES)  # chunks go from the sender's own memory
+            if isinstance(h, ZeroCopy):
+                h.zero_copy_from(MIN_CHUNK_BYTES)  # chunks go from the sender's own memory
         for runner in self._runners:
             runner.start()
         if model is not None:
@@ -969,7 +983,7 @@ class WeightSender:
         known = [(peer, base) for peer, base in holdings if base is not None]
         if not known:
             return [_Transfer(copy, None if fan_out else [p for p, _ in holdings])]
-        if runner.hub.fans_out or runner.hub.shares_memory():
+        if runner.hub.fans_out or runner.lending():
             # One stream reaches every peer: one delta, against the oldest version held.
             groups = {min(base for _, base in known): [peer for peer, _ in known]}
         else:
@@ -1022,7 +1036,7 @@ class WeightSender:
             if shared is not None and len(self._runners) == 1:
                 # Chunks written into blocks the hub lends, which workers copy out
                 # while the next is written; the hub's pool bounds them.
-                ring = _Ring(self.chunk_bytes, alloc=shared.hub.shared_buffer)
+                ring = _Ring(self.chunk_bytes, alloc=shared.lend)
             else:
                 ring = self._ring
             return _Copy(self, version, self._layout, None, flat, ring=ring)
@@ -1031,7 +1045,7 @@ class WeightSender:
             # into memory it lent, IS the transfer (workers copy chunk i out while the
             # next one is written).
             with shared.holding():
-                return self._own(version, flat, self._layout, alloc=shared.hub.shared_buffer)
+                return self._own(version, flat, self._layout, alloc=shared.lend)
         return self._own(version, flat, self._layout)
 
     def _live_copy(self, tensors: dict[KeyPath, Any], version: int) -> _Copy | None:
@@ -1065,7 +1079,7 @@ class WeightSender:
             if self._layout is None or not self._layout.fits(flat, self.chunk_bytes):
                 self._layout = StreamLayout(flat, self.chunk_bytes)
             with runner.holding():
-                data = runner.hub.shared_buffer(self._layout.total)
+                data = runner.lend(self._layout.total)
             if data is None:
                 why = "the hub has no shared-memory block free"
             else:
@@ -1081,7 +1095,7 @@ class WeightSender:
     def _shared_runner(self) -> _HubRunner | None:
         """The first hub that lends shared memory to send from, if any."""
         for runner in self._runners:
-            if runner.hub.shares_memory():
+            if runner.lending():
                 return runner
         return None
 
@@ -1169,7 +1183,7 @@ class WeightSender:
     def _lost(self, workers: Iterable[int]) -> set[int]:
         """Those of ``workers`` known to be gone: they said goodbye, or their transport
         knows they are gone for good."""
-        lost = {r.index: r.hub.lost_peers() for r in self._runners}
+        lost = {r.index: lost_peers(r.hub) for r in self._runners}
         with self._cond:
             return self.fleet.gone(workers, lost)
 
@@ -1300,7 +1314,7 @@ class WeightSender:
                 runner.hub.send_frames(encode(reply), to=[peer])
             return
         reserved = (
-            {r.index: r.hub.reserved_workers() for r in self._runners}
+            {r.index: reserved_workers(r.hub) for r in self._runners}
             if isinstance(message, Hello)
             else None
         )
@@ -1342,7 +1356,11 @@ class WeightSender:
                     self._totals["repairs_skipped"] += 1
             elif isinstance(effect, FanOut):
                 hub.send_frames(encode(effect.message))
-            elif isinstance(effect, Forget) and effect.origin.peer is not None:
+            elif (
+                isinstance(effect, Forget)
+                and effect.origin.peer is not None
+                and isinstance(hub, ForgetsPeers)
+            ):
                 hub.peer_left(effect.origin.peer)
 
     def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
@@ -1377,7 +1395,7 @@ class WeightSender:
     def free_worker_id(self) -> int:
         """The lowest worker id that no session holds and no hub reserves (a pipe's or
         an actor's index): what a worker that asks for an id gets."""
-        reserved = {r.index: r.hub.reserved_workers() for r in self._runners}
+        reserved = {r.index: reserved_workers(r.hub) for r in self._runners}
         with self._cond:
             return self.fleet.free_worker_id(reserved)
 
@@ -1434,7 +1452,7 @@ class WeightSender:
                     "sum_s": self._latency_sum,
                 },
                 "rejections": reasons,
-                **_sum_counters(r.hub.counters() for r in self._runners),
+                **_sum_counters(counters(r.hub) for r in self._runners),
             },
         }
 
@@ -1452,14 +1470,14 @@ class WeightSender:
         A worker whose transport knows it is gone (a broken pipe, a dead Ray actor)
         counts as left. Unlike :meth:`status`, never cut short: one entry per worker.
         """
-        lost = {r.index: r.hub.lost_peers() for r in self._runners}
+        lost = {r.index: lost_peers(r.hub) for r in self._runners}
         with self._cond:
             return self.fleet.acked_versions(lost)
 
     def current_workers(self) -> frozenset[int]:
         """Ids of the workers known to hold the latest version (what ``connect()`` and
         every later send gave them); before anything is published, every connected one."""
-        lost = {r.index: r.hub.lost_peers() for r in self._runners}
+        lost = {r.index: lost_peers(r.hub) for r in self._runners}
         with self._cond:
             return self.fleet.current(lost)
 
@@ -1517,6 +1535,9 @@ class _HubRunner:
         self.sender = sender
         self.hub = hub
         self.index = index
+        #: The hub's abilities this runner uses, if it has them.
+        self._waitable = hub if isinstance(hub, Waitable) else None
+        self._lends = hub if isinstance(hub, Lends) else None
         self._baton = threading.Lock()
         self._owner: int | None = None
         self._wanted = 0
@@ -1543,7 +1564,7 @@ class _HubRunner:
     def start(self) -> None:
         # One hub: the sending thread reads the acks (see WeightSender._await_acks).
         self._acks = len(self.sender._runners) > 1
-        if self.hub.wait_handles(acks=self._acks) is not None:
+        if self._waitable is not None:
             self._poke_r, self._poke_w = os.pipe()
             os.set_blocking(self._poke_r, False)
             os.set_blocking(self._poke_w, False)
@@ -1560,6 +1581,14 @@ class _HubRunner:
             streaming = self.advance()
         if streaming and self._waiting:
             self._poke()  # the pump streams the rest if this thread does not
+
+    def lending(self) -> bool:
+        """Whether the hub lends memory its peers read in place, now."""
+        return self._lends is not None and self._lends.lending()
+
+    def lend(self, nbytes: int) -> Any:
+        """Memory the hub lends (None: it has none to lend)."""
+        return None if self._lends is None else self._lends.lend(nbytes)
 
     def repair(self, copy: _Copy, peer: PeerId) -> bool:
         """Stream ``copy`` to ``peer`` alone (holding the baton); False if the hub already
@@ -1634,7 +1663,8 @@ class _HubRunner:
             frames, refs = lent
             if transfer.next == 0:
                 transfer.copy.reach(transfer.to)
-            self.hub.send_frames(frames, to=transfer.to)
+            stream = Stream.START if transfer.next == 0 else Stream.MORE
+            self.hub.send_frames(frames, to=transfer.to, stream=stream)
             del frames  # what the hub keeps of them is what the window watches
             now = time.monotonic()
             inflight.append((now, refs))
@@ -1676,8 +1706,9 @@ class _HubRunner:
                 self._poke()
 
     def _has_input(self) -> bool:
+        assert self._waitable is not None
         try:
-            return self.hub.has_input(acks=self._acks)
+            return self._waitable.has_input(acks=self._acks)
         except Exception:  # a closing hub: let the pump find out
             return True
 
@@ -1708,6 +1739,8 @@ class _HubRunner:
 
     def _run_waiting(self) -> None:
         """The pump of a hub with descriptors: wait holding nothing, then read it all."""
+        waitable = self._waitable
+        assert waitable is not None
         poller = select.poll()
         poller.register(self._poke_r, select.POLLIN)
         watched: list[int] = []
@@ -1736,7 +1769,7 @@ class _HubRunner:
                         look = True  # let the sender have it; read the rest after
                         break
                     incoming = self.hub.recv_frames(0)
-                handles = self.hub.wait_handles(acks=self._acks) or []
+                handles = waitable.wait_handles(acks=self._acks)
             if handles != watched:
                 for fd in watched:
                     with contextlib.suppress(KeyError):

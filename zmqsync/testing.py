@@ -22,7 +22,7 @@ from typing import Final
 
 from zmqsync.errors import TransportClosed
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import HubTransport, PeerId, SpokeTransport
+from zmqsync.transport.base import Announces, Follows, HubTransport, PeerId, SpokeTransport, Stream
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
 __all__ = ["FleetFactory", "check_transport", "memory_fleet"]
@@ -71,8 +71,10 @@ def _introduce(hub: HubTransport, spokes: Sequence[SpokeTransport]) -> list[Peer
         assert incoming.peer is not None, "a spoke's message must carry its peer id"
         peers.append(incoming.peer)
     assert len(set(peers)) == len(peers), f"peer ids must be unique: {peers}"
+    announced = hub.announce() if isinstance(hub, Announces) else {}
     for spoke in spokes:
-        spoke.follow(hub.announce())
+        if isinstance(spoke, Follows):
+            spoke.follow(announced)
     return peers
 
 
@@ -125,6 +127,17 @@ def check_transport(make_fleet: FleetFactory) -> None:
 
         # Fan-out reaches every spoke.
         _fan_out_until_all(hub, spokes, [b"fan", big])
+
+        # A version's chunks, marked as such, arrive in order; an ack arrives whole (on
+        # an ack channel, perhaps, where the hub cannot tell who sent it).
+        hub.send_frames([b"chunk", b"0"], to=[peers[1]], stream=Stream.START)
+        hub.send_frames([b"chunk", b"1"], to=[peers[1]], stream=Stream.MORE)
+        assert _spoke_recv(spokes[1]) == [b"chunk", b"0"]
+        assert _spoke_recv(spokes[1]) == [b"chunk", b"1"]
+        spokes[0].send_frames([b"ack", b"0"], ack=True)
+        incoming = _hub_recv(hub)
+        assert _b(incoming.frames) == [b"ack", b"0"], _b(incoming.frames)
+        assert incoming.peer in (None, peers[0]), "an ack came from another peer"
 
         # The sender may change its buffer once send_frames returned and the peer has it.
         scratch = bytearray(b"A" * 1024)

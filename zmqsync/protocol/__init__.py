@@ -15,7 +15,6 @@ from zmqsync.protocol.codec import (
     encode_schema,
     layout_digest,
     peek_kind,
-    starts_version,
 )
 from zmqsync.protocol.messages import (
     AUTO_WORKER,
@@ -110,5 +109,4 @@ __all__ = [
     "encode_schema",
     "layout_digest",
     "peek_kind",
-    "starts_version",
 ]

@@ -79,7 +79,6 @@ __all__ = [
     "encode_schema",
     "layout_digest",
     "peek_kind",
-    "starts_version",
 ]
 
 #: magic, protocol version, kind, flags, version, epoch, buffer count,
@@ -96,7 +95,6 @@ META_LEN: Final = struct.Struct("!I")
 DELTA_BASE: Final = struct.Struct("!Q")
 #: Header flags of a chunk: the first and the last of its version, whether it carries a
 #: checksum, (first chunk only) metadata and targets, and whether the version is a delta.
-#: Transports read FIRST without decoding (see starts_version).
 FLAG_FIRST: Final = 1
 FLAG_LAST: Final = 2
 FLAG_CHECKSUM: Final = 4
@@ -302,7 +300,7 @@ def peek_kind(header: Buffer) -> Kind | None:
     """The kind of a message from its first frame, or ``None`` if it is not ours.
 
     O(1) and never raises, whatever it is given (no validation beyond magic and kind):
-    transports use it to route acks, and a hub to drop kinds it never accepts unparsed.
+    a sender uses it to drop kinds it never accepts unparsed.
     """
     try:
         if len(header) < HEADER.size or bytes(header[:4]) != MAGIC:
@@ -311,20 +309,6 @@ def peek_kind(header: Buffer) -> Kind | None:
     # What a non-bytes "frame" raises: a str, a multi-dimensional memoryview, None.
     except (TypeError, ValueError, IndexError, NotImplementedError):
         return None
-
-
-def starts_version(header: Buffer) -> bool:
-    """Whether a message is the first chunk of a version, from its first frame.
-
-    O(1) and never raises, like :func:`peek_kind`: a transport that queues messages for
-    a slow peer drops the queued chunks of older versions when a newer one starts.
-    """
-    if peek_kind(header) is not Kind.WEIGHTS:
-        return False
-    try:
-        return bool(header[7] & FLAG_FIRST)
-    except (TypeError, IndexError):
-        return False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from zmqsync.tensors.extract import as_weights_object
 from zmqsync.tensors.in_place import InPlace
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.sink_feed import SinkFeed
-from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.base import Borrows, SpokeTransport
 
 __all__ = ["APPLY_MODES", "STAGED_MAX_BYTES", "Applying"]
 
@@ -195,7 +195,7 @@ class Applying:
             and (
                 chunk.count == 1
                 or chunk.total > STAGED_MAX_BYTES
-                or self._spoke.lent([chunk.payload])
+                or (isinstance(self._spoke, Borrows) and self._spoke.borrowed([chunk.payload]))
             )
         )
         try:

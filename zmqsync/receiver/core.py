@@ -31,7 +31,7 @@ from zmqsync.tensors.apply import ApplyPlan
 from zmqsync.tensors.in_place import InPlace
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.sink_feed import SinkFeed
-from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.base import SpokeTransport, has_input
 from zmqsync.vocabulary import Strategy
 
 __all__ = ["WeightReceiver"]
@@ -274,13 +274,13 @@ class WeightReceiver(Applying, Session):
                 if timeout <= 0:
                     # A poll (a Ray actor's call delivers one chunk): the next chunk
                     # comes with a later call, and the stream's gap is checked then.
-                    frames = self._spoke.recv_frames(0) if self._spoke.has_input() else None
+                    frames = self._spoke.recv_frames(0) if has_input(self._spoke) else None
                     if frames is None:
                         return
                     continue
                 frames = self._spoke.recv_frames(min(self._heartbeat, self._stream.gap))
                 continue
-            if frames is None and self._spoke.has_input():
+            if frames is None and has_input(self._spoke):
                 frames = self._spoke.recv_frames(0)  # anything more? asking first spares a read
             if frames is None:
                 return

@@ -32,7 +32,7 @@ from zmqsync.protocol import (
     encode,
 )
 from zmqsync.protocol.stream import Broken, ChunkStream
-from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.base import Follows, SpokeTransport
 
 __all__ = ["FAILOVER_HEARTBEATS", "FAILOVER_MIN_SECONDS", "Session"]
 
@@ -194,8 +194,8 @@ class Session:
         error.__cause__ = exc
         return error
 
-    def _send(self, message: Message) -> None:
-        self._spoke.send_frames(encode(message))
+    def _send(self, message: Message, *, ack: bool = False) -> None:
+        self._spoke.send_frames(encode(message), ack=ack)
 
     def _send_hello(self) -> None:
         worker = AUTO_WORKER if self.worker_idx is None else self.worker_idx
@@ -296,9 +296,10 @@ class Session:
                 self._rejected(
                     f"sender uses strategy {message.strategy!r}, this worker {self.strategy!r}"
                 )
-            self._spoke.follow(
-                {"data_endpoint": message.data_endpoint, "ack_endpoint": message.ack_endpoint}
-            )
+            if isinstance(self._spoke, Follows):
+                self._spoke.follow(
+                    {"data_endpoint": message.data_endpoint, "ack_endpoint": message.ack_endpoint}
+                )
             self._heartbeat = message.heartbeat_seconds
             self._sender_epoch = message.epoch
             self._welcomed = True
@@ -359,7 +360,8 @@ class Session:
                 pid=self._pid,
                 host=self._host,
                 session=self._session,
-            )
+            ),
+            ack=True,
         )
 
     def _say_goodbye(self) -> None:

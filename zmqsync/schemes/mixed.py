@@ -14,7 +14,7 @@ from zmqsync.schemes.base import WeightSyncScheme, _model_from_context
 from zmqsync.schemes.noop import NoWeightSyncScheme
 from zmqsync.schemes.zmq import ZMQWeightSyncScheme
 from zmqsync.sender import WeightSender
-from zmqsync.transport.base import HubTransport
+from zmqsync.transport.base import HubTransport, reserved_workers
 
 __all__ = ["MixedWeightSyncScheme"]
 
@@ -130,7 +130,7 @@ class MixedWeightSyncScheme(WeightSyncScheme):
                 scheme._model_id = model_id
                 hub = scheme._open_hub(context, kwargs, first_index=max(reserved, default=-1) + 1)
                 hubs.append(hub)
-                ids = hub.reserved_workers()
+                ids = reserved_workers(hub)
                 clash = reserved & ids
                 if clash:
                     raise ValueError(
@@ -183,7 +183,7 @@ class MixedWeightSyncScheme(WeightSyncScheme):
         """Each worker id a transport reserves (pipes, actors), with its hub."""
         if self._sender is None:
             return {}
-        return {worker: hub for hub in self._sender.transports for worker in hub.reserved_workers()}
+        return {worker: hub for hub in self._sender.transports for worker in reserved_workers(hub)}
 
     def __repr__(self) -> str:
         side = "sender" if self._sender else "idle"

@@ -1,7 +1,8 @@
 """Transports: adapters that move lists of byte buffers between a hub and its spokes.
 
-Adapters are registered by alias and imported lazily, so an optional backend (Ray)
-loads only when used::
+The contract every adapter keeps, and the abilities some have beyond it, are in
+:mod:`zmqsync.transport.base`. Adapters are registered by alias and imported lazily, so
+an optional backend (Ray) loads only when used::
 
     hub_cls, spoke_cls = zmqsync.transport.resolve("zmq-pubsub")
 """
@@ -12,9 +13,9 @@ import difflib
 import importlib
 from typing import Final
 
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport, Stream
 
-__all__ = ["ALIASES", "HubTransport", "Incoming", "PeerId", "SpokeTransport", "resolve"]
+__all__ = ["ALIASES", "HubTransport", "Incoming", "PeerId", "SpokeTransport", "Stream", "resolve"]
 
 #: alias -> "module:HubClass,SpokeClass"
 ALIASES: Final[dict[str, str]] = {

@@ -2,7 +2,8 @@
 
 A fleet has one **hub** (the sender's end) and many **spokes** (one per worker). A
 transport knows nothing of versions, models or acks: it moves ``list[Buffer]`` messages,
-whole and in order per peer, and says who sent what.
+whole and in order per peer, and says who sent what. What a message is for, it is told
+by its sender (``stream=``, ``ack=``), never reads.
 
 Contract, for every adapter (``zmqsync.testing.check_transport`` tests it):
 
@@ -12,33 +13,76 @@ Contract, for every adapter (``zmqsync.testing.check_transport`` tests it):
   missing ack and repairs it.
 - Hub ``send_frames(frames, to=None)`` fans out to every connected spoke;
   ``to=[peer, ...]`` sends to exactly those peers, over the transport's reliable
-  addressed path.
+  addressed path. ``stream=`` marks a version's chunks (see :class:`Stream`): a hub that
+  queues may drop the queued chunks of older versions once a newer one starts.
+- Spoke ``send_frames(frames, ack=True)`` says the message is an ack: it may travel on
+  the hub's ack channel, where the hub receives it with ``peer=None``.
 - ``recv_frames(timeout)`` returns the next message, or ``None`` when ``timeout``
   seconds pass first (``0`` polls, ``None`` waits until ``wake()`` or a message). A
   hub's messages come as :class:`Incoming` with the sender's ``peer`` id.
 - Received buffers belong to the caller; they never alias the sending side's memory
-  once the send has completed... except over ``inproc``, where they may, which is why
-  receivers always copy before keeping anything.
-- ``wake()`` is the only method that may be called from another thread: it makes a
-  blocked ``recv_frames`` return ``None`` promptly.
+  once the send has completed... except over ``inproc``, where they may, and where the
+  hub lends memory (:class:`Lends`), whose read-only views it rewrites only once
+  released: which is why receivers always copy before keeping anything.
+- A hub's ``wake()`` is the only method that may be called from another thread: it
+  makes a blocked ``recv_frames`` return ``None`` promptly.
 - ``close()`` is idempotent and never waits on a dead peer (linger 0). Any other call
   after it raises :class:`~zmqsync.errors.TransportClosed`.
 - Backend errors are raised as :class:`~zmqsync.errors.TransportError`, chained.
+
+Abilities some adapters have beyond that are the small protocols below (:class:`Waitable`,
+:class:`Lends`, :class:`TracksPeers`, ...); callers test for them with ``isinstance``.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
+import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 from zmqsync.protocol import Buffer
 
-__all__ = ["HubTransport", "Incoming", "PeerId", "SpokeTransport"]
+__all__ = [
+    "Announces",
+    "Borrows",
+    "Counted",
+    "Follows",
+    "ForgetsPeers",
+    "HubTransport",
+    "Incoming",
+    "Lends",
+    "Peekable",
+    "PeerId",
+    "SpokeTransport",
+    "Stream",
+    "TracksPeers",
+    "Waitable",
+    "ZeroCopy",
+    "counters",
+    "has_input",
+    "lost_peers",
+    "reserved_workers",
+]
 
 #: Opaque id of a spoke as its hub sees it (a ZeroMQ routing id, a pipe index, ...).
 PeerId = bytes
+
+
+class Stream(enum.Enum):
+    """A message's place in the stream of versions, as its sender says.
+
+    A newer version supersedes the older ones: once a message marked START is sent, a
+    hub that queues messages for a slow peer may drop the queued messages of older
+    versions (those marked START or MORE). Unmarked messages are never dropped for that.
+    """
+
+    #: The first chunk of a version.
+    START = "start"
+    #: A later chunk of the version last started.
+    MORE = "more"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +102,11 @@ class _Closable(abc.ABC):
     @abc.abstractmethod
     def closed(self) -> bool: ...
 
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Where the hub is: the address spokes connect to (a name where it has none)."""
+
     def __enter__(self) -> _Closable:
         return self
 
@@ -74,14 +123,13 @@ class HubTransport(_Closable):
     #: send (a PUB socket): a sender then sends one delta to all rather than one each.
     fans_out: bool = False
 
-    @property
-    @abc.abstractmethod
-    def endpoint(self) -> str:
-        """The address spokes connect to."""
-
     @abc.abstractmethod
     def send_frames(
-        self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None
+        self,
+        frames: Sequence[Buffer],
+        *,
+        to: Collection[PeerId] | None = None,
+        stream: Stream | None = None,
     ) -> None:
         """Send one message to every spoke (``to=None``) or exactly the given peers."""
 
@@ -93,116 +141,184 @@ class HubTransport(_Closable):
     def wake(self) -> None:
         """Thread-safe: make a blocked :meth:`recv_frames` return ``None`` now."""
 
-    def wait_handles(self, *, acks: bool = True) -> list[int] | None:
-        """File descriptors to wait on WITHOUT holding the hub, or None.
-
-        A hub's sockets are used by one thread at a time. With these, the thread that
-        serves the hub between sends waits in ``poll()`` on them while holding nothing,
-        so a sending thread takes the hub at once instead of waking that thread first.
-        Readable means "look again" (ZeroMQ's descriptors are edge-like): the waiter
-        then takes the hub and calls ``recv_frames(0)`` until it returns None, and
-        whoever lets go of the hub checks :meth:`has_input` first and wakes the waiter
-        if it says True. ``acks=False`` leaves out the ack channel (the sending thread
-        reads acks itself). Call while holding the hub; hubs without such descriptors
-        return None and are served by a thread blocked in ``recv_frames``.
-        """
-        return None
-
-    def has_input(self, *, acks: bool = True) -> bool:
-        """Whether a message is waiting (call while holding the hub; see
-        :meth:`wait_handles`). ``acks=False``: leave out the ack channel."""
-        return True
-
-    def zero_copy_from(self, nbytes: int) -> None:
-        """Send buffers of at least ``nbytes`` from the caller's memory, without a copy.
-
-        A sender says this once, with the size below which it packs tensors together:
-        what it does not pack, it wants sent zero-copy. Adapters that always copy (or
-        never do) ignore it.
-        """
-
-    def shared_buffer(self, nbytes: int) -> Any:
-        """``nbytes`` of memory this hub's peers can read in place (a uint8 numpy array),
-        or None. Frames that are read-only views of it are sent without a copy.
-
-        Hubs without shared memory do not override this; a sender then keeps its
-        snapshot in memory of its own.
-        """
-        return None
-
-    def shares_memory(self) -> bool:
-        """Whether :meth:`shared_buffer` lends memory that peers read in place, now.
-
-        A sender then writes its snapshot there and sends it as it is; otherwise it
-        sends the model's own memory and keeps its snapshot apart.
-        """
-        return type(self).shared_buffer is not HubTransport.shared_buffer
-
-    def announce(self) -> dict[str, Any]:
-        """Extra addresses a spoke needs (the sender puts them in its Welcome)."""
-        return {}
-
-    def peer_left(self, peer: PeerId) -> None:
-        """``peer`` said goodbye: forget what is kept for it (shared-memory holds). It
-        may come back (a hello) as a new peer. Adapters that keep nothing per peer
-        ignore it."""
-
-    def lost_peers(self) -> frozenset[PeerId]:
-        """Peers this hub knows are gone for good (a broken pipe, a dead actor).
-
-        A sender stops waiting for a worker that is lost, instead of waiting out its
-        timeout. Transports that cannot tell (ZeroMQ reconnects) report none.
-        """
-        return frozenset()
-
-    def reserved_workers(self) -> frozenset[int]:
-        """Worker ids bound to this hub's peers (a pipe's or an actor's index).
-
-        A sender serving several hubs gives these ids to nobody else, even before
-        their workers first speak. Hubs whose workers pick their own ids reserve none.
-        """
-        return frozenset()
-
-    def counters(self) -> dict[str, int]:
-        """Transport-level counts (rejected connections, dropped messages)."""
-        return {}
-
 
 class SpokeTransport(_Closable):
     """A worker's end: hears the hub's fan-out and addressed messages, talks back."""
 
     name: str = "spoke"
-    #: True when received frames may be memory the hub lends (shared blocks it reuses
-    #: once released): the receiver then lets go of a version's frames before acking it.
-    #: Otherwise it acks first: freeing a large message (unmapping its pages) is then off
-    #: the sender's critical path.
-    lends_memory: bool = False
 
     @abc.abstractmethod
-    def send_frames(self, frames: Sequence[Buffer]) -> None:
-        """Send one message to the hub."""
-
-    def lent(self, buffers: Sequence[Buffer]) -> bool:
-        """Whether these received buffers may be memory the hub lends (see
-        :attr:`lends_memory`): the receiver then lets go of them before it acks."""
-        return self.lends_memory
-
-    def has_input(self) -> bool:
-        """Whether a message may be waiting: False only when surely none is.
-
-        A receiver that got a version asks this before reading again for a newer one
-        (only the newest is applied); a cheap no spares a read. Adapters that cannot
-        tell cheaply keep this default.
-        """
-        return True
+    def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
+        """Send one message to the hub (``ack``: it is an ack; see the module)."""
 
     @abc.abstractmethod
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         """The next message from the hub, or ``None`` after ``timeout`` seconds."""
 
+
+# --- abilities: hubs ----------------------------------------------------------------------
+
+
+@runtime_checkable
+class Waitable(Protocol):
+    """A hub whose input can be waited for WITHOUT holding the hub (ZeroMQ's sockets).
+
+    A hub's sockets are used by one thread at a time. With these, the thread that
+    serves the hub between sends waits in ``poll()`` on :meth:`wait_handles` while
+    holding nothing, so a sending thread takes the hub at once instead of waking that
+    thread first. Readable means "look again" (ZeroMQ's descriptors are edge-like): the
+    waiter then takes the hub and calls ``recv_frames(0)`` until it returns None, and
+    whoever lets go of the hub checks :meth:`has_input` first and wakes the waiter if it
+    says True. ``acks=False`` leaves out the ack channel (the sending thread reads acks
+    itself). Both are called while holding the hub. Other hubs are served by a thread
+    blocked in ``recv_frames``.
+    """
+
+    def wait_handles(self, *, acks: bool = True) -> list[int]:
+        """The file descriptors to wait on."""
+        ...
+
+    def has_input(self, *, acks: bool = True) -> bool:
+        """Whether a message is waiting."""
+        ...
+
+
+@runtime_checkable
+class Lends(Protocol):
+    """A hub that lends memory its peers read in place (shared-memory blocks).
+
+    A sender then writes its snapshot into memory the hub lends and sends it as it is;
+    the hub counts a lease per peer on it and reuses it only once every peer released it.
+    """
+
+    def lending(self) -> bool:
+        """Whether some peer reads lent memory in place, now (else the sender sends the
+        model's own memory and keeps its snapshot apart)."""
+        ...
+
+    def lend(self, nbytes: int) -> Any:
+        """``nbytes`` of memory this hub's peers can read in place (a uint8 numpy array),
+        or None. Frames that are read-only views of it are sent without a copy."""
+        ...
+
+
+@runtime_checkable
+class ZeroCopy(Protocol):
+    """A hub that copies small buffers unless told otherwise (pyzmq's threshold)."""
+
+    def zero_copy_from(self, nbytes: int) -> None:
+        """Send buffers of at least ``nbytes`` from the caller's memory, without a copy.
+
+        A sender says this once, with the size below which it packs tensors together:
+        what it does not pack, it wants sent zero-copy.
+        """
+        ...
+
+
+@runtime_checkable
+class Announces(Protocol):
+    """A hub whose spokes need more addresses than its endpoint (see :class:`Follows`)."""
+
+    def announce(self) -> dict[str, Any]:
+        """The extra addresses (the sender puts them in its Welcome)."""
+        ...
+
+
+@runtime_checkable
+class TracksPeers(Protocol):
+    """A hub whose peers are fixed, known ends (a pipe, an actor) bound to worker ids."""
+
+    def lost_peers(self) -> frozenset[PeerId]:
+        """Peers known to be gone for good (a broken pipe, a dead actor): a sender stops
+        waiting for them instead of waiting out its timeout."""
+        ...
+
+    def reserved_workers(self) -> frozenset[int]:
+        """Worker ids bound to this hub's peers (a pipe's or an actor's index): a sender
+        serving several hubs gives them to nobody else, even before they first speak."""
+        ...
+
+
+@runtime_checkable
+class ForgetsPeers(Protocol):
+    """A hub that keeps something per peer (leases on shared memory) until told."""
+
+    def peer_left(self, peer: PeerId) -> None:
+        """``peer`` said goodbye: forget what is kept for it. It may come back (a
+        hello) as a new peer."""
+        ...
+
+
+# --- abilities: spokes --------------------------------------------------------------------
+
+
+@runtime_checkable
+class Peekable(Protocol):
+    """A spoke that can tell cheaply that no message waits."""
+
+    def has_input(self) -> bool:
+        """False only when surely no message waits: a receiver that got a version asks
+        this before reading again for a newer one, and a cheap no spares a read."""
+        ...
+
+
+@runtime_checkable
+class Borrows(Protocol):
+    """A spoke whose received buffers may be memory its hub lends (see :class:`Lends`).
+
+    The receiver then lets go of a version's frames before acking it, and applies such
+    versions in place; other spokes' versions are freed after the ack, off the sender's
+    critical path.
+    """
+
+    def borrowed(self, buffers: Sequence[Buffer]) -> bool:
+        """Whether these received buffers may be memory the hub lends."""
+        ...
+
+
+@runtime_checkable
+class Follows(Protocol):
+    """A spoke that connects the addresses its hub announced (see :class:`Announces`)."""
+
     def follow(self, announced: dict[str, Any]) -> None:
         """Use the addresses a hub announced in its Welcome (connect the data path)."""
+        ...
+
+
+# --- abilities: both ----------------------------------------------------------------------
+
+
+@runtime_checkable
+class Counted(Protocol):
+    """An end that counts what happens at the transport's level."""
 
     def counters(self) -> dict[str, int]:
-        """Transport-level counts on the worker's side (frames read in place, ...)."""
-        return {}
+        """Counts such as rejected connections, dropped messages, frames read in place."""
+        ...
+
+
+def has_input(spoke: SpokeTransport) -> bool:
+    """Whether a message may be waiting at ``spoke`` (False only when surely none is)."""
+    # A receiver asks once per message: the class's answer is cached (an isinstance
+    # check against a protocol costs microseconds).
+    return not _is_peekable(type(spoke)) or cast(Peekable, spoke).has_input()
+
+
+@functools.cache
+def _is_peekable(cls: type) -> bool:
+    return issubclass(cls, Peekable)
+
+
+def counters(end: HubTransport | SpokeTransport) -> dict[str, int]:
+    """``end``'s counters, or none."""
+    return end.counters() if isinstance(end, Counted) else {}
+
+
+def lost_peers(hub: HubTransport) -> frozenset[PeerId]:
+    """``hub``'s peers known to be gone (none where it cannot tell)."""
+    return hub.lost_peers() if isinstance(hub, TracksPeers) else frozenset()
+
+
+def reserved_workers(hub: HubTransport) -> frozenset[int]:
+    """The worker ids ``hub`` binds to its peers (none where workers pick their own)."""
+    return hub.reserved_workers() if isinstance(hub, TracksPeers) else frozenset()

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from zmqsync.errors import EndpointError, TransportClosed
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport, Stream
 
 __all__ = ["MemoryHub", "MemorySpoke"]
 
@@ -83,7 +83,11 @@ class MemoryHub(HubTransport):
             self._inbox.put(Incoming(frames, peer))
 
     def send_frames(
-        self, frames: Sequence[Buffer], *, to: Collection[PeerId] | None = None
+        self,
+        frames: Sequence[Buffer],
+        *,
+        to: Collection[PeerId] | None = None,
+        stream: Stream | None = None,
     ) -> None:
         if self._closed:
             raise TransportClosed(f"{self._endpoint} is closed")
@@ -140,7 +144,11 @@ class MemorySpoke(SpokeTransport):
     def closed(self) -> bool:
         return self._closed
 
-    def send_frames(self, frames: Sequence[Buffer]) -> None:
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
         if self._closed:
             raise TransportClosed(f"spoke of {self._endpoint} is closed")
         hub = self._connect()

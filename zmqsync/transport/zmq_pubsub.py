@@ -15,15 +15,10 @@ import zmq
 
 from zmqsync.endpoints import derive_endpoint
 from zmqsync.protocol import Buffer
-from zmqsync.transport._zmq import (
-    CONTROL_MAX_MESSAGE,
-    DATA_HWM,
-    ZMQHub,
-    ZMQSpoke,
-    _bind,
-    send_parts,
-)
-from zmqsync.transport._zmq_shm import FAN_OUT
+from zmqsync.transport._zmq.hub import ZMQHub
+from zmqsync.transport._zmq.sockets import CONTROL_MAX_MESSAGE, DATA_HWM, bind, send_parts
+from zmqsync.transport._zmq.spoke import ZMQSpoke
+from zmqsync.transport.shm.records import FAN_OUT
 
 __all__ = ["PubSubHub", "PubSubSpoke"]
 
@@ -48,7 +43,7 @@ class PubSubHub(ZMQHub):
     def _bind_data(self, endpoint: str) -> None:
         self._pub = self._new_pub()
         self._data_bound_as = self._data_request or derive_endpoint(endpoint, "data", 1)
-        self._data_endpoint = _bind(self._pub, self._data_bound_as)
+        self._data_endpoint = bind(self._pub, self._data_bound_as)
 
     def _data_sockets(self) -> list[zmq.Socket[Any]]:
         return [*super()._data_sockets(), self._pub]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zmqsync.protocol import Buffer
-from zmqsync.transport._zmq import ZMQHub, ZMQSpoke
+from zmqsync.transport._zmq.hub import ZMQHub
+from zmqsync.transport._zmq.spoke import ZMQSpoke
 
 __all__ = ["RouterHub", "RouterSpoke"]
 

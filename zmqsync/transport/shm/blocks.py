@@ -1,19 +1,14 @@
-"""Shared-memory blocks a hub lends for large frames, and lends again once free.
+"""The hub's shared-memory blocks: lent for large frames, and lent again once free.
 
-Used by the pipe transport: a large frame is written into a block once, the block's file
-descriptor travels to each worker once (``SCM_RIGHTS`` over the pipe's Unix socket), and
-every later message only names the block and an offset. Workers map blocks read-only and
-copy from them straight into their model, so a version crosses no kernel socket.
-
-A block is free again when nobody holds it:
-
-- here, no Python object views it (its array's reference count is back to its own);
-- there, every worker it was sent to has released it (a record sent back once the
-  worker's frames are garbage), or has been lost (its pipe broke).
+A large frame is written into a block once; peers map the block read-only and copy from
+it straight into their model, so a version crosses no kernel socket. A block is free
+again when nobody holds it: here, no Python object views it (its array's reference count
+is back to its own); there, every lease a peer had on it was released, or the peer was
+lost.
 
 Blocks are anonymous ``memfd`` files: they vanish with the last process that maps them,
 so a crash leaves nothing behind in ``/dev/shm``. They are sealed against resizing, and
-against new writable mappings once the hub has its own, so a confused worker can neither
+against new writable mappings once the hub has its own, so a confused peer can neither
 shrink a block under the learner (``SIGBUS``) nor write into it.
 """
 
@@ -32,24 +27,16 @@ from typing import Any, Final, overload
 
 import numpy as np
 
-__all__ = [
-    "SHM_AVAILABLE",
-    "SHM_MIN_FRAME",
-    "Block",
-    "PeerBlocks",
-    "Ref",
-    "ShmPool",
-    "map_peer_block",
-]
+__all__ = ["ALIGN", "LEND_MIN_FRAME", "SHM_AVAILABLE", "Block", "BlockPool", "Ref", "immutable"]
 
 #: Whether this platform has anonymous shared memory files (Linux).
 SHM_AVAILABLE: Final = hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING")
-#: Blocks alive at once (free or not). Past this, a hub sends through the socket.
+#: Blocks alive at once (free or not). Past this, a hub sends through its socket.
 MAX_BLOCKS: Final = 4
 #: Free blocks kept for reuse; the others are returned to the system.
 KEEP_FREE: Final = 2
 #: Frames at least this large travel through shared memory.
-SHM_MIN_FRAME: Final = 64 * 1024
+LEND_MIN_FRAME: Final = 64 * 1024
 #: Each frame copied into a block starts on this boundary (a cache line).
 ALIGN: Final = 64
 #: Linux's F_SEAL_FUTURE_WRITE (not named in Python's fcntl): no new writable mappings.
@@ -57,7 +44,7 @@ _F_SEAL_FUTURE_WRITE: Final = 0x0010
 
 
 class Block:
-    """One shared-memory block: its file, its mapping, and who holds it."""
+    """One shared-memory block: its file, its mapping, and the leases peers hold on it."""
 
     def __init__(self, block_id: int, size: int) -> None:
         import fcntl
@@ -79,8 +66,8 @@ class Block:
         #: Unique among live files: tells this block from a later one that got its fd number.
         self.inode: int = os.fstat(self.fd).st_ino
         self.address: int = self.array.__array_interface__["data"][0]
-        #: Messages naming this block that each peer has not released yet.
-        self.readers: Counter[Any] = Counter()
+        #: Leases each peer holds on the block (one per message naming it, until released).
+        self.leases: Counter[Any] = Counter()
         self._own_refs = sys.getrefcount(self.array)
 
     def viewed_here(self) -> bool:
@@ -88,7 +75,7 @@ class Block:
         return sys.getrefcount(self.array) > self._own_refs
 
     def free(self) -> bool:
-        return not self.readers and not self.viewed_here()
+        return not self.leases and not self.viewed_here()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -118,8 +105,13 @@ def immutable(frame: Any) -> bool:
     return isinstance(frame, np.ndarray) and not frame.flags.writeable
 
 
-class ShmPool:
-    """The hub's blocks: lent for large messages, located by address, freed on release."""
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class BlockPool:
+    """The hub's blocks: lent for large messages, located by address, and free again
+    once every lease on them is released."""
 
     def __init__(self, *, max_blocks: int = MAX_BLOCKS, keep_free: int = KEEP_FREE) -> None:
         self._blocks: dict[int, Block] = {}
@@ -127,8 +119,7 @@ class ShmPool:
         self._lock = threading.Lock()
         self._max_blocks = max_blocks
         self._keep_free = keep_free
-        #: Blocks given back to the system; the hub tells workers to unmap them.
-        self.retired: list[int] = []
+        #: Blocks wanted while every one was busy (their frames then went inline).
         self.fallbacks = 0
 
     def lend(self, nbytes: int) -> tuple[Block, np.ndarray] | None:
@@ -162,11 +153,11 @@ class ShmPool:
         return None
 
     @overload
-    def share(self, frames: Sequence[Any]) -> tuple[list[Any], list[Any]]: ...
+    def place(self, frames: Sequence[Any]) -> tuple[list[Any], list[Any]]: ...
     @overload
-    def share(self, frames: Sequence[Any], *, copy: bool) -> tuple[list[Any], list[Any]] | None: ...
+    def place(self, frames: Sequence[Any], *, copy: bool) -> tuple[list[Any], list[Any]] | None: ...
 
-    def share(
+    def place(
         self, frames: Sequence[Any], *, copy: bool = True
     ) -> tuple[list[Any], list[Any]] | None:
         """``frames`` with the large ones as :class:`Ref`: a read-only frame that already
@@ -174,7 +165,7 @@ class ShmPool:
         into one lent block (or left as they are when every block is busy).
 
         Returns the frames and what keeps their blocks lent: hold on to it until each
-        peer's hold is counted (:meth:`hold`). ``copy=False``: copy nothing; None if a
+        peer's lease is counted (:meth:`lease`). ``copy=False``: copy nothing; None if a
         large frame does not already lie in a block.
         """
         out: list[Any] = list(frames)
@@ -182,7 +173,7 @@ class ShmPool:
         to_copy: list[tuple[int, int]] = []
         for i, frame in enumerate(frames):
             n = memoryview(frame).nbytes
-            if n < SHM_MIN_FRAME:
+            if n < LEND_MIN_FRAME:
                 continue
             if immutable(frame):
                 found = self.locate(frame)
@@ -194,8 +185,7 @@ class ShmPool:
                 return None
             to_copy.append((i, n))
         if to_copy:
-            total = sum(-(-n // ALIGN) * ALIGN for _, n in to_copy)
-            lent = self.lend(total)
+            lent = self.lend(sum(_aligned(n) for _, n in to_copy))
             if lent is None:
                 return out, keep  # every block busy: these go as bytes
             block, view = lent
@@ -204,54 +194,54 @@ class ShmPool:
             for i, n in to_copy:
                 np.copyto(view[offset : offset + n], np.frombuffer(frames[i], dtype=np.uint8))
                 out[i] = Ref(block, offset, n)
-                offset += -(-n // ALIGN) * ALIGN
+                offset += _aligned(n)
         return out, keep
 
     def live_ids(self) -> list[int]:
-        """Ids of the blocks that exist now (a worker may forget any other)."""
+        """Ids of the blocks that exist now (a peer may forget any other)."""
         with self._lock:
             return list(self._blocks)
 
-    def hold(self, block: Block, peer: Any) -> bool:
-        """Count one message naming ``block`` as held by ``peer``; False if retired."""
+    def lease(self, block: Block, peer: Any) -> bool:
+        """Count one message naming ``block`` as leased to ``peer``; False if retired."""
         with self._lock:
             if block.id not in self._blocks:
                 return False
-            block.readers[peer] += 1
+            block.leases[peer] += 1
             return True
 
     def release(self, block_id: int, peer: Any) -> bool:
-        """``peer`` is done with one message naming ``block_id``; False if it held none."""
+        """``peer`` released one lease on ``block_id``; False if it held none."""
         with self._lock:
             block = self._blocks.get(block_id)
-            if block is None or block.readers[peer] <= 0:  # a Counter lookup adds no key
+            if block is None or block.leases[peer] <= 0:  # a Counter lookup adds no key
                 return False
-            block.readers[peer] -= 1
-            if block.readers[peer] == 0:
-                del block.readers[peer]
+            block.leases[peer] -= 1
+            if block.leases[peer] == 0:
+                del block.leases[peer]
             return True
 
-    def drop_hold(self, block_id: int, peer: Any) -> None:
-        """``peer`` holds nothing in ``block_id`` any more (however many it held)."""
+    def release_all(self, block_id: int, peer: Any) -> None:
+        """Every lease ``peer`` holds on ``block_id`` ends, however many."""
         with self._lock:
             block = self._blocks.get(block_id)
             if block is not None:
-                block.readers.pop(peer, None)
+                block.leases.pop(peer, None)
 
-    def abandon(self, peer: Any, block_ids: Iterable[int]) -> None:
-        """``peer`` may still read these blocks and will never say when it stops: retire
-        them, so they are never rewritten (their pages live on while it maps them)."""
+    def forget(self, peer: Any) -> None:
+        """``peer`` is gone (its process too): every lease it held ends."""
+        with self._lock:
+            for block in self._blocks.values():
+                block.leases.pop(peer, None)
+
+    def retire(self, block_ids: Iterable[int]) -> None:
+        """Some peer may still read these blocks and will never say when it stops:
+        never rewrite them (their pages live on while it maps them)."""
         with self._lock:
             for block_id in block_ids:
                 block = self._blocks.get(block_id)
                 if block is not None:
                     self._retire(block)
-
-    def forget(self, peer: Any) -> None:
-        """``peer`` is gone: it holds nothing any more."""
-        with self._lock:
-            for block in self._blocks.values():
-                block.readers.pop(peer, None)
 
     def nbytes(self) -> int:
         """Bytes of shared memory this pool maps."""
@@ -265,76 +255,10 @@ class ShmPool:
 
     def _retire(self, block: Block) -> None:
         del self._blocks[block.id]
-        self.retired.append(block.id)
         block.close()
 
-    def take_retired(self) -> list[int]:
+    def close(self) -> None:
         with self._lock:
-            out, self.retired = self.retired, []
-            return out
-
-    def close(self, blocks: Iterable[Block] | None = None) -> None:
-        with self._lock:
-            for block in list(self._blocks.values()) if blocks is None else blocks:
-                self._blocks.pop(block.id, None)
+            for block in self._blocks.values():
                 block.close()
-
-
-# --- a reader in another process ---------------------------------------------------------
-
-
-def map_peer_block(pid: int, fd: int, size: int, inode: int | None = None) -> np.ndarray:
-    """Map block ``fd`` of process ``pid`` read-only, through ``/proc``; checks its size
-    and, if given, its inode (a descriptor number the owner reused names another file)."""
-    if pid <= 0 or fd < 0 or size <= 0:
-        raise ValueError(f"no block at pid {pid}, fd {fd}, size {size}")
-    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(handle)
-        if inode is not None and st.st_ino != inode:
-            raise ValueError(f"fd {fd} of pid {pid} is no longer the block it was")
-        if st.st_size < size:
-            raise ValueError(f"block fd {fd} of pid {pid} is {st.st_size} bytes, not {size}")
-        mapped = mmap.mmap(handle, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(handle)
-    return np.frombuffer(mapped, dtype=np.uint8)
-
-
-class PeerBlocks:
-    """Another process's blocks as this one maps them (read-only, each mapped once, by
-    owner pid and block id), for readers that open them through ``/proc``."""
-
-    def __init__(self, limit: int = 8) -> None:
-        self._maps: dict[tuple[int, int], np.ndarray] = {}
-        self._limit = limit
-
-    def keep_only(self, pid: int, alive: set[int]) -> None:
-        """Forget every mapping but those of ``pid``'s blocks in ``alive`` (the others
-        are unmapped once no frame views them)."""
-        for key in [k for k in self._maps if k[0] != pid or k[1] not in alive]:
-            del self._maps[key]
-
-    def view(
-        self,
-        pid: int,
-        block_id: int,
-        fd: int,
-        size: int,
-        start: int,
-        length: int,
-        inode: int | None = None,
-    ) -> np.ndarray:
-        """Bytes ``start .. start + length`` of the block, mapping it first if need be."""
-        mapped = self._maps.get((pid, block_id))
-        if mapped is None:
-            mapped = map_peer_block(pid, fd, size, inode)
-            while len(self._maps) >= self._limit:
-                del self._maps[next(iter(self._maps))]
-            self._maps[(pid, block_id)] = mapped
-        if start + length > mapped.nbytes:
-            raise ValueError(f"a frame names bytes past the end of block {block_id}")
-        return mapped[start : start + length]
-
-    def clear(self) -> None:
-        self._maps.clear()
+            self._blocks.clear()

@@ -1,0 +1,148 @@
+"""A ZeroMQ spoke's side of shared memory: joining its hub's lending, reading leases in
+place, and telling the hub what it still holds (see :class:`~.lending.Lender`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from zmqsync.protocol import Buffer
+from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
+from zmqsync.transport.shm.records import (
+    Holding,
+    Join,
+    Joined,
+    Lease,
+    Leave,
+    Offer,
+    RecordError,
+    decode,
+    encode,
+)
+
+__all__ = ["Borrower"]
+
+log = logging.getLogger("zmqsync.transport")
+
+
+class Borrower:
+    """Answers offers, reads leases in place, and reports what it still views.
+    ``request(frames)`` sends to the hub's ROUTER. Called from the spoke's thread only;
+    the views it hands out may die on any thread."""
+
+    def __init__(self, request: Callable[[list[bytes]], None]) -> None:
+        self._request = request
+        #: The hub's offer and the token read in its probe block, once joined.
+        self._offer: Offer | None = None
+        self._token = b""
+        self._slot: int | None = None
+        self._joining = False  # a join is on its way; its answer is not
+        self._secret = b""
+        self._first_seq = 0
+        self._seen = [0, 0]  # per channel
+        self._early: tuple[Lease, list[Buffer]] | None = None  # a lease that beat our slot
+        self._maps = PeerBlocks()
+        self._lock = threading.Lock()
+        self._held: Counter[int] = Counter()  # block id -> leases whose views live
+        self._dirty = False
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def active(self) -> bool:
+        """True once the hub counts this spoke: received frames may lie in its blocks."""
+        return self._slot is not None
+
+    def on_record(self, frames: Sequence[Buffer]) -> list[Buffer] | None:
+        """Handle a record from the hub; returns a lease's frames, else None."""
+        try:
+            record = decode(frames[0])
+            if isinstance(record, Offer):
+                self._on_offer(record)
+            elif isinstance(record, Joined) and self._offer is not None:
+                self._slot, self._first_seq, self._secret = (
+                    record.slot,
+                    record.first_seq,
+                    record.secret,
+                )
+                self._joining = False
+                self._seen = [max(s, self._first_seq - 1) for s in self._seen]
+                early, self._early = self._early, None
+                if early is not None:
+                    return self._resolve(*early)
+            elif isinstance(record, Lease):
+                return self._resolve(record, list(frames[1:]))
+            else:
+                self.counters["bad_records"] += 1
+        except (RecordError, ValueError, OSError) as exc:
+            self._dirty = True  # report what was seen: the hub counts us for nothing held
+            self.counters["failures"] += 1
+            log.warning("could not read a shared-memory record from the hub: %s", exc)
+        return None
+
+    def _on_offer(self, offer: Offer) -> None:
+        if self._offer is not None and self._offer == offer and self._joining:
+            return  # it offered before it heard our join
+        # A hub offers to peers it does not count: a new one, or ours, which dropped us.
+        self._offer = None
+        self._slot = None
+        try:
+            self._token = read_token(offer)
+        except (OSError, ValueError):
+            self.counters["not_readable"] += 1
+            self._request([encode(Leave())])
+            return
+        self._offer = offer
+        self._join()
+
+    def _join(self) -> None:
+        self._slot = None
+        self._joining = True
+        self._request([encode(Join(self._token))])
+
+    def _resolve(self, lease: Lease, inline: list[Buffer]) -> list[Buffer] | None:
+        if self._offer is None or lease.pid != self._offer.pid:
+            self.counters["skipped"] += 1  # not from the hub we joined
+            return None
+        slot = self._slot
+        if slot is None:
+            self._early = (lease, inline)  # joined, slot on its way: read it once it is here
+            return None
+        if lease.seq < self._first_seq or not lease.counts(slot):
+            self.counters["skipped"] += 1
+            if lease.seq >= self._first_seq and not self._joining:
+                self._join()  # not counted any more (the hub dropped us): for the next ones
+            return None
+        self._seen[lease.channel] = max(self._seen[lease.channel], lease.seq)  # told once views die
+        frames, views = borrow(lease, iter(inline), self._maps)
+        with self._lock:
+            self._held.update(views.keys())
+        release_when_gone(views, self._let_go)
+        self.counters["shared_frames"] += sum(len(v) for v in views.values())
+        return frames
+
+    def _let_go(self, block_id: int) -> None:
+        with self._lock:
+            self._held[block_id] -= 1
+            if self._held[block_id] <= 0:
+                del self._held[block_id]
+                self._dirty = True
+
+    def pending_release(self) -> list[bytes] | None:
+        """The holding to send on the ack channel now (before any other message there),
+        or None."""
+        if not self._dirty or self._slot is None:
+            return None
+        with self._lock:
+            self._dirty = False
+            held = frozenset(self._held)
+        return [encode(Holding(self._slot, self._secret, (self._seen[0], self._seen[1]), held))]
+
+    def stats(self) -> dict[str, int]:
+        return {f"shm_{k}": v for k, v in self.counters.items()}
+
+    def close(self) -> None:
+        self._maps.clear()
+        self._slot = None
+        self._early = None

@@ -1,0 +1,271 @@
+"""The hub's side of shared memory over ZeroMQ: large frames lent to peers on its host.
+
+Over ``ipc://`` every worker is on the learner's host, so a version need not cross a
+socket at all: the hub sends a lease naming where each large frame lies in its blocks
+(a sender's snapshot already lies in one), and each worker copies from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from zmqsync.protocol import Buffer
+from zmqsync.transport.shm.blocks import BlockPool, Ref
+from zmqsync.transport.shm.lending import Probe, lease_of
+from zmqsync.transport.shm.records import (
+    ADDRESSED,
+    FAN_OUT,
+    Holding,
+    Join,
+    Joined,
+    Leave,
+    RecordError,
+    decode,
+    encode,
+)
+
+__all__ = ["Lender"]
+
+log = logging.getLogger("zmqsync.transport")
+
+#: Seconds a peer may keep a block, from when it was lent, before the peer is dropped
+#: and its blocks retired. A worker releases within milliseconds of reading; this is
+#: for the dead and the stopped.
+LEASE_SECONDS: Final = 10.0
+#: Leased messages whose sender's frames the hub keeps until every peer counted for
+#: them released them (a sender streams no further than its window meanwhile). Past
+#: this, the oldest are let go of (held by a stopped peer: the sender's stall covers it).
+MAX_KEPT: Final = 256
+#: The largest slot number; a hub gives each join a new one.
+_MAX_SLOT: Final = 1 << 31
+
+
+@dataclass
+class _Member:
+    """A joined spoke: its slot, and the leases the hub counts for it."""
+
+    peer: bytes
+    slot: int
+    secret: bytes
+    first_seq: int
+    seen: list[int] = field(default_factory=lambda: [0, 0])  # per channel
+    #: Block id -> channel -> seq of the last lease naming it counted for this peer.
+    leased: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Block id -> when it was lent to this peer (the first lease naming it since the
+    #: peer last released it): each block's lease runs from then. Per block, so that
+    #: releasing newer blocks never renews the lease of an old one still held.
+    lent_at: dict[int, float] = field(default_factory=dict)
+
+
+class Lender:
+    """Lends the hub's blocks to the spokes that prove they can read them.
+
+    Nothing here trusts that a peer can read the blocks, or that it keeps up:
+
+    1. **Offer.** The first time a spoke speaks, the hub offers it (over the ROUTER) its
+       probe block: pid, descriptor and inode, never the token written there.
+    2. **Join.** A spoke that can open ``/proc/<pid>/fd/<fd>`` (same host, same pid
+       namespace, allowed to) answers with the token. Others leave, and keep getting
+       every byte inline.
+    3. **Joined.** The hub gives the spoke a *slot*, a secret, and the first sequence
+       number of the leases it counts for it.
+    4. **Leases** name each frame's place, the blocks still alive, and the slots the
+       hub counts a lease for. A spoke reads a lease only if its slot is in it: a spoke
+       whose join has not landed, or was dropped, never maps a block the hub might
+       rewrite under it. It skips the message (counted); the sender's repair path (or
+       an inline copy sent beside it) brings the version.
+    5. **Holdings** come back over the ack channel, in front of the ack they precede (or
+       alone): the newest lease seen per channel, and the blocks still viewed. The hub
+       rewrites a block only once every peer it counted has seen a later message and
+       views it no more.
+
+    A peer that keeps a block longer than :data:`LEASE_SECONDS` after it was lent (dead,
+    stopped, stuck) is dropped and the blocks it held are retired, never rewritten: its
+    mapping stays valid, the pages are freed when it unmaps them or exits, and the hub
+    makes new blocks. A malformed or forged record (wrong secret) is counted and dropped.
+
+    Not thread-safe: the hub calls it under its own use.
+    """
+
+    def __init__(self) -> None:
+        self.pool = BlockPool()
+        self._probe = Probe()
+        self._members: dict[bytes, _Member] = {}
+        self._by_slot: dict[int, _Member] = {}
+        self._slots = iter(range(1, _MAX_SLOT))
+        self._seq = 0
+        self._offered: set[bytes] = set()
+        #: seq -> (the caller's frames, channel, block ids, peers yet to release it):
+        #: the frames stay referenced, so a sender watching them knows when workers are
+        #: done with that message (not merely when its lease went out).
+        self._kept: dict[int, tuple[Any, int, set[int], set[bytes]]] = {}
+        self.counters: Counter[str] = Counter()
+
+    # offers and joins
+
+    def offer(self, peer: bytes) -> list[bytes] | None:
+        """The offer to send ``peer`` on first contact, or None (offered already)."""
+        if peer in self._offered or peer in self._members:
+            return None
+        self._offered.add(peer)
+        return [encode(self._probe.offer)]
+
+    def members(self) -> set[bytes]:
+        return set(self._members)
+
+    def on_request(self, peer: bytes, frames: Sequence[Buffer]) -> list[bytes] | None:
+        """A join or leave from ``peer`` (over the ROUTER); returns the reply, if any."""
+        try:
+            record = decode(frames[0]) if len(frames) == 1 else None
+        except RecordError:
+            record = None
+        if isinstance(record, Join) and self._probe.proves(record):
+            self.drop(peer, "re-joined")  # a spoke that joins again starts afresh
+            member = _Member(peer, next(self._slots), secrets.token_bytes(8), self._seq + 1)
+            member.seen = [self._seq, self._seq]
+            self._members[peer] = member
+            self._by_slot[member.slot] = member
+            self.counters["joined"] += 1
+            return [encode(Joined(member.slot, member.first_seq, member.secret))]
+        if isinstance(record, Leave):
+            self.counters["declined"] += 1
+            self.drop(peer, "left")
+            self._offered.add(peer)  # it cannot read our blocks: do not offer again
+            return None
+        self.counters["bad_records"] += 1
+        return None
+
+    def drop(self, peer: bytes, why: str) -> None:
+        """Stop counting ``peer``; retire every block it may still read (never rewrite
+        one under it). It is offered again on its next contact."""
+        member = self._members.pop(peer, None)
+        self._offered.discard(peer)
+        if member is None:
+            return
+        del self._by_slot[member.slot]
+        self._release_kept(peer)
+        self.pool.retire(member.leased)
+        if member.leased:
+            log.info(
+                "shared memory: dropped a peer holding %d block(s): %s", len(member.leased), why
+            )
+
+    # releases
+
+    def on_release(self, frames: Sequence[Buffer]) -> None:
+        """A holding from the ack channel: which leases a peer has seen and which blocks
+        it still views."""
+        try:
+            record = decode(frames[0]) if len(frames) == 1 else None
+        except RecordError:
+            record = None
+        member = self._by_slot.get(record.slot) if isinstance(record, Holding) else None
+        if (
+            not isinstance(record, Holding)
+            or member is None
+            or not secrets.compare_digest(record.secret, member.secret)
+            or max(record.seen) > self._seq
+        ):
+            self.counters["bad_records"] += 1
+            return
+        seen = member.seen
+        seen[FAN_OUT] = max(seen[FAN_OUT], record.seen[FAN_OUT])
+        seen[ADDRESSED] = max(seen[ADDRESSED], record.seen[ADDRESSED])
+        self._release_kept(member.peer, seen, record.held)
+        for block_id, by_channel in list(member.leased.items()):
+            if block_id not in record.held and all(q <= seen[c] for c, q in by_channel.items()):
+                self.pool.release_all(block_id, member.peer)
+                del member.leased[block_id]
+                del member.lent_at[block_id]
+        self.counters["releases"] += 1
+
+    def _release_kept(
+        self, peer: bytes, seen: list[int] | None = None, held: frozenset[int] = frozenset()
+    ) -> None:
+        """``peer`` released the kept messages it has seen and no longer views (all of
+        them if ``seen`` is None: it is gone); keep the frames others still read."""
+        for seq in list(self._kept):
+            _, channel, blocks, pending = self._kept[seq]
+            if peer in pending and (seen is None or (seq <= seen[channel] and not blocks & held)):
+                pending.discard(peer)
+                if not pending:
+                    del self._kept[seq]
+
+    # sending
+
+    def lease(
+        self, frames: Sequence[Buffer], peers: Sequence[bytes], channel: int
+    ) -> list[bytes | Any] | None:
+        """``frames`` as one lease, to go out on ``channel``, counted for ``peers`` (the
+        joined ones among them). None: nobody joined, a large frame not in a block
+        (memory from :meth:`lend`), or a block retired meanwhile; then send ``frames``
+        as they are."""
+        members = [self._members[p] for p in peers if p in self._members]
+        if not members:
+            return None
+        # Only memory lent by lend() goes as it is: copying the caller's frames into a
+        # block would be the serialised copy zero-copy sends avoid.
+        found = self.pool.place(frames, copy=False)
+        if found is None:
+            return None
+        placed, keep = found
+        blocks = {f.block.id: f.block for f in placed if isinstance(f, Ref)}
+        if not blocks:
+            return None  # nothing large
+        self._seq += 1
+        now = time.monotonic()
+        for member in members:
+            for block in blocks.values():
+                if self.pool.lease(block, member.peer):
+                    member.leased.setdefault(block.id, {})[channel] = self._seq
+                    member.lent_at.setdefault(block.id, now)  # a block held on keeps its lease
+        del keep  # the leases keep the blocks now
+        self._kept[self._seq] = (list(frames), channel, set(blocks), {m.peer for m in members})
+        while len(self._kept) > MAX_KEPT:
+            del self._kept[next(iter(self._kept))]
+        lease, inline = lease_of(
+            placed,
+            pid=os.getpid(),
+            live=self.pool.live_ids(),
+            seq=self._seq,
+            channel=channel,
+            slots=[m.slot for m in members],
+        )
+        self.counters["shared_sends"] += 1
+        return [encode(lease), *inline]
+
+    def expire(self) -> None:
+        """Drop the peers that held a block past :data:`LEASE_SECONDS` since it was lent
+        to them (call before choosing whom a message counts)."""
+        now = time.monotonic()
+        for member in list(self._members.values()):
+            oldest = min(member.lent_at.values(), default=None)
+            if oldest is not None and now - oldest > LEASE_SECONDS:
+                self.counters["expired"] += 1
+                self.drop(member.peer, f"held a block for over {LEASE_SECONDS:g}s")
+
+    def lend(self, nbytes: int) -> Any:
+        if not self._members:
+            return None
+        lent = self.pool.lend(nbytes)
+        return None if lent is None else lent[1]
+
+    def stats(self) -> dict[str, int]:
+        out = {f"shm_{k}": v for k, v in self.counters.items()}
+        out["shm_bytes"] = self.pool.nbytes()
+        out["shm_peers"] = len(self._members)
+        return out
+
+    def close(self) -> None:
+        self._kept.clear()
+        self.pool.close()
+        self._probe.close()
+        self._members.clear()
+        self._by_slot.clear()

@@ -1,0 +1,268 @@
+"""What travels on one pipe, and reading it.
+
+Each unit on the pipe starts with one record written with ``Connection.send_bytes``:
+
+- a header (:data:`HEADER`: magic and a count): a message (``MESSAGE``: every frame's
+  length follows in a second record, then the frames' bytes, raw), a worker's index
+  (``ASSIGN``), or a block's descriptor (``BLOCK``: one byte follows, the descriptor
+  attached to it with ``SCM_RIGHTS``);
+- or a shared-memory record (:mod:`~zmqsync.transport.shm.records`): a lease from the
+  hub (its inline frames' bytes follow, raw), or a release from a worker.
+
+``Connection.send``/``recv`` are never used: they pickle, and no pickle travels on
+zmqsync's data path. Raw bytes bypass ``Connection.recv_bytes``, which reads a large
+record in small chunks through an ``io.BytesIO`` (three copies): the reader allocates
+each message once and fills it with ``recv_into``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Final
+
+import numpy as np
+
+from zmqsync.protocol import MAX_BUFFERS, Buffer
+from zmqsync.transport.pipe.buffers import POOL_MIN_BYTES, BufferPool
+from zmqsync.transport.shm.borrowing import PeerBlocks, borrow
+from zmqsync.transport.shm.records import (
+    Lease,
+    RecordError,
+    Release,
+    decode,
+    encode,
+    is_record,
+)
+
+__all__ = [
+    "ASSIGN",
+    "HEADER",
+    "MAX_FRAMES",
+    "Received",
+    "read",
+    "shutdown",
+    "socket_of",
+    "write_block",
+    "write_lease",
+    "write_message",
+]
+
+#: A header record: magic, then a count (of frames, or the index or block it names).
+HEADER: Final = struct.Struct("<4sI")
+_LENGTH: Final = struct.Struct("<Q")
+MESSAGE: Final = b"ZSP2"
+#: The record that tells a worker its index (the count field carries the index).
+ASSIGN: Final = b"ZSPI"
+#: Hub to worker: block ``count`` follows, its file descriptor attached to one byte.
+BLOCK: Final = b"ZSPB"
+#: Frames per message: the protocol's buffer limit plus the header and schema frames.
+MAX_FRAMES: Final = MAX_BUFFERS + 2
+#: The frames of one message follow its first record at once. A peer silent for this
+#: long in the middle of a message is stuck (stopped, or confused) and its pipe is given
+#: up: the stream cannot be resynchronised, and a reader must not wait on it forever.
+STALL_SECONDS: Final = 10.0
+#: Received frames at least this large are handed out as views of a pooled buffer.
+_VIEW_MIN_BYTES: Final = 64 * 1024
+
+
+def socket_of(conn: Connection, what: str) -> socket.socket:
+    """A second handle on the pipe's socket, to shut it down from another thread.
+
+    Shutting a socket down wakes a thread blocked writing to it; closing a file
+    descriptor another thread may still use would not (and risks hitting a reused fd).
+    """
+    if not isinstance(conn, Connection) or not (conn.readable and conn.writable):
+        raise ValueError(
+            f"{what} must be one end of multiprocessing.Pipe(duplex=True); got {conn!r}"
+        )
+    try:
+        fd = conn.fileno()
+    except OSError as exc:
+        raise ValueError(f"{what} is closed: pass an open pipe end") from exc
+    dup = os.dup(fd)
+    try:
+        return socket.socket(fileno=dup)
+    except OSError as exc:
+        os.close(dup)
+        raise ValueError(
+            f"{what} is not a socket pair: use multiprocessing.Pipe(duplex=True) on a POSIX system"
+        ) from exc
+
+
+def shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+# --- writing ------------------------------------------------------------------------------
+
+
+def write_message(conn: Connection, frames: Sequence[Buffer]) -> None:
+    """A message's first records (the frames' raw bytes are the caller's to write)."""
+    conn.send_bytes(HEADER.pack(MESSAGE, len(frames)))
+    conn.send_bytes(b"".join(_LENGTH.pack(memoryview(f).nbytes) for f in frames))
+
+
+def write_lease(conn: Connection, lease: Lease) -> None:
+    """A lease's record (its inline frames' raw bytes are the caller's to write)."""
+    conn.send_bytes(encode(lease))
+
+
+def write_block(conn: Connection, sock: socket.socket, block_id: int, fd: int) -> None:
+    """Pass block ``block_id``'s descriptor to the peer."""
+    conn.send_bytes(HEADER.pack(BLOCK, block_id))
+    socket.send_fds(sock, [b"B"], [fd])
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    """What one read brought: a message's frames, a worker's index, or a release."""
+
+    frames: list[Buffer] | None = None
+    #: Per lent block the message's frames lie in, the frames that view it.
+    views: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    index: int | None = None
+    release: Release | None = None
+
+
+def _stall(conn: Connection, what: str) -> None:
+    if not conn.poll(STALL_SECONDS):
+        raise OSError(f"the peer stopped {what} for {STALL_SECONDS:g}s")
+
+
+def _recv_raw(
+    conn: Connection, sock: socket.socket, nbytes: int, pool: BufferPool | None = None
+) -> Any:
+    """``nbytes`` raw bytes, read straight into one buffer (from ``pool``, if given)."""
+    buf: Any = pool.lend(nbytes)[:nbytes] if pool is not None else bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        _stall(conn, "in the middle of a message")
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("the pipe closed in the middle of a message")
+        got += n
+    return buf
+
+
+def _recv_block(conn: Connection, sock: socket.socket, block_id: int) -> np.ndarray:
+    """Map the block whose descriptor rides on the next byte, read-only."""
+    _stall(conn, f"before sending block {block_id}")
+    data, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if not data:
+        raise EOFError(f"the pipe closed before block {block_id}")
+    if not fds:
+        raise OSError(f"block {block_id} came without its file descriptor")
+    fd = fds[0]
+    try:
+        size = os.fstat(fd).st_size
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
+
+
+def _inline_frames(raw: Any, sizes: list[int], pool: BufferPool | None) -> list[Buffer]:
+    """Split one received buffer into its frames."""
+    total = sum(sizes)
+    frames: list[Buffer] = []
+    offset = 0
+    if pool is None or total < POOL_MIN_BYTES:
+        view = memoryview(raw)
+        for n in sizes:
+            frames.append(view[offset : offset + n])
+            offset += n
+        return frames
+    # A pooled buffer: small frames are copied out; large ones are views of the buffer
+    # (numpy arrays, which can be watched), and it is reused once all of them are gone.
+    large = []
+    for n in sizes:
+        if n >= _VIEW_MIN_BYTES:
+            frame = raw[offset : offset + n]
+            large.append(frame)
+            frames.append(frame)
+        else:
+            frames.append(raw[offset : offset + n].tobytes())
+        offset += n
+    pool.watch(raw.base if raw.base is not None else raw, large)
+    return frames
+
+
+def _recv_frames(
+    conn: Connection,
+    sock: socket.socket,
+    sizes: list[int],
+    max_message_bytes: int | None,
+    pool: BufferPool | None,
+) -> list[Buffer]:
+    total = sum(sizes)
+    if max_message_bytes is not None and total > max_message_bytes:
+        raise OSError(f"a message of {total} bytes exceeds the limit of {max_message_bytes}")
+    return _inline_frames(_recv_raw(conn, sock, total, pool), sizes, pool)
+
+
+def read(
+    conn: Connection,
+    sock: socket.socket,
+    max_message_bytes: int | None,
+    pool: BufferPool | None = None,
+    blocks: PeerBlocks | None = None,
+) -> Received:
+    """The next unit, whose first record must be readable now.
+
+    Frames are views of one buffer that the caller owns, or of shared-memory ``blocks``
+    (a worker's, filled by ``BLOCK`` records; ``None`` on the hub, which takes none and
+    reads releases instead). Raises EOFError or OSError when the pipe broke or carries
+    bytes that are not ours (the stream is then lost: it cannot be resynchronised).
+    """
+    first = conn.recv_bytes(
+        Lease.max_size(MAX_FRAMES) if blocks is not None else Release.max_size(MAX_FRAMES)
+    )
+    if is_record([first]):
+        try:
+            record = decode(first)
+        except RecordError as exc:
+            raise OSError(f"a malformed shared-memory record on the pipe: {exc}") from exc
+        if isinstance(record, Release) and blocks is None:
+            return Received(release=record)
+        if not isinstance(record, Lease) or blocks is None:
+            raise OSError(f"a {type(record).__name__} record where none belongs")
+        if len(record.entries) > MAX_FRAMES:
+            raise OSError(f"a message of {len(record.entries)} frames exceeds {MAX_FRAMES}")
+        sizes = [e.length for e in record.entries if e.block < 0]
+        inline = _recv_frames(conn, sock, sizes, max_message_bytes, pool)
+        try:
+            frames, views = borrow(record, iter(inline), blocks)
+        except (RecordError, ValueError) as exc:
+            raise OSError(f"a lease this worker cannot read: {exc}") from exc
+        return Received(frames, views)
+    if len(first) != HEADER.size:
+        raise OSError(f"a pipe header is {HEADER.size} bytes; got {len(first)}")
+    magic, count = HEADER.unpack(first)
+    if magic == ASSIGN:
+        return Received(index=count)
+    if magic == BLOCK and blocks is not None:
+        blocks.add(count, _recv_block(conn, sock, count))
+        return Received()
+    if magic != MESSAGE:
+        raise OSError(f"bad pipe record magic {magic!r}: is someone else writing on this pipe?")
+    if count > MAX_FRAMES:
+        raise OSError(f"a message of {count} frames exceeds the limit of {MAX_FRAMES}")
+    _stall(conn, "in the middle of a message")
+    table = conn.recv_bytes(count * _LENGTH.size)
+    if len(table) != count * _LENGTH.size:
+        raise OSError(f"the frame table of {count} frames takes {count * _LENGTH.size} bytes")
+    sizes = [n for (n,) in _LENGTH.iter_unpack(table)]
+    return Received(_recv_frames(conn, sock, sizes, max_message_bytes, pool))

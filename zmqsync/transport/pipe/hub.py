@@ -1,0 +1,290 @@
+"""The learner's end of the pipe transport: one duplex pipe per worker."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Final
+
+import numpy as np
+
+from zmqsync.errors import TransportClosed, TransportError
+from zmqsync.protocol import Buffer
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, Stream
+from zmqsync.transport.pipe.buffers import BufferPool, owned
+from zmqsync.transport.pipe.framing import ASSIGN, HEADER, read, socket_of
+from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
+from zmqsync.transport.shm.blocks import SHM_AVAILABLE, BlockPool, Ref
+from zmqsync.transport.shm.records import Release
+
+__all__ = ["PipeHub", "peer_id"]
+
+log = logging.getLogger("zmqsync.transport.pipe")
+
+#: What a hub accepts in one message from a worker. Workers send acks and requests (a
+#: few KiB); a bigger message is a confused peer, refused before it is allocated.
+DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+#: Bytes read off the wake-up pipe at a time.
+_WAKE_READ: Final = 4096
+
+
+def peer_id(index: int) -> PeerId:
+    """The hub's peer id of the worker at ``index``: ``b"pipe:3"``."""
+    return b"pipe:%d" % index
+
+
+@dataclass
+class _Peer:
+    index: int
+    conn: Connection = field(repr=False)
+    sock: socket.socket = field(repr=False)
+    writer: Writer = field(repr=False)
+    lost: str | None = None
+
+
+class PipeHub(HubTransport):
+    """The learner's end: one duplex pipe per worker.
+
+    Args:
+        pipes: the learner's end of each worker's ``multiprocessing.Pipe()``; a sequence
+            (worker ``i`` is ``pipes[i]``) or a mapping ``{worker_index: pipe_end}``.
+            Each pipe must carry nothing but this hub's messages.
+        max_message_bytes: the largest message accepted from a worker.
+        shared_memory: send large frames through shared-memory blocks (Linux), written
+            once and read by every worker in place, instead of through each pipe.
+
+    Peer ids are ``b"pipe:<index>"`` (:func:`peer_id`). A worker whose pipe breaks (it
+    exited or was killed) is counted in ``counters()["peers_lost"]``; sends to it are
+    dropped, never raised. Besides the contract it is
+    :class:`~zmqsync.transport.base.Lends`, ``TracksPeers`` and ``Counted``.
+    """
+
+    name = "pipe"
+
+    def __init__(
+        self,
+        pipes: Sequence[Connection] | Mapping[int, Connection],
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        shared_memory: bool = True,
+    ) -> None:
+        items: Iterable[tuple[int, Connection]] = (
+            pipes.items() if isinstance(pipes, Mapping) else enumerate(pipes)
+        )
+        self._max_message_bytes = max_message_bytes
+        self._peers: dict[PeerId, _Peer] = {}
+        self._by_conn: dict[Connection, _Peer] = {}
+        self._closed = False
+        self._dropped = 0
+        self._lost = 0
+        # Guards the peer table (add_pipe may run beside recv_frames) and the wake pipe
+        # against close().
+        self._lock = threading.Lock()
+        self._endpoint = f"pipe://{os.getpid()}"
+        self._rotate = 0
+        self._pool = BufferPool()
+        self._shm = BlockPool() if shared_memory and SHM_AVAILABLE else None
+        self._bad_releases = 0
+        try:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
+            for index, conn in items:
+                self.add_pipe(conn, index)
+        except BaseException:
+            self.close()
+            raise
+
+    def add_pipe(self, pipe: Connection, index: int) -> PeerId:
+        """Serve one more worker at ``index`` (a late joiner), or replace the pipe of a
+        worker whose pipe broke (a restarted worker). Returns its peer id."""
+        self._check_open()
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"worker indices must be non-negative ints; got {index!r}")
+        with self._lock:
+            old = self._peers.get(peer_id(index))
+            if old is not None and old.lost is None:
+                raise ValueError(f"worker {index} already has a working pipe")
+            sock = socket_of(pipe, f"pipe of worker {index}")
+            writer = Writer(pipe, sock, f"hub-{index}", self._shm)
+            # Before anything else on this pipe: tell the worker who it is.
+            writer.put(Outgoing(None, record=HEADER.pack(ASSIGN, index)))
+            peer = _Peer(index, pipe, sock, writer)
+            self._peers[peer_id(index)] = peer
+            self._by_conn[pipe] = peer
+            if old is not None:
+                del self._by_conn[old.conn]
+        if old is not None:
+            close_end(old.conn, old.sock, old.writer)
+        self.wake()  # a blocked recv_frames starts listening to the new pipe
+        return peer_id(index)
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def lost_peers(self) -> frozenset[PeerId]:
+        """Workers whose pipe broke (they exited or were killed)."""
+        with self._lock:
+            return frozenset(pid for pid, peer in self._peers.items() if peer.lost is not None)
+
+    def reserved_workers(self) -> frozenset[int]:
+        """Each pipe's worker index: it belongs to whoever holds that pipe's other end."""
+        with self._lock:
+            return frozenset(peer.index for peer in self._peers.values())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"pipe hub {self._endpoint} is closed")
+
+    def _lose(self, peer: _Peer, why: str) -> None:
+        if peer.lost is None:
+            peer.lost = why
+            self._lost += 1
+            peer.writer.stop()
+            if self._shm is not None:
+                self._shm.forget(peer.writer)  # it reads no block any more
+            log.warning("pipe of worker %d broke (%s): the worker is gone", peer.index, why)
+
+    def send_frames(
+        self,
+        frames: Sequence[Buffer],
+        *,
+        to: Collection[PeerId] | None = None,
+        stream: Stream | None = None,
+    ) -> None:
+        self._check_open()
+        with self._lock:
+            if to is None:
+                targets: list[_Peer | None] = list(self._peers.values())
+            else:
+                targets = [self._peers.get(p) for p in to]
+        if not targets:
+            return
+        placed, keep = self._place(frames)
+        frames_owned, buf = owned(placed, self._pool)
+        item = Outgoing(frames_owned, stream, keep=keep)
+        if buf is not None:
+            # Free again once every writer has written (or dropped) this message.
+            self._pool.watch(buf, [item])
+        for peer in targets:
+            if peer is None or peer.lost is not None:
+                self._dropped += 1
+                continue
+            if peer.writer.broken is not None:
+                self._lose(peer, peer.writer.broken)
+            peer.writer.put(item)
+
+    def _place(self, frames: Sequence[Buffer]) -> tuple[list[Buffer | Ref], list[Any]]:
+        if self._shm is None:
+            return list(frames), []
+        return self._shm.place(frames)
+
+    def lending(self) -> bool:
+        return self._shm is not None
+
+    def lend(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of shared memory that frames are later sent from without a copy
+        (once they are read-only views of it), or None when there is none to lend."""
+        self._check_open()
+        if self._shm is None:
+            return None
+        lent = self._shm.lend(nbytes)
+        return None if lent is None else lent[1]
+
+    def recv_frames(self, timeout: float | None) -> Incoming | None:
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                live = [p.conn for p in self._peers.values() if p.lost is None]
+                by_conn = dict(self._by_conn)
+            if live:  # take turns, so one chatty worker cannot starve the others
+                self._rotate = (self._rotate + 1) % len(live)
+                live = live[self._rotate :] + live[: self._rotate]
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = wait([*live, self._wake_r], remaining)
+            except (OSError, ValueError) as exc:
+                if any(conn.closed for conn in live):
+                    continue  # add_pipe() replaced a broken pipe meanwhile: look again
+                raise TransportError(f"waiting on worker pipes failed: {exc}") from exc
+            woken = self._wake_r in ready
+            if woken:
+                self._drain_wake()
+            for conn in ready:
+                if conn is self._wake_r:
+                    continue
+                peer = by_conn[conn]  # type: ignore[index]
+                try:
+                    got = read(peer.conn, peer.sock, self._max_message_bytes)
+                except (EOFError, OSError) as exc:
+                    self._lose(peer, f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
+                    continue
+                if got.release is not None:
+                    self._on_release(peer, got.release)
+                elif got.frames is not None:
+                    # A message beats a wake-up: whoever woke us wants the hub, and gets
+                    # it back at once either way.
+                    return Incoming(got.frames, peer_id(peer.index))
+            if woken or (not ready and remaining is not None and remaining <= 0):
+                return None
+
+    def _on_release(self, peer: _Peer, release: Release) -> None:
+        for block_id in release.blocks:
+            if self._shm is None or not self._shm.release(block_id, peer.writer):
+                self._bad_releases += 1
+            else:
+                peer.writer.released()
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, _WAKE_READ):
+                pass
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            # Non-blocking: a full wake pipe already holds a wake-up.
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"\0")
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            peers = list(self._peers.values())
+        counts = {
+            "dropped_sends": self._dropped + sum(p.writer.dropped for p in peers),
+            "peers_lost": self._lost,
+        }
+        if self._shm is not None:
+            counts["shm_bytes"] = self._shm.nbytes()
+            counts["shm_fallbacks"] = self._shm.fallbacks
+            counts["bad_releases"] = self._bad_releases
+        return counts
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+        for peer in peers:
+            close_end(peer.conn, peer.sock, peer.writer)
+        if self._shm is not None:
+            self._shm.close()
+        for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)

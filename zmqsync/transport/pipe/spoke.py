@@ -1,0 +1,150 @@
+"""A worker's end of the pipe transport: the child end of its ``multiprocessing.Pipe()``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+from zmqsync.errors import TransportClosed, TransportError
+from zmqsync.protocol import Buffer
+from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.pipe.buffers import BufferPool, owned
+from zmqsync.transport.pipe.framing import read, socket_of
+from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
+from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
+from zmqsync.transport.shm.records import Release, encode
+
+__all__ = ["PipeSpoke"]
+
+log = logging.getLogger("zmqsync.transport.pipe")
+
+
+class PipeSpoke(SpokeTransport):
+    """A worker's end: the child end of its ``multiprocessing.Pipe()``.
+
+    If the hub closes or its process dies, the spoke says so once in the log, drops what
+    it is asked to send and receives nothing; it does not raise (the receiver's own
+    timeouts report a missing sender). Besides the contract it is
+    :class:`~zmqsync.transport.base.Borrows` and ``Counted``.
+    """
+
+    name = "pipe"
+
+    def __init__(self, pipe: Connection) -> None:
+        self._sock = socket_of(pipe, "the worker's pipe")
+        self._conn = pipe
+        self._writer = Writer(pipe, self._sock, "spoke")
+        self._closed = False
+        self._closed_event = threading.Event()
+        self._hub_gone: str | None = None
+        self._early: deque[list[Buffer]] = deque()  # read while waiting for our index
+        self._pool = BufferPool()  # receive buffers, reused once no frame views them
+        #: The hub's blocks, mapped read-only from the descriptors it passed (never
+        #: evicted: the hub passes each one once).
+        self._blocks = PeerBlocks(limit=None)
+        #: This worker's index, as the hub assigned it (``None`` until it has arrived).
+        self.peer_index: int | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def endpoint(self) -> str:
+        """A name for messages: the pipe has no address."""
+        return "pipe://worker" if self.peer_index is None else f"pipe://worker-{self.peer_index}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed("this worker's pipe spoke is closed")
+
+    def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
+        self._check_open()
+        if self._hub_gone is None and self._writer.broken is not None:
+            self._gone(self._writer.broken)
+        self._writer.put(Outgoing(owned(frames)[0]))
+
+    def borrowed(self, buffers: Sequence[Buffer]) -> bool:
+        # Its hub lends blocks whenever it can: a worker cannot tell which version came
+        # through them, so each is let go of before its ack.
+        return True
+
+    def _gone(self, why: str) -> None:
+        if self._hub_gone is None:
+            self._hub_gone = why
+            log.warning("the sender's end of the pipe is gone (%s)", why)
+
+    def _read(self, deadline: float | None, *, until_index: bool = False) -> list[Buffer] | None:
+        """The next message, reading index assignments on the way; None on timeout (or,
+        with ``until_index``, once an index has arrived)."""
+        while True:
+            if self._hub_gone is not None:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._closed_event.wait(remaining)  # nothing will ever come: just time out
+                return None
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                if not self._conn.poll(remaining):
+                    return None
+                got = read(self._conn, self._sock, None, self._pool, self._blocks)
+            except (EOFError, OSError) as exc:
+                self._gone(f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
+                continue
+            if got.index is not None:
+                self.peer_index = got.index
+                if until_index:
+                    return None
+                continue
+            if got.frames is None:
+                continue  # a block's descriptor
+            release_when_gone(got.views, self._release)
+            return got.frames
+
+    def _release(self, block_id: int) -> None:
+        """Tell the hub the frames of one message in ``block_id`` are gone: it may
+        reuse the block once every lease on it is released."""
+        if not self._closed:
+            self._writer.put(Outgoing(None, record=encode(Release((block_id,)))))
+
+    def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
+        self._check_open()
+        if self._early:
+            return list(self._early.popleft())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        frames = self._read(deadline)
+        return None if frames is None else list(frames)
+
+    def wait_index(self, timeout: float) -> int:
+        """Wait for the hub to assign this worker's index and return it.
+
+        Raises :class:`TransportError` if none arrives within ``timeout`` seconds.
+        """
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        while self.peer_index is None:
+            if time.monotonic() >= deadline or self._hub_gone is not None:
+                why = f" (the pipe broke: {self._hub_gone})" if self._hub_gone else ""
+                raise TransportError(
+                    f"no worker index arrived on the pipe within {timeout:g}s{why}: create the "
+                    "sender (init_on_sender with these pipes) first, or pass worker_idx="
+                )
+            frames = self._read(deadline, until_index=True)
+            if frames is not None:
+                self._early.append(frames)
+        return self.peer_index
+
+    def counters(self) -> dict[str, int]:
+        """Messages this spoke dropped (the hub gone, or not reading)."""
+        return {"dropped_sends": self._writer.dropped}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._closed_event.set()
+        close_end(self._conn, self._sock, self._writer)
+        self._blocks.clear()

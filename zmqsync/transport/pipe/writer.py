@@ -1,0 +1,193 @@
+"""Writing one pipe end's messages, in order, on a thread of its own.
+
+The caller never waits on the peer: a peer that does not read (busy, or dead with its
+end of the pipe still held open by some other process) leaves messages queued: the
+chunks of a version are dropped when a newer one starts, the rest is bounded by
+:data:`MAX_QUEUED`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Final
+
+from zmqsync.protocol import Buffer
+from zmqsync.transport.base import Stream
+from zmqsync.transport.pipe.framing import shutdown, write_block, write_lease, write_message
+from zmqsync.transport.shm.blocks import BlockPool, Ref
+from zmqsync.transport.shm.lending import lease_of
+from zmqsync.transport.shm.records import Lease
+
+__all__ = ["Outgoing", "Writer", "close_end"]
+
+log = logging.getLogger("zmqsync.transport.pipe")
+
+#: Control messages queued for one peer before new ones are dropped. Weights never
+#: pile up (a newer version replaces a queued one); this bounds everything else.
+MAX_QUEUED: Final = 1024
+#: A version for a worker that has not released the block of its previous one waits up
+#: to this long for it (meanwhile a newer version replaces it in the queue), then goes.
+RELEASE_PATIENCE: Final = 1.0
+#: How long close() waits for a writer thread after shutting its socket down.
+WRITER_JOIN_SECONDS: Final = 2.0
+#: How long an idle writer sleeps before it looks again (stop() wakes it sooner).
+_IDLE_SECONDS: Final = 1.0
+
+
+@dataclass
+class Outgoing:
+    frames: list[Buffer | Ref] | None  # None: ``record`` alone (a control record)
+    stream: Stream | None = None
+    record: bytes = b""
+    keep: Any = None  # what keeps the shared-memory blocks it names lent
+
+    @property
+    def lent(self) -> bool:
+        return self.frames is not None and any(isinstance(f, Ref) for f in self.frames)
+
+
+class Writer:
+    """Writes one connection's outgoing messages; leases the blocks a message names to
+    the peer (``pool``) as it writes it."""
+
+    def __init__(
+        self, conn: Connection, sock: socket.socket, name: str, pool: BlockPool | None = None
+    ) -> None:
+        self._conn = conn
+        self._sock = sock
+        self._pool = pool
+        self._known: set[int] = set()  # blocks whose descriptor the peer has
+        self._unreleased = 0  # leases written and not released yet
+        self._held_since: float | None = None
+        self._queue: deque[Outgoing] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        #: Why writing failed (the pipe broke), or None while it works.
+        self.broken: str | None = None
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"zmqsync-pipe-{name}", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Outgoing) -> bool:
+        with self._cond:
+            if self._stopping or self.broken is not None:
+                self.dropped += 1
+                return False
+            if item.stream is Stream.START:
+                # A newer version starts: the chunks of older ones still waiting are dead
+                # weight (a receiver drops a version whose stream a newer one cut).
+                kept = deque(m for m in self._queue if m.stream is None)
+                self.dropped += len(self._queue) - len(kept)
+                self._queue = kept
+            elif len(self._queue) >= MAX_QUEUED:
+                self.dropped += 1
+                return False
+            self._queue.append(item)
+            self._cond.notify()
+        return True
+
+    def _next(self) -> Outgoing | None:
+        with self._cond:
+            while not self._stopping:
+                if not self._queue:
+                    self._cond.wait(_IDLE_SECONDS)  # stop() notifies; this bounds a missed one
+                    continue
+                head = self._queue[0]
+                if self._unreleased and head.stream is Stream.START and head.lent:
+                    # The peer still reads its previous version in place: let it finish
+                    # (a newer version may replace this one meanwhile) rather than pin
+                    # one more block. A peer that never releases only delays it.
+                    now = time.monotonic()
+                    if self._held_since is None:
+                        self._held_since = now
+                    remaining = self._held_since + RELEASE_PATIENCE - now
+                    if remaining > 0:
+                        self._cond.wait(remaining)
+                        continue
+                self._held_since = None
+                return self._queue.popleft()
+            return None
+
+    def released(self) -> None:
+        """The peer released one lease."""
+        with self._cond:
+            self._unreleased = max(0, self._unreleased - 1)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            while (item := self._next()) is not None:
+                if item.frames is None:
+                    self._conn.send_bytes(item.record)
+                    continue
+                frames = item.frames
+                if item.lent:
+                    lease = self._lease(frames)
+                    if lease is None:
+                        continue
+                    write_lease(self._conn, lease)
+                else:
+                    write_message(self._conn, frames)  # type: ignore[arg-type]
+                for frame in frames:
+                    if self._stopping:
+                        return  # closing: the peer sees the pipe end, not half a message
+                    if not isinstance(frame, Ref):
+                        self._sock.sendall(frame)
+                # Written: let go of it now (a pooled buffer is free once nobody holds it).
+                item = frames = frame = None  # type: ignore[assignment]
+        except (OSError, EOFError, ValueError) as exc:
+            # EPIPE/ECONNRESET: the peer is gone; ValueError/OSError(EBADF): closed by us.
+            with self._cond:
+                self.broken = f"{type(exc).__name__}: {exc}"
+                self._queue.clear()
+
+    def _lease(self, frames: list[Buffer | Ref]) -> Lease | None:
+        """Count a lease to the peer on each block the message names, pass it the
+        descriptor of any block it has not seen, and return the lease to write. None:
+        drop the message."""
+        assert self._pool is not None
+        blocks = {f.block.id: f.block for f in frames if isinstance(f, Ref)}
+        leased: list[int] = []
+        for block in blocks.values():
+            if not self._pool.lease(block, self):  # retired: cannot be, while a frame views it
+                for block_id in leased:
+                    self._pool.release(block_id, self)
+                self.dropped += 1
+                return None
+            leased.append(block.id)
+        with self._cond:
+            self._unreleased += 1
+        for block in blocks.values():
+            if block.id not in self._known:
+                write_block(self._conn, self._sock, block.id, block.fd)
+                self._known.add(block.id)
+        # The peer maps blocks by descriptor, never through /proc: no pid.
+        return lease_of(frames, pid=0, live=self._pool.live_ids())[0]
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._queue.clear()
+            self._cond.notify_all()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def close_end(conn: Connection, sock: socket.socket, writer: Writer) -> None:
+    """Close one pipe end without ever waiting on its peer."""
+    writer.stop()
+    shutdown(sock)  # wakes a writer blocked on a peer that does not read
+    if writer.join(WRITER_JOIN_SECONDS):
+        conn.close()
+    else:  # pragma: no cover - a socket shutdown always ends a blocked write on Linux
+        log.warning(
+            "a pipe writer did not stop within %ss; leaving its pipe open", WRITER_JOIN_SECONDS
+        )

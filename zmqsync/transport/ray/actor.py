@@ -1,0 +1,315 @@
+"""The actor's side of the Ray transport: what a worker actor's process runs.
+
+The hub's calls reach this process's :class:`RaySpoke` through :func:`deliver` (the
+method :class:`WeightSyncActorMixin` gives an actor class); what the spoke sends waits
+in its outbox and is the call's result. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from zmqsync.errors import EndpointError, TransportClosed
+from zmqsync.protocol import Buffer
+from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
+from zmqsync.transport.shm.records import (
+    Join,
+    Lease,
+    Leave,
+    Offer,
+    RecordError,
+    Release,
+    decode,
+    encode,
+    is_record,
+)
+
+__all__ = ["DELIVER_METHOD", "RaySpoke", "WeightSyncActorMixin", "deliver", "owned"]
+
+log = logging.getLogger("zmqsync.transport.ray")
+
+#: How long a call that overtook an earlier one (a threaded actor) waits for it (seconds);
+#: past it the call goes on, and a version whose chunks came out of order is repaired.
+ORDER_WAIT: Final = 2.0
+#: The actor method a hub calls (what :class:`WeightSyncActorMixin` defines).
+DELIVER_METHOD: Final = "zmqsync_deliver"
+#: Messages an actor's spoke keeps for the hub before dropping new ones.
+MAX_OUTBOX: Final = 1024
+
+
+def owned(frames: Sequence[Buffer]) -> list[bytes]:
+    """``frames`` as bytes (what Ray pickles, and what stays valid)."""
+    return [f if isinstance(f, bytes) else bytes(f) for f in frames]
+
+
+_spokes: dict[str, RaySpoke] = {}
+#: What a spoke that closed had not handed to its hub yet (its goodbye), by channel: the
+#: hub's next call takes it, as it would have taken the outbox.
+_last_words: dict[str, list[list[bytes]]] = {}
+_spokes_lock = threading.Lock()
+
+
+class RaySpoke(SpokeTransport):
+    """A worker actor's end, registered in its process under ``channel`` (the model_id).
+
+    The hub's calls reach it through :func:`deliver`: delivered messages queue for
+    :meth:`recv_frames`; what :meth:`send_frames` is given is returned to the hub as the
+    result of the call. :attr:`on_delivery`, if set, runs on every call between the two
+    (the Ray scheme applies versions and acks there, so the ack rides on the same call).
+    Besides the contract it is :class:`~zmqsync.transport.base.Borrows` and ``Counted``.
+    """
+
+    name = "ray"
+
+    def __init__(self, channel: str = "policy") -> None:
+        self.channel = channel
+        self._inbox: queue.Queue[list[Buffer] | None] = queue.Queue()
+        self._outbox: list[list[bytes]] = []
+        self._cond = threading.Condition()
+        self._delivered = 0  # messages the hub delivered
+        self._taken = 0  # ... and recv_frames took
+        self._reader_idle = False  # a reader waits in recv_frames on an empty inbox
+        self._next_seq: int | None = None  # the hub's next call, by its number
+        self._closed = False
+        self._counters = {"dropped_sends": 0, "read_only_views": 0, "shared_frames": 0}
+        self._maps = PeerBlocks()  # the driver's blocks, mapped read-only
+        #: This actor's index at its hub (``None`` until the hub's first call).
+        self.peer_index: int | None = None
+        #: Called on each of the hub's calls, after its frames are queued and before the
+        #: reply is taken: a place to process them at once.
+        self.on_delivery: Callable[[], None] | None = None
+        with _spokes_lock:
+            other = _spokes.get(channel)
+            if other is not None and not other.closed:
+                raise EndpointError(
+                    f"this process already has an open Ray spoke for {channel!r}: close it "
+                    "(scheme.shutdown()) before creating another"
+                )
+            _spokes[channel] = self
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def endpoint(self) -> str:
+        """A name for messages: the spoke has no address of its own."""
+        return f"ray://{self.channel}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"the Ray spoke for {self.channel!r} is closed")
+
+    def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
+        self._check_open()
+        with self._cond:
+            if len(self._outbox) >= MAX_OUTBOX:
+                self._counters["dropped_sends"] += 1  # the hub stopped calling; it will ask again
+                return
+            self._outbox.append(owned(frames))
+            self._cond.notify_all()
+
+    def borrowed(self, buffers: Sequence[Buffer]) -> bool:
+        # Its hub lends blocks whenever this actor can read them: each version is let
+        # go of before its ack.
+        return True
+
+    def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
+        self._check_open()
+        blocking = timeout is None or timeout > 0
+        if blocking:
+            with self._cond:
+                # Everything delivered was taken and handled: tell wait_reply().
+                self._reader_idle = self._inbox.empty()
+                self._cond.notify_all()
+        try:
+            item = self._inbox.get(timeout=timeout) if blocking else self._inbox.get_nowait()
+        except queue.Empty:
+            item = None
+        with self._cond:
+            self._reader_idle = False
+            if item is not None:
+                self._taken += 1
+        return item
+
+    def wait_reply(self, timeout: float) -> bool:
+        """Wait until the messages delivered so far have been answered, or handled by a
+        reader (in another thread) that then went back to waiting, or ``timeout``
+        seconds passed. True if there is something to send back."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (
+                    bool(self._outbox)
+                    or self._closed
+                    or (self._reader_idle and self._taken >= self._delivered)
+                ),
+                timeout,
+            )
+            return bool(self._outbox)
+
+    def _reply(self, message: list[bytes]) -> None:
+        with self._cond:
+            self._outbox.append(message)
+            self._cond.notify_all()
+
+    def _on_record(self, frame: bytes, inline: Sequence[Any]) -> list[Buffer] | None:
+        """Handle a shared-memory record from the hub: answer an offer, or return the
+        frames a lease names (views of the hub's blocks, mapped read-only once each)."""
+        try:
+            record = decode(frame)
+            if isinstance(record, Offer):
+                self._reply([encode(self._answer(record))])
+                return None
+            if not isinstance(record, Lease):
+                raise RecordError(f"a {type(record).__name__} record from the hub")
+            # Views, not copies: bytes inline, numpy arrays of blocks.
+            frames, views = borrow(
+                record,
+                (f if isinstance(f, bytes) else memoryview(f) for f in inline),
+                self._maps,
+            )
+        except (OSError, ValueError) as exc:
+            # Say so (the hub stops lending to us; the sync layer repairs a lost version).
+            log.warning("could not read the hub's shared memory: %s", exc)
+            self._reply([encode(Leave())])
+            return None
+        release_when_gone(views, self._release)
+        self._counters["shared_frames"] += sum(len(v) for v in views.values())
+        return frames
+
+    @staticmethod
+    def _answer(offer: Offer) -> Join | Leave:
+        """Join if this process can read the hub's blocks (the same host), else leave."""
+        try:
+            return Join(read_token(offer))
+        except (OSError, ValueError):
+            return Leave()
+
+    def _release(self, block_id: int) -> None:
+        if not self._closed:
+            self._reply([encode(Release((block_id,)))])
+
+    def exchange(
+        self, peer_index: int, frames: Sequence[Any] | None, seq: int | None = None
+    ) -> list[list[bytes]]:
+        """One call from the hub: queue ``frames`` (if any) and return the outbox.
+
+        ``seq``: the call's number at the hub. A call that overtook an earlier one (a
+        threaded actor) waits for it, at most :data:`ORDER_WAIT` seconds.
+        """
+        if self._closed:
+            return []
+        if seq is not None:
+            with self._cond:
+                if seq == 0 or peer_index != self.peer_index:
+                    self._next_seq = None  # a new hub (or index): its numbers start anew
+                if self._next_seq is not None and seq > self._next_seq:
+                    self._cond.wait_for(
+                        lambda: self._closed or self._next_seq is None or self._next_seq >= seq,
+                        ORDER_WAIT,
+                    )
+        try:
+            return self._exchange(peer_index, frames)
+        finally:
+            if seq is not None:
+                with self._cond:
+                    self._next_seq = max(seq + 1, self._next_seq or 0)
+                    self._cond.notify_all()
+
+    def _exchange(self, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
+        self.peer_index = peer_index
+        first = frames[0] if frames else None
+        if isinstance(first, bytes) and is_record([first]):
+            frames = self._on_record(first, frames[1:])  # type: ignore[index]
+        if frames is not None:
+            # Views, not copies: numpy arrays from the object store stay where they are
+            # until the receiver copies them into its model.
+            views: list[Buffer] = [f if isinstance(f, bytes) else memoryview(f) for f in frames]
+            with self._cond:
+                self._counters["read_only_views"] += sum(
+                    isinstance(v, memoryview) and v.readonly for v in views
+                )
+                self._delivered += 1
+                self._inbox.put(views)
+            # The inbox holds the only reference now: once the receiver is done with the
+            # frames, lent blocks are released in this very reply.
+            views = frames = first = None  # type: ignore[assignment]
+        hook = self.on_delivery
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # the reply must still go back
+                log.exception("processing a delivery on %s", self.endpoint)
+        with self._cond:
+            out, self._outbox = self._outbox, []
+        return out
+
+    def counters(self) -> dict[str, int]:
+        """``dropped_sends`` (the hub stopped calling), ``read_only_views`` (frames read
+        in place from Ray's object store or the hub's shared memory, without a copy) and
+        ``shared_frames`` (those of them in the hub's shared memory)."""
+        return dict(self._counters)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            words, self._outbox = self._outbox, []
+        with _spokes_lock:
+            if _spokes.get(self.channel) is self:
+                del _spokes[self.channel]
+            if words:
+                _last_words.setdefault(self.channel, []).extend(words)
+                del _last_words[self.channel][:-MAX_OUTBOX]
+        self._inbox.put(None)  # ends a blocked recv_frames
+        with self._cond:
+            self._cond.notify_all()
+
+
+def deliver(
+    channel: str, peer_index: int, frames: Sequence[Any] | None, seq: int | None = None
+) -> list[list[bytes]]:
+    """Hand one hub call to this process's spoke for ``channel``; return its replies.
+
+    ``seq`` numbers the hub's calls to this actor: a threaded actor may run two at once,
+    and the spoke queues their messages in the hub's order (the chunks of a version
+    must follow on).
+
+    Call it from the actor method a :class:`RayHub` invokes (see
+    :class:`WeightSyncActorMixin`). With no spoke registered (the actor has not called
+    ``init_on_worker`` yet) the frames are dropped and nothing is returned; the hub asks
+    again later. What a spoke that closed still had to say goes out on the next call.
+    """
+    with _spokes_lock:
+        spoke = _spokes.get(channel)
+        words = _last_words.pop(channel, [])  # a closed spoke's goodbye comes first
+    if spoke is None:
+        return words
+    return words + spoke.exchange(peer_index, frames, seq)
+
+
+class WeightSyncActorMixin:
+    """Gives a Ray actor class the method its :class:`RayHub` calls.
+
+    Example::
+
+        @ray.remote
+        class Collector(WeightSyncActorMixin):
+            ...
+
+    Calls are ordinary actor calls: a plain actor runs them between its other methods
+    (a long method delays its updates; the sender's timeout covers that). A threaded
+    actor (``max_concurrency > 1``) runs them alongside.
+    """
+
+    def zmqsync_deliver(
+        self, channel: str, peer_index: int, frames: list[Any] | None, seq: int | None = None
+    ) -> list[list[bytes]]:
+        """Receive one message from the hub (or a poll) and return this actor's replies."""
+        return deliver(channel, peer_index, frames, seq)

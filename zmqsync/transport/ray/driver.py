@@ -1,0 +1,480 @@
+"""The driver's side of the Ray transport: :class:`RayHub` calls each worker actor.
+
+Ray serializes the calls; what zmqsync puts in them is bytes and numpy byte arrays,
+nothing executable of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from zmqsync.errors import TransportClosed, TransportError
+from zmqsync.protocol import Buffer
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, Stream
+from zmqsync.transport.ray.actor import DELIVER_METHOD, owned
+from zmqsync.transport.ray.lending import ActorLending, LentPayload
+from zmqsync.transport.shm.blocks import SHM_AVAILABLE
+from zmqsync.transport.shm.records import RecordError, is_record
+
+__all__ = ["POLL_INTERVAL", "RayHub", "peer_id"]
+
+log = logging.getLogger("zmqsync.transport.ray")
+
+#: Messages at least this big go through the object store (put once, read zero-copy by
+#: every actor on the node); smaller ones travel inline in the call, which is cheaper.
+INLINE_BYTES: Final = 64 * 1024
+#: Calls under way to one actor before new messages to it are dropped: an actor that does
+#: not run its calls (busy in a long method, or hung) must not grow an unbounded queue of
+#: model-sized messages. The sync layer repairs it once it answers again.
+MAX_IN_FLIGHT: Final = 16
+#: Chunk calls under way to one actor at once: enough to keep it busy while the next
+#: is submitted. The rest wait in the hub, in order (a newer version's first chunk drops
+#: the waiting chunks of older ones), at most MAX_WAITING of them.
+CHUNK_CALLS: Final = 2
+MAX_WAITING: Final = 64
+#: Default longest gap between polls of an idle actor; it bounds how late a new worker
+#: is noticed and how late its heartbeat arrives.
+POLL_INTERVAL: Final = 0.25
+#: Gap before the next poll of an actor whose last reply carried messages (it is in the
+#: middle of something, such as joining).
+FAST_POLL: Final = 0.005
+
+
+def peer_id(index: int) -> PeerId:
+    """The hub's peer id of the actor at ``index``: ``b"ray:3"``."""
+    return b"ray:%d" % index
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - CI installs ray
+        raise ImportError("the Ray transport needs Ray: pip install 'zmqsync[ray]'") from exc
+    return ray
+
+
+@dataclass
+class _Actor:
+    index: int
+    handle: Any = field(repr=False)
+    method: Any = field(repr=False)
+    next_seq: int = 0  # sequence number of the next call
+    done_seq: int = 0  # next call whose result is handed on (results keep call order)
+    finished: dict[int, Any] = field(default_factory=dict, repr=False)
+    in_flight: int = 0
+    #: Chunk calls under way, by sequence number, with the frames they were made from
+    #: (kept until the call is done: a sender lets no more chunks go out meanwhile).
+    chunk_calls: dict[int, Any] = field(default_factory=dict, repr=False)
+    #: Chunks waiting for a call: (message, frames).
+    waiting: deque[tuple[Any, Any]] = field(default_factory=deque, repr=False)
+    next_poll: float = 0.0
+    poll_gap: float = FAST_POLL
+    dead: str | None = None
+    shared: bool | None = None  # reads the hub's lent blocks (None: not offered yet)
+    answer_due: bool = False  # it was offered the hub's blocks and has not answered
+
+
+class RayHub(HubTransport):
+    """The driver's end: one Ray actor per worker.
+
+    A Ray actor cannot be written to like a socket, and cannot easily call its driver
+    back, so the hub drives every exchange:
+
+    - ``send_frames`` calls ``actor.zmqsync_deliver(channel, peer_index, frames, seq)`` on
+      each targeted actor. A large message is put into Ray's object store **once** and
+      every actor on the node reads it through zero-copy, read-only views.
+    - Actors on the driver's host do better: offered the hub's shared memory once, those
+      that can open it get large frames as leases on the hub's reused blocks
+      (:mod:`zmqsync.transport.shm`); no object in Ray's store, and the sender's snapshot
+      is the block it sends. They release a block in a reply once they let go of its
+      frames.
+    - What the actor's side sends (acks, hellos, heartbeats) is the **result** of the next
+      call. When nothing else is under way, the hub *polls* each actor (a call with no
+      frames) every ``poll_interval`` seconds at most, sooner right after an actor had
+      something to say.
+    - Calls complete through Ray's futures, so nothing here blocks on an actor: a killed
+      actor fails its calls with ``ActorDiedError`` and is counted as lost; one that hangs
+      just never answers, and the sync layer's timeout names it.
+
+    Args:
+        actors: the worker actors' handles, a sequence (worker ``i`` is ``actors[i]``)
+            or a mapping ``{worker_index: handle}``. Their class must have the method
+            ``method`` (inherit :class:`WeightSyncActorMixin`).
+        channel: the name both ends use (the scheme passes its model_id), so one actor
+            can receive several models.
+        method: the actor method to call.
+        poll_interval: longest gap between polls of an idle actor (seconds).
+        inline_bytes: messages smaller than this travel inside the call instead of
+            through the object store.
+        shared_memory: give actors on the driver's host large frames through
+            shared-memory blocks (read in place, reused once released) instead of a new
+            object in Ray's store per message. Each actor is offered them first, and
+            those that cannot open them (elsewhere) get the object store.
+
+    Peer ids are ``b"ray:<index>"`` (:func:`peer_id`). Ray must be initialised
+    (``ray.init()``) by the caller. Besides the contract it is
+    :class:`~zmqsync.transport.base.Lends`, ``TracksPeers`` and ``Counted``.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        actors: Sequence[Any] | Mapping[int, Any],
+        *,
+        channel: str = "policy",
+        method: str = DELIVER_METHOD,
+        poll_interval: float = POLL_INTERVAL,
+        inline_bytes: int = INLINE_BYTES,
+        shared_memory: bool = True,
+    ) -> None:
+        self._ray = _ray()
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be positive seconds; got {poll_interval}")
+        self._channel = channel
+        self._method = method
+        self._poll_interval = poll_interval
+        self._inline_bytes = inline_bytes
+        self._actors: dict[PeerId, _Actor] = {}
+        self._lock = threading.Lock()  # actor records: send_frames vs recv_frames
+        self._events: queue.Queue[tuple[_Actor, int, Any] | None] = queue.Queue()
+        self._ready: list[Incoming] = []
+        self._closed = False
+        self._counters = {
+            "dropped_sends": 0,
+            "peers_lost": 0,
+            "remote_errors": 0,
+            "polls": 0,
+            "object_store_puts": 0,
+            "shared_sends": 0,
+            "bad_releases": 0,
+        }
+        self.last_error: str | None = None
+        self._lending = ActorLending() if shared_memory and SHM_AVAILABLE else None
+        items = actors.items() if isinstance(actors, Mapping) else enumerate(actors)
+        for index, handle in items:
+            self.add_actor(handle, index=index)
+
+    # --- actors ----------------------------------------------------------------------
+
+    def add_actor(self, handle: Any, *, index: int | None = None) -> PeerId:
+        """Serve one more actor (a late joiner); returns its peer id."""
+        self._check_open()
+        with self._lock:
+            if index is None:
+                index = 1 + max((a.index for a in self._actors.values()), default=-1)
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ValueError(f"worker indices must be non-negative ints; got {index!r}")
+            peer = peer_id(index)
+            if peer in self._actors:
+                raise ValueError(f"worker index {index} already has an actor")
+            try:
+                method = getattr(handle, self._method)
+            except AttributeError:
+                raise TypeError(
+                    f"actor {handle!r} has no method {self._method!r}: make its class inherit "
+                    "zmqsync.transport.ray.WeightSyncActorMixin (or define that method to call "
+                    "zmqsync.transport.ray.deliver)"
+                ) from None
+            self._actors[peer] = _Actor(index, handle, method)
+        return peer
+
+    def lost_peers(self) -> frozenset[PeerId]:
+        """Actors whose calls failed with ``ActorDiedError``."""
+        with self._lock:
+            return frozenset(pid for pid, actor in self._actors.items() if actor.dead is not None)
+
+    def reserved_workers(self) -> frozenset[int]:
+        """Each actor's worker index."""
+        with self._lock:
+            return frozenset(actor.index for actor in self._actors.values())
+
+    # --- HubTransport ----------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return f"ray://{self._channel}"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"Ray hub {self.endpoint} is closed")
+
+    def lending(self) -> bool:
+        return self._lending is not None
+
+    def lend(self, nbytes: int) -> Any:
+        """Shared memory to carve a sender's snapshot from (sent without another copy to
+        actors that read the hub's blocks), or None."""
+        self._check_open()
+        return None if self._lending is None else self._lending.lend(nbytes)
+
+    def _payload(self, frames: Sequence[Buffer]) -> Any:
+        if sum(len(f) for f in frames) < self._inline_bytes:
+            return owned(frames)
+        import numpy as np
+
+        # One copy, into the object store; each actor then maps it read-only.
+        arrays = [f if isinstance(f, bytes) else np.frombuffer(f, dtype=np.uint8) for f in frames]
+        try:
+            ref = self._ray.put(arrays)
+        except Exception as exc:
+            raise TransportError(
+                f"putting a message into Ray's object store failed: {exc}"
+            ) from exc
+        with self._lock:
+            self._counters["object_store_puts"] += 1
+        return ref
+
+    def _call(self, actor: _Actor, payload: Any, *, frames: Any = None) -> None:
+        """Start one call (caller holds the lock); its result arrives as an event.
+        ``frames``: a chunk's, kept until its call is done."""
+        seq = actor.next_seq
+        if frames is not None:
+            actor.chunk_calls[seq] = frames
+        actor.next_seq += 1
+        actor.in_flight += 1
+        if isinstance(payload, LentPayload):
+            payload = list(payload)  # Ray pickles what it is given: plain bytes only
+        try:
+            future = actor.method.remote(self._channel, actor.index, payload, seq).future()
+        except Exception as exc:  # a failed submission is a failed call
+            failed: Any = _Failed(exc)
+            self._events.put((actor, seq, failed))
+            return
+        future.add_done_callback(lambda f, a=actor, s=seq: self._events.put((a, s, f)))
+
+    def _submit_chunks(self, actor: _Actor) -> None:
+        """Call ``actor`` with its waiting chunks, in order, CHUNK_CALLS at a time
+        (caller holds the lock)."""
+        while actor.waiting and len(actor.chunk_calls) < CHUNK_CALLS and actor.dead is None:
+            message, frames = actor.waiting.popleft()
+            self._call(actor, message, frames=frames)
+
+    def send_frames(
+        self,
+        frames: Sequence[Buffer],
+        *,
+        to: Collection[PeerId] | None = None,
+        stream: Stream | None = None,
+    ) -> None:
+        self._check_open()
+        chunk = stream is not None
+        first = stream is Stream.START
+        with self._lock:
+            targets = (
+                list(self._actors.values()) if to is None else [self._actors.get(p) for p in to]
+            )
+            live = [
+                a
+                for a in targets
+                if a is not None and a.dead is None and a.in_flight < MAX_IN_FLIGHT
+            ]
+            self._counters["dropped_sends"] += len(targets) - len(live)
+            if not live:
+                return
+        lending = self._lending
+        borrowers = [a for a in live if a.shared] if lending is not None else []
+        big = sum(len(f) for f in frames) >= self._inline_bytes
+        lent = lending.payload(frames) if lending is not None and borrowers and big else None
+        others = [a for a in live if lent is None or not a.shared]
+        payload = self._payload(frames) if others else None
+        with self._lock:
+            for actor in live:
+                message = payload if lent is None or not actor.shared else lent
+                if lending is not None and lent is not None and message is lent:
+                    lending.lease(actor.index, lent)
+                    self._counters["shared_sends"] += 1
+                if not chunk:
+                    self._call(actor, message)
+                    continue
+                if first:
+                    # A newer version starts: chunks of older ones still waiting go.
+                    self._counters["dropped_sends"] += len(actor.waiting)
+                    for old, _ in actor.waiting:
+                        self._release(actor, old)
+                    actor.waiting.clear()
+                if len(actor.waiting) >= MAX_WAITING:
+                    self._counters["dropped_sends"] += 1
+                    self._release(actor, message)
+                    continue
+                actor.waiting.append((message, list(frames)))
+                self._submit_chunks(actor)
+
+    def _poll_due(self, now: float) -> float | None:
+        """Poll every idle actor that is due; return when the next one will be."""
+        soonest: float | None = None
+        with self._lock:
+            for actor in self._actors.values():
+                if actor.dead is not None or actor.in_flight:
+                    continue
+                if actor.next_poll <= now:
+                    self._counters["polls"] += 1
+                    if actor.shared is None and self._lending is not None and not actor.answer_due:
+                        actor.answer_due = True  # offered once: it joins if it reads our blocks
+                        self._call(actor, self._lending.offer())
+                    else:
+                        self._call(actor, None)
+                elif soonest is None or actor.next_poll < soonest:
+                    soonest = actor.next_poll
+        return soonest
+
+    def _complete(self, actor: _Actor, seq: int, future: Any) -> None:
+        with self._lock:
+            actor.finished[seq] = future
+            while actor.done_seq in actor.finished:
+                done = actor.finished.pop(actor.done_seq)
+                if actor.chunk_calls.pop(actor.done_seq, None) is not None:
+                    self._submit_chunks(actor)
+                actor.done_seq += 1
+                actor.in_flight -= 1
+                replies = [
+                    r for r in self._result(actor, done) if not self._transport_reply(actor, r)
+                ]
+                self._ready.extend(Incoming(frames, peer_id(actor.index)) for frames in replies)
+                # An actor with something to say is busy with something (joining): ask
+                # again soon. An idle one is asked less and less often.
+                actor.poll_gap = (
+                    FAST_POLL if replies else min(self._poll_interval, actor.poll_gap * 2)
+                )
+                actor.next_poll = time.monotonic() + actor.poll_gap
+
+    def _transport_reply(self, actor: _Actor, frames: list[Buffer]) -> bool:
+        """Handle a reply meant for this transport (the answer to an offer, a release);
+        True if it was one (caller holds the lock)."""
+        if len(frames) != 1 or not is_record(frames):
+            return False
+        try:
+            if self._lending is None:
+                raise RecordError("this hub lends no memory")
+            joined = self._lending.on_reply(actor.index, frames[0])
+        except RecordError:
+            self._counters["bad_releases"] += 1
+            return True
+        if joined is not None:
+            actor.answer_due = False
+            actor.shared = joined
+        return True
+
+    def _release(self, actor: _Actor, payload: Any) -> None:
+        """A message for ``actor`` that will never be sent: release its lease."""
+        if self._lending is not None:
+            self._lending.release(actor.index, payload)
+
+    def _result(self, actor: _Actor, future: Any) -> list[list[Buffer]]:
+        exceptions = self._ray.exceptions
+        try:
+            result = future.result(timeout=0)
+        except exceptions.ActorDiedError as exc:
+            if actor.dead is None:
+                actor.dead = str(exc).splitlines()[0] if str(exc) else "actor died"
+                self._counters["peers_lost"] += 1
+                if self._lending is not None:
+                    self._lending.pool.forget(actor.index)  # it reads no block any more
+                actor.waiting.clear()
+                log.warning("Ray actor of worker %d died: %s", actor.index, actor.dead)
+            return []
+        except Exception as exc:  # counted; the actor stays in the fleet
+            self._counters["remote_errors"] += 1
+            self.last_error = f"worker {actor.index}: {type(exc).__name__}: {exc}"[:2000]
+            log.warning(
+                "a call to the Ray actor of worker %d failed: %s", actor.index, self.last_error
+            )
+            return []
+        if not isinstance(result, list) or not all(
+            isinstance(m, list) and all(isinstance(b, bytes | bytearray | memoryview) for b in m)
+            for m in result
+        ):
+            self._counters["remote_errors"] += 1
+            self.last_error = (
+                f"worker {actor.index}: {self._method} returned {type(result).__name__}, not a "
+                "list of messages"
+            )
+            log.warning("%s", self.last_error)
+            return []
+        return result
+
+    def recv_frames(self, timeout: float | None) -> Incoming | None:
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._ready:
+                    return self._ready.pop(0)
+            now = time.monotonic()
+            next_poll = self._poll_due(now)
+            remaining = None if deadline is None else max(0.0, deadline - now)
+            wait = remaining
+            if next_poll is not None:
+                until_poll = max(0.0, next_poll - now)
+                wait = until_poll if wait is None else min(wait, until_poll)
+            woken = False
+            event = self._take(wait)
+            while event is not None:  # everything that has completed meanwhile, too
+                if event is _WOKEN:
+                    woken = True
+                else:
+                    self._complete(*event)  # type: ignore[misc]
+                event = self._take(0)
+            if self._closed:
+                raise TransportClosed(f"Ray hub {self.endpoint} is closed")
+            with self._lock:
+                if self._ready:
+                    # A reply beats a wake-up: whoever woke us gets the hub back at once
+                    # either way.
+                    return self._ready.pop(0)
+            if woken or remaining == 0:
+                return None
+
+    def _take(self, timeout: float | None) -> object:
+        try:
+            if timeout is not None and timeout <= 0:
+                item = self._events.get_nowait()
+            else:
+                item = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return _WOKEN if item is None else item
+
+    def wake(self) -> None:
+        self._events.put(None)
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            counts = dict(self._counters)
+        if self._lending is not None:
+            counts["shm_bytes"] = self._lending.pool.nbytes()
+            counts["bad_releases"] += self._lending.bad_releases
+        return counts
+
+    def close(self) -> None:
+        # Calls under way are left to finish or fail on their own: nothing waits on them.
+        if self._closed:
+            return
+        self._closed = True
+        self._events.put(None)
+        if self._lending is not None:
+            self._lending.close()
+
+
+_WOKEN: Final = object()
+
+
+class _Failed:
+    """A call that could not even be submitted, shaped like a failed future."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self._exc = exc
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self._exc

@@ -1,0 +1,297 @@
+"""The records hub and peers exchange about shared memory: one codec for every transport.
+
+- :class:`Offer` (hub to peer): where the hub's probe block is (never its token).
+- :class:`Join` (peer to hub): the token read there, which proves the peer can map the
+  hub's blocks; :class:`Leave`: it cannot. :class:`Joined` (hub to peer): the slot and
+  secret a peer on a shared channel signs its releases with.
+- :class:`Lease` (hub to peer): one message whose large frames are places in blocks.
+- :class:`Release` (peer to hub): one lease on each named block ends (ordered channels:
+  pipes, Ray calls). :class:`Holding` (peer to hub): which blocks a peer still views,
+  as of the messages it has seen (lossy channels: ZeroMQ, where a message a peer never
+  got must not keep its lease).
+
+Each record is one frame that starts with a magic no zmqsync protocol message starts
+with. :func:`decode` checks every count against its bound and the record's length
+before it builds anything, and raises :class:`RecordError` for anything malformed.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from zmqsync.protocol import Buffer
+
+__all__ = [
+    "ADDRESSED",
+    "FAN_OUT",
+    "TOKEN_BYTES",
+    "Entry",
+    "Holding",
+    "Join",
+    "Joined",
+    "Lease",
+    "Leave",
+    "Offer",
+    "Record",
+    "RecordError",
+    "Release",
+    "decode",
+    "encode",
+    "is_record",
+]
+
+#: The channels a lease travels on, where a transport has two (ZeroMQ's PUB and
+#: ROUTER): each delivers in order, but not in order with the other, so what a peer has
+#: seen is counted per channel.
+FAN_OUT: Final = 0
+ADDRESSED: Final = 1
+#: Bytes of the token at the start of a hub's probe block.
+TOKEN_BYTES: Final = 16
+#: Bounds on a lease: its frames, the live blocks it names, its slot bitmap's bytes.
+MAX_ENTRIES: Final = 1 << 16
+MAX_LIVE: Final = 1 << 16
+MAX_BITMAP: Final = 1 << 17
+
+_OFFER: Final = b"ZLof"
+_JOIN: Final = b"ZLjo"
+_LEAVE: Final = b"ZLno"
+_JOINED: Final = b"ZLok"
+_LEASE: Final = b"ZLle"
+_RELEASE: Final = b"ZLre"
+_HOLDING: Final = b"ZLho"
+_MAGIC_BYTES: Final = 4
+
+_OFFER_BODY: Final = struct.Struct("<qqQ")  # pid, fd, inode of the probe block
+_JOIN_BODY: Final = struct.Struct(f"<{TOKEN_BYTES}s")
+_JOINED_BODY: Final = struct.Struct("<IQ8s")  # slot, first counted seq, secret
+#: pid, seq, channel, frames, live block ids, base slot, bitmap bytes
+_LEASE_HEAD: Final = struct.Struct("<qQIIIII")
+#: per frame: block id (-1: inline), fd, inode, block size, offset, length
+_ENTRY: Final = struct.Struct("<qqQQQQ")
+_ID: Final = struct.Struct("<q")
+_COUNT: Final = struct.Struct("<I")
+_HOLDING_HEAD: Final = struct.Struct("<I8sQQI")  # slot, secret, seen per channel, ids held
+
+
+class RecordError(ValueError):
+    """A shared-memory record that is malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    pid: int
+    fd: int
+    inode: int
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    token: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    slot: int
+    first_seq: int
+    secret: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """Where one frame of a lease lies: a block (``block < 0``: inline, in the frames
+    after the record) and the bytes ``offset .. offset + length`` of it."""
+
+    block: int
+    fd: int = -1
+    inode: int = 0
+    size: int = 0
+    offset: int = 0
+    length: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One message as places in the hub's blocks (owned by process ``pid``).
+
+    ``live``: the blocks that exist now (a peer may unmap any other). ``seq``, and
+    ``slots`` from ``base`` on: the message's number on its ``channel``, and the peers
+    whose leases the hub counts for it (where the channel is shared).
+    """
+
+    pid: int
+    entries: tuple[Entry, ...]
+    live: tuple[int, ...] = ()
+    seq: int = 0
+    channel: int = FAN_OUT
+    base: int = 0
+    slots: bytes = b""
+
+    def counts(self, slot: int) -> bool:
+        """Whether the hub counts a lease for the peer in ``slot``."""
+        i = slot - self.base
+        return 0 <= i < 8 * len(self.slots) and bool(self.slots[i >> 3] & (1 << (i & 7)))
+
+    @staticmethod
+    def bitmap(slots: Sequence[int]) -> tuple[int, bytes]:
+        """``(base, slots)`` naming these slots."""
+        if not slots:
+            return 0, b""
+        base = min(slots)
+        bits = bytearray((max(slots) - base) // 8 + 1)
+        for s in slots:
+            bits[(s - base) >> 3] |= 1 << ((s - base) & 7)
+        return base, bytes(bits)
+
+    @staticmethod
+    def max_size(frames: int) -> int:
+        """The largest encoded lease of ``frames`` frames (to bound a read)."""
+        return (
+            _MAGIC_BYTES
+            + _LEASE_HEAD.size
+            + frames * _ENTRY.size
+            + MAX_LIVE * _ID.size
+            + MAX_BITMAP
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    blocks: tuple[int, ...]
+
+    @staticmethod
+    def max_size(blocks: int) -> int:
+        """The largest encoded release naming ``blocks`` blocks (to bound a read)."""
+        return _MAGIC_BYTES + _COUNT.size + blocks * _ID.size
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    slot: int
+    secret: bytes
+    #: The newest seq seen, per channel.
+    seen: tuple[int, int]
+    held: frozenset[int]
+
+
+Record = Offer | Join | Leave | Joined | Lease | Release | Holding
+
+_MAGICS: Final = frozenset({_OFFER, _JOIN, _LEAVE, _JOINED, _LEASE, _RELEASE, _HOLDING})
+
+
+def is_record(frames: Sequence[Buffer]) -> bool:
+    """Whether ``frames`` starts with one of these records (by its magic)."""
+    return (
+        len(frames) >= 1
+        and len(frames[0]) >= _MAGIC_BYTES
+        and bytes(frames[0][:_MAGIC_BYTES]) in _MAGICS
+    )
+
+
+def _ids(ids: Sequence[int] | frozenset[int]) -> bytes:
+    return b"".join(_ID.pack(i) for i in ids)
+
+
+def encode(record: Record) -> bytes:
+    """``record`` as one frame."""
+    if isinstance(record, Offer):
+        return _OFFER + _OFFER_BODY.pack(record.pid, record.fd, record.inode)
+    if isinstance(record, Join):
+        return _JOIN + _JOIN_BODY.pack(record.token)
+    if isinstance(record, Leave):
+        return _LEAVE
+    if isinstance(record, Joined):
+        return _JOINED + _JOINED_BODY.pack(record.slot, record.first_seq, record.secret)
+    if isinstance(record, Lease):
+        head = _LEASE_HEAD.pack(
+            record.pid,
+            record.seq,
+            record.channel,
+            len(record.entries),
+            len(record.live),
+            record.base,
+            len(record.slots),
+        )
+        entries = b"".join(
+            _ENTRY.pack(e.block, e.fd, e.inode, e.size, e.offset, e.length) for e in record.entries
+        )
+        return b"".join((_LEASE, head, entries, _ids(record.live), record.slots))
+    if isinstance(record, Release):
+        return _RELEASE + _COUNT.pack(len(record.blocks)) + _ids(record.blocks)
+    head = _HOLDING_HEAD.pack(record.slot, record.secret, *record.seen, len(record.held))
+    return _HOLDING + head + _ids(record.held)
+
+
+def _fixed(body: bytes, layout: struct.Struct) -> tuple[int | bytes, ...]:
+    if len(body) != layout.size:
+        raise RecordError(f"a record body of {len(body)} bytes, expected {layout.size}")
+    return layout.unpack(body)
+
+
+def _id_list(body: bytes, offset: int, count: int) -> tuple[int, ...]:
+    return tuple(_ID.unpack_from(body, offset + i * _ID.size)[0] for i in range(count))
+
+
+def _lease(body: bytes) -> Lease:
+    if len(body) < _LEASE_HEAD.size:
+        raise RecordError("a lease shorter than its header")
+    pid, seq, channel, count, live, base, nbits = _LEASE_HEAD.unpack_from(body)
+    if count > MAX_ENTRIES or live > MAX_LIVE or nbits > MAX_BITMAP or channel > ADDRESSED:
+        raise RecordError("a lease over the limits")
+    end = _LEASE_HEAD.size + count * _ENTRY.size + live * _ID.size + nbits
+    if len(body) != end:
+        raise RecordError(f"a lease of {len(body)} bytes, expected {end}")
+    offset = _LEASE_HEAD.size
+    entries = tuple(
+        Entry(*_ENTRY.unpack_from(body, offset + i * _ENTRY.size)) for i in range(count)
+    )
+    offset += count * _ENTRY.size
+    return Lease(
+        pid, entries, _id_list(body, offset, live), seq, channel, base, body[end - nbits : end]
+    )
+
+
+def _counted_ids(body: bytes, head: struct.Struct, count: int) -> tuple[int, ...]:
+    if count > MAX_LIVE or len(body) != head.size + count * _ID.size:
+        raise RecordError(f"a list of {count} block ids in a record of {len(body)} bytes")
+    return _id_list(body, head.size, count)
+
+
+def decode(frame: Buffer) -> Record:
+    """The record in ``frame``; :class:`RecordError` if it is none, or malformed."""
+    raw = bytes(frame)
+    magic, body = raw[:_MAGIC_BYTES], raw[_MAGIC_BYTES:]
+    if magic == _OFFER:
+        pid, fd, inode = _fixed(body, _OFFER_BODY)
+        return Offer(int(pid), int(fd), int(inode))
+    if magic == _JOIN:
+        (token,) = _fixed(body, _JOIN_BODY)
+        return Join(bytes(token))
+    if magic == _LEAVE:
+        if body:
+            raise RecordError("a leave record carries nothing")
+        return Leave()
+    if magic == _JOINED:
+        slot, first_seq, secret = _fixed(body, _JOINED_BODY)
+        return Joined(int(slot), int(first_seq), bytes(secret))
+    if magic == _LEASE:
+        return _lease(body)
+    if magic == _RELEASE:
+        if len(body) < _COUNT.size:
+            raise RecordError("a release shorter than its header")
+        (count,) = _COUNT.unpack_from(body)
+        return Release(_counted_ids(body, _COUNT, count))
+    if magic == _HOLDING:
+        if len(body) < _HOLDING_HEAD.size:
+            raise RecordError("a holding record shorter than its header")
+        slot, secret, seen_fan, seen_addressed, count = _HOLDING_HEAD.unpack_from(body)
+        held = frozenset(_counted_ids(body, _HOLDING_HEAD, count))
+        return Holding(slot, secret, (seen_fan, seen_addressed), held)
+    raise RecordError(f"not a shared-memory record: {magic!r}")
