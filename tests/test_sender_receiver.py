@@ -663,7 +663,7 @@ def test_the_pump_waits_holding_nothing_and_sends_do_not_wake_it(monkeypatch) ->
     Requests still get answered at once, even one whose signal the sending thread
     consumed while it held the hub. The pump's tick is set to 30 s here, so only a real
     wake-up answers anything within the test's timeouts."""
-    import zmqsync.sender as sender_module
+    import zmqsync.sender.pump as sender_module
     from zmqsync.client import query_status
 
     monkeypatch.setattr(sender_module, "PUMP_TICK", 30.0)

@@ -32,7 +32,8 @@ from zmqsync.protocol import MAX_BELOW, Chunk, UpToDate, encode
 from zmqsync.protocol.stream import Broken, Start
 from zmqsync.receiver import WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
-from zmqsync.sender import WeightSender, _Copy, _Forwarded
+from zmqsync.sender import WeightSender
+from zmqsync.sender.copies import Copy, Forwarded, Transfer
 from zmqsync.transport.base import HubTransport, SpokeTransport
 from zmqsync.vocabulary import Mode, Strategy
 
@@ -115,6 +116,48 @@ class _Downstream(WeightSender):
         super().__init__(hub, **kw)
         self._relay = relay
 
+    def _forward_begin(self, chunk: Chunk, targets: tuple[int, ...] | None = None) -> Forwarded:
+        """Send ``chunk``'s version on to every worker as its chunks come, or
+        to ``chunk.targets``, or (``targets``) to those that lack the version it holds."""
+        again = targets is not None
+        targets = chunk.targets if targets is None else targets
+        copy = Forwarded(chunk)
+        with self._cond:
+            if chunk.epoch != self.epoch:
+                self.epoch = chunk.epoch  # the upstream's life, which workers follow
+                with self._snapshot_lock:
+                    self._snapshot = None  # of the life before: nobody gets it now
+            send = self.fleet.begin_forward(
+                chunk.version, chunk.epoch, time.monotonic(), self.timeout, targets, again=again
+            )
+            self._forwarding = (send, copy)
+            self._metadata = chunk.metadata
+            peers = self._peers_of(send.targets) if targets is not None else {}
+        for runner in self._runners:
+            if targets is None:
+                runner.begin(Transfer(copy, None))
+            elif peers.get(runner.index):
+                # Only to the workers (and relays) it is for: they filter it further.
+                runner.begin(Transfer(copy, peers[runner.index]))
+        self._totals["versions_sent"] += 1
+        self._totals["bytes_sent"] += copy.nbytes * max(1, len(send.targets))
+        return copy
+
+    def _forward(self, copy: Forwarded, index: int, frames: list[Any]) -> None:
+        """Chunk ``index`` of a forwarded version came: send it on now (cut-through)."""
+        copy.add(index, frames)
+        for runner in self._runners:
+            with runner.holding():
+                streaming = runner.advance()
+            if streaming and runner._waiting:
+                runner._poke()
+
+    def _serve(self, copy: Copy) -> None:
+        """A relay's whole copy of the latest version it received: what its late joiners
+        and repairs get (it may be older than the version being forwarded)."""
+        with self._snapshot_lock:
+            self._snapshot = copy
+
     def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
         if self._relay.retain_snapshot or effect.origin.peer is None:
             super()._unserved(effect, hub)
@@ -194,7 +237,7 @@ class Relay:
             failover=failover,
         )
         #: The version being forwarded, if any.
-        self._copy: _Forwarded | None = None
+        self._copy: Forwarded | None = None
         #: The layout of the stream the relay holds, reused while the schema is the same.
         self._layout: StreamLayout | None = None
         #: An applied ack is owed upstream, until every worker below holds the version.
@@ -408,7 +451,7 @@ class Relay:
         layout = self._layout
         if layout is None or layout.schema is not receiver._schema:
             layout = self._layout = StreamLayout.received(receiver._schema, self.chunk_bytes)
-        copy = _Copy(self.sender, receiver.version, layout, receiver._staging.array, None)
+        copy = Copy(self.sender, receiver.version, layout, receiver._staging.array, None)
         copy.metadata = receiver.metadata
         self.sender._serve(copy)
         self._copy = None

@@ -1,0 +1,397 @@
+"""What a sender streams a version from: a copy it owns (or a ring of chunk buffers),
+a relay's forwarded chunks, one stream to one hub (a transfer), and the lease that says
+when no transport reads that memory any more."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from zmqsync.chunking.layout import Sources, StreamLayout
+from zmqsync.fleet import Send
+from zmqsync.protocol import (
+    Buffer,
+    Chunk,
+    checksum,
+    encode,
+)
+from zmqsync.tensors.device_reader import DeviceReader
+from zmqsync.tensors.flatten import Flat
+from zmqsync.transport.base import (
+    PeerId,
+)
+
+if TYPE_CHECKING:
+    from zmqsync.sender.state import SenderState
+
+__all__ = ["Copy", "Forwarded", "Lease", "Pending", "Ring", "Transfer"]
+
+log = logging.getLogger("zmqsync.sender")
+
+#: Chunk buffers a sender without a snapshot keeps at most: the window's, and those
+#: stopped peers pin until their transport queues are full (at the default 8 MiB
+#: chunks, 256 MiB at worst, whatever the model's size).
+RING_SLOTS: Final = 32
+
+
+class Lease:
+    """Tracks the views of sender-owned memory that were handed to transports.
+
+    A transport that sends without copying keeps the view object until it let go of
+    the bytes (pyzmq does, until ZeroMQ's I/O thread is done with the message), so a
+    weak reference to each view says when nobody reads the memory any more.
+    """
+
+    __slots__ = ("_refs",)
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[np.ndarray]] = []
+
+    def lend(self, frames: Sequence[Buffer]) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
+        """``frames`` with every buffer after the header and body as a fresh view, and
+        weak references to those views."""
+        out: list[Any] = list(frames)
+        refs = []
+        for i in range(2, len(out)):
+            view = np.frombuffer(out[i], dtype=np.uint8)
+            ref = weakref.ref(view)
+            refs.append(ref)
+            out[i] = view
+        self._refs.extend(refs)
+        if len(self._refs) > 256:
+            self._refs = [r for r in self._refs if r() is not None]
+        return out, refs
+
+    @property
+    def released(self) -> bool:
+        self._refs = [r for r in self._refs if r() is not None]
+        return not self._refs
+
+
+class Ring:
+    """Chunk-sized buffers a sender without a snapshot streams through, reused once no
+    transport holds them: its whole extra memory, whatever the model's size.
+
+    With ``alloc`` (a hub that lends shared memory), each chunk is written into a block
+    the hub lends, and the hub's pool is the ring (it lends a block again once every
+    worker released it); while every block is held, buffers of its own.
+    """
+
+    def __init__(self, chunk_bytes: int, alloc: Callable[[int], Any] | None = None) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._alloc = alloc
+        self._slots: list[tuple[np.ndarray, list[weakref.ref[np.ndarray]]]] = []
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A buffer of ``nbytes`` nobody holds, or None while every one is held."""
+        if self._alloc is not None:
+            lent = self._alloc(nbytes)
+            if lent is not None:
+                return lent
+            # Every block the hub may lend is held (a stopped worker): through the
+            # hub's socket, from buffers of our own, until blocks come free.
+        for i, (slot, refs) in enumerate(self._slots):
+            if all(r() is None for r in refs):
+                self._slots[i] = (slot, [])
+                return slot[:nbytes]
+        if len(self._slots) >= RING_SLOTS:
+            return None
+        slot = np.empty(self.chunk_bytes, dtype=np.uint8)
+        self._slots.append((slot, []))
+        return slot[:nbytes]
+
+    def hold(self, buffer: np.ndarray, refs: list[weakref.ref[np.ndarray]]) -> None:
+        """``refs`` view ``buffer`` (a slot): it is not taken again until they are gone."""
+        for slot, held in self._slots:
+            if buffer.base is slot or buffer is slot:
+                held.extend(refs)
+                return
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot, _ in self._slots)
+
+
+class Copy:
+    """One version's byte stream, as every transport sends it.
+
+    Either whole (``data``: memory the sender owns, written chunk by chunk as it is
+    first sent, kept as the snapshot), or through a :class:`Ring` (each chunk written
+    into a ring buffer as it is sent; nothing model-sized). Both read ``sources`` (the
+    flattened weights), let go of once the copy is whole or its send is over.
+
+    Or ``live``: ``data`` is the model's own parameters, which live in shared memory
+    (``share_params``): nothing is written, and nothing is sent once the send is over.
+    """
+
+    def __init__(
+        self,
+        sender: SenderState,
+        version: int,
+        layout: StreamLayout,
+        data: np.ndarray | None,
+        flat: Flat | None,
+        lent_by_hub: bool = False,
+        ring: Ring | None = None,
+        live: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        self.version = version
+        #: What the learner attached to the version (its first chunk carries it).
+        self.metadata = metadata
+        self.layout = layout
+        self.data = data
+        self.ring = ring
+        self.lent_by_hub = lent_by_hub
+        self.live = live
+        #: The peers its chunks went to (None: a hub's every peer).
+        self.reached: set[PeerId] | None = set()
+        #: The version whose whole stream ``data`` held when this copy took it over
+        #: (the previous snapshot's memory, reused), or None.
+        self.holds: int | None = None
+        self.lease = Lease()
+        self._model_id = sender.model_id
+        self._epoch = sender.epoch
+        self._checksums = sender.checksums
+        self._flat: Flat | None = flat
+        self._sources = layout.sources(flat) if flat is not None else None
+        self._written = 0 if flat is not None else layout.count
+        self._ended = False
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return self.layout.count
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total
+
+    @property
+    def readable(self) -> bool:
+        """Whether every chunk can still be sent (a ring or live copy reads the caller's
+        tensors, only while its send lasts)."""
+        return not self._ended and (self.data is not None or self._sources is not None)
+
+    def write_through(self, index: int) -> None:
+        """Make sure chunks ``0..index`` are written (whole copies only)."""
+        if self._written > index or self.data is None:
+            return
+        with self._lock:
+            while self._written <= index:
+                assert self._sources is not None
+                offset, length = self.layout.span(self._written)
+                self.layout.write(self._written, self._sources, self.data[offset : offset + length])
+                self._written += 1
+            if self._written == self.layout.count:
+                self._let_go()  # the caller's memory is read no more
+
+    def write_chunks(self, indices: Iterable[int]) -> None:
+        """Write only chunks ``indices``: ``data`` holds the others already (``holds``
+        a version that differs from this one in those chunks alone)."""
+        assert self.data is not None and self._sources is not None
+        with self._lock:
+            for index in indices:
+                offset, length = self.layout.span(index)
+                self.layout.write(index, self._sources, self.data[offset : offset + length])
+            self._written = self.layout.count
+            self._let_go()
+
+    @property
+    def sources(self) -> Sources | None:
+        """What the chunks are written from, while they are still read."""
+        return self._sources
+
+    def end(self) -> None:
+        """The send is over: a ring or live copy reads the caller's tensors no more."""
+        if self.data is None or self.live:
+            self._let_go()
+            self._ended = True
+
+    def _let_go(self) -> None:
+        if isinstance(self._sources, DeviceReader):
+            self._sources.close()  # no copy out of the caller's tensors is still running
+        self._sources = self._flat = None
+
+    def reach(self, to: Sequence[PeerId] | None) -> None:
+        """Its chunks went to ``to`` (None: every peer)."""
+        if to is None:
+            self.reached = None
+        elif self.reached is not None:
+            self.reached.update(to)
+
+    def delta_frames(
+        self,
+        index: int,
+        spans: list[tuple[int, int]],
+        base: int,
+        targets: tuple[int, ...] | None = None,
+    ) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
+        """Chunk ``index`` of the delta against ``base`` that carries ``spans`` (a whole
+        copy, written: the sender records a version's digests once it is)."""
+        assert self.data is not None and self._written == self.layout.count
+        offset, length = spans[index]
+        payload = self.data[offset : offset + length].data.toreadonly()
+        chunk = Chunk(
+            self._model_id,
+            self.version,
+            self._epoch,
+            index,
+            len(spans),
+            offset,
+            self.layout.total,
+            self.layout.layout,
+            payload,
+            checksum=checksum(payload) if self._checksums else 0,
+            metadata=self.metadata if index == 0 else None,
+            base=base,
+            targets=targets if index == 0 else None,
+        )
+        frames = encode(chunk, schema_bytes=self.layout.schema_bytes if index == 0 else None)
+        return self.lease.lend(frames)
+
+    def frames(
+        self, index: int, targets: tuple[int, ...] | None = None
+    ) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+        """Chunk ``index`` as frames to send, lent afresh (and written first if need
+        be); None while the ring has no free buffer. ``targets``: the workers behind a
+        relay the version is for (the first chunk says so)."""
+        layout = self.layout
+        offset, length = layout.span(index)
+        if self.data is not None:
+            self.write_through(index)
+            buffer = self.data[offset : offset + length]
+        else:
+            assert self.ring is not None and self._sources is not None
+            taken = self.ring.take(length)
+            if taken is None:
+                return None
+            layout.write(index, self._sources, taken)
+            buffer = taken
+        payload = buffer.data.toreadonly()
+        chunk = Chunk(
+            self._model_id,
+            self.version,
+            self._epoch,
+            index,
+            layout.count,
+            offset,
+            layout.total,
+            layout.layout,
+            payload,
+            checksum=checksum(payload) if self._checksums else 0,
+            metadata=self.metadata if index == 0 else None,
+            targets=targets if index == 0 else None,
+        )
+        frames = encode(chunk, schema_bytes=layout.schema_bytes if index == 0 else None)
+        lent = self.lease.lend(frames)
+        if self.data is None:
+            assert self.ring is not None
+            self.ring.hold(buffer, lent[1])
+        return lent
+
+
+class Forwarded:
+    """A version as a relay receives it from upstream: each chunk's frames, sent on as
+    they come (:meth:`frames` is None until chunk ``index`` arrived) and let go of once
+    sent. Nothing of it is kept: the relay's snapshot serves repairs and late joiners.
+    """
+
+    data = None
+    live = False
+
+    def __init__(self, chunk: Chunk) -> None:
+        self.version = chunk.version
+        self.count = chunk.count
+        self.nbytes = chunk.total
+        self.metadata = chunk.metadata
+        self.reached: set[PeerId] | None = set()
+        self.lease = Lease()
+        self._frames: dict[int, list[Any]] = {}
+        self._ended = False
+
+    @property
+    def readable(self) -> bool:
+        return not self._ended
+
+    def add(self, index: int, frames: list[Any]) -> None:
+        if not self._ended:
+            self._frames[index] = frames
+
+    def end(self) -> None:
+        """The upstream stream broke (or the relay closes): nothing more will come."""
+        self._ended = True
+        self._frames.clear()
+
+    def reach(self, to: Sequence[PeerId] | None) -> None:
+        if to is None:
+            self.reached = None
+        elif self.reached is not None:
+            self.reached.update(to)
+
+    def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+        frames = self._frames.pop(index, None)
+        return None if frames is None else self.lease.lend(frames)
+
+
+class Transfer:
+    """One version streaming to one hub: fanned out (``to=None``) or to given peers;
+    whole, or (``spans``) as a delta against version ``base``."""
+
+    def __init__(
+        self,
+        copy: Copy | Forwarded,
+        to: list[PeerId] | None,
+        spans: list[tuple[int, int]] | None = None,
+        base: int = 0,
+        workers: int = 0,
+        targets: tuple[int, ...] | None = None,
+    ) -> None:
+        self.copy = copy
+        #: The workers behind the relay it goes to that the version is for, if some.
+        self.targets = targets
+        self.to = to
+        self.spans = spans
+        self.base = base
+        #: How many targeted workers a delta goes to (counted in status).
+        self.workers = workers
+        self.next = 0
+        self.started = time.monotonic()
+
+    def covers(self, copy: Copy | Forwarded, peer: PeerId) -> bool:
+        """Whether it brings ``peer`` the whole ``copy`` (a delta may not do)."""
+        return self.copy is copy and self.spans is None and (self.to is None or peer in self.to)
+
+    @property
+    def count(self) -> int:
+        return self.copy.count if self.spans is None else len(self.spans)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it sends each of its peers."""
+        return self.copy.nbytes if self.spans is None else sum(n for _, n in self.spans)
+
+    def frames(self) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+        if self.spans is None:
+            if isinstance(self.copy, Forwarded):
+                return self.copy.frames(self.next)
+            return self.copy.frames(self.next, self.targets)
+        assert isinstance(self.copy, Copy)
+        return self.copy.delta_frames(self.next, self.spans, self.base, self.targets)
+
+    @property
+    def sent(self) -> bool:
+        return self.next >= self.count
+
+
+@dataclass
+class Pending:
+    send: Send
+    copy: Copy = field(repr=False)

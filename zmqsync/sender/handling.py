@@ -1,0 +1,185 @@
+"""What a sender's pumps do with each message from a worker: the fleet core decides,
+this carries its effects out on the hubs; and how long a stopped worker may hold a chunk."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, Final
+
+from zmqsync.errors import FrameError
+from zmqsync.fleet import FanOut, Forget, Origin, Reply, SendLatest
+from zmqsync.protocol import (
+    ErrorMessage,
+    Hello,
+    Kind,
+    StatusReply,
+    StatusRequest,
+    decode,
+    encode,
+    peek_kind,
+)
+from zmqsync.sender.pump import HubRunner
+from zmqsync.sender.state import SenderState
+from zmqsync.transport.base import (
+    ForgetsPeers,
+    HubTransport,
+    Incoming,
+    PeerId,
+    reserved_workers,
+)
+
+__all__ = ["ACCEPTED", "Handling"]
+
+log = logging.getLogger("zmqsync.sender")
+
+#: What a worker may send to a sender; anything else is refused before it is decoded
+#: (a weights message sent to a sender would otherwise be parsed and held for nothing).
+ACCEPTED: Final = frozenset(
+    {Kind.ACK, Kind.HELLO, Kind.SNAPSHOT_REQUEST, Kind.PROBE_REQUEST, Kind.GOODBYE}
+)
+#: A chunk held this long (seconds), and far longer than chunks usually take, counts as
+#: held by a stopped peer: the window goes on without it. The peer's transport queue then
+#: fills, its later chunks are dropped and its stream breaks; it is repaired once back.
+STALL_MIN: Final = 0.25
+STALL_MAX: Final = 10.0
+#: How many times the usual release time a chunk may take before it counts as stalled.
+STALL_FACTOR: Final = 8.0
+#: For this long after a stall, a stopped peer is known to be about: chunks it pins are
+#: waited for only a little (its transport queue fills within a few windows, and each
+#: would otherwise cost the whole fleet a full stall limit).
+STALL_MEMORY: Final = 5.0
+STALL_KNOWN: Final = 0.02
+
+
+class Handling(SenderState):
+    """How a sender's pumps handle what workers send (a part of WeightSender)."""
+
+    def _pump_failed(self, exc: BaseException) -> None:
+        if not self._closed:
+            log.exception("zmqsync sender pump stopped", exc_info=exc)
+            self._pump_error = exc
+            with self._cond:
+                self._cond.notify_all()
+
+    def _refuse(self, runner: HubRunner, peer: PeerId | None, code: str, reason: str) -> None:
+        with self._cond:
+            self.fleet.reject(reason)
+        # Counted in status; not a warning each, or a flood of junk would flood the log.
+        log.debug("rejected a message: %s", reason)
+        if peer is not None:
+            runner.hub.send_frames(
+                encode(ErrorMessage(self.model_id, code, reason[:500])), to=[peer]
+            )
+
+    def _handle(self, incoming: Incoming, runner: HubRunner) -> None:
+        """One message from a hub: refuse what is never accepted unread, let the fleet
+        core decide the rest, and carry out its effects."""
+        frames, peer = incoming.frames, incoming.peer
+        kind = peek_kind(frames[0]) if frames else None
+        if peer is None and kind is not Kind.ACK:
+            # The ack channel carries acks only, from nobody in particular: no reply.
+            with self._cond:
+                self.fleet.counters["forged"] += 1
+            what = kind.name if kind is not None else "a non-zmqsync"
+            self._refuse(runner, None, "", f"{what} message on the ack channel, dropped unread")
+            return
+        if kind is not None and kind not in ACCEPTED and kind is not Kind.STATUS_REQUEST:
+            self._refuse(runner, peer, "unexpected", f"{kind.name} message at a sender, unread")
+            return
+        try:
+            message = decode(frames)
+        except FrameError as exc:
+            self._refuse(runner, peer, "malformed", f"malformed message: {exc}")
+            return
+        if isinstance(message, StatusRequest):
+            if peer is not None:
+                reply = StatusReply(self.model_id, self.version, self.epoch, self.status())
+                runner.hub.send_frames(encode(reply), to=[peer])
+            return
+        reserved = (
+            {r.index: reserved_workers(r.hub) for r in self._runners}
+            if isinstance(message, Hello)
+            else None
+        )
+        with self._cond:
+            effects = self.fleet.handle(
+                message, Origin(runner.index, peer), time.monotonic(), reserved
+            )
+            if self._pending is not None:
+                self._cond.notify_all()
+        self._carry_out(effects, runner)
+
+    def _carry_out(self, effects: Iterable[Any], runner: HubRunner) -> None:
+        """Do what the fleet core decided, on this runner's hub (which this thread
+        holds); effects for other hubs wait for their own pump."""
+        for effect in effects:
+            hub_index = effect.hub if isinstance(effect, FanOut) else effect.origin.hub
+            if hub_index != runner.index:
+                self._runners[hub_index].later.append(effect)
+                continue
+            hub = runner.hub
+            if isinstance(effect, Reply):
+                if effect.origin.peer is not None:
+                    hub.send_frames(encode(effect.message), to=[effect.origin.peer])
+            elif isinstance(effect, SendLatest):
+                if effect.origin.peer is None:
+                    continue
+                if runner.forwarding_to(effect.origin.peer):
+                    # A relay's next version is still streaming to it: what it lacks is
+                    # on its way (what it asks for once it is all sent, it lost).
+                    self._totals["repairs_skipped"] += 1
+                    continue
+                latest = self._latest()
+                if latest is None:
+                    self._unserved(effect, hub)
+                elif runner.repair(latest, effect.origin.peer):
+                    self._totals["repairs_sent"] += 1
+                    self._totals["repair_bytes"] += latest.nbytes
+                else:
+                    self._totals["repairs_skipped"] += 1
+            elif isinstance(effect, FanOut):
+                hub.send_frames(encode(effect.message))
+            elif (
+                isinstance(effect, Forget)
+                and effect.origin.peer is not None
+                and isinstance(hub, ForgetsPeers)
+            ):
+                hub.peer_left(effect.origin.peer)
+
+    def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
+        """A worker needs the latest version and the sender keeps none: it is told so,
+        and gets the next version."""
+        assert effect.origin.peer is not None
+        hub.send_frames(encode(effect.otherwise), to=[effect.origin.peer])
+
+    def _released_after(self, seconds: float) -> None:
+        """A chunk was let go of ``seconds`` after it was sent (an upper bound)."""
+        self._release_time += 0.2 * (seconds - self._release_time)
+
+    def _stall_limit(self) -> float:
+        """How long a chunk may be held before its holder counts as stopped."""
+        limit = min(STALL_MAX, max(STALL_MIN, STALL_FACTOR * self._release_time))
+        if time.monotonic() - self._last_stall < STALL_MEMORY:
+            return min(limit, max(STALL_KNOWN, 2 * self._release_time))
+        return limit
+
+    def _housekeeping(self, runner: HubRunner) -> None:
+        """Between messages (the pump, holding ``runner``'s baton): expire quiet
+        sessions once a heartbeat, and carry out effects meant for this hub."""
+        now = time.monotonic()
+        if now - self._last_expiry >= self.heartbeat:
+            self._last_expiry = now
+            with self._cond:
+                effects = self.fleet.expire(now)
+            self._carry_out(effects, runner)
+        while runner.later:
+            self._carry_out([runner.later.popleft()], runner)
+
+    def free_worker_id(self) -> int:
+        """The lowest worker id that no session holds and no hub reserves (a pipe's or
+        an actor's index): what a worker that asks for an id gets."""
+        reserved = {r.index: reserved_workers(r.hub) for r in self._runners}
+        with self._cond:
+            return self.fleet.free_worker_id(reserved)

@@ -1,0 +1,338 @@
+"""One hub and the pump thread that serves it: who holds the hub (the baton), and the
+window of chunks each transfer may have in the transport at once."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from zmqsync.sender.copies import Copy, Forwarded, Transfer
+from zmqsync.transport.base import (
+    HubTransport,
+    Lends,
+    PeerId,
+    Stream,
+    Waitable,
+)
+
+if TYPE_CHECKING:
+    from zmqsync.sender.core import WeightSender
+
+__all__ = ["MAX_REPAIRS", "PUMP_TICK", "WINDOW", "WINDOW_WAIT", "HubRunner", "sum_counters"]
+
+log = logging.getLogger("zmqsync.sender")
+
+#: How long the pump waits for a message before looking at its timers.
+PUMP_TICK: Final = 0.05
+#: Chunks of one transfer that transports may hold at once (queued, or on the wire).
+#: Below every transport's queue limit for one peer (ZeroMQ's DATA_HWM), so none is
+#: dropped for a peer that keeps up; enough that a chunk is always ready to go out.
+WINDOW: Final = 4
+#: Transfers of the latest version to single workers (repairs, late joiners) at once;
+#: a worker asking beyond it asks again at its next heartbeat.
+MAX_REPAIRS: Final = 8
+#: A peer that was sent a relay's version this lately (seconds), or within the time the
+#: stream took, may still be reading it: what it asks for meanwhile is not sent again.
+READING_GRACE: Final = 0.25
+#: How long a transfer blocked on its window waits for transports before looking again.
+WINDOW_WAIT: Final = 0.0005
+
+
+def sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counters:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+class HubRunner:
+    """One hub, its baton and the pump thread that serves it.
+
+    The hub's sockets are used by one thread at a time, the baton's holder. Between
+    sends the pump serves the hub (hellos, snapshot requests, status, stray acks).
+
+    Where the hub has descriptors to wait on (ZeroMQ's), the pump waits on them holding
+    nothing, and takes the baton only to read what came: a sending thread takes the
+    baton at once, with no thread to wake first (a wake-up and a hand-off cost more
+    than a 1 MB send's own work on a busy 2-core machine). With one hub, the sending
+    thread reads its acks itself, so the pump does not even wake for them; it picks up
+    stray ones on its tick. Whoever lets go of the baton checks for input first and
+    wakes the pump if any is waiting (the descriptors say "look again", not "a message
+    is here", and the holder's own reads may have consumed that signal).
+
+    Other hubs (pipes, Ray, memory) are served by a pump blocked in ``recv_frames``
+    with the baton held; a sending thread then wakes it (``hub.wake()``) and it lets go.
+    """
+
+    def __init__(self, sender: WeightSender, hub: HubTransport, index: int) -> None:
+        self.sender = sender
+        self.hub = hub
+        self.index = index
+        #: The hub's abilities this runner uses, if it has them.
+        self._waitable = hub if isinstance(hub, Waitable) else None
+        self._lends = hub if isinstance(hub, Lends) else None
+        self._baton = threading.Lock()
+        self._owner: int | None = None
+        self._wanted = 0
+        self._free = threading.Condition()
+        self._stopping = False
+        self._waiting = False  # the pump waits on the hub's descriptors, not in recv_frames
+        self._acks = True  # whether the pump wakes for acks (not when send() reads them)
+        self._poke_r = self._poke_w = -1
+        self.turns = 0  # how often the pump took the baton (tests: sends do not wake it)
+        #: Effects of the fleet core meant for this hub, decided on another hub's thread.
+        self.later: deque[Any] = deque()
+        #: Versions streaming to this hub (the baton holder advances them), oldest first,
+        #: and their chunks that the hub may still hold: (sent at, weak refs to views).
+        self.transfers: deque[Transfer] = deque()
+        #: The last transfers sent whole, as (version, to, started, finished): a repair
+        #: of what one just sent waits (no copy is kept alive by it).
+        self.done: deque[tuple[int, list[PeerId] | None, float, float]] = deque(maxlen=MAX_REPAIRS)
+        self.inflight: deque[tuple[float, list[weakref.ref[np.ndarray]]]] = deque()
+        self._window_full = False  # whether the last advance() stopped at a full window
+        self._thread = threading.Thread(
+            target=self._run, name=f"zmqsync-sender-{sender.model_id}-{hub.name}", daemon=True
+        )
+
+    def start(self) -> None:
+        # One hub: the sending thread reads the acks (see WeightSender._await_acks).
+        self._acks = len(self.sender._runners) > 1
+        if self._waitable is not None:
+            self._poke_r, self._poke_w = os.pipe()
+            os.set_blocking(self._poke_r, False)
+            os.set_blocking(self._poke_w, False)
+            self._waiting = True
+        self._thread.start()
+
+    def begin(self, transfer: Transfer) -> None:
+        """Stream ``transfer``'s version to this hub, superseding older versions' streams
+        (their workers are repaired by this one), and send what the window allows."""
+        with self.holding():
+            version = transfer.copy.version
+            self.transfers = deque(t for t in self.transfers if t.copy.version >= version)
+            self.transfers.append(transfer)
+            streaming = self.advance()
+        if streaming and self._waiting:
+            self._poke()  # the pump streams the rest if this thread does not
+
+    def lending(self) -> bool:
+        """Whether the hub lends memory its peers read in place, now."""
+        return self._lends is not None and self._lends.lending()
+
+    def lend(self, nbytes: int) -> Any:
+        """Memory the hub lends (None: it has none to lend)."""
+        return None if self._lends is None else self._lends.lend(nbytes)
+
+    def repair(self, copy: Copy, peer: PeerId) -> bool:
+        """Stream ``copy`` to ``peer`` alone (holding the baton); False if the hub already
+        streams it to that peer or streams too many repairs."""
+        repairs = [t for t in self.transfers if t.to is not None and len(t.to) == 1]
+        now = time.monotonic()
+        if (
+            len(repairs) >= MAX_REPAIRS
+            or any(t.covers(copy, peer) for t in self.transfers)
+            or any(
+                version == copy.version
+                and (to is None or peer in to)
+                and now - finished < finished - started
+                for version, to, started, finished in self.done
+            )
+        ):
+            # Too many, or this version is on its way to the peer (still streaming, or
+            # sent so lately that the peer may still be reading it: a worker asks while
+            # a long version reaches it): it asks again if it must.
+            return False
+        self.transfers.append(Transfer(copy, [peer]))
+        return True
+
+    def forwarding_to(self, peer: PeerId) -> bool:
+        """Whether a relay's version is on its way to ``peer`` (holding the baton): still
+        streaming, or sent so lately that the peer may still be reading it."""
+        if any(
+            isinstance(t.copy, Forwarded) and t.copy.readable and (t.to is None or peer in t.to)
+            for t in self.transfers
+        ):
+            return True
+        forwarding = self.sender._forwarding
+        if forwarding is None:
+            return False
+        now = time.monotonic()
+        return any(
+            version == forwarding[1].version
+            and (to is None or peer in to)
+            and now - finished < max(finished - started, READING_GRACE)
+            for version, to, started, finished in self.done
+        )
+
+    def advance(self) -> bool:
+        """Send the chunks the window allows (holding the baton); True while some
+        transfer has chunks left to send."""
+        sender = self.sender
+        inflight = self.inflight
+        now = time.monotonic()
+        while self.transfers:
+            while inflight and all(r() is None for r in inflight[0][1]):
+                sent_at = inflight.popleft()[0]
+                if self._window_full:
+                    # Watched closely (the window was full): how long chunks take to go.
+                    sender._released_after(now - sent_at)
+            self._window_full = False
+            if len(inflight) >= WINDOW:
+                if now - inflight[0][0] <= sender._stall_limit():
+                    self._window_full = True
+                    return True
+                inflight.popleft()  # held by a stopped peer: go on without it
+                sender._totals["stalls"] += 1
+                sender._last_stall = now
+                continue
+            transfer = self.transfers[0]
+            if not transfer.copy.readable:
+                self.transfers.popleft()  # a ring copy whose send is over
+                continue
+            lent = transfer.frames()
+            if lent is None:
+                self._window_full = True  # every ring buffer is held: wait as for the window
+                return True
+            frames, refs = lent
+            if transfer.next == 0:
+                transfer.copy.reach(transfer.to)
+            stream = Stream.START if transfer.next == 0 else Stream.MORE
+            self.hub.send_frames(frames, to=transfer.to, stream=stream)
+            del frames  # what the hub keeps of them is what the window watches
+            now = time.monotonic()
+            inflight.append((now, refs))
+            transfer.next += 1
+            sender._totals["chunks_sent"] += 1
+            if transfer.sent:
+                self.transfers.popleft()
+                if transfer.spans is None:  # a delta brings the version to some only
+                    self.done.append((transfer.copy.version, transfer.to, transfer.started, now))
+        return False
+
+    def _poke(self) -> None:
+        """Make the pump look at the hub now (thread-safe, never blocks)."""
+        with contextlib.suppress(OSError):  # a full pipe already says it; closed: stopping
+            os.write(self._poke_w, b"\0")
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        if self._owner == threading.get_ident():
+            yield  # re-entrant: send() holds it from the first frame to the last ack
+            return
+        with self._free:
+            self._wanted += 1
+        if not self._waiting:
+            self.hub.wake()  # the pump holds the baton while it waits: make it let go
+        self._baton.acquire()
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            look = self._waiting and self._has_input()
+            self._owner = None
+            self._baton.release()
+            with self._free:
+                self._wanted -= 1
+                if not self._wanted:
+                    self._free.notify_all()
+            if look:
+                self._poke()
+
+    def _has_input(self) -> bool:
+        assert self._waitable is not None
+        try:
+            return self._waitable.has_input(acks=self._acks)
+        except Exception:  # a closing hub: let the pump find out
+            return True
+
+    def _run(self) -> None:
+        try:
+            if self._waiting:
+                self._run_waiting()
+                return
+            while not self._stopping:
+                with self._free:
+                    while self._wanted and not self._stopping:
+                        self._free.wait(PUMP_TICK)
+                with self._baton:
+                    if self._stopping:
+                        break
+                    self.turns += 1
+                    self.sender._housekeeping(self)
+                    streaming = self.advance()
+                    incoming = self.hub.recv_frames(WINDOW_WAIT if streaming else PUMP_TICK)
+                    while incoming is not None:
+                        self.sender._handle(incoming, self)
+                        if self._wanted:
+                            break
+                        incoming = self.hub.recv_frames(0)
+        except BaseException as exc:
+            if not self._stopping:
+                self.sender._pump_failed(exc)
+
+    def _run_waiting(self) -> None:
+        """The pump of a hub with descriptors: wait holding nothing, then read it all."""
+        waitable = self._waitable
+        assert waitable is not None
+        poller = select.poll()
+        poller.register(self._poke_r, select.POLLIN)
+        watched: list[int] = []
+        look = True  # read first: something may have come before the pump started
+        while not self._stopping:
+            with self._free:
+                while self._wanted and not self._stopping:
+                    self._free.wait(PUMP_TICK)
+            if not look:
+                # A tick reads everything, acks included; a stream goes on within a ms.
+                poller.poll(1 if self.transfers else PUMP_TICK * 1000)
+                with contextlib.suppress(OSError):
+                    while os.read(self._poke_r, 4096):
+                        pass
+            with self._baton:
+                if self._stopping:
+                    break
+                self.turns += 1
+                self.sender._housekeeping(self)
+                self.advance()
+                look = False
+                incoming = self.hub.recv_frames(0)
+                while incoming is not None:
+                    self.sender._handle(incoming, self)
+                    if self._wanted:
+                        look = True  # let the sender have it; read the rest after
+                        break
+                    incoming = self.hub.recv_frames(0)
+                handles = waitable.wait_handles(acks=self._acks)
+            if handles != watched:
+                for fd in watched:
+                    with contextlib.suppress(KeyError):
+                        poller.unregister(fd)
+                watched = handles
+                for fd in watched:
+                    poller.register(fd, select.POLLIN)
+
+    def stop(self) -> None:
+        self._stopping = True
+        with self._free:
+            self._free.notify_all()
+        if self._waiting:
+            self._poke()
+        else:
+            self.hub.wake()
+        self._thread.join(timeout=5)
+        if self._waiting:
+            for fd in (self._poke_r, self._poke_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._poke_r = self._poke_w = -1
