@@ -1,7 +1,8 @@
 """What the commands share: consoles, error reporting, and the status table.
 
-No sync logic lives here: the table only lays out what :func:`zmqsync.status.query_status`
-(or ``scheme.status()``) returned, and :func:`zmqsync.status.assess` judged.
+No sync logic lives here: the table only lays out a :class:`~zmqsync.SenderStatus` (what
+:func:`zmqsync.status.query_status` or ``scheme.status()`` returned, read by its
+``from_dict``), and what :func:`zmqsync.status.assess` judged.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from zmqsync.errors import ZMQSyncError
 from zmqsync.metrics import MetricsServer
 from zmqsync.security import exposed_secret_file
 from zmqsync.status import worker_problem
+from zmqsync.status_types import SenderStatus, WorkerStatus
 from zmqsync.vocabulary import MODES, STRATEGIES
 
 #: Width of output that goes to a file or a pipe (rich would pick 80 columns, which
@@ -253,45 +255,43 @@ def fmt_ago(s: float | None) -> str:
 # --- the status view ---------------------------------------------------------------
 
 
-def worker_state(worker: Mapping[str, Any], version: int, silent_after: float | None) -> Text:
+def worker_state(worker: WorkerStatus, version: int, silent_after: float | None) -> Text:
     """The state cell: ok, behind by N, torn (repairing), not connected, silent, or left."""
-    if not worker.get("connected"):
+    if not worker.connected:
         return Text("not connected", style="red")
     problem = worker_problem(worker, version, silent_after)
-    if worker.get("left"):
+    if worker.left:
         return Text("left", style="red" if problem else "dim")
     if problem is None:
         return Text("ok", style="green")
-    if worker.get("torn"):
-        return Text("torn, repairing" if worker.get("repairing") else "torn", style="red")
-    lag = int(worker.get("lag", 0))
-    if lag:
-        return Text(f"behind {lag}", style="yellow")
-    return Text(f"silent {fmt_seconds(worker.get('since_last_seen_s'))}", style="red")
+    if worker.torn:
+        return Text("torn, repairing" if worker.repairing else "torn", style="red")
+    if worker.lag:
+        return Text(f"behind {worker.lag}", style="yellow")
+    return Text(f"silent {fmt_seconds(worker.since_last_seen_s)}", style="red")
 
 
-def status_header(status: Mapping[str, Any]) -> Text:
+def status_header(status: SenderStatus) -> Text:
     """Three lines about the sender itself: what, where, which version, totals."""
-    totals = status.get("totals", {})
-    epoch = int(status.get("epoch", 0))
+    totals = status.totals
     lines = [
-        f"model {status.get('model_id')!r}  version {status.get('version')}  "
-        f"epoch {epoch:016x}  {status.get('mode')} ({status.get('strategy')})",
-        f"endpoint {status.get('endpoint')}  sender {status.get('host')} pid "
-        f"{status.get('pid')}  up {fmt_seconds(status.get('uptime_s'))}",
-        f"sent {totals.get('versions_sent', 0)} versions, "
-        f"{fmt_bytes(totals.get('bytes_sent', 0))}  "
-        f"sync latency p50 {fmt_seconds(totals.get('latency_p50_s'))}  "
-        f"p90 {fmt_seconds(totals.get('latency_p90_s'))}  "
-        f"p99 {fmt_seconds(totals.get('latency_p99_s'))}  "
-        f"timeouts {totals.get('timeouts', 0)}  rejected frames {totals.get('rejected_frames', 0)}",
+        f"model {status.model_id!r}  version {status.version}  "
+        f"epoch {status.epoch:016x}  {status.mode} ({status.strategy})",
+        f"endpoint {status.endpoint}  sender {status.host} pid "
+        f"{status.pid}  up {fmt_seconds(status.uptime_s)}",
+        f"sent {totals.versions_sent} versions, "
+        f"{fmt_bytes(totals.bytes_sent)}  "
+        f"sync latency p50 {fmt_seconds(totals.latency_p50_s)}  "
+        f"p90 {fmt_seconds(totals.latency_p90_s)}  "
+        f"p99 {fmt_seconds(totals.latency_p99_s)}  "
+        f"timeouts {totals.timeouts}  rejected frames {totals.rejected_frames}",
     ]
     return Text("\n".join(lines))
 
 
-def status_table(status: Mapping[str, Any], *, silent_after: float | None) -> Table:
+def status_table(status: SenderStatus, *, silent_after: float | None) -> Table:
     """One row per worker: the version it holds and how it got there."""
-    version = int(status.get("version", 0))
+    version = status.version
     table = Table(show_edge=True, pad_edge=True, expand=False)
     for name, justify in (
         ("worker", "right"),
@@ -306,37 +306,37 @@ def status_table(status: Mapping[str, Any], *, silent_after: float | None) -> Ta
         ("host:pid", "left"),
     ):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for w in status.get("workers", []):
-        connected = bool(w.get("connected"))
-        rejected = int(w.get("rejected_frames", 0))
+    for w in status.workers:
         state = worker_state(w, version, silent_after)
-        below = w.get("below") or {}
+        below = w.below or {}
         if below:  # a relay: the workers behind it, from its heartbeats
             behind = sum(1 for v in below.values() if v < version)
             state.append(f"; relay for {len(below)}", style="dim")
             if behind:
                 state.append(f", {behind} behind", style="yellow")
         table.add_row(
-            str(w["worker"]),
-            str(w.get("version", 0)),
-            str(w.get("lag", 0)),
+            str(w.worker),
+            str(w.version),
+            str(w.lag),
             state,
-            fmt_ago(w.get("since_last_ack_s")) if connected else "-",
-            fmt_ago(w.get("since_last_seen_s")) if connected else "-",
-            fmt_seconds(w.get("last_latency_s")) if connected else "-",
-            fmt_bytes(w.get("received_bytes")) if connected else "-",
-            Text(str(rejected), style="red" if rejected else ""),
-            f"{w.get('host')}:{w.get('pid')}" if connected else "-",
+            fmt_ago(w.since_last_ack_s) if w.connected else "-",
+            fmt_ago(w.since_last_seen_s) if w.connected else "-",
+            fmt_seconds(w.last_latency_s) if w.connected else "-",
+            fmt_bytes(w.received_bytes) if w.connected else "-",
+            Text(str(w.rejected_frames), style="red" if w.rejected_frames else ""),
+            # Text, not a str: what a host calls itself is not rich markup.
+            Text(f"{w.host}:{w.pid}") if w.connected else "-",
         )
-        _below_rows(table, w["worker"], below, version)
+        _below_rows(table, w.worker, below, version)
     return table
 
 
 def _below_rows(table: Table, relay: int, below: Mapping[str, int], version: int) -> None:
     """The tree under a relay: a row per worker behind it (as its heartbeats say), the
     furthest behind first, so that where a version stopped shows."""
-    shown = sorted(below.items(), key=lambda kv: (kv[1], int(kv[0])))[:BELOW_ROWS]
-    for worker, held in shown:
+    shown = sorted(below, key=lambda worker: (below[worker], int(worker)))[:BELOW_ROWS]
+    for worker in shown:
+        held = below[worker]
         lag = max(0, version - held)
         state = Text(f"behind {lag}", style="yellow") if lag else Text("ok", style="green")
         table.add_row(
@@ -353,12 +353,11 @@ def _below_rows(table: Table, relay: int, below: Mapping[str, int], version: int
         )
 
 
-def verdict(status: Mapping[str, Any], problems: Mapping[int, str]) -> Text:
+def verdict(status: SenderStatus, problems: Mapping[int, str]) -> Text:
     """The last line: all good, or what is wrong with whom."""
-    workers = status.get("workers", [])
-    version = status.get("version", 0)
+    workers, version = status.workers, status.version
     # A large fleet's status carries its furthest-behind rows only, and counts them all.
-    total = int(status.get("workers_total", len(workers)))
+    total = max(status.workers_total, len(workers))
     shown = f" ({len(workers)} shown, the furthest behind)" if total > len(workers) else ""
     if not workers:
         return Text(f"no workers yet (version {version} is ready for them)", style="yellow")
@@ -372,7 +371,7 @@ def verdict(status: Mapping[str, Any], problems: Mapping[int, str]) -> Text:
 
 
 def status_view(
-    status: Mapping[str, Any], problems: Mapping[int, str], *, silent_after: float | None
+    status: SenderStatus, problems: Mapping[int, str], *, silent_after: float | None
 ) -> Group:
     """Header, worker table and verdict: what ``status``, ``watch`` and ``demo`` show."""
     return Group(

@@ -13,6 +13,7 @@ from rich.live import Live
 
 from zmqsync.demo import DEMO_TRANSPORTS, LocalFleet
 from zmqsync.status import assess
+from zmqsync.status_types import SenderStatus
 
 from ._common import (
     ModeChoice,
@@ -77,7 +78,7 @@ def demo(
             started = time.monotonic()
 
             def view() -> RenderableType:
-                state = fleet.status()
+                state = SenderStatus.from_dict(fleet.status())
                 return status_view(
                     state, assess(state, silent_after=silent_after), silent_after=silent_after
                 )
@@ -102,7 +103,7 @@ def demo(
                         f"version {fleet.status()['version']}: synced to {workers} "
                         f"workers in {fmt_seconds(seconds)}"
                     )
-            state = fleet.status()
+            state = SenderStatus.from_dict(fleet.status())
             problems = assess(state, silent_after=silent_after)
             out.print(status_view(state, problems, silent_after=silent_after))
         except KeyboardInterrupt:

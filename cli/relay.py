@@ -160,9 +160,8 @@ def relay(
                 time.sleep(0.2)
                 if node.version != last:
                     last = node.version
-                    status = node.status()
                     out.print(
-                        f"version {last}: forwarded to {status['workers_live']} worker(s)",
+                        f"version {last}: forwarded to {node.report().workers_live} worker(s)",
                         soft_wrap=True,
                     )
         except KeyboardInterrupt:

@@ -9,6 +9,7 @@ import typer
 
 from zmqsync.security import curve_client_from_files
 from zmqsync.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
+from zmqsync.status_types import SenderStatus
 
 from ._common import (
     SECURITY_LOGGER,
@@ -53,10 +54,11 @@ def status(
     with user_errors(code=EXIT_NO_SENDER):
         with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
             curve = curve_client_from_files(curve_secret, curve_server_key)
-        state = query_status(endpoint, timeout, curve=curve)
+        state = SenderStatus.from_dict(query_status(endpoint, timeout, curve=curve))
     problems = assess(state, silent_after=silent_after)
     if as_json:
-        doc = {**state, "problems": {str(w): p for w, p in sorted(problems.items())}}
+        problems_doc = {str(w): p for w, p in sorted(problems.items())}
+        doc = {**state.as_dict(), "problems": problems_doc}
         typer.echo(json.dumps(doc, indent=2, sort_keys=False))
     else:
         console().print(status_view(state, problems, silent_after=silent_after))

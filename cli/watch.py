@@ -14,6 +14,7 @@ from zmqsync.endpoints import check_connectable
 from zmqsync.errors import ZMQSyncError
 from zmqsync.security import CurveClient, curve_client_from_files
 from zmqsync.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
+from zmqsync.status_types import SenderStatus
 
 from ._common import (
     SECURITY_LOGGER,
@@ -32,8 +33,8 @@ def _snapshot(
     endpoint: str, timeout: float, silent_after: float, curve: CurveClient | None
 ) -> RenderableType:
     try:
-        state = query_status(endpoint, timeout, curve=curve)
-    except ZMQSyncError as exc:
+        state = SenderStatus.from_dict(query_status(endpoint, timeout, curve=curve))
+    except ZMQSyncError as exc:  # a malformed status too (FrameError)
         # A learner restarting is what watch is for: say so and keep asking.
         return Text(f"{time.strftime('%H:%M:%S')}  no answer: {exc}", style="red")
     problems = assess(state, silent_after=silent_after)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
 import zmq.auth
 from typer.testing import CliRunner
 
@@ -299,6 +300,36 @@ def test_watch_keeps_going_while_the_sender_is_away(runner: CliRunner) -> None:
     )
     assert result.exit_code == 0
     assert result.stdout.count("no answer: no zmqsync sender answered") == 2
+
+
+def test_status_and_watch_refuse_a_malformed_status_in_one_line(runner: CliRunner) -> None:
+    """What answers is not trusted: a status of the wrong shape is one error line (exit
+    2) for status, and a line of its own for watch, which keeps asking."""
+    from zmqsync.protocol import StatusReply, encode
+
+    reply = encode(StatusReply("policy", 1, 2, {"version": 1, "workers": [{"worker": "0"}]}))
+    impostor = zmq.Context.instance().socket(zmq.ROUTER)
+    impostor.linger = 0
+    endpoint = f"tcp://127.0.0.1:{impostor.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def answer(requests: int) -> None:  # status asks once, watch --count 2 twice
+        for _ in range(requests):
+            if impostor.poll(10_000):
+                peer, *_ = impostor.recv_multipart()
+                impostor.send_multipart([peer, *reply])
+
+    answering = threading.Thread(target=answer, args=(3,), daemon=True)
+    answering.start()
+    try:
+        result = runner.invoke(app, ["status", endpoint, "--timeout", "10"])
+        assert result.exit_code == 2
+        assert "workers[0].worker must be an integer" in _one_error_line(result)
+        result = runner.invoke(app, ["watch", endpoint, "--count", "2", "--interval", "0.05"])
+        assert result.exit_code == 0
+        assert result.stdout.count("workers[0].worker must be an integer") == 2
+    finally:
+        answering.join(30)
+        impostor.close()
 
 
 def test_watch_malformed_endpoint(runner: CliRunner) -> None:
@@ -678,10 +709,11 @@ def test_status_and_worker_with_curve_keys(runner: CliRunner, tmp_path: Path) ->
 def test_the_verdict_counts_every_worker_of_a_trimmed_status() -> None:
     """A large fleet's status carries its furthest-behind rows only: the verdict counts
     the whole fleet and says how many rows it shows."""
+    from zmqsync.status_types import SenderStatus
     from zmqsync_cli._common import verdict
 
     rows = [{"worker": w, "connected": True, "version": 3, "lag": 0} for w in (0, 1)]
-    status = {"version": 3, "workers": rows, "workers_total": 5000}
+    status = SenderStatus.from_dict({"version": 3, "workers": rows, "workers_total": 5000})
     text = verdict(status, {}).plain
     assert text == "all 5000 workers hold version 3 (2 shown, the furthest behind)"
     behind = verdict(status, {1: "worker 1 holds version 2 of 3 (1 behind)"}).plain
@@ -692,14 +724,16 @@ def test_a_torn_worker_is_named_as_such() -> None:
     """A worker whose in-place stream broke is neither ok nor merely behind: the state
     cell says torn (repairing while a repair is under way), and the problem says why."""
     from zmqsync.client import assess
+    from zmqsync.status_types import WorkerStatus
     from zmqsync_cli._common import worker_state
 
     row = {"worker": 0, "connected": True, "version": 3, "lag": 0, "torn": True}
     status = {"version": 3, "workers": [row]}
-    assert worker_state(row, 3, None).plain == "torn"
-    assert worker_state({**row, "repairing": True}, 3, None).plain == "torn, repairing"
+    assert worker_state(WorkerStatus.from_dict(row), 3, None).plain == "torn"
+    repairing = WorkerStatus.from_dict({**row, "repairing": True})
+    assert worker_state(repairing, 3, None).plain == "torn, repairing"
     assert "is torn" in assess(status)[0] and "waiting for a repair" in assess(status)[0]
-    assert worker_state({**row, "torn": False}, 3, None).plain == "ok"
+    assert worker_state(WorkerStatus.from_dict({**row, "torn": False}), 3, None).plain == "ok"
 
 
 def test_relay_refuses_an_open_address_without_keys_and_a_half_pair_of_keys(
@@ -716,14 +750,14 @@ def test_relay_refuses_an_open_address_without_keys_and_a_half_pair_of_keys(
 def test_the_status_table_shows_the_tree_under_a_relay_furthest_behind_first() -> None:
     from rich.console import Console
 
+    from zmqsync.status_types import SenderStatus
     from zmqsync_cli._common import BELOW_ROWS, status_table
 
     row = {"worker": 0, "connected": True, "live": True, "version": 3, "lag": 0}
     below = {"10": 3, "11": 2, **{str(100 + i): 3 for i in range(BELOW_ROWS)}}
+    status = SenderStatus.from_dict({"version": 3, "workers": [{**row, "below": below}]})
     console = Console(record=True, width=200)
-    console.print(
-        status_table({"version": 3, "workers": [{**row, "below": below}]}, silent_after=None)
-    )
+    console.print(status_table(status, silent_after=None))
     text = console.export_text()
     lines = [line for line in text.splitlines() if "└ " in line]
     assert "└ 11" in lines[0] and "behind 1" in lines[0] and "via relay 0" in lines[0]

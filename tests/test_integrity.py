@@ -272,7 +272,7 @@ def test_status_stays_bounded_for_thousands_of_workers() -> None:
         assert effects, "a hello is answered"
     rows, counts = core.status_rows(0.1)
     assert counts["workers_total"] == 5000 and len(rows) == STATUS_ROWS
-    reply = encode(StatusReply("policy", 0, 7, {"workers": rows, **counts}))
+    reply = encode(StatusReply("policy", 0, 7, {"workers": [r.as_dict() for r in rows], **counts}))
     assert len(reply[1]) < MAX_BODY_BYTES // 4
 
 

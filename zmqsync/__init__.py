@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "RayWeightSyncScheme": "zmqsync.schemes.ray",
     "Relay": "zmqsync.relay",
     "SchemaMismatchError": "zmqsync.errors",
+    "SenderStatus": "zmqsync.status_types",
     "SyncTimeout": "zmqsync.errors",
     "TornWeights": "zmqsync.errors",
     "TransportClosed": "zmqsync.errors",
@@ -42,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "WeightSyncActorMixin": "zmqsync.schemes.ray",
     "WeightSyncScheme": "zmqsync.schemes.base",
     "WeightsRejected": "zmqsync.errors",
+    "WorkerStatus": "zmqsync.status_types",
     "ZMQSyncError": "zmqsync.errors",
     "ZMQWeightSyncScheme": "zmqsync.schemes.zmq",
     "checksum": "zmqsync.tensors.extract",
@@ -88,4 +90,5 @@ if TYPE_CHECKING:
     from zmqsync.schemes.weights import WeightStrategy
     from zmqsync.schemes.zmq import ZMQWeightSyncScheme
     from zmqsync.sender import WeightSender
+    from zmqsync.status_types import SenderStatus, WorkerStatus
     from zmqsync.tensors.extract import checksum

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a sender or a relay, read from its ``status()`` at each scrape.
+"""Prometheus metrics of a sender or a relay, read from its ``report()`` at each scrape.
 
 ``serve_metrics(sender_or_relay, port)`` starts an HTTP server whose ``/metrics`` says,
 in Prometheus's text format: the version, every worker's version, lag, liveness and
@@ -10,12 +10,14 @@ scrape reads the status as it is. Needs ``prometheus_client`` (the ``metrics`` e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+from zmqsync.status_types import SenderStatus, UpstreamStatus
 
 __all__ = ["MetricsServer", "StatusCollector", "serve_metrics"]
 
-#: Counters in ``status()["totals"]``, as (key, metric name, help).
+#: Counters of ``report().totals``, as (field, metric name, help).
 _COUNTERS = (
     ("versions_sent", "versions_sent", "Versions sent (or forwarded, for a relay)."),
     ("bytes_sent", "bytes_sent", "Bytes of weights sent, counted once per targeted worker."),
@@ -31,9 +33,10 @@ _COUNTERS = (
 
 
 class StatusCollector:
-    """A Prometheus collector over a status function (``sender.status``)."""
+    """A Prometheus collector over a status function: ``sender.report``, or one that
+    returns the dict of ``status()``."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, status: Callable[[], SenderStatus | Mapping[str, Any]]) -> None:
         self._status = status
 
     def describe(self) -> list[Any]:
@@ -47,21 +50,22 @@ class StatusCollector:
         )
 
         status = self._status()
-        model = str(status.get("model_id", ""))
-        totals = status.get("totals", {})
-        version = int(status.get("version", 0))
+        if not isinstance(status, SenderStatus):
+            status = SenderStatus.from_dict(status)
+        model = status.model_id
+        totals = status.totals
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
             return GaugeMetricFamily(f"zmqsync_{name}", doc, labels=("model_id", *labels))
 
         g = gauge("version", "The latest version sent.")
-        g.add_metric([model], version)
+        g.add_metric([model], status.version)
         yield g
         g = gauge("workers", "Workers known to the sender, by state.", ("state",))
-        g.add_metric([model, "total"], status.get("workers_total", 0))
-        g.add_metric([model, "live"], status.get("workers_live", 0))
+        g.add_metric([model, "total"], status.workers_total)
+        g.add_metric([model, "live"], status.workers_live)
         yield g
-        rows = status.get("workers", [])
+        rows = status.workers
         per_worker = (
             ("worker_version", "version", "The version each worker holds."),
             ("worker_lag", "lag", "Versions each worker is behind."),
@@ -69,10 +73,10 @@ class StatusCollector:
             ("worker_torn", "torn", "1 if the worker's model is torn."),
             ("worker_received_bytes", "received_bytes", "Bytes each worker received."),
         )
-        for name, key, doc in per_worker:
+        for name, attr, doc in per_worker:
             g = gauge(name, doc, ("worker",))
             for row in rows:
-                g.add_metric([model, str(row["worker"])], float(row.get(key) or 0))
+                g.add_metric([model, str(row.worker)], float(getattr(row, attr)))
             yield g
         g = gauge(
             "below_version",
@@ -80,17 +84,17 @@ class StatusCollector:
             ("relay", "worker"),
         )
         for row in rows:
-            for worker, held in (row.get("below") or {}).items():
-                g.add_metric([model, str(row["worker"]), str(worker)], held)
+            for worker, held in (row.below or {}).items():
+                g.add_metric([model, str(row.worker), worker], held)
         yield g
-        for key, name, doc in _COUNTERS:
+        for attr, name, doc in _COUNTERS:
             c = CounterMetricFamily(f"zmqsync_{name}", doc, labels=("model_id",))
-            c.add_metric([model], totals.get(key, 0))
+            c.add_metric([model], getattr(totals, attr))
             yield c
-        hist = totals.get("latency_histogram")
-        if hist:
+        hist = totals.latency_histogram
+        if hist is not None:
             cumulative, buckets = 0, []
-            for le, count in zip([*hist["le"], float("inf")], hist["counts"], strict=True):
+            for le, count in zip([*hist.le, float("inf")], hist.counts, strict=True):
                 cumulative += count
                 buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
             h = HistogramMetricFamily(
@@ -98,24 +102,24 @@ class StatusCollector:
                 "From the start of send() to the last ack.",
                 labels=("model_id",),
             )
-            h.add_metric([model], buckets, hist["sum_s"])
+            h.add_metric([model], buckets, hist.sum_s)
             yield h
-        relay = status.get("relay")
+        relay = status.relay
         if relay is not None:
-            for key in ("versions_forwarded", "chunks_forwarded", "aborted", "refetches"):
+            for attr in ("versions_forwarded", "chunks_forwarded", "aborted", "refetches"):
                 c = CounterMetricFamily(
-                    f"zmqsync_relay_{key}",
-                    f"A relay's {key.replace('_', ' ')}.",
+                    f"zmqsync_relay_{attr}",
+                    f"A relay's {attr.replace('_', ' ')}.",
                     labels=("model_id",),
                 )
-                c.add_metric([model], relay.get(key, 0))
+                c.add_metric([model], getattr(relay, attr))
                 yield c
-            upstream = status.get("upstream", {})
+            upstream = status.upstream or UpstreamStatus()
             g = gauge("relay_upstream_version", "The version a relay holds of its upstream's.")
-            g.add_metric([model], upstream.get("version", 0))
+            g.add_metric([model], upstream.version)
             yield g
             g = gauge("relay_ack_owed", "1 while a relay waits for its workers to ack upstream.")
-            g.add_metric([model], float(bool(upstream.get("ack_owed"))))
+            g.add_metric([model], float(upstream.ack_owed))
             yield g
 
 
@@ -144,13 +148,14 @@ class MetricsServer:
 
 def serve_metrics(source: Any, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``source``'s status (a :class:`~zmqsync.WeightSender`, a
-    :class:`~zmqsync.Relay`, or anything with ``status()``) as Prometheus metrics on
-    ``http://addr:port/metrics`` (port 0: a free one, see :attr:`MetricsServer.port`)."""
+    :class:`~zmqsync.Relay`, or anything with ``report()`` or ``status()``) as Prometheus
+    metrics on ``http://addr:port/metrics`` (port 0: a free one, see
+    :attr:`MetricsServer.port`)."""
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as exc:  # pragma: no cover - the extra is installed in CI
         raise ImportError("metrics need prometheus_client: pip install 'zmqsync[metrics]'") from exc
     registry = CollectorRegistry()
-    registry.register(StatusCollector(source.status))
+    registry.register(StatusCollector(getattr(source, "report", None) or source.status))
     server, thread = start_http_server(port, addr=addr, registry=registry)
     return MetricsServer(server, thread)

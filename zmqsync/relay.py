@@ -34,6 +34,7 @@ from zmqsync.receiver import WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
 from zmqsync.sender.copies import Copy, Forwarded, Transfer
+from zmqsync.status_types import RelayCounts, SenderStatus, UpstreamStatus
 from zmqsync.transport.base import HubTransport, SpokeTransport
 from zmqsync.vocabulary import Mode, Strategy
 
@@ -315,18 +316,25 @@ class Relay:
             self._thread.start()
 
     def status(self) -> dict[str, Any]:
-        """Its sender's status (its workers), with where it stands upstream."""
-        status = self.sender.status()
+        """Its sender's status (its workers), with where it stands upstream: the fields
+        of :meth:`report`, as ``report().as_dict()``."""
+        return self.report().as_dict()
+
+    def report(self) -> SenderStatus:
+        """Its sender's report (its workers), with ``upstream`` (where it stands there)
+        and ``relay`` (what it forwarded)."""
         receiver = self.receiver
-        status["upstream"] = {
-            "worker": receiver.worker_idx,
-            "version": receiver.version,
-            "epoch": receiver.epoch,
-            "ack_owed": self._owed,
-            **receiver.stats,
-        }
-        status["relay"] = dict(self.stats)
-        return status
+        return dataclasses.replace(
+            self.sender.report(),
+            upstream=UpstreamStatus(
+                worker=receiver.worker_idx,
+                version=receiver.version,
+                epoch=receiver.epoch,
+                ack_owed=self._owed,
+                receiver=dict(receiver.stats),
+            ),
+            relay=RelayCounts(**self.stats),
+        )
 
     def close(self) -> None:
         """Stop serving and close both ends (never waits on a dead peer)."""

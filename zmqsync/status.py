@@ -16,6 +16,7 @@ from zmqsync.endpoints import check_connectable
 from zmqsync.errors import FrameError, SyncTimeout, TransportError
 from zmqsync.protocol import ErrorMessage, StatusReply, StatusRequest, decode, encode
 from zmqsync.security import CurveClient
+from zmqsync.status_types import SenderStatus, WorkerStatus
 from zmqsync.transport._zmq import translated
 
 __all__ = [
@@ -46,11 +47,13 @@ def query_status(
     """Ask the sender bound at ``endpoint`` for its sync state.
 
     Returns the dict of :meth:`zmqsync.WeightSender.status` (model_id, version, epoch,
-    uptime, per-worker state, totals). Raises :class:`EndpointError` for an address that
-    cannot be connected to, :class:`SyncTimeout` when nothing answers within ``timeout``
-    seconds, and :class:`TransportError` when something answers that is not a zmqsync
-    sender. The socket is closed with ``linger=0``: a dead sender never blocks the exit.
-    A sender with CURVE keys answers only a client with ``curve`` keys it accepts.
+    uptime, per-worker state, totals) as the sender sent it; ``SenderStatus.from_dict``
+    checks it and reads it as attributes. Raises :class:`EndpointError` for an address
+    that cannot be connected to, :class:`SyncTimeout` when nothing answers within
+    ``timeout`` seconds, and :class:`TransportError` when something answers that is not
+    a zmqsync sender. The socket is closed with ``linger=0``: a dead sender never blocks
+    the exit. A sender with CURVE keys answers only a client with ``curve`` keys it
+    accepts.
 
     Example::
 
@@ -102,53 +105,60 @@ def query_status(
 
 
 def worker_problem(
-    worker: Mapping[str, Any], version: int, silent_after: float | None = DEFAULT_SILENT_AFTER
+    worker: WorkerStatus | Mapping[str, Any],
+    version: int,
+    silent_after: float | None = DEFAULT_SILENT_AFTER,
 ) -> str | None:
-    """What is wrong with one worker of a status dict, in words; ``None`` if nothing."""
-    worker_id = worker["worker"]
-    if not worker.get("connected"):
+    """What is wrong with one worker of a status (a row, or its dict), in words;
+    ``None`` if nothing."""
+    if not isinstance(worker, WorkerStatus):
+        worker = WorkerStatus.from_dict(worker)
+    worker_id = worker.worker
+    if not worker.connected:
         return f"worker {worker_id} has not connected"
-    if worker.get("left"):
+    if worker.left:
         # Gone on purpose: a problem only where the fleet has a fixed size that counts it.
-        if not worker.get("expected"):
+        if not worker.expected:
             return None
-        ago = worker.get("since_left_s")
+        ago = worker.since_left_s
         when = "" if ago is None else f" {ago:.0f}s ago"
         return (
             f"worker {worker_id} left{when} (its receiver closed; sends to it fail until it "
             "is back)"
         )
-    held = int(worker.get("version", 0))
-    if worker.get("torn"):
-        doing = "being repaired" if worker.get("repairing") else "waiting for a repair"
+    held = worker.version
+    if worker.torn:
+        doing = "being repaired" if worker.repairing else "waiting for a repair"
         return (
             f"worker {worker_id} is torn (a version's stream broke while it was written in place; "
             f"forward passes wait): {doing}, last whole version {held}"
         )
     if held < version:
         problem = f"worker {worker_id} holds version {held} of {version} ({version - held} behind)"
-        refusals = worker.get("rejections") or []
-        if refusals:  # why it is behind, when it said so
-            problem += f"; it refused: {str(refusals[-1])[:MAX_REASON_CHARS]}"
+        if worker.rejections:  # why it is behind, when it said so
+            problem += f"; it refused: {worker.rejections[-1][:MAX_REASON_CHARS]}"
         return problem
-    seen = worker.get("since_last_seen_s")
+    seen = worker.since_last_seen_s
     if silent_after is not None and seen is not None and seen > silent_after:
         return f"worker {worker_id} has been silent for {seen:.0f}s (is it still running?)"
     return None
 
 
 def assess(
-    status: Mapping[str, Any], *, silent_after: float | None = DEFAULT_SILENT_AFTER
+    status: SenderStatus | Mapping[str, Any], *, silent_after: float | None = DEFAULT_SILENT_AFTER
 ) -> dict[int, str]:
     """``{worker: problem}`` for every worker that is behind, missing or silent.
 
+    ``status``: a :class:`~zmqsync.SenderStatus`, or its dict (``status()``, or what
+    :func:`query_status` returned; :class:`~zmqsync.FrameError` if it is malformed).
     Empty when every worker holds the sender's current version: that is what
     ``zmqsync status`` exits 0 on. ``silent_after=None`` ignores silence.
     """
-    version = int(status.get("version", 0))
+    if not isinstance(status, SenderStatus):
+        status = SenderStatus.from_dict(status)
     problems = {}
-    for worker in status.get("workers", []):
-        problem = worker_problem(worker, version, silent_after)
+    for worker in status.workers:
+        problem = worker_problem(worker, status.version, silent_after)
         if problem is not None:
-            problems[int(worker["worker"])] = problem
+            problems[worker.worker] = problem
     return problems

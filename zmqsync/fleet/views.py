@@ -4,9 +4,10 @@ rows of ``status()`` and the lines of error messages."""
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any, Final
+from typing import Final
 
 from zmqsync.fleet.records import Session
+from zmqsync.status_types import STATUS_ROWS, WorkerStatus
 from zmqsync.transport.base import PeerId
 
 __all__ = ["LIVE_HEARTBEATS", "STATUS_ROWS", "FleetViews"]
@@ -14,9 +15,6 @@ __all__ = ["LIVE_HEARTBEATS", "STATUS_ROWS", "FleetViews"]
 #: A worker heard from within this many heartbeats is live: a fleet that is whoever
 #: connected waits for it, and no other connection may claim its id.
 LIVE_HEARTBEATS: Final = 3
-#: Worker rows in a status reply; the rest are counted, so a reply stays far below the
-#: protocol's body limit at any fleet size.
-STATUS_ROWS: Final = 1_000
 
 
 class FleetViews:
@@ -67,60 +65,50 @@ class FleetViews:
 
     # --- status ----------------------------------------------------------------------
 
-    def status_rows(self, now: float) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    def status_rows(self, now: float) -> tuple[list[WorkerStatus], dict[str, int]]:
         """Worker rows for ``status()`` (the furthest behind first, at most
         :data:`STATUS_ROWS`) and counts over the whole fleet."""
         expected = set(range(self.num_workers)) if self.num_workers is not None else set()
-        rows: list[dict[str, Any]] = []
+        rows: list[WorkerStatus] = []
         for w in sorted(expected | self.workers.keys()):
             s = self.workers.get(w)
             if s is None:
-                rows.append(
-                    {
-                        "worker": w,
-                        "connected": False,
-                        "live": False,
-                        "left": False,
-                        "expected": True,
-                        "version": 0,
-                        "lag": self.version,
-                    }
-                )
+                rows.append(WorkerStatus(w, expected=True, lag=self.version))
                 continue
             version = s.version if s.epoch in (self.epoch, 0) else 0
             rows.append(
-                {
-                    "worker": w,
-                    "connected": True,
-                    "live": self.live(s, now),
-                    "left": s.left is not None,
-                    "since_left_s": None if s.left is None else now - s.left,
-                    "expected": w in expected,
-                    "transport": s.transport,
-                    "host": s.host,
-                    "pid": s.pid,
-                    "version": version,
-                    "lag": max(0, self.version - version),
-                    "since_last_ack_s": None if s.last_ack is None else now - s.last_ack,
-                    "since_last_seen_s": now - s.last_seen,
-                    "last_latency_s": s.last_latency,
-                    "received_bytes": s.received_bytes,
-                    "rejected_frames": s.rejected_frames,
-                    "rejections": list(s.rejections),
-                    "torn": s.torn,
-                    "repairing": s.torn and now - s.last_repair < self.repair_after,
-                    "below": {str(b): v for b, v in sorted(s.below.items())} or None,
-                }
+                WorkerStatus(
+                    worker=w,
+                    connected=True,
+                    live=self.live(s, now),
+                    left=s.left is not None,
+                    since_left_s=None if s.left is None else now - s.left,
+                    expected=w in expected,
+                    transport=s.transport,
+                    host=s.host,
+                    pid=s.pid,
+                    version=version,
+                    lag=max(0, self.version - version),
+                    since_last_ack_s=None if s.last_ack is None else now - s.last_ack,
+                    since_last_seen_s=now - s.last_seen,
+                    last_latency_s=s.last_latency,
+                    received_bytes=s.received_bytes,
+                    rejected_frames=s.rejected_frames,
+                    rejections=list(s.rejections),
+                    torn=s.torn,
+                    repairing=s.torn and now - s.last_repair < self.repair_after,
+                    below={str(b): v for b, v in sorted(s.below.items())} or None,
+                )
             )
         counts = {
             "workers_total": len(rows),
-            "workers_live": sum(1 for r in rows if r["live"]),
+            "workers_live": sum(1 for r in rows if r.live),
             "workers_shown": min(len(rows), STATUS_ROWS),
         }
         if len(rows) > STATUS_ROWS:
             # Keep the rows worth a look: furthest behind first, then by id.
-            rows = sorted(rows, key=lambda r: (-r["lag"], r["worker"]))[:STATUS_ROWS]
-            rows.sort(key=lambda r: r["worker"])
+            rows = sorted(rows, key=lambda r: (-r.lag, r.worker))[:STATUS_ROWS]
+            rows.sort(key=lambda r: r.worker)
         return rows, counts
 
     def acked_versions(self, lost: Mapping[int, frozenset[PeerId]]) -> dict[int, int]:

@@ -10,6 +10,7 @@ from typing import Any, Final
 
 from zmqsync.sender.pump import sum_counters
 from zmqsync.sender.state import SenderState
+from zmqsync.status_types import LatencyHistogram, SenderStatus, Totals
 from zmqsync.tensors.views import dtype_name
 from zmqsync.transport.base import (
     counters,
@@ -46,7 +47,13 @@ class Reporting(SenderState):
     """What a sender says of itself and its workers (a part of WeightSender)."""
 
     def status(self) -> dict[str, Any]:
-        """The sync state as a JSON-ready dict (what ``zmqsync status`` shows).
+        """The sync state as a JSON-ready dict (what ``zmqsync status`` shows): the
+        fields of :meth:`report`, as ``report().as_dict()``."""
+        return self.report().as_dict()
+
+    def report(self) -> SenderStatus:
+        """The sync state as a :class:`~zmqsync.SenderStatus`: version, uptime,
+        per-worker state, totals.
 
         At most :data:`~zmqsync.fleet.STATUS_ROWS` worker rows (the furthest behind
         first); ``workers_total`` counts them all.
@@ -61,44 +68,47 @@ class Reporting(SenderState):
             workers, counts = self.fleet.status_rows(now)
             fleet_counters = dict(self.fleet.counters)
             reasons = list(self.fleet.reasons)
-        return {
-            "model_id": self.model_id,
-            "version": self.version,
-            "epoch": self.epoch,
-            "mode": self.mode,
-            "endpoint": self.endpoint,
-            "strategy": self.strategy,
-            "num_workers": self.num_workers,
-            "metadata": self._metadata,
-            "wire_dtype": None if self.wire_dtype is None else dtype_name(self.wire_dtype),
-            "delta": self._last_delta if self.delta else None,
-            "share_params": (
+        totals = Totals(
+            **self._totals,
+            **fleet_counters,
+            latency_p50_s=pct(0.5),
+            latency_p90_s=pct(0.9),
+            latency_p99_s=pct(0.99),
+            latency_histogram=LatencyHistogram(
+                le=list(LATENCY_BUCKETS),
+                counts=list(self._latency_counts),
+                sum_s=self._latency_sum,
+            ),
+            rejections=reasons,
+            transport=sum_counters(counters(r.hub) for r in self._runners),
+        )
+        return SenderStatus(
+            model_id=self.model_id,
+            version=self.version,
+            epoch=self.epoch,
+            mode=self.mode,
+            endpoint=self.endpoint,
+            strategy=self.strategy,
+            num_workers=self.num_workers,
+            metadata=self._metadata,
+            wire_dtype=None if self.wire_dtype is None else dtype_name(self.wire_dtype),
+            delta=self._last_delta if self.delta else None,
+            share_params=(
                 None
                 if not self.share_params
                 else "unavailable: " + self._share_problem
                 if self._share_problem
                 else "on"
             ),
-            "uptime_s": now - self._started,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            **counts,
-            "workers": workers,
-            "totals": {
-                **self._totals,
-                **fleet_counters,
-                "latency_p50_s": pct(0.5),
-                "latency_p90_s": pct(0.9),
-                "latency_p99_s": pct(0.99),
-                "latency_histogram": {
-                    "le": list(LATENCY_BUCKETS),
-                    "counts": list(self._latency_counts),
-                    "sum_s": self._latency_sum,
-                },
-                "rejections": reasons,
-                **sum_counters(counters(r.hub) for r in self._runners),
-            },
-        }
+            uptime_s=now - self._started,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            workers_total=counts["workers_total"],
+            workers_live=counts["workers_live"],
+            workers_shown=counts["workers_shown"],
+            workers=workers,
+            totals=totals,
+        )
 
     def connected_workers(self) -> frozenset[int]:
         """Ids of the workers that said hello and have not left (never cut short, unlike
