@@ -8,9 +8,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+import zmqsync.sender.pump as pump
 from zmqsync.errors import SyncTimeout, TransportError, WeightsRejected
 from zmqsync.fleet import Send
-from zmqsync.sender import pump
 from zmqsync.sender.copies import Pending
 from zmqsync.sender.pump import WINDOW_WAIT
 from zmqsync.sender.reporting import LATENCY_BUCKETS
