@@ -1,7 +1,9 @@
 """The messages of the zmqsync wire protocol, as frozen dataclasses.
 
 No I/O, no torch: these are plain values. :mod:`zmqsync.protocol.codec` turns them into
-lists of buffers and back.
+lists of buffers and back. Most messages lead with the header's fields (model_id,
+version, epoch); the few that predate that order keep theirs (callers pass fields by
+position).
 """
 
 from __future__ import annotations
@@ -88,7 +90,17 @@ class WeightsSchema:
 
 
 @dataclass(frozen=True, slots=True)
-class Weights:
+class _Header:
+    """The fields the header carries: whose model, and the version and epoch that the
+    message is about (or that its sender holds)."""
+
+    model_id: str
+    version: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Weights(_Header):
     """A whole version: header fields, schema and raw buffers.
 
     Not a wire message: a version travels as :class:`Chunk` messages, and a receiver
@@ -96,15 +108,12 @@ class Weights:
     their bytes in ``buffers`` by index and offset; ``buffers`` are never copied.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     schema: WeightsSchema
     buffers: tuple[Buffer, ...] = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
-class Chunk:
+class Chunk(_Header):
     """Bytes ``[offset, offset + len(payload))`` of one version's byte stream.
 
     A version is the concatenation of its tensors' bytes as its schema lays them out
@@ -121,9 +130,6 @@ class Chunk:
     nobody else. ``None``: the whole stream.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     index: int
     count: int
     offset: int
@@ -150,7 +156,7 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
-class Ack:
+class Ack(_Header):
     """A worker's report on a version: ``applied`` (it now holds ``version``) or not.
 
     ``version``/``epoch`` are what the worker holds after handling the message; a
@@ -158,9 +164,6 @@ class Ack:
     secret of the worker's Welcome: an ack without its worker's secret counts for nothing.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     worker: int
     applied: bool
     reason: str = ""
@@ -175,7 +178,7 @@ class Ack:
 
 
 @dataclass(frozen=True, slots=True)
-class Hello:
+class Hello(_Header):
     """A worker introduces itself; ``version``/``epoch`` are what it already holds.
 
     ``attempt`` names one attempt to connect: a worker repeats its Hello until welcomed,
@@ -183,9 +186,6 @@ class Hello:
     be taken for a worker starting over.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     worker: int
     pid: int = 0
     host: str = ""
@@ -195,7 +195,7 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
-class Welcome:
+class Welcome(_Header):
     """The sender's answer to :class:`Hello`: where to listen and where to ack.
 
     ``session`` is a secret for this worker alone (the Welcome travels to it over its
@@ -204,9 +204,6 @@ class Welcome:
     attempt is not mistaken for the current one.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     mode: str
     strategy: str
     data_endpoint: str = ""
@@ -220,12 +217,9 @@ class Welcome:
 
 
 @dataclass(frozen=True, slots=True)
-class SnapshotRequest:
+class SnapshotRequest(_Header):
     """A worker asks for the latest version; it holds ``version`` of ``epoch``."""
 
-    model_id: str
-    version: int
-    epoch: int
     worker: int
     session: str = ""
     #: The worker's model is torn (an in-place stream broke): it holds no whole version.
@@ -242,44 +236,41 @@ class SnapshotRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class UpToDate:
+class UpToDate(_Header):
     """The sender's answer to a snapshot request when it sends nothing now.
 
     ``in_flight``: the latest version is already on its way to this worker (sent less
     than the repair interval ago): keep waiting for it rather than count as caught up.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     in_flight: bool = False
 
     kind = Kind.UP_TO_DATE
 
 
 @dataclass(frozen=True, slots=True)
-class ProbeRequest:
-    """A worker asks the sender to echo ``nonce`` down the data path (fan-out handshake)."""
+class _Probing:
+    """The fields of a probe and of its request: the worker, and the nonce it chose."""
 
     model_id: str
     worker: int
     nonce: str
     version: int = 0
     epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRequest(_Probing):
+    """A worker asks the sender to echo ``nonce`` down the data path (fan-out handshake)."""
+
     session: str = ""
 
     kind = Kind.PROBE_REQUEST
 
 
 @dataclass(frozen=True, slots=True)
-class Probe:
+class Probe(_Probing):
     """Sent down the data path: proves to ``worker`` that its subscription is live."""
-
-    model_id: str
-    worker: int
-    nonce: str
-    version: int = 0
-    epoch: int = 0
 
     kind = Kind.PROBE
 
@@ -296,12 +287,9 @@ class StatusRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class StatusReply:
+class StatusReply(_Header):
     """A sender's sync state: a JSON object (see :meth:`WeightSender.status`)."""
 
-    model_id: str
-    version: int
-    epoch: int
     status: dict[str, Any] = field(default_factory=dict)
 
     kind = Kind.STATUS_REPLY
@@ -312,7 +300,10 @@ class ErrorMessage:
     """The sender's answer to a request it could not serve (malformed, wrong model)."""
 
     model_id: str
+    #: What went wrong, for the worker to act on: ``"wrong-model"``, ``"malformed"``,
+    #: ``"unknown-session"`` and ``"duplicate-worker"`` (say hello again), ...
     code: str
+    #: Why, for a person to read.
     message: str
     version: int = 0
     epoch: int = 0
@@ -321,7 +312,7 @@ class ErrorMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class Goodbye:
+class Goodbye(_Header):
     """A worker leaves (its receiver closed): it will not ack again until it says hello.
 
     ``version``/``epoch``: what it held when it left; ``session``: its Welcome's secret.
@@ -330,9 +321,6 @@ class Goodbye:
     simply no longer counts it.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     worker: int
     session: str = ""
 
