@@ -36,12 +36,12 @@ from zmqsync.protocol import (
     WeightsSchema,
     Welcome,
     checksum,
-    codec,
     decode,
     encode,
     encode_schema,
     layout_digest,
     peek_kind,
+    schemas,
 )
 
 u64 = st.integers(min_value=0, max_value=(1 << 64) - 1)
@@ -403,8 +403,8 @@ def test_empty_tensors_share_no_bytes() -> None:
 def test_a_schema_is_cached_only_once_a_whole_message_passed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    cache = codec._SchemaCache()
-    monkeypatch.setattr(codec, "_schema_cache", cache)
+    cache = schemas._SchemaCache()
+    monkeypatch.setattr(schemas, "_schema_cache", cache)
     entry = TensorEntry(("w",), "float32", (4,), 0, 0, 16)
     good = _frames([entry], [bytes(16)])
     short = [good[0], _set_body(good[1], total=12), bytes(12)]
@@ -422,8 +422,8 @@ def test_a_schema_is_cached_only_once_a_whole_message_passed(
 
 def test_the_schema_cache_holds_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream of large schemas, each valid, cannot pin more than the budget."""
-    cache = codec._SchemaCache(max_bytes=4096)
-    monkeypatch.setattr(codec, "_schema_cache", cache)
+    cache = schemas._SchemaCache(max_bytes=4096)
+    monkeypatch.setattr(schemas, "_schema_cache", cache)
     bodies = []
     for i in range(40):
         # ~1 KiB of schema each: 40 of them are ten times the budget
@@ -439,7 +439,7 @@ def test_the_schema_cache_holds_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -
     decode(huge)
     assert huge[1][CHUNK_BODY.size :] not in cache  # larger than the whole budget: never kept
     assert bodies[-1] in cache
-    assert codec._SchemaCache().max_bytes == codec.SCHEMA_CACHE_BYTES
+    assert schemas._SchemaCache().max_bytes == schemas.SCHEMA_CACHE_BYTES
 
 
 _MUTATIONS = ("offset", "nbytes", "shape", "buffer", "alias", "resize")

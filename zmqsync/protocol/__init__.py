@@ -1,112 +1,25 @@
 """The zmqsync wire protocol, sans-IO: messages as values, a codec to and from buffers.
 
 Nothing here touches sockets, threads or torch (like h11), so it can be fuzzed alone.
+Its modules, each built on those before it: ``limits`` (what a message may announce),
+``messages`` (the values), ``wire`` (the binary layouts), ``schemas`` (a version's schema
+JSON), ``chunks`` (a chunk's frames), ``codec`` (any message's frames); ``stream``
+follows one version's chunks at a receiver. Their public names are this package's.
 """
 
-from zmqsync.protocol.codec import (
-    ACK_BODY,
-    CHUNK_BODY,
-    HEADER,
-    checksum,
-    decode,
-    digest,
-    encode,
-    encode_metadata,
-    encode_schema,
-    layout_digest,
-    peek_kind,
-)
-from zmqsync.protocol.messages import (
-    AUTO_WORKER,
-    DTYPE_ITEMSIZE,
-    MAGIC,
-    MAX_BELOW,
-    MAX_BODY_BYTES,
-    MAX_BUFFERS,
-    MAX_CHUNK_BYTES,
-    MAX_CHUNKS,
-    MAX_METADATA_BYTES,
-    MAX_MODEL_ID_BYTES,
-    MAX_NDIM,
-    MAX_SCHEMA_BYTES,
-    MAX_TARGETS,
-    MAX_TENSOR_BYTES,
-    MAX_TENSORS,
-    MAX_TEXT_CHARS,
-    MAX_VERSION_BYTES,
-    PROTOCOL_VERSION,
-    SESSION_CHARS,
-    WIRE_DTYPES,
-    Ack,
-    Buffer,
-    Chunk,
-    ErrorMessage,
-    Goodbye,
-    Hello,
-    Kind,
-    Message,
-    Probe,
-    ProbeRequest,
-    SnapshotRequest,
-    StatusReply,
-    StatusRequest,
-    TensorEntry,
-    UpToDate,
-    Weights,
-    WeightsSchema,
-    Welcome,
-)
+from zmqsync.protocol import chunks, codec, limits, messages, schemas, wire
+from zmqsync.protocol.chunks import *  # noqa: F403
+from zmqsync.protocol.codec import *  # noqa: F403
+from zmqsync.protocol.limits import *  # noqa: F403
+from zmqsync.protocol.messages import *  # noqa: F403
+from zmqsync.protocol.schemas import *  # noqa: F403
+from zmqsync.protocol.wire import *  # noqa: F403
 from zmqsync.vocabulary import STRATEGIES
 
-__all__ = [
-    "ACK_BODY",
-    "AUTO_WORKER",
-    "CHUNK_BODY",
-    "DTYPE_ITEMSIZE",
-    "HEADER",
-    "MAGIC",
-    "MAX_BELOW",
-    "MAX_BODY_BYTES",
-    "MAX_BUFFERS",
-    "MAX_CHUNKS",
-    "MAX_CHUNK_BYTES",
-    "MAX_METADATA_BYTES",
-    "MAX_MODEL_ID_BYTES",
-    "MAX_NDIM",
-    "MAX_SCHEMA_BYTES",
-    "MAX_TARGETS",
-    "MAX_TENSORS",
-    "MAX_TENSOR_BYTES",
-    "MAX_TEXT_CHARS",
-    "MAX_VERSION_BYTES",
-    "PROTOCOL_VERSION",
-    "SESSION_CHARS",
-    "STRATEGIES",
-    "WIRE_DTYPES",
-    "Ack",
-    "Buffer",
-    "Chunk",
-    "ErrorMessage",
-    "Goodbye",
-    "Hello",
-    "Kind",
-    "Message",
-    "Probe",
-    "ProbeRequest",
-    "SnapshotRequest",
-    "StatusReply",
-    "StatusRequest",
-    "TensorEntry",
-    "UpToDate",
-    "Weights",
-    "WeightsSchema",
-    "Welcome",
-    "checksum",
-    "decode",
-    "digest",
-    "encode",
-    "encode_metadata",
-    "encode_schema",
-    "layout_digest",
-    "peek_kind",
-]
+__all__ = ["STRATEGIES"]
+__all__ += limits.__all__
+__all__ += messages.__all__
+__all__ += wire.__all__
+__all__ += schemas.__all__
+__all__ += chunks.__all__
+__all__ += codec.__all__

@@ -1,7 +1,9 @@
 """The messages of the zmqsync wire protocol, as frozen dataclasses.
 
 No I/O, no torch: these are plain values. :mod:`zmqsync.protocol.codec` turns them into
-lists of buffers and back.
+lists of buffers and back. Most messages lead with the header's fields (model_id,
+version, epoch); the few that predate that order keep theirs (callers pass fields by
+position).
 """
 
 from __future__ import annotations
@@ -10,82 +12,29 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
+__all__ = [
+    "AUTO_WORKER",
+    "Ack",
+    "Buffer",
+    "Chunk",
+    "ErrorMessage",
+    "Goodbye",
+    "Hello",
+    "Kind",
+    "Message",
+    "Probe",
+    "ProbeRequest",
+    "SnapshotRequest",
+    "StatusReply",
+    "StatusRequest",
+    "TensorEntry",
+    "UpToDate",
+    "Weights",
+    "WeightsSchema",
+    "Welcome",
+]
+
 Buffer: TypeAlias = bytes | bytearray | memoryview
-
-#: First bytes of every header. A frame that does not start with them is not ours.
-MAGIC: Final = b"ZSY1"
-#: Bumped on any incompatible change of the header or a body (2: session secrets;
-#: 3: a version travels as a stream of chunks).
-PROTOCOL_VERSION: Final = 3
-
-# --- limits: each is checked before anything is allocated for it ----------------------
-#: model_ids are short names ("policy"); a longer one is garbage, not a name.
-MAX_MODEL_ID_BYTES: Final = 256
-#: Workers a relay names in each heartbeat (``SnapshotRequest.below``); the rest are
-#: counted by the relay's own status.
-MAX_BELOW: Final = 1_000
-#: Worker ids a version's first chunk may name as its targets (through relays).
-MAX_TARGETS: Final = 16_384
-#: One tensor per entry; 100k covers the largest state_dicts seen in practice (LLMs have
-#: a few thousand) while keeping a hostile schema from describing billions of entries.
-MAX_TENSORS: Final = 100_000
-#: A schema entry is ~60 bytes of JSON, so 100k tensors fit in well under 16 MiB.
-MAX_SCHEMA_BYTES: Final = 16 * 1024 * 1024
-#: Tensor buffers per message: at most one per tensor, plus the packed small-tensor buffer.
-MAX_BUFFERS: Final = MAX_TENSORS + 1
-#: Control bodies (acks, requests, status) are small JSON; status of a 10k-worker fleet
-#: is the largest and stays far below this.
-MAX_BODY_BYTES: Final = 8 * 1024 * 1024
-#: Chunks per version: a version of 1 TiB in chunks of 64 KiB. Bounds the index a
-#: receiver tracks, not memory (a receiver holds a chunk or two at a time).
-MAX_CHUNKS: Final = 1 << 24
-#: One chunk's payload: what a receiver must be ready to hold at once.
-MAX_CHUNK_BYTES: Final = 1 << 30
-#: One version's bytes, all chunks together.
-MAX_VERSION_BYTES: Final = 1 << 44
-#: torch supports at most 64 dimensions; real weights have fewer than 8.
-MAX_NDIM: Final = 64
-#: One tensor's bytes; guards the shape product from overflowing into nonsense.
-MAX_TENSOR_BYTES: Final = 1 << 40
-#: Free-text fields (reasons, hosts, endpoints) in control bodies.
-MAX_TEXT_CHARS: Final = 4096
-#: A version's metadata (``send(..., metadata=)``), as compact JSON: a tag such as the
-#: optimizer step, not a side channel for data.
-MAX_METADATA_BYTES: Final = 64 * 1024
-
-#: Element size of every dtype name the protocol accepts. The protocol does not import
-#: torch; zmqsync.tensors maps these names to torch dtypes (and checks the table agrees).
-DTYPE_ITEMSIZE: Final[dict[str, int]] = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "uint16": 2,
-    "int16": 2,
-    "uint32": 4,
-    "int32": 4,
-    "uint64": 8,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "complex32": 4,
-    "complex64": 8,
-    "complex128": 16,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-}
-
-#: Floating dtypes a version may be cast to for the wire (``wire_dtype``), and those it
-#: may be cast from (every floating one).
-WIRE_DTYPES: Final = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
-FLOAT_DTYPES: Final = frozenset(n for n in DTYPE_ITEMSIZE if n.startswith(("float", "bfloat")))
-
-#: A session secret travels as this many hex characters (128 random bits).
-SESSION_CHARS: Final = 32
 
 #: A Hello from a worker that has no id yet: the sender assigns one in its Welcome.
 AUTO_WORKER: Final = (1 << 64) - 1
@@ -141,7 +90,17 @@ class WeightsSchema:
 
 
 @dataclass(frozen=True, slots=True)
-class Weights:
+class _Header:
+    """The fields the header carries: whose model, and the version and epoch that the
+    message is about (or that its sender holds)."""
+
+    model_id: str
+    version: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Weights(_Header):
     """A whole version: header fields, schema and raw buffers.
 
     Not a wire message: a version travels as :class:`Chunk` messages, and a receiver
@@ -149,15 +108,12 @@ class Weights:
     their bytes in ``buffers`` by index and offset; ``buffers`` are never copied.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     schema: WeightsSchema
     buffers: tuple[Buffer, ...] = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
-class Chunk:
+class Chunk(_Header):
     """Bytes ``[offset, offset + len(payload))`` of one version's byte stream.
 
     A version is the concatenation of its tensors' bytes as its schema lays them out
@@ -174,9 +130,6 @@ class Chunk:
     nobody else. ``None``: the whole stream.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     index: int
     count: int
     offset: int
@@ -203,7 +156,7 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
-class Ack:
+class Ack(_Header):
     """A worker's report on a version: ``applied`` (it now holds ``version``) or not.
 
     ``version``/``epoch`` are what the worker holds after handling the message; a
@@ -211,9 +164,6 @@ class Ack:
     secret of the worker's Welcome: an ack without its worker's secret counts for nothing.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     worker: int
     applied: bool
     reason: str = ""
@@ -228,7 +178,7 @@ class Ack:
 
 
 @dataclass(frozen=True, slots=True)
-class Hello:
+class Hello(_Header):
     """A worker introduces itself; ``version``/``epoch`` are what it already holds.
 
     ``attempt`` names one attempt to connect: a worker repeats its Hello until welcomed,
@@ -236,9 +186,6 @@ class Hello:
     be taken for a worker starting over.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     worker: int
     pid: int = 0
     host: str = ""
@@ -248,7 +195,7 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
-class Welcome:
+class Welcome(_Header):
     """The sender's answer to :class:`Hello`: where to listen and where to ack.
 
     ``session`` is a secret for this worker alone (the Welcome travels to it over its
@@ -257,9 +204,6 @@ class Welcome:
     attempt is not mistaken for the current one.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     mode: str
     strategy: str
     data_endpoint: str = ""
@@ -273,12 +217,9 @@ class Welcome:
 
 
 @dataclass(frozen=True, slots=True)
-class SnapshotRequest:
+class SnapshotRequest(_Header):
     """A worker asks for the latest version; it holds ``version`` of ``epoch``."""
 
-    model_id: str
-    version: int
-    epoch: int
     worker: int
     session: str = ""
     #: The worker's model is torn (an in-place stream broke): it holds no whole version.
@@ -287,51 +228,49 @@ class SnapshotRequest:
     #: version than the delta's base, or not the bytes to patch): it needs the whole one.
     whole: bool = False
     #: From a relay: the workers behind it, ``{"<worker id>": version held}`` (at most
-    #: :data:`MAX_BELOW`), so that its sender can say who a late ack waits for.
+    #: :data:`~zmqsync.protocol.limits.MAX_BELOW`), so that its sender can say who a
+    #: late ack waits for.
     below: dict[str, Any] = field(default_factory=dict)
 
     kind = Kind.SNAPSHOT_REQUEST
 
 
 @dataclass(frozen=True, slots=True)
-class UpToDate:
+class UpToDate(_Header):
     """The sender's answer to a snapshot request when it sends nothing now.
 
     ``in_flight``: the latest version is already on its way to this worker (sent less
     than the repair interval ago): keep waiting for it rather than count as caught up.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     in_flight: bool = False
 
     kind = Kind.UP_TO_DATE
 
 
 @dataclass(frozen=True, slots=True)
-class ProbeRequest:
-    """A worker asks the sender to echo ``nonce`` down the data path (fan-out handshake)."""
+class _Probing:
+    """The fields of a probe and of its request: the worker, and the nonce it chose."""
 
     model_id: str
     worker: int
     nonce: str
     version: int = 0
     epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRequest(_Probing):
+    """A worker asks the sender to echo ``nonce`` down the data path (fan-out handshake)."""
+
     session: str = ""
 
     kind = Kind.PROBE_REQUEST
 
 
 @dataclass(frozen=True, slots=True)
-class Probe:
+class Probe(_Probing):
     """Sent down the data path: proves to ``worker`` that its subscription is live."""
-
-    model_id: str
-    worker: int
-    nonce: str
-    version: int = 0
-    epoch: int = 0
 
     kind = Kind.PROBE
 
@@ -348,12 +287,9 @@ class StatusRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class StatusReply:
+class StatusReply(_Header):
     """A sender's sync state: a JSON object (see :meth:`WeightSender.status`)."""
 
-    model_id: str
-    version: int
-    epoch: int
     status: dict[str, Any] = field(default_factory=dict)
 
     kind = Kind.STATUS_REPLY
@@ -364,7 +300,10 @@ class ErrorMessage:
     """The sender's answer to a request it could not serve (malformed, wrong model)."""
 
     model_id: str
+    #: What went wrong, for the worker to act on: ``"wrong-model"``, ``"malformed"``,
+    #: ``"unknown-session"`` and ``"duplicate-worker"`` (say hello again), ...
     code: str
+    #: Why, for a person to read.
     message: str
     version: int = 0
     epoch: int = 0
@@ -373,7 +312,7 @@ class ErrorMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class Goodbye:
+class Goodbye(_Header):
     """A worker leaves (its receiver closed): it will not ack again until it says hello.
 
     ``version``/``epoch``: what it held when it left; ``session``: its Welcome's secret.
@@ -382,9 +321,6 @@ class Goodbye:
     simply no longer counts it.
     """
 
-    model_id: str
-    version: int
-    epoch: int
     worker: int
     session: str = ""
 

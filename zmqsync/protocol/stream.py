@@ -2,14 +2,9 @@
 
 A receiver feeds every decoded :class:`~zmqsync.protocol.messages.Chunk` to a
 :class:`ChunkStream` and gets back what to do with it: start a version, apply a piece,
-finish, or give up on the version in progress because its stream broke. The stream
-never looks at tensors or locks; it only checks that chunks follow each other: the same
-epoch, version, layout, count, total and base, each index once and in order, each
-starting where the previous one ended (or, in a delta, anywhere after it), none later
-than ``gap`` seconds after the previous one.
-
-Which versions are worth receiving (newer than the one held, of an epoch not left) is
-the caller's call: :meth:`ChunkStream.feed` takes it as ``wanted``.
+or give up on the version in progress because its stream broke. Which versions are worth
+receiving (newer than the one held, of an epoch not left) is the caller's call:
+:meth:`ChunkStream.feed` takes it as ``wanted``.
 """
 
 from __future__ import annotations
@@ -75,7 +70,13 @@ class _Progress:
 
 
 class ChunkStream:
-    """The version a receiver is gathering, if any, and whether its chunks follow on."""
+    """The version a receiver is gathering, if any, and whether its chunks follow on.
+
+    It never looks at tensors or locks; it only checks that chunks follow each other: the
+    same epoch, version, layout, count, total and base, each index once and in order,
+    each starting where the previous one ended (or, in a delta, anywhere after it), none
+    later than ``gap`` seconds after the previous one.
+    """
 
     def __init__(self, gap: float = DEFAULT_GAP) -> None:
         self.gap = gap
