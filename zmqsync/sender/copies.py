@@ -16,17 +16,10 @@ import numpy as np
 
 from zmqsync.chunking.layout import Sources, StreamLayout
 from zmqsync.fleet import Send
-from zmqsync.protocol import (
-    Buffer,
-    Chunk,
-    checksum,
-    encode,
-)
+from zmqsync.protocol import Buffer, Chunk, checksum, encode
 from zmqsync.tensors.device_reader import DeviceReader
 from zmqsync.tensors.flatten import Flat
-from zmqsync.transport.base import (
-    PeerId,
-)
+from zmqsync.transport.base import PeerId
 
 if TYPE_CHECKING:
     from zmqsync.sender.state import SenderState

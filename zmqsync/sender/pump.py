@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import select
 import threading
 import time
@@ -17,13 +16,8 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from zmqsync.sender.copies import Copy, Forwarded, Transfer
-from zmqsync.transport.base import (
-    HubTransport,
-    Lends,
-    PeerId,
-    Stream,
-    Waitable,
-)
+from zmqsync.transport.base import HubTransport, Lends, PeerId, Stream, Waitable
+from zmqsync.transport.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from zmqsync.sender.core import WeightSender
@@ -89,7 +83,7 @@ class HubRunner:
         self._stopping = False
         self._waiting = False  # the pump waits on the hub's descriptors, not in recv_frames
         self._acks = True  # whether the pump wakes for acks (not when send() reads them)
-        self._poke_r = self._poke_w = -1
+        self._pokes: Wakeup | None = None  # wakes a waiting pump (see _run_waiting)
         self.turns = 0  # how often the pump took the baton (tests: sends do not wake it)
         #: Effects of the fleet core meant for this hub, decided on another hub's thread.
         self.later: deque[Any] = deque()
@@ -109,9 +103,7 @@ class HubRunner:
         # One hub: the sending thread reads the acks (see WeightSender._await_acks).
         self._acks = len(self.sender._runners) > 1
         if self._waitable is not None:
-            self._poke_r, self._poke_w = os.pipe()
-            os.set_blocking(self._poke_r, False)
-            os.set_blocking(self._poke_w, False)
+            self._pokes = Wakeup()
             self._waiting = True
         self._thread.start()
 
@@ -222,8 +214,8 @@ class HubRunner:
 
     def _poke(self) -> None:
         """Make the pump look at the hub now (thread-safe, never blocks)."""
-        with contextlib.suppress(OSError):  # a full pipe already says it; closed: stopping
-            os.write(self._poke_w, b"\0")
+        assert self._pokes is not None
+        self._pokes.wake()
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -283,10 +275,10 @@ class HubRunner:
 
     def _run_waiting(self) -> None:
         """The pump of a hub with descriptors: wait holding nothing, then read it all."""
-        waitable = self._waitable
-        assert waitable is not None
+        waitable, pokes = self._waitable, self._pokes
+        assert waitable is not None and pokes is not None
         poller = select.poll()
-        poller.register(self._poke_r, select.POLLIN)
+        poller.register(pokes.fileno(), select.POLLIN)
         watched: list[int] = []
         look = True  # read first: something may have come before the pump started
         while not self._stopping:
@@ -296,9 +288,7 @@ class HubRunner:
             if not look:
                 # A tick reads everything, acks included; a stream goes on within a ms.
                 poller.poll(1 if self.transfers else PUMP_TICK * 1000)
-                with contextlib.suppress(OSError):
-                    while os.read(self._poke_r, 4096):
-                        pass
+                pokes.drain()
             with self._baton:
                 if self._stopping:
                     break
@@ -331,8 +321,5 @@ class HubRunner:
         else:
             self.hub.wake()
         self._thread.join(timeout=5)
-        if self._waiting:
-            for fd in (self._poke_r, self._poke_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._poke_r = self._poke_w = -1
+        if self._pokes is not None:
+            self._pokes.close()

@@ -41,7 +41,7 @@ import enum
 import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, TypeAlias, cast, runtime_checkable
 
 from zmqsync.protocol import Buffer
 
@@ -56,6 +56,7 @@ __all__ = [
     "Lends",
     "Peekable",
     "PeerId",
+    "Recipients",
     "SpokeTransport",
     "Stream",
     "TracksPeers",
@@ -69,6 +70,8 @@ __all__ = [
 
 #: Opaque id of a spoke as its hub sees it (a ZeroMQ routing id, a pipe index, ...).
 PeerId = bytes
+#: Whom a hub sends a message to: exactly these peers, or every spoke (``None``).
+Recipients: TypeAlias = Collection[PeerId] | None
 
 
 class Stream(enum.Enum):
@@ -125,11 +128,7 @@ class HubTransport(_Closable):
 
     @abc.abstractmethod
     def send_frames(
-        self,
-        frames: Sequence[Buffer],
-        *,
-        to: Collection[PeerId] | None = None,
-        stream: Stream | None = None,
+        self, frames: Sequence[Buffer], *, to: Recipients = None, stream: Stream | None = None
     ) -> None:
         """Send one message to every spoke (``to=None``) or exactly the given peers."""
 

@@ -10,12 +10,20 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
-from zmqsync.errors import EndpointError, TransportClosed
+from zmqsync.errors import EndpointError
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, SpokeTransport, Stream
+from zmqsync.transport.base import (
+    HubTransport,
+    Incoming,
+    PeerId,
+    Recipients,
+    SpokeTransport,
+    Stream,
+)
+from zmqsync.transport.ends import OpenEnd
 
 __all__ = ["MemoryHub", "MemorySpoke"]
 
@@ -36,7 +44,7 @@ def _get(q: queue.Queue[object], timeout: float | None) -> object | None:
         return None
 
 
-class MemoryHub(HubTransport):
+class MemoryHub(OpenEnd, HubTransport):
     """The hub end of an in-memory fleet."""
 
     name = "memory"
@@ -57,14 +65,6 @@ class MemoryHub(HubTransport):
         self._lock = threading.Lock()
         self._closed = False
 
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     @classmethod
     def lookup(cls, endpoint: str) -> MemoryHub | None:
         with cls._registry_lock:
@@ -83,14 +83,9 @@ class MemoryHub(HubTransport):
             self._inbox.put(Incoming(frames, peer))
 
     def send_frames(
-        self,
-        frames: Sequence[Buffer],
-        *,
-        to: Collection[PeerId] | None = None,
-        stream: Stream | None = None,
+        self, frames: Sequence[Buffer], *, to: Recipients = None, stream: Stream | None = None
     ) -> None:
-        if self._closed:
-            raise TransportClosed(f"{self._endpoint} is closed")
+        self._check_open()
         with self._lock:
             spokes = (
                 list(self._spokes.values())
@@ -101,8 +96,7 @@ class MemoryHub(HubTransport):
             spoke._inbox.put(_copy(frames))
 
     def recv_frames(self, timeout: float | None) -> Incoming | None:
-        if self._closed:
-            raise TransportClosed(f"{self._endpoint} is closed")
+        self._check_open()
         item = _get(self._inbox, timeout)
         return item if isinstance(item, Incoming) else None
 
@@ -118,7 +112,7 @@ class MemoryHub(HubTransport):
         self._inbox.put(_WAKE)
 
 
-class MemorySpoke(SpokeTransport):
+class MemorySpoke(OpenEnd, SpokeTransport):
     """A worker's end of an in-memory fleet."""
 
     name = "memory"
@@ -140,24 +134,14 @@ class MemorySpoke(SpokeTransport):
             self._hub = hub
         return self._hub
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
     def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
-        if self._closed:
-            raise TransportClosed(f"spoke of {self._endpoint} is closed")
+        self._check_open()
         hub = self._connect()
         if hub is not None:
             hub._deliver(_copy(frames), self.peer_id)
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
-        if self._closed:
-            raise TransportClosed(f"spoke of {self._endpoint} is closed")
+        self._check_open()
         self._connect()
         item = _get(self._inbox, timeout)
         return item if isinstance(item, list) else None

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any, Final, cast
 
 import zmq
@@ -19,7 +19,7 @@ from zmqsync.endpoints import (
     is_loopback,
     parse_endpoint,
 )
-from zmqsync.errors import EndpointError, TransportClosed
+from zmqsync.errors import EndpointError
 from zmqsync.protocol import Buffer
 from zmqsync.security import CurveServer
 from zmqsync.transport._zmq.lending import Lender
@@ -34,7 +34,8 @@ from zmqsync.transport._zmq.sockets import (
     send_parts,
     translated,
 )
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, Stream
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, Recipients, Stream
+from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 from zmqsync.transport.shm.records import ADDRESSED, FAN_OUT, is_record
 
@@ -51,7 +52,7 @@ _HANDSHAKE_FAILED: Final = (
 )
 
 
-class ZMQHub(HubTransport):
+class ZMQHub(OpenEnd, HubTransport):
     """Base of the ZeroMQ hubs: ROUTER for requests and addressed sends, PULL for acks.
 
     Subclasses choose how ``send_frames(to=None)`` fans out. Besides the contract it
@@ -176,18 +177,6 @@ class ZMQHub(HubTransport):
 
     # --- HubTransport ----------------------------------------------------------------
 
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"hub at {self._endpoint} is closed")
-
     def announce(self) -> dict[str, Any]:
         return {"ack_endpoint": self._ack_endpoint}
 
@@ -219,11 +208,7 @@ class ZMQHub(HubTransport):
         return [self._router]
 
     def send_frames(
-        self,
-        frames: Sequence[Buffer],
-        *,
-        to: Collection[PeerId] | None = None,
-        stream: Stream | None = None,
+        self, frames: Sequence[Buffer], *, to: Recipients = None, stream: Stream | None = None
     ) -> None:
         # ZeroMQ queues per peer, bounded by its high-water mark: nothing to supersede.
         self._check_open()
@@ -236,7 +221,7 @@ class ZMQHub(HubTransport):
                 for peer in to:
                     self._send_to(peer, frames)
 
-    def _send_lent(self, frames: Sequence[Buffer], to: Collection[PeerId] | None) -> bool:
+    def _send_lent(self, frames: Sequence[Buffer], to: Recipients) -> bool:
         """Send large frames as a lease (places in lent blocks) to the peers that read
         them, and inline to the others. False: nothing went (no such peer, nothing large, or every
         block busy): send as usual."""

@@ -13,7 +13,6 @@ import numpy as np
 import zmq
 
 from zmqsync.endpoints import connect_address, parse_endpoint
-from zmqsync.errors import TransportClosed
 from zmqsync.protocol import Buffer
 from zmqsync.security import CurveClient
 from zmqsync.transport._zmq.borrowing import Borrower
@@ -29,6 +28,7 @@ from zmqsync.transport._zmq.sockets import (
     translated,
 )
 from zmqsync.transport.base import PeerId, SpokeTransport
+from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.records import is_record
 
 __all__ = ["ZMQSpoke"]
@@ -41,7 +41,7 @@ DEFAULT_MAX_MESSAGE: Final = 16 * 1024**3
 CLOSE_LINGER_MS: Final = 100
 
 
-class ZMQSpoke(SpokeTransport):
+class ZMQSpoke(OpenEnd, SpokeTransport):
     """A worker's ZeroMQ end: DEALER to the hub's ROUTER, PUSH for acks, SUB for fan-out.
 
     Besides the contract it is :class:`~zmqsync.transport.base.Peekable`, ``Borrows``,
@@ -79,14 +79,6 @@ class ZMQSpoke(SpokeTransport):
             self._dealer.maxmsgsize = max_message_bytes
             self._dealer.sndtimeo = 0
             self._dealer.connect(endpoint)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
 
     @property
     def borrowing(self) -> bool:
@@ -133,8 +125,7 @@ class ZMQSpoke(SpokeTransport):
                 self._data_address = data
 
     def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
-        if self._closed:
-            raise TransportClosed(f"spoke of {self._endpoint} is closed")
+        self._check_open()
         # DESIGN: acks travel PUSH -> PULL; everything else is a request to the ROUTER.
         sock = self._push if ack else None
         with translated(f"sending to {self._endpoint}"):
@@ -150,8 +141,7 @@ class ZMQSpoke(SpokeTransport):
                 send_parts(sock or self._dealer, frames)
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
-        if self._closed:
-            raise TransportClosed(f"spoke of {self._endpoint} is closed")
+        self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         with translated(f"receiving from {self._endpoint}"):
             while True:

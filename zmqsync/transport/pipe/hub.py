@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Final
 
 import numpy as np
 
-from zmqsync.errors import TransportClosed, TransportError
+from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, Stream
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, Recipients, Stream
+from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import ASSIGN, HEADER, read, socket_of
 from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE, BlockPool, Ref
 from zmqsync.transport.shm.records import Release
+from zmqsync.transport.wakeup import Wakeup
 
 __all__ = ["PipeHub", "peer_id"]
 
@@ -31,8 +32,6 @@ log = logging.getLogger("zmqsync.transport.pipe")
 #: What a hub accepts in one message from a worker. Workers send acks and requests (a
 #: few KiB); a bigger message is a confused peer, refused before it is allocated.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
-#: Bytes read off the wake-up pipe at a time.
-_WAKE_READ: Final = 4096
 
 
 def peer_id(index: int) -> PeerId:
@@ -49,7 +48,7 @@ class _Peer:
     lost: str | None = None
 
 
-class PipeHub(HubTransport):
+class PipeHub(OpenEnd, FixedPeers, HubTransport):
     """The learner's end: one duplex pipe per worker.
 
     Args:
@@ -84,18 +83,15 @@ class PipeHub(HubTransport):
         self._closed = False
         self._dropped = 0
         self._lost = 0
-        # Guards the peer table (add_pipe may run beside recv_frames) and the wake pipe
-        # against close().
+        # Guards the peer table (add_pipe may run beside recv_frames).
         self._lock = threading.Lock()
         self._endpoint = f"pipe://{os.getpid()}"
         self._rotate = 0
+        self._wakeup = Wakeup()  # wakes a recv_frames blocked on the pipes
         self._pool = BufferPool()
         self._shm = BlockPool() if shared_memory and SHM_AVAILABLE else None
         self._bad_releases = 0
         try:
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
             for index, conn in items:
                 self.add_pipe(conn, index)
         except BaseException:
@@ -106,8 +102,7 @@ class PipeHub(HubTransport):
         """Serve one more worker at ``index`` (a late joiner), or replace the pipe of a
         worker whose pipe broke (a restarted worker). Returns its peer id."""
         self._check_open()
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"worker indices must be non-negative ints; got {index!r}")
+        index = worker_index(index)
         with self._lock:
             old = self._peers.get(peer_id(index))
             if old is not None and old.lost is None:
@@ -126,27 +121,8 @@ class PipeHub(HubTransport):
         self.wake()  # a blocked recv_frames starts listening to the new pipe
         return peer_id(index)
 
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def lost_peers(self) -> frozenset[PeerId]:
-        """Workers whose pipe broke (they exited or were killed)."""
-        with self._lock:
-            return frozenset(pid for pid, peer in self._peers.items() if peer.lost is not None)
-
-    def reserved_workers(self) -> frozenset[int]:
-        """Each pipe's worker index: it belongs to whoever holds that pipe's other end."""
-        with self._lock:
-            return frozenset(peer.index for peer in self._peers.values())
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"pipe hub {self._endpoint} is closed")
+    def _bound(self) -> Mapping[PeerId, _Peer]:
+        return self._peers
 
     def _lose(self, peer: _Peer, why: str) -> None:
         if peer.lost is None:
@@ -158,11 +134,7 @@ class PipeHub(HubTransport):
             log.warning("pipe of worker %d broke (%s): the worker is gone", peer.index, why)
 
     def send_frames(
-        self,
-        frames: Sequence[Buffer],
-        *,
-        to: Collection[PeerId] | None = None,
-        stream: Stream | None = None,
+        self, frames: Sequence[Buffer], *, to: Recipients = None, stream: Stream | None = None
     ) -> None:
         self._check_open()
         with self._lock:
@@ -215,16 +187,16 @@ class PipeHub(HubTransport):
                 live = live[self._rotate :] + live[: self._rotate]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                ready = wait([*live, self._wake_r], remaining)
+                ready = wait([*live, self._wakeup.fileno()], remaining)
             except (OSError, ValueError) as exc:
                 if any(conn.closed for conn in live):
                     continue  # add_pipe() replaced a broken pipe meanwhile: look again
                 raise TransportError(f"waiting on worker pipes failed: {exc}") from exc
-            woken = self._wake_r in ready
+            woken = self._wakeup.fileno() in ready
             if woken:
-                self._drain_wake()
+                self._wakeup.drain()
             for conn in ready:
-                if conn is self._wake_r:
+                if conn == self._wakeup.fileno():
                     continue
                 peer = by_conn[conn]  # type: ignore[index]
                 try:
@@ -248,18 +220,8 @@ class PipeHub(HubTransport):
             else:
                 peer.writer.released()
 
-    def _drain_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._wake_r, _WAKE_READ):
-                pass
-
     def wake(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            # Non-blocking: a full wake pipe already holds a wake-up.
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._wake_w, b"\0")
+        self._wakeup.wake()
 
     def counters(self) -> dict[str, int]:
         with self._lock:
@@ -284,7 +246,4 @@ class PipeHub(HubTransport):
             close_end(peer.conn, peer.sock, peer.writer)
         if self._shm is not None:
             self._shm.close()
-        for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        self._wakeup.close()

@@ -9,9 +9,10 @@ from collections import deque
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from zmqsync.errors import TransportClosed, TransportError
+from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import read, socket_of
 from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
@@ -23,7 +24,7 @@ __all__ = ["PipeSpoke"]
 log = logging.getLogger("zmqsync.transport.pipe")
 
 
-class PipeSpoke(SpokeTransport):
+class PipeSpoke(OpenEnd, SpokeTransport):
     """A worker's end: the child end of its ``multiprocessing.Pipe()``.
 
     If the hub closes or its process dies, the spoke says so once in the log, drops what
@@ -50,17 +51,9 @@ class PipeSpoke(SpokeTransport):
         self.peer_index: int | None = None
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def endpoint(self) -> str:
         """A name for messages: the pipe has no address."""
         return "pipe://worker" if self.peer_index is None else f"pipe://worker-{self.peer_index}"
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed("this worker's pipe spoke is closed")
 
     def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
         self._check_open()

@@ -13,9 +13,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from zmqsync.errors import EndpointError, TransportClosed
+from zmqsync.errors import EndpointError
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
 from zmqsync.transport.shm.records import (
     Join,
@@ -54,7 +55,7 @@ _last_words: dict[str, list[list[bytes]]] = {}
 _spokes_lock = threading.Lock()
 
 
-class RaySpoke(SpokeTransport):
+class RaySpoke(OpenEnd, SpokeTransport):
     """A worker actor's end, registered in its process under ``channel`` (the model_id).
 
     The hub's calls reach it through :func:`deliver`: delivered messages queue for
@@ -93,17 +94,9 @@ class RaySpoke(SpokeTransport):
             _spokes[channel] = self
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def endpoint(self) -> str:
         """A name for messages: the spoke has no address of its own."""
         return f"ray://{self.channel}"
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"the Ray spoke for {self.channel!r} is closed")
 
     def send_frames(self, frames: Sequence[Buffer], *, ack: bool = False) -> None:
         self._check_open()

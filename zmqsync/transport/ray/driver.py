@@ -11,13 +11,14 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from zmqsync.errors import TransportClosed, TransportError
+from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, Stream
+from zmqsync.transport.base import HubTransport, Incoming, PeerId, Recipients, Stream
+from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.ray.actor import DELIVER_METHOD, owned
 from zmqsync.transport.ray.lending import ActorLending, LentPayload
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
@@ -76,12 +77,12 @@ class _Actor:
     waiting: deque[tuple[Any, Any]] = field(default_factory=deque, repr=False)
     next_poll: float = 0.0
     poll_gap: float = FAST_POLL
-    dead: str | None = None
+    lost: str | None = None  # why it is gone for good (it died)
     shared: bool | None = None  # reads the hub's lent blocks (None: not offered yet)
     answer_due: bool = False  # it was offered the hub's blocks and has not answered
 
 
-class RayHub(HubTransport):
+class RayHub(OpenEnd, FixedPeers, HubTransport):
     """The driver's end: one Ray actor per worker.
 
     A Ray actor cannot be written to like a socket, and cannot easily call its driver
@@ -139,6 +140,7 @@ class RayHub(HubTransport):
         if poll_interval <= 0:
             raise ValueError(f"poll_interval must be positive seconds; got {poll_interval}")
         self._channel = channel
+        self._endpoint = f"ray://{channel}"
         self._method = method
         self._poll_interval = poll_interval
         self._inline_bytes = inline_bytes
@@ -170,8 +172,7 @@ class RayHub(HubTransport):
         with self._lock:
             if index is None:
                 index = 1 + max((a.index for a in self._actors.values()), default=-1)
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                raise ValueError(f"worker indices must be non-negative ints; got {index!r}")
+            index = worker_index(index)
             peer = peer_id(index)
             if peer in self._actors:
                 raise ValueError(f"worker index {index} already has an actor")
@@ -186,29 +187,11 @@ class RayHub(HubTransport):
             self._actors[peer] = _Actor(index, handle, method)
         return peer
 
-    def lost_peers(self) -> frozenset[PeerId]:
-        """Actors whose calls failed with ``ActorDiedError``."""
-        with self._lock:
-            return frozenset(pid for pid, actor in self._actors.items() if actor.dead is not None)
-
-    def reserved_workers(self) -> frozenset[int]:
-        """Each actor's worker index."""
-        with self._lock:
-            return frozenset(actor.index for actor in self._actors.values())
+    def _bound(self) -> Mapping[PeerId, _Actor]:
+        # An actor is lost once its calls fail with ActorDiedError.
+        return self._actors
 
     # --- HubTransport ----------------------------------------------------------------
-
-    @property
-    def endpoint(self) -> str:
-        return f"ray://{self._channel}"
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"Ray hub {self.endpoint} is closed")
 
     def lending(self) -> bool:
         return self._lending is not None
@@ -257,16 +240,12 @@ class RayHub(HubTransport):
     def _submit_chunks(self, actor: _Actor) -> None:
         """Call ``actor`` with its waiting chunks, in order, CHUNK_CALLS at a time
         (caller holds the lock)."""
-        while actor.waiting and len(actor.chunk_calls) < CHUNK_CALLS and actor.dead is None:
+        while actor.waiting and len(actor.chunk_calls) < CHUNK_CALLS and actor.lost is None:
             message, frames = actor.waiting.popleft()
             self._call(actor, message, frames=frames)
 
     def send_frames(
-        self,
-        frames: Sequence[Buffer],
-        *,
-        to: Collection[PeerId] | None = None,
-        stream: Stream | None = None,
+        self, frames: Sequence[Buffer], *, to: Recipients = None, stream: Stream | None = None
     ) -> None:
         self._check_open()
         chunk = stream is not None
@@ -278,7 +257,7 @@ class RayHub(HubTransport):
             live = [
                 a
                 for a in targets
-                if a is not None and a.dead is None and a.in_flight < MAX_IN_FLIGHT
+                if a is not None and a.lost is None and a.in_flight < MAX_IN_FLIGHT
             ]
             self._counters["dropped_sends"] += len(targets) - len(live)
             if not live:
@@ -316,7 +295,7 @@ class RayHub(HubTransport):
         soonest: float | None = None
         with self._lock:
             for actor in self._actors.values():
-                if actor.dead is not None or actor.in_flight:
+                if actor.lost is not None or actor.in_flight:
                     continue
                 if actor.next_poll <= now:
                     self._counters["polls"] += 1
@@ -376,13 +355,13 @@ class RayHub(HubTransport):
         try:
             result = future.result(timeout=0)
         except exceptions.ActorDiedError as exc:
-            if actor.dead is None:
-                actor.dead = str(exc).splitlines()[0] if str(exc) else "actor died"
+            if actor.lost is None:
+                actor.lost = str(exc).splitlines()[0] if str(exc) else "actor died"
                 self._counters["peers_lost"] += 1
                 if self._lending is not None:
                     self._lending.pool.forget(actor.index)  # it reads no block any more
                 actor.waiting.clear()
-                log.warning("Ray actor of worker %d died: %s", actor.index, actor.dead)
+                log.warning("Ray actor of worker %d died: %s", actor.index, actor.lost)
             return []
         except Exception as exc:  # counted; the actor stays in the fleet
             self._counters["remote_errors"] += 1
@@ -426,8 +405,7 @@ class RayHub(HubTransport):
                 else:
                     self._complete(*event)  # type: ignore[misc]
                 event = self._take(0)
-            if self._closed:
-                raise TransportClosed(f"Ray hub {self.endpoint} is closed")
+            self._check_open()
             with self._lock:
                 if self._ready:
                     # A reply beats a wake-up: whoever woke us gets the hub back at once
