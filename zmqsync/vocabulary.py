@@ -7,9 +7,18 @@ from elsewhere (a config file, the command line) at run time.
 
 from __future__ import annotations
 
-from typing import Final, Literal, cast, get_args
+from typing import Any, Final, Literal, TypeAlias, cast, get_args
 
-__all__ = ["MODES", "STRATEGIES", "Mode", "Strategy", "as_mode", "as_strategy"]
+__all__ = [
+    "MODES",
+    "STRATEGIES",
+    "Metadata",
+    "Mode",
+    "Strategy",
+    "WorkerIds",
+    "as_mode",
+    "as_strategy",
+]
 
 #: How weights are named: ``"state_dict"`` (flat dotted names, as
 #: ``nn.Module.state_dict()`` gives them) or ``"tensordict"`` (nested keys).
@@ -17,6 +26,11 @@ Strategy = Literal["state_dict", "tensordict"]
 #: How a ZeroMQ sender reaches its workers: ``"pubsub"`` fans one send out to all,
 #: ``"router"`` addresses each worker.
 Mode = Literal["pubsub", "router"]
+#: Which workers a send is for: ``None`` (every worker), one worker id, or a list of them.
+WorkerIds: TypeAlias = int | list[int] | None
+#: What the learner attaches to a version (a small JSON-able dict, e.g. the optimizer
+#: step); its workers see it as ``receiver.metadata``.
+Metadata: TypeAlias = dict[str, Any]
 
 STRATEGIES: Final[tuple[Strategy, ...]] = get_args(Strategy)
 MODES: Final[tuple[Mode, ...]] = get_args(Mode)

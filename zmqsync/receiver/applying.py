@@ -31,6 +31,7 @@ from zmqsync.tensors.in_place import InPlace
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.transport.base import Borrows, SpokeTransport
+from zmqsync.vocabulary import Metadata
 
 __all__ = ["APPLY_MODES", "STAGED_MAX_BYTES", "Applying"]
 
@@ -61,7 +62,7 @@ class Applying:
     version: int
     epoch: int
     weights: Any
-    metadata: dict[str, Any] | None
+    metadata: Metadata | None
     wire_dtype: str | None
     lock: WeightsLock
     stats: dict[str, Any]
@@ -82,7 +83,7 @@ class Applying:
     _materialize: bool
     _started_at: float
     _schema: WeightsSchema | None
-    _incoming_metadata: dict[str, Any] | None
+    _incoming_metadata: Metadata | None
     _wire_of: tuple[WeightsSchema | None, str | None]
     _ack_due: dict[str, Any] | None
     _mismatch: tuple[int, SchemaMismatchError] | None

@@ -32,7 +32,7 @@ from zmqsync.tensors.in_place import InPlace
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.transport.base import SpokeTransport, has_input
-from zmqsync.vocabulary import Strategy
+from zmqsync.vocabulary import Metadata, Strategy
 
 __all__ = ["WeightReceiver"]
 
@@ -110,8 +110,8 @@ class WeightReceiver(Applying, Session):
         self.epoch = 0
         self.weights: Any = None
         #: What the learner attached to the version held now (``send(metadata=)``).
-        self.metadata: dict[str, Any] | None = None
-        self._incoming_metadata: dict[str, Any] | None = None
+        self.metadata: Metadata | None = None
+        self._incoming_metadata: Metadata | None = None
         #: The dtype the version held now travelled as (``wire_dtype``), or None.
         self.wire_dtype: str | None = None
         self._wire_of: tuple[WeightsSchema | None, str | None] = (None, None)

@@ -17,20 +17,19 @@ with its endpoint and settings, but not its sockets, threads or model::
 from __future__ import annotations
 
 import functools
-import inspect
 import time
-from collections.abc import Mapping
 from typing import Any, Final
 
 from tensordict import TensorDictBase
 
 from zmqsync.errors import SyncTimeout
 from zmqsync.receiver import WeightReceiver
+from zmqsync.schemes.options import check_sender_options, model_from_context, receiver_options
 from zmqsync.schemes.weights import WeightStrategy, apply_to_model
 from zmqsync.sender import WeightSender
 from zmqsync.transport import resolve
 from zmqsync.transport.base import HubTransport, SpokeTransport
-from zmqsync.vocabulary import Strategy, as_strategy
+from zmqsync.vocabulary import Metadata, Strategy, WorkerIds, as_strategy
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "WeightSyncScheme"]
 
@@ -42,45 +41,6 @@ DEFAULT_CONNECT_TIMEOUT: Final = 120.0
 #: Seconds between looks at which workers have connected, while a sender's ``connect()``
 #: waits for them.
 WORKERS_POLL: Final = 0.01
-
-
-#: What a scheme passes to :class:`WeightSender` itself; the rest of the sender's
-#: keyword arguments are the options a scheme accepts (``**sender_options``).
-_SET_BY_SCHEME: Final = frozenset(
-    {"self", "hub", "model_id", "model", "strategy", "num_workers", "timeout", "mode"}
-)
-SENDER_OPTIONS: Final = (
-    frozenset(inspect.signature(WeightSender.__init__).parameters) - _SET_BY_SCHEME
-)
-
-
-#: What a worker may choose in ``init_on_receiver`` (:class:`WeightReceiver`'s options).
-RECEIVER_OPTIONS: Final = ("apply_mode", "chunk_timeout", "sink")
-
-
-def _receiver_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Take the receiver options out of ``init_on_receiver``'s keyword arguments."""
-    return {name: kwargs.pop(name) for name in RECEIVER_OPTIONS if name in kwargs}
-
-
-def _check_sender_options(owner: str, options: Mapping[str, Any]) -> None:
-    """Refuse, when the scheme is built, an option that no part of it takes (it would
-    otherwise fail later, in ``init_on_sender``, or never)."""
-    unknown = sorted(set(options) - SENDER_OPTIONS)
-    if unknown:
-        raise TypeError(
-            f"{owner} does not support the option(s) {', '.join(map(repr, unknown))}; it "
-            f"takes, besides its own arguments, {', '.join(sorted(SENDER_OPTIONS))}"
-        )
-
-
-def _model_from_context(context: Any, model_id: str) -> Any:
-    if context is None:
-        return None
-    getter = getattr(context, "get_model", None)
-    if callable(getter):
-        return getter(model_id)
-    return getattr(context, model_id, None)
 
 
 class WeightSyncScheme:
@@ -117,7 +77,7 @@ class WeightSyncScheme:
         self.endpoint = endpoint
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
-        _check_sender_options(type(self).__name__, sender_options)
+        check_sender_options(type(self).__name__, sender_options)
         self.sender_options = sender_options
         self._model_id: str | None = None
         self._context: Any = None
@@ -220,10 +180,7 @@ class WeightSyncScheme:
         """
         if self._sender is not None:
             raise RuntimeError("init_on_sender() was already called on this scheme")
-        self._model_id = model_id
-        self._context = context
-        model = kwargs.pop("model", None)
-        self._model = model if model is not None else _model_from_context(context, model_id)
+        self._take_model(model_id, context, kwargs)
         num_workers = kwargs.pop("num_workers", getattr(context, "num_workers", None))
         self._num_workers = num_workers
         hub = self._open_hub(context, kwargs)
@@ -231,18 +188,46 @@ class WeightSyncScheme:
         try:
             self._sender = WeightSender(
                 hub,
-                model_id=model_id,
-                model=self._model,
-                strategy=self.strategy,
                 num_workers=num_workers,
-                timeout=self.timeout,
                 mode=self._mode_name(),
+                **self._settings(model_id),
                 **options,
             )
         except BaseException:
             hub.close()
             raise
         self.endpoint = hub.endpoint
+
+    def _take_model(self, model_id: str, context: Any, kwargs: dict[str, Any]) -> None:
+        """Keep ``model_id``, ``context`` and the model: ``model=`` (popped from
+        ``kwargs``), else the context's."""
+        self._model_id = model_id
+        self._context = context
+        model = kwargs.pop("model", None)
+        self._model = model if model is not None else model_from_context(context, model_id)
+
+    def _settings(self, model_id: str) -> dict[str, Any]:
+        """What this scheme's sender and receivers are built with, besides their options:
+        the model kept by :meth:`_take_model`, and this scheme's strategy and timeout."""
+        return {
+            "model_id": model_id,
+            "model": self._model,
+            "strategy": self.strategy,
+            "timeout": self.timeout,
+        }
+
+    def _given(self, kwargs: dict[str, Any], context: Any, name: str, what: str) -> Any:
+        """``kwargs[name]`` (popped), else the context's attribute ``name``: ``what`` this
+        scheme needs (a ValueError says so where neither has it)."""
+        value = kwargs.pop(name, None)
+        if value is None:
+            value = getattr(context, name, None)
+        if value is None:
+            raise ValueError(
+                f"{type(self).__name__} needs {what}: pass {name}=... or a context with a "
+                f".{name} attribute"
+            )
+        return value
 
     def _open_hub(
         self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0
@@ -288,22 +273,14 @@ class WeightSyncScheme:
         return self.get_sender()
 
     def send(
-        self,
-        weights: Any = None,
-        worker_ids: int | list[int] | None = None,
-        *,
-        metadata: dict[str, Any] | None = None,
+        self, weights: Any = None, worker_ids: WorkerIds = None, *, metadata: Metadata | None = None
     ) -> None:
         """Send weights; returns once every targeted worker applied them. ``metadata``
         (a small JSON-able dict) travels with the version: ``receiver.metadata``."""
         self.get_sender().send(weights, worker_ids, metadata=metadata)
 
     def send_async(
-        self,
-        weights: Any = None,
-        worker_ids: int | list[int] | None = None,
-        *,
-        metadata: dict[str, Any] | None = None,
+        self, weights: Any = None, worker_ids: WorkerIds = None, *, metadata: Metadata | None = None
     ) -> None:
         """Start a send; :meth:`wait_async` completes it."""
         self.get_sender().send_async(weights, worker_ids, metadata=metadata)
@@ -350,13 +327,10 @@ class WeightSyncScheme:
                 "this scheme has no endpoint: call init_on_sender() first (and pass the scheme "
                 "to the worker), or give the scheme endpoint=..."
             )
-        self._model_id = model_id
-        self._context = context
-        model = kwargs.pop("model", None)
-        self._model = model if model is not None else _model_from_context(context, model_id)
+        self._take_model(model_id, context, kwargs)
         worker_idx = kwargs.pop("worker_idx", self._worker_idx)
         self._worker_idx = None if worker_idx is None else int(worker_idx)
-        options = _receiver_options(kwargs)
+        options = receiver_options(kwargs)
         failover = [str(e) for e in kwargs.pop("failover", ())]
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_receiver: {sorted(kwargs)}")
@@ -373,11 +347,8 @@ class WeightSyncScheme:
         try:
             self._receiver = WeightReceiver(
                 spoke,  # type: ignore[arg-type]
-                model_id=model_id,
-                model=self._model,
-                strategy=self.strategy,
                 worker_idx=self._worker_idx,
-                timeout=self.timeout,
+                **self._settings(model_id),
                 **options,
             )
         except BaseException:
@@ -465,11 +436,9 @@ class WeightSyncScheme:
         or state_dict, ready to send."""
         name = strategy if isinstance(strategy, str) else strategy.extract_as
         if weights is None:
-            weights = _model_from_context(context, model_id) if context is not None else self._model
+            weights = model_from_context(context, model_id) if context is not None else self._model
         if isinstance(weights, str):
-            weights = _model_from_context(
-                context if context is not None else self._context, weights
-            )
+            weights = model_from_context(context if context is not None else self._context, weights)
         return WeightStrategy(name).extract_weights(weights)
 
     def apply_weights(self, weights: TensorDictBase | dict[str, Any], inplace: bool = True) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zmqsync.schemes.base import WeightSyncScheme, _model_from_context
+from zmqsync.schemes.base import WeightSyncScheme
 from zmqsync.schemes.noop import NoWeightSyncScheme
 from zmqsync.schemes.zmq import ZMQWeightSyncScheme
 from zmqsync.sender import WeightSender
@@ -115,12 +115,9 @@ class MixedWeightSyncScheme(WeightSyncScheme):
                     f"member {scheme!r} is already initialised: give MixedWeightSyncScheme "
                     "fresh schemes, it initialises them"
                 )
-        self._model_id = model_id
-        self._context = context
-        model = kwargs.pop("model", None)
-        if model is None:
-            model = kwargs.pop("source_model", None)
-        self._model = model if model is not None else _model_from_context(context, model_id)
+        if kwargs.get("model") is None:
+            kwargs["model"] = kwargs.pop("source_model", None)
+        self._take_model(model_id, context, kwargs)
         num_workers = kwargs.pop("num_workers", getattr(context, "num_workers", None))
         hubs: list[HubTransport] = []
         reserved: set[int] = set()
@@ -151,11 +148,8 @@ class MixedWeightSyncScheme(WeightSyncScheme):
             self._num_workers = num_workers
             self._sender = WeightSender(
                 hubs,
-                model_id=model_id,
-                model=self._model,
-                strategy=self.strategy,
                 num_workers=num_workers,
-                timeout=self.timeout,
+                **self._settings(model_id),
                 **{**self.sender_options, **kwargs},
             )
         except BaseException:

@@ -14,32 +14,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from zmqsync.receiver import WeightReceiver
-from zmqsync.schemes.base import (
-    DEFAULT_CONNECT_TIMEOUT,
-    WeightSyncScheme,
-    _model_from_context,
-    _receiver_options,
-)
+from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme
+from zmqsync.schemes.options import numbered, receiver_options
 from zmqsync.transport.pipe import PipeHub, PipeSpoke
 from zmqsync.vocabulary import Strategy
 
 __all__ = ["MultiProcessWeightSyncScheme"]
 
 Pipes = Sequence[Connection] | Mapping[int, Connection]
-
-
-def _pipes(context: Any, kwargs: dict[str, Any]) -> Pipes:
-    """The workers' pipes, from ``pipes=`` (popped) or ``context.pipes``."""
-    pipes = kwargs.pop("pipes", None)
-    if pipes is None:
-        pipes = getattr(context, "pipes", None)
-    if pipes is None:
-        raise ValueError(
-            "MultiProcessWeightSyncScheme.init_on_sender needs the workers' pipes: pass "
-            "pipes=[...] (the sender's end of one multiprocessing.Pipe() per worker) or a "
-            "context with a .pipes attribute"
-        )
-    return pipes
 
 
 class MultiProcessWeightSyncScheme(WeightSyncScheme):
@@ -131,7 +113,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
                 duplex pipe, a list or ``{worker_idx: pipe}``), ``num_workers=``,
                 ``model=``; and any :class:`~zmqsync.WeightSender` option.
         """
-        pipes = _pipes(context, kwargs)
+        pipes = self._pipes(context, kwargs)
         indices = sorted(pipes) if isinstance(pipes, Mapping) else list(range(len(pipes)))
         if "num_workers" not in kwargs and getattr(context, "num_workers", None) is not None:
             kwargs["num_workers"] = context.num_workers
@@ -150,10 +132,11 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         super().init_on_sender(model_id, context, pipes=pipes, **kwargs)
 
     def _open_hub(self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0) -> PipeHub:
-        pipes = _pipes(context, kwargs)
-        if not isinstance(pipes, Mapping):
-            pipes = {first_index + i: pipe for i, pipe in enumerate(pipes)}
-        return PipeHub(pipes)
+        return PipeHub(numbered(self._pipes(context, kwargs), first_index))
+
+    def _pipes(self, context: Any, kwargs: dict[str, Any]) -> Pipes:
+        """The workers' pipes, from ``pipes=`` (popped) or ``context.pipes``."""
+        return self._given(kwargs, context, "pipes", "the workers' pipes (the sender's ends)")
 
     def add_pipe(self, pipe: Connection, worker_idx: int) -> None:
         """Serve one more worker on ``pipe`` (the sender's end), or a restarted worker in
@@ -178,22 +161,12 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")
-        pipe = kwargs.pop("pipe", None)
-        if pipe is None:
-            pipe = getattr(context, "pipe", None)
-        if pipe is None:
-            raise ValueError(
-                "init_on_worker needs this worker's end of its pipe: pass pipe=... or a "
-                "context with a .pipe attribute"
-            )
-        model = kwargs.pop("model", None)
+        pipe = self._given(kwargs, context, "pipe", "this worker's end of its pipe")
+        self._take_model(model_id, context, kwargs)
         worker_idx = kwargs.pop("worker_idx", getattr(context, "worker_idx", None))
-        options = _receiver_options(kwargs)
+        options = receiver_options(kwargs)
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_worker: {sorted(kwargs)}")
-        self._model_id = model_id
-        self._context = context
-        self._model = model if model is not None else _model_from_context(context, model_id)
         spoke = PipeSpoke(pipe)
         try:
             if worker_idx is None:
@@ -201,13 +174,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
                 worker_idx = spoke.wait_index(self.connect_timeout)
             self._worker_idx = int(worker_idx)
             self._receiver = WeightReceiver(
-                spoke,
-                model_id=model_id,
-                model=self._model,
-                strategy=self.strategy,
-                worker_idx=self._worker_idx,
-                timeout=self.timeout,
-                **options,
+                spoke, worker_idx=self._worker_idx, **self._settings(model_id), **options
             )
         except BaseException:
             spoke.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from zmqsync.schemes.base import WeightSyncScheme
-from zmqsync.vocabulary import Strategy
+from zmqsync.vocabulary import Metadata, Strategy, WorkerIds
 
 __all__ = ["NoWeightSyncScheme"]
 
@@ -52,20 +52,12 @@ class NoWeightSyncScheme(WeightSyncScheme):
         """No-op synchronize: does nothing."""
 
     def send(
-        self,
-        weights: Any = None,
-        worker_ids: int | list[int] | None = None,
-        *,
-        metadata: dict[str, Any] | None = None,
+        self, weights: Any = None, worker_ids: WorkerIds = None, *, metadata: Metadata | None = None
     ) -> None:
         """No-op send: does nothing."""
 
     def send_async(
-        self,
-        weights: Any = None,
-        worker_ids: int | list[int] | None = None,
-        *,
-        metadata: dict[str, Any] | None = None,
+        self, weights: Any = None, worker_ids: WorkerIds = None, *, metadata: Metadata | None = None
     ) -> None:
         """No-op: does nothing."""
 

@@ -15,12 +15,8 @@ from typing import Any, Final
 
 from zmqsync.errors import SchemaMismatchError, SyncTimeout
 from zmqsync.receiver import WeightReceiver
-from zmqsync.schemes.base import (
-    DEFAULT_CONNECT_TIMEOUT,
-    WeightSyncScheme,
-    _model_from_context,
-    _receiver_options,
-)
+from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT, WeightSyncScheme
+from zmqsync.schemes.options import numbered, receiver_options
 from zmqsync.transport.ray import (
     DELIVER_METHOD,
     POLL_INTERVAL,
@@ -144,19 +140,6 @@ class _ActorReceiver:
             joining.join(timeout)
 
 
-def _actors(context: Any, kwargs: dict[str, Any]) -> Sequence[Any] | Mapping[int, Any]:
-    """The actor handles, from ``remote_collectors=`` (popped) or the context's."""
-    actors = kwargs.pop("remote_collectors", None)
-    if actors is None:
-        actors = getattr(context, "remote_collectors", None)
-    if actors is None:
-        raise ValueError(
-            "RayWeightSyncScheme.init_on_sender needs the actors: pass "
-            "remote_collectors=[handle, ...] or a context with .remote_collectors"
-        )
-    return actors
-
-
 class RayWeightSyncScheme(WeightSyncScheme):
     """Weight synchronization with Ray actors (``remote_collectors``).
 
@@ -267,7 +250,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
                 or ``{worker_idx: handle}``), ``source_model=`` (or ``model=``); and any
                 :class:`~zmqsync.WeightSender` option.
         """
-        actors = _actors(context, kwargs)
+        actors = self._actors(context, kwargs)
         source = kwargs.pop("source_model", None)
         if source is not None:
             kwargs.setdefault("model", source)
@@ -277,10 +260,11 @@ class RayWeightSyncScheme(WeightSyncScheme):
         super().init_on_sender(model_id, context, remote_collectors=actors, **kwargs)
 
     def _open_hub(self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0) -> RayHub:
-        actors = _actors(context, kwargs)
-        if not isinstance(actors, Mapping):
-            actors = {first_index + i: actor for i, actor in enumerate(actors)}
-        return self._hub(actors)
+        return self._hub(numbered(self._actors(context, kwargs), first_index))
+
+    def _actors(self, context: Any, kwargs: dict[str, Any]) -> Sequence[Any] | Mapping[int, Any]:
+        """The actor handles, from ``remote_collectors=`` (popped) or the context's."""
+        return self._given(kwargs, context, "remote_collectors", "the actors' handles")
 
     def add_remote_collector(self, actor: Any) -> int:
         """Serve one more actor (a late joiner) and return its worker index.
@@ -315,25 +299,16 @@ class RayWeightSyncScheme(WeightSyncScheme):
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")
-        model = kwargs.pop("model", None)
+        self._take_model(model_id, context, kwargs)
         worker_idx = kwargs.pop("worker_idx", getattr(context, "worker_idx", None))
         kwargs.pop("pipe", None)  # torchrl passes one; Ray has no use for it
-        options = _receiver_options(kwargs)
+        options = receiver_options(kwargs)
         if kwargs:
             raise TypeError(f"unexpected arguments for init_on_worker: {sorted(kwargs)}")
-        self._model_id = model_id
-        self._context = context
-        self._model = model if model is not None else _model_from_context(context, model_id)
         spoke = RaySpoke(model_id)
         self._worker_idx = None if worker_idx is None else int(worker_idx)
         receiver = WeightReceiver(
-            spoke,
-            model_id=model_id,
-            model=self._model,
-            strategy=self.strategy,
-            worker_idx=self._worker_idx or 0,
-            timeout=self.timeout,
-            **options,
+            spoke, worker_idx=self._worker_idx or 0, **self._settings(model_id), **options
         )
         self._actor_side = _ActorReceiver(receiver, spoke, fixed_index=worker_idx is not None)
         spoke.on_delivery = self._actor_side.on_delivery

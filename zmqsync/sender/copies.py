@@ -20,6 +20,7 @@ from zmqsync.protocol import Buffer, Chunk, checksum, encode
 from zmqsync.tensors.device_reader import DeviceReader
 from zmqsync.tensors.flatten import Flat
 from zmqsync.transport.base import PeerId
+from zmqsync.vocabulary import Metadata
 
 if TYPE_CHECKING:
     from zmqsync.sender.state import SenderState
@@ -134,7 +135,7 @@ class Copy:
         lent_by_hub: bool = False,
         ring: Ring | None = None,
         live: bool = False,
-        metadata: dict[str, Any] | None = None,
+        metadata: Metadata | None = None,
     ) -> None:
         self.version = version
         #: What the learner attached to the version (its first chunk carries it).

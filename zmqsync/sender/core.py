@@ -42,7 +42,7 @@ from zmqsync.transport.base import (
     PeerId,
     ZeroCopy,
 )
-from zmqsync.vocabulary import Strategy
+from zmqsync.vocabulary import Metadata, Strategy, WorkerIds
 
 __all__ = ["WeightSender", "new_epoch"]
 
@@ -190,7 +190,7 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         #: The model's tensors in a hub's shared memory (share_params), and why not.
         self._shared: SharedParams | None = None
         self._share_problem: str | None = None
-        self._metadata: dict[str, Any] | None = None  # the latest version's
+        self._metadata: Metadata | None = None  # the latest version's
         self._pending: Pending | None = None
         #: A relay's version in progress (see _forward_begin), and its send.
         self._forwarding: tuple[Send, Forwarded] | None = None
@@ -261,11 +261,7 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         return [r.hub for r in self._runners]
 
     def send(
-        self,
-        weights: Any = None,
-        worker_ids: int | list[int] | None = None,
-        *,
-        metadata: dict[str, Any] | None = None,
+        self, weights: Any = None, worker_ids: WorkerIds = None, *, metadata: Metadata | None = None
     ) -> None:
         """Send weights and return once every targeted worker has applied them.
 
@@ -290,11 +286,7 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
                 self._finish(pending)
 
     def send_async(
-        self,
-        weights: Any = None,
-        worker_ids: int | list[int] | None = None,
-        *,
-        metadata: dict[str, Any] | None = None,
+        self, weights: Any = None, worker_ids: WorkerIds = None, *, metadata: Metadata | None = None
     ) -> None:
         """Start a send and return once the weights are copied; :meth:`wait_async`
         completes it. The weights may change as soon as this returns.
@@ -353,10 +345,10 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
     def _start(
         self,
         weights: Any,
-        worker_ids: int | list[int] | None,
+        worker_ids: WorkerIds,
         *,
         whole: bool = False,
-        metadata: dict[str, Any] | None = None,
+        metadata: Metadata | None = None,
     ) -> Pending:
         self._check_open()
         if metadata is not None:

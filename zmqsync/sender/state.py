@@ -18,6 +18,7 @@ from zmqsync.fleet import Fleet, Send
 from zmqsync.tensors.flatten import Flattener
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.shared_params import SharedParams
+from zmqsync.vocabulary import Metadata
 
 if TYPE_CHECKING:
     from zmqsync.sender.copies import Copy, Forwarded, Pending, Ring
@@ -67,7 +68,7 @@ class SenderState:
     _tracker: DeltaTracker | None
     _shared: SharedParams | None
     _share_problem: str | None
-    _metadata: dict[str, Any] | None
+    _metadata: Metadata | None
 
     # --- what it says of itself --------------------------------------------------------
     _totals: dict[str, int]

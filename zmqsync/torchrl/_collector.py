@@ -25,7 +25,7 @@ from zmqsync.torchrl._model import (
     _weightless,
 )
 from zmqsync.torchrl._plan import _count_workers, _Fanout, _is_per_worker, _nth, _Plan
-from zmqsync.vocabulary import Strategy
+from zmqsync.vocabulary import Strategy, WorkerIds
 
 
 class _CollectorScheme(_TorchRLWeightSyncScheme):
@@ -307,7 +307,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
             self._sending().connect(timeout=self.connect_timeout)
             self.send(weights)
 
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send(self, weights: Any = None, worker_ids: WorkerIds = None) -> None:
         """Send weights; returns once every targeted worker applied them.
 
         ``weights``: ``None`` (the collector's policy), an ``nn.Module``, a
@@ -358,7 +358,7 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
             self._unsynced = False
             self._sending().wait_async()
 
-    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send_async(self, weights: Any = None, worker_ids: WorkerIds = None) -> None:
         """Start a send; :meth:`wait_async` completes it."""
         if not self._weightless:
             self._finish_unsynced()

@@ -14,6 +14,7 @@ from tensordict import TensorDictBase
 from zmqsync.errors import SyncTimeout
 from zmqsync.schemes.base import WeightSyncScheme as _ZmqsyncScheme
 from zmqsync.torchrl._model import _model_of, _weightless
+from zmqsync.vocabulary import WorkerIds
 
 #: How often a learner waiting for its workers looks at where they stand.
 _STATUS_POLL: Final = 0.01
@@ -231,7 +232,7 @@ class _Fanout:
 
     # --- the learner -----------------------------------------------------------------
 
-    def _sends(self, weights: Any, worker_ids: int | list[int] | None) -> dict[int, Any]:
+    def _sends(self, weights: Any, worker_ids: WorkerIds) -> dict[int, Any]:
         """Worker -> what it is sent."""
         if worker_ids is None:
             chosen = list(weights) if _is_per_worker(weights) else list(self.subs)
@@ -247,7 +248,7 @@ class _Fanout:
             raise ValueError(f"no weights given for workers {missing}")
         return {w: weights[w] for w in chosen}
 
-    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send_async(self, weights: Any = None, worker_ids: WorkerIds = None) -> None:
         if self._pending:
             raise RuntimeError("a send_async() is pending: wait_async() first")
         for w, own in self._sends(weights, worker_ids).items():
@@ -278,7 +279,7 @@ class _Fanout:
         if failures:
             raise SyncTimeout("; ".join(failures), missing_workers=missing)
 
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send(self, weights: Any = None, worker_ids: WorkerIds = None) -> None:
         self.send_async(weights, worker_ids)
         self.wait_async()
 
