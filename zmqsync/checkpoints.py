@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from zmqsync.closing import ClosesOnExit
 from zmqsync.endpoints import parse_endpoint
 from zmqsync.errors import CheckpointError, SyncTimeout, WeightsRejected
 from zmqsync.security import CurveServer
@@ -171,7 +172,7 @@ class PublishResult:
         return not self.missing and not self.rejected
 
 
-class CheckpointPublisher:
+class CheckpointPublisher(ClosesOnExit):
     """A learner that publishes a checkpoint file's tensors and republishes on change.
 
     The weights travel with strategy ``"state_dict"`` (flat dotted names), so a worker's
@@ -325,12 +326,6 @@ class CheckpointPublisher:
     def close(self) -> None:
         """Stop serving and release the endpoint. Idempotent."""
         self._scheme.shutdown()
-
-    def __enter__(self) -> CheckpointPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _nbytes(weights: Mapping[str, torch.Tensor]) -> int:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
+from zmqsync.closing import ClosesOnExit
 from zmqsync.errors import SyncTimeout
 from zmqsync.vocabulary import Mode
 
@@ -79,7 +80,7 @@ def _demo_worker(
         scheme.shutdown()
 
 
-class LocalFleet:
+class LocalFleet(ClosesOnExit):
     """A learner in this process and ``num_workers`` worker processes on this host.
 
     What ``zmqsync demo`` runs. The learner binds when the fleet is made; close it (or
@@ -205,9 +206,3 @@ class LocalFleet:
                 proc.join(timeout / 2)
         self._procs.clear()
         self.scheme.shutdown()
-
-    def __enter__(self) -> LocalFleet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from zmqsync.closing import ClosesOnExit
 from zmqsync.status_types import SenderStatus, UpstreamStatus
 
 __all__ = ["MetricsServer", "StatusCollector", "serve_metrics"]
@@ -123,7 +124,7 @@ class StatusCollector:
             yield g
 
 
-class MetricsServer:
+class MetricsServer(ClosesOnExit):
     """The HTTP server :func:`serve_metrics` started; :meth:`close` stops it."""
 
     def __init__(self, server: Any, thread: Any) -> None:
@@ -138,12 +139,6 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def serve_metrics(source: Any, port: int, addr: str = "127.0.0.1") -> MetricsServer:

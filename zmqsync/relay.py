@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, StreamLayout
+from zmqsync.closing import ClosesOnExit
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.fleet import SendLatest
 from zmqsync.protocol import MAX_BELOW, Chunk, UpToDate, encode
@@ -170,7 +171,7 @@ class _Downstream(WeightSender):
         self._relay._wants_latest = True
 
 
-class Relay:
+class Relay(ClosesOnExit):
     """Forwards one model's versions from ``upstream`` (a learner's or another relay's
     spoke) to the workers of ``hub`` (see the module).
 
@@ -345,12 +346,6 @@ class Relay:
             self._copy.end()
         self.receiver.close()
         self.sender.close()
-
-    def __enter__(self) -> Relay:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- the loop --------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zmqsync.closing import ClosesOnExit
 from zmqsync.endpoints import check_connectable
 from zmqsync.errors import FactoryError, SyncTimeout
 from zmqsync.security import CurveClient
@@ -86,7 +87,7 @@ def build_model(spec: str) -> Any:
     return model
 
 
-class ModelWorker:
+class ModelWorker(ClosesOnExit):
     """An actor that holds a model and applies every version a sender publishes.
 
     Args:
@@ -202,9 +203,3 @@ class ModelWorker:
     def close(self) -> None:
         """Leave the fleet. Idempotent; never waits on the sender."""
         self._scheme.shutdown()
-
-    def __enter__(self) -> ModelWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -10,34 +10,18 @@ The rules, each enforced in :mod:`zmqsync.fleet.core` and nowhere else:
 - The ack channel carries acks only. No request is answered by a send to the fleet:
   a snapshot goes to its asker alone, a probe is rate-limited per session.
 - Sessions expire when quiet; the table and the status rows are bounded.
+
+Its modules: ``records`` (where a message came from, the effects, a session), ``views``
+(what the table says: status, who is live), ``core`` (the rules). Their public names are
+this package's.
 """
 
-from zmqsync.fleet.core import EXPIRE_HEARTBEATS, EXPIRE_MIN_SECONDS, MAX_SESSIONS, Fleet
-from zmqsync.fleet.records import (
-    Effect,
-    FanOut,
-    Forget,
-    Origin,
-    Reply,
-    Send,
-    SendLatest,
-    Session,
-)
-from zmqsync.fleet.views import LIVE_HEARTBEATS, STATUS_ROWS
+from zmqsync.fleet import core, records, views
+from zmqsync.fleet.core import *  # noqa: F403
+from zmqsync.fleet.records import *  # noqa: F403
+from zmqsync.fleet.views import *  # noqa: F403
 
-__all__ = [
-    "EXPIRE_HEARTBEATS",
-    "EXPIRE_MIN_SECONDS",
-    "LIVE_HEARTBEATS",
-    "MAX_SESSIONS",
-    "STATUS_ROWS",
-    "Effect",
-    "FanOut",
-    "Fleet",
-    "Forget",
-    "Origin",
-    "Reply",
-    "Send",
-    "SendLatest",
-    "Session",
-]
+__all__: list[str] = []
+__all__ += records.__all__
+__all__ += views.__all__
+__all__ += core.__all__

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from zmqsync.closing import ClosesOnExit
 from zmqsync.receiver import WeightReceiver
 from zmqsync.sender import WeightSender
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
@@ -24,7 +25,7 @@ from zmqsync.vocabulary import Strategy
 __all__ = ["MultiProcessedRemoteWeightUpdate"]
 
 
-class MultiProcessedRemoteWeightUpdate:
+class MultiProcessedRemoteWeightUpdate(ClosesOnExit):
     """Updates each worker's copy of the policy weights from the server's weights.
 
     Args:
@@ -206,9 +207,3 @@ class MultiProcessedRemoteWeightUpdate:
         for receiver in self._receivers:
             receiver.close()
         self._sender.close()
-
-    def __enter__(self) -> MultiProcessedRemoteWeightUpdate:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

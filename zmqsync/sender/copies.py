@@ -335,29 +335,22 @@ class Forwarded:
         return None if frames is None else self.lease.lend(frames)
 
 
+@dataclass(eq=False)
 class Transfer:
     """One version streaming to one hub: fanned out (``to=None``) or to given peers;
     whole, or (``spans``) as a delta against version ``base``."""
 
-    def __init__(
-        self,
-        copy: Copy | Forwarded,
-        to: list[PeerId] | None,
-        spans: list[tuple[int, int]] | None = None,
-        base: int = 0,
-        workers: int = 0,
-        targets: tuple[int, ...] | None = None,
-    ) -> None:
-        self.copy = copy
-        #: The workers behind the relay it goes to that the version is for, if some.
-        self.targets = targets
-        self.to = to
-        self.spans = spans
-        self.base = base
-        #: How many targeted workers a delta goes to (counted in status).
-        self.workers = workers
-        self.next = 0
-        self.started = time.monotonic()
+    copy: Copy | Forwarded
+    to: list[PeerId] | None
+    spans: list[tuple[int, int]] | None = None
+    base: int = 0
+    #: How many targeted workers a delta goes to (counted in status).
+    workers: int = 0
+    #: The workers behind the relay it goes to that the version is for, if some.
+    targets: tuple[int, ...] | None = None
+    #: The next chunk to send.
+    next: int = field(default=0, init=False)
+    started: float = field(default_factory=time.monotonic, init=False)
 
     def covers(self, copy: Copy | Forwarded, peer: PeerId) -> bool:
         """Whether it brings ``peer`` the whole ``copy`` (a delta may not do)."""

@@ -43,6 +43,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias, cast, runtime_checkable
 
+from zmqsync.closing import ClosesOnExit
 from zmqsync.protocol import Buffer
 
 __all__ = [
@@ -96,7 +97,7 @@ class Incoming:
     peer: PeerId | None = None
 
 
-class _Closable(abc.ABC):
+class _Closable(ClosesOnExit):
     @abc.abstractmethod
     def close(self) -> None:
         """Release every resource. Closing twice silently succeeds."""
@@ -109,12 +110,6 @@ class _Closable(abc.ABC):
     @abc.abstractmethod
     def endpoint(self) -> str:
         """Where the hub is: the address spokes connect to (a name where it has none)."""
-
-    def __enter__(self) -> _Closable:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class HubTransport(_Closable):
