@@ -23,9 +23,15 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from zmqsync.endpoints import reachable_from_other_hosts
 from zmqsync.errors import ZMQSyncError
-from zmqsync.metrics import MetricsServer
-from zmqsync.security import exposed_secret_file
+from zmqsync.security import (
+    CurveClient,
+    CurveServer,
+    curve_client_from_files,
+    curve_server_from_files,
+    exposed_secret_file,
+)
 from zmqsync.status import worker_problem
 from zmqsync.status_types import SenderStatus, WorkerStatus
 from zmqsync.vocabulary import MODES, STRATEGIES
@@ -38,7 +44,7 @@ SILENT_HELP: Final = "Report a worker unheard for this many seconds as silent."
 
 #: The library logger that warns about key files; commands print those warnings
 #: themselves (see :func:`warn_if_exposed`), so they silence it while loading keys.
-SECURITY_LOGGER: Final = "zmqsync.security"
+_SECURITY_LOGGER: Final = "zmqsync.security"
 
 
 def warn_if_exposed(path: Path | None) -> Path | None:
@@ -99,6 +105,22 @@ ModeOption = Annotated[
     ModeChoice,
     typer.Option(
         help="pubsub: one send fans out to every worker; router: one addressed send per worker."
+    ),
+]
+#: --timeout, for the commands that follow an upstream (worker, relay).
+ConnectTimeout = Annotated[
+    float,
+    typer.Option(
+        min=0.1, help="Seconds to wait for the upstream (the learner, or a relay) when connecting."
+    ),
+]
+#: --workers, for the commands that serve workers (serve, relay).
+Workers = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="Wait for workers 0..N-1: each version is done once they hold it, and status "
+        "reports any missing. Default: the workers that have connected.",
     ),
 ]
 #: Rows shown under each relay in the status table (the furthest behind first).
@@ -381,12 +403,43 @@ def status_view(
     )
 
 
-def start_metrics(source: Any, port: int | None, addr: str, out: Console) -> MetricsServer | None:
-    """Serve ``source``'s status as Prometheus metrics, if asked to (``--metrics-port``)."""
-    if port is None:
-        return None
-    from zmqsync.metrics import serve_metrics
+def client_keys(secret: Path | None, server_key: Path | None) -> CurveClient | None:
+    """The CURVE keys of a command that connects, from its options (``--curve-secret``
+    printed its own warning about the file: the library's is silenced)."""
+    with quiet_logger(_SECURITY_LOGGER):
+        return curve_client_from_files(secret, server_key)
 
-    server = serve_metrics(source, port, addr)
-    out.print(f"metrics on http://{addr}:{server.port}/metrics", soft_wrap=True)
-    return server
+
+def server_keys(secret: Path | None, clients: Path | None) -> CurveServer | None:
+    """The CURVE keys of a command that listens, from its options (as :func:`client_keys`)."""
+    with quiet_logger(_SECURITY_LOGGER):
+        return curve_server_from_files(secret, clients)
+
+
+def refuse_exposed(
+    endpoint: str | None, keys: CurveServer | None, insecure: bool, *, who: str, how: str
+) -> None:
+    """Fail for a command about to listen where other hosts can reach it, with no CURVE
+    keys and no ``--insecure``; ``how`` says which options give ``who`` its keys."""
+    if keys is None and not insecure and endpoint and reachable_from_other_hosts(endpoint):
+        fail(
+            f"{endpoint} is reachable from other hosts: give {who} CURVE keys ({how}), or "
+            "--insecure on a trusted network"
+        )
+
+
+@contextlib.contextmanager
+def serving_metrics(source: Any, port: int | None, addr: str, out: Console) -> Iterator[None]:
+    """Serve ``source``'s status as Prometheus metrics while the block runs, if asked to
+    (``--metrics-port``)."""
+    server = None
+    if port is not None:
+        from zmqsync.metrics import serve_metrics
+
+        server = serve_metrics(source, port, addr)
+        out.print(f"metrics on http://{addr}:{server.port}/metrics", soft_wrap=True)
+    try:
+        yield
+    finally:
+        if server is not None:
+            server.close()

@@ -8,12 +8,10 @@ from typing import Annotated
 
 import typer
 
-from zmqsync.endpoints import reachable_from_other_hosts
 from zmqsync.relay import Relay
-from zmqsync.security import curve_client_from_files, curve_server_from_files
 
 from ._common import (
-    SECURITY_LOGGER,
+    ConnectTimeout,
     CurveSecret,
     CurveServerKey,
     Failover,
@@ -22,11 +20,14 @@ from ._common import (
     ModeChoice,
     StrategyChoice,
     StrategyOption,
+    Workers,
+    client_keys,
     console,
-    fail,
     quiet_logger,
+    refuse_exposed,
+    server_keys,
+    serving_metrics,
     sigterm_as_interrupt,
-    start_metrics,
     user_errors,
 )
 
@@ -60,18 +61,9 @@ def relay(
             help="This relay's id among the upstream's workers. Default: the upstream assigns one.",
         ),
     ] = None,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="Wait for workers 0..N-1 before acking a version upstream. Default: the "
-            "workers that have connected.",
-        ),
-    ] = None,
+    workers: Workers = None,
     strategy: StrategyOption = StrategyChoice["state_dict"],
-    timeout: Annotated[
-        float, typer.Option(min=0.1, help="Seconds to wait for the upstream when connecting.")
-    ] = 30.0,
+    timeout: ConnectTimeout = 30.0,
     metrics_port: MetricsPort = None,
     metrics_addr: MetricsAddr = "127.0.0.1",
     failover: Failover = None,
@@ -114,20 +106,13 @@ def relay(
     """
     out = console()
     with user_errors(), sigterm_as_interrupt(), quiet_logger("zmqsync.receiver"):
-        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
-            # One key pair for both ends: a client upstream (with the upstream's public
-            # key), a server downstream.
-            client = (
-                curve_client_from_files(curve_secret, curve_server_key)
-                if curve_server_key is not None
-                else None
-            )
-            server = curve_server_from_files(curve_secret, curve_clients)
-        if server is None and not insecure and endpoint and reachable_from_other_hosts(endpoint):
-            fail(
-                f"{endpoint} is reachable from other hosts: give the relay CURVE keys "
-                "(--curve-secret and --curve-clients), or --insecure on a trusted network"
-            )
+        # One key pair for both ends: a client upstream (with the upstream's public key),
+        # a server downstream.
+        client = client_keys(curve_secret, curve_server_key) if curve_server_key else None
+        server = server_keys(curve_secret, curve_clients)
+        refuse_exposed(
+            endpoint, server, insecure, who="the relay", how="--curve-secret and --curve-clients"
+        )
         node = Relay.over_zmq(
             upstream,
             endpoint,
@@ -142,31 +127,26 @@ def relay(
             timeout=timeout,
             retain_snapshot=snapshot,
         )
-        metrics = None
         try:
             node.connect(timeout)
             node.start()
-            metrics = start_metrics(node, metrics_port, metrics_addr, out)
-            secured = ", CURVE" if server is not None else ""
-            out.print(
-                f"zmqsync relay: listening on {node.endpoint} ({mode.value}{secured}), "
-                f"forwarding {upstream} as worker {node.receiver.worker_idx}",
-                soft_wrap=True,
-            )
-            served = "held, served" if snapshot else "fetched again from upstream"
-            out.print(f"version {node.version}: {served} to workers as they connect")
-            last = node.version
-            while True:
-                time.sleep(0.2)
-                if node.version != last:
-                    last = node.version
-                    out.print(
-                        f"version {last}: forwarded to {node.report().workers_live} worker(s)",
-                        soft_wrap=True,
-                    )
+            with serving_metrics(node, metrics_port, metrics_addr, out):
+                secured = ", CURVE" if server is not None else ""
+                out.print(
+                    f"zmqsync relay: listening on {node.endpoint} ({mode.value}{secured}), "
+                    f"forwarding {upstream} as worker {node.receiver.worker_idx}",
+                    soft_wrap=True,
+                )
+                served = "held, served" if snapshot else "fetched again from upstream"
+                out.print(f"version {node.version}: {served} to workers as they connect")
+                last = node.version
+                while True:
+                    time.sleep(0.2)
+                    if node.version != last:
+                        last = node.version
+                        live = node.report().workers_live
+                        out.print(f"version {last}: forwarded to {live} worker(s)", soft_wrap=True)
         except KeyboardInterrupt:
             out.print(f"zmqsync relay: stopped at version {node.version}")
         finally:
-            if metrics is not None:
-                metrics.close()
             node.close()

@@ -11,25 +11,22 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from zmqsync.checkpoints import CheckpointPublisher, PublishResult
-from zmqsync.endpoints import reachable_from_other_hosts
 from zmqsync.errors import CheckpointError
-from zmqsync.metrics import MetricsServer
-from zmqsync.security import curve_server_from_files
 
 from ._common import (
-    SECURITY_LOGGER,
     CurveSecret,
     MetricsAddr,
     MetricsPort,
     ModeChoice,
     ModeOption,
+    Workers,
     console,
-    fail,
     fmt_bytes,
     fmt_seconds,
-    quiet_logger,
+    refuse_exposed,
+    server_keys,
+    serving_metrics,
     sigterm_as_interrupt,
-    start_metrics,
     user_errors,
 )
 
@@ -55,16 +52,7 @@ def serve(
         ),
     ] = None,
     mode: ModeOption = ModeChoice["pubsub"],
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="Expect workers 0..N-1: every "
-            "new version waits for them, and status "
-            "reports any missing. Default: the workers "
-            "that have connected.",
-        ),
-    ] = None,
+    workers: Workers = None,
     poll: Annotated[
         float,
         typer.Option(min=0.05, help="Seconds between checks of the checkpoint file for changes."),
@@ -110,19 +98,14 @@ def serve(
     """
     out = console()
     with user_errors(), sigterm_as_interrupt():
-        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
-            curve = curve_server_from_files(curve_secret, curve_clients)
-        if (
-            curve is None
-            and not insecure
-            and endpoint is not None
-            and reachable_from_other_hosts(endpoint)
-        ):
-            fail(
-                f"{endpoint} is reachable from other hosts: give the learner CURVE keys "
-                "(--curve-secret, made with `zmqsync keys`), or --insecure on a trusted "
-                "network"
-            )
+        curve = server_keys(curve_secret, curve_clients)
+        refuse_exposed(
+            endpoint,
+            curve,
+            insecure,
+            who="the learner",
+            how="--curve-secret, made with `zmqsync keys`",
+        )
         publisher = CheckpointPublisher(
             checkpoint,
             endpoint=endpoint,
@@ -133,47 +116,51 @@ def serve(
             curve=curve,
             insecure=insecure,
         )
-        metrics: MetricsServer | None = None
         try:
             first = publisher.start()
-            metrics = start_metrics(publisher, metrics_port, metrics_addr, out)
-            secured = ", CURVE" if curve is not None else ""
-            out.print(
-                f"zmqsync serve: listening on {publisher.endpoint} "
-                f"({mode.value}, state_dict, model 'policy'{secured})",
-                soft_wrap=True,
-            )
-            keys = " --curve-secret KEY_SECRET --curve-server-key SERVER_KEY" if curve else ""
-            out.print(
-                f"start workers with: zmqsync worker {publisher.endpoint} --model "
-                f"module:factory{keys}",
-                soft_wrap=True,
-            )
-            out.print(
-                f"version {first.version}: {checkpoint} ({fmt_bytes(first.nbytes)}) is "
-                "ready; workers get it when they connect",
-                soft_wrap=True,
-            )
-            out.print(f"watching {checkpoint} every {poll:g}s; Ctrl-C to stop", soft_wrap=True)
-            while True:
-                time.sleep(poll)
-                if not publisher.changed():
-                    continue
-                try:
-                    result = _publish(publisher, out)
-                except CheckpointError as exc:
-                    # Keep serving the last good version; the next change is read again.
-                    console(stderr=True).print(
-                        f"warning: {exc}; still serving version {publisher.version}", soft_wrap=True
-                    )
-                    continue
-                _report(result, out)
+            with serving_metrics(publisher, metrics_port, metrics_addr, out):
+                _announce(publisher, first, out, mode=mode.value, curve=curve is not None)
+                out.print(f"watching {checkpoint} every {poll:g}s; Ctrl-C to stop", soft_wrap=True)
+                while True:
+                    time.sleep(poll)
+                    if not publisher.changed():
+                        continue
+                    try:
+                        result = _publish(publisher, out)
+                    except CheckpointError as exc:
+                        # Keep serving the last good version; the next change is read again.
+                        console(stderr=True).print(
+                            f"warning: {exc}; still serving version {publisher.version}",
+                            soft_wrap=True,
+                        )
+                        continue
+                    _report(result, out)
         except KeyboardInterrupt:
             out.print("zmqsync serve: stopped")
         finally:
-            if metrics is not None:
-                metrics.close()
             publisher.close()
+
+
+def _announce(
+    publisher: CheckpointPublisher, first: PublishResult, out: Console, *, mode: str, curve: bool
+) -> None:
+    """Say where the learner listens, how workers join it, and what it serves first."""
+    secured = ", CURVE" if curve else ""
+    out.print(
+        f"zmqsync serve: listening on {publisher.endpoint} "
+        f"({mode}, state_dict, model 'policy'{secured})",
+        soft_wrap=True,
+    )
+    keys = " --curve-secret KEY_SECRET --curve-server-key SERVER_KEY" if curve else ""
+    out.print(
+        f"start workers with: zmqsync worker {publisher.endpoint} --model module:factory{keys}",
+        soft_wrap=True,
+    )
+    out.print(
+        f"version {first.version}: {publisher.path} ({fmt_bytes(first.nbytes)}) is "
+        "ready; workers get it when they connect",
+        soft_wrap=True,
+    )
 
 
 def _publish(publisher: CheckpointPublisher, out: Console) -> PublishResult:

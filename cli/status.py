@@ -7,17 +7,15 @@ from typing import Annotated
 
 import typer
 
-from zmqsync.security import curve_client_from_files
 from zmqsync.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
 from zmqsync.status_types import SenderStatus
 
 from ._common import (
-    SECURITY_LOGGER,
     SILENT_HELP,
     CurveSecret,
     CurveServerKey,
+    client_keys,
     console,
-    quiet_logger,
     status_view,
     user_errors,
 )
@@ -52,8 +50,7 @@ def status(
     behind, has not connected or went silent, 2 when no sender answered.
     """
     with user_errors(code=EXIT_NO_SENDER):
-        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
-            curve = curve_client_from_files(curve_secret, curve_server_key)
+        curve = client_keys(curve_secret, curve_server_key)
         state = SenderStatus.from_dict(query_status(endpoint, timeout, curve=curve))
     problems = assess(state, silent_after=silent_after)
     if as_json:

@@ -12,17 +12,16 @@ from rich.text import Text
 
 from zmqsync.endpoints import check_connectable
 from zmqsync.errors import ZMQSyncError
-from zmqsync.security import CurveClient, curve_client_from_files
+from zmqsync.security import CurveClient
 from zmqsync.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
 from zmqsync.status_types import SenderStatus
 
 from ._common import (
-    SECURITY_LOGGER,
     SILENT_HELP,
     CurveSecret,
     CurveServerKey,
+    client_keys,
     console,
-    quiet_logger,
     sigterm_as_interrupt,
     status_view,
     user_errors,
@@ -62,8 +61,7 @@ def watch(
     out = console()
     with user_errors(code=2):
         check_connectable(endpoint)  # a malformed endpoint is an error, not a retry loop
-        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
-            curve = curve_client_from_files(curve_secret, curve_server_key)
+        curve = client_keys(curve_secret, curve_server_key)
     refreshes = 0
     try:
         with sigterm_as_interrupt():

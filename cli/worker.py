@@ -6,16 +6,16 @@ from typing import Annotated
 
 import typer
 
-from zmqsync.security import curve_client_from_files
 from zmqsync.worker import ModelWorker, build_model
 
 from ._common import (
-    SECURITY_LOGGER,
+    ConnectTimeout,
     CurveSecret,
     CurveServerKey,
     Failover,
     StrategyChoice,
     StrategyOption,
+    client_keys,
     console,
     fmt_seconds,
     quiet_logger,
@@ -54,9 +54,7 @@ def worker(
         ),
     ] = None,
     strategy: StrategyOption = StrategyChoice["state_dict"],
-    timeout: Annotated[
-        float, typer.Option(min=0.1, help="Seconds to wait for the learner when connecting.")
-    ] = 30.0,
+    timeout: ConnectTimeout = 30.0,
     checksum: Annotated[
         bool,
         typer.Option(
@@ -79,8 +77,7 @@ def worker(
     out, err = console(), console(stderr=True)
     # The receiver logs each refused message; this command reports them itself, once.
     with user_errors(), sigterm_as_interrupt(), quiet_logger("zmqsync.receiver"):
-        with quiet_logger(SECURITY_LOGGER):  # --curve-secret printed its own warning
-            curve = curve_client_from_files(curve_secret, curve_server_key)
+        curve = client_keys(curve_secret, curve_server_key)
         net = build_model(model)
         follower = ModelWorker(
             endpoint,
