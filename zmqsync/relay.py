@@ -34,7 +34,7 @@ from zmqsync.protocol.stream import Broken, Start
 from zmqsync.receiver import WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
-from zmqsync.sender.copies import Copy, Forwarded, Transfer
+from zmqsync.sender.copies import Copy, Forwarded, Forwarding, Transfer
 from zmqsync.status_types import RelayCounts, SenderStatus, UpstreamStatus
 from zmqsync.transport.base import HubTransport, SpokeTransport
 from zmqsync.vocabulary import Mode, Strategy
@@ -132,7 +132,7 @@ class _Downstream(WeightSender):
             send = self.fleet.begin_forward(
                 chunk.version, chunk.epoch, time.monotonic(), self.timeout, targets, again=again
             )
-            self._forwarding = (send, copy)
+            self._forwarding = Forwarding(send, copy)
             self._metadata = chunk.metadata
             peers = self._peers_of(send.targets) if targets is not None else {}
         for runner in self._runners:
@@ -475,10 +475,10 @@ class Relay(ClosesOnExit):
             forwarding = sender._forwarding
             if (
                 forwarding is not None
-                and forwarding[0].version == version
+                and forwarding.send.version == version
                 and fleet.epoch == self.receiver.epoch
             ):
-                return forwarding[0].done
+                return forwarding.send.done
             if fleet.epoch != self.receiver.epoch:
                 return not fleet.targets(None, now)
             for w in fleet.targets(None, now):

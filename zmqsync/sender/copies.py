@@ -25,7 +25,7 @@ from zmqsync.vocabulary import Metadata
 if TYPE_CHECKING:
     from zmqsync.sender.state import SenderState
 
-__all__ = ["Copy", "Forwarded", "Lease", "Pending", "Ring", "Transfer"]
+__all__ = ["Copy", "Forwarded", "Forwarding", "Lease", "Pending", "Ring", "Transfer"]
 
 log = logging.getLogger("zmqsync.sender")
 
@@ -380,5 +380,15 @@ class Transfer:
 
 @dataclass
 class Pending:
+    """A send of the sender's own, and the copy it streams."""
+
     send: Send
     copy: Copy = field(repr=False)
+
+
+@dataclass
+class Forwarding:
+    """A relay's version on its way to its workers, and the send that waits for them."""
+
+    send: Send
+    copy: Forwarded = field(repr=False)

@@ -22,12 +22,12 @@ import torch
 
 from zmqsync.chunking.delta import DeltaTracker
 from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, StreamLayout
-from zmqsync.fleet import Fleet, Send
+from zmqsync.fleet import Fleet
 from zmqsync.protocol import (
     MAX_CHUNK_BYTES,
     encode_metadata,
 )
-from zmqsync.sender.copies import Copy, Forwarded, Pending, Ring, Transfer
+from zmqsync.sender.copies import Copy, Forwarding, Pending, Ring, Transfer
 from zmqsync.sender.copying import Copying
 from zmqsync.sender.handling import STALL_MEMORY, Handling
 from zmqsync.sender.pump import HubRunner
@@ -193,7 +193,7 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         self._metadata: Metadata | None = None  # the latest version's
         self._pending: Pending | None = None
         #: A relay's version in progress (see _forward_begin), and its send.
-        self._forwarding: tuple[Send, Forwarded] | None = None
+        self._forwarding: Forwarding | None = None
         self._async_pending = False
         self._started = time.monotonic()
         self._last_expiry = self._started

@@ -84,7 +84,7 @@ class HubRunner:
         self._waiting = False  # the pump waits on the hub's descriptors, not in recv_frames
         self._acks = True  # whether the pump wakes for acks (not when send() reads them)
         self._pokes: Wakeup | None = None  # wakes a waiting pump (see _run_waiting)
-        self.turns = 0  # how often the pump took the baton (tests: sends do not wake it)
+        self.turns = 0  # how often the pump took the baton (a send should not wake it)
         #: Effects of the fleet core meant for this hub, decided on another hub's thread.
         self.later: deque[Any] = deque()
         #: Versions streaming to this hub (the baton holder advances them), oldest first,
@@ -161,7 +161,7 @@ class HubRunner:
             return False
         now = time.monotonic()
         return any(
-            version == forwarding[1].version
+            version == forwarding.copy.version
             and (to is None or peer in to)
             and now - finished < max(finished - started, READING_GRACE)
             for version, to, started, finished in self.done

@@ -14,14 +14,14 @@ import torch
 
 from zmqsync.chunking.delta import DeltaTracker
 from zmqsync.chunking.layout import StreamLayout
-from zmqsync.fleet import Fleet, Send
+from zmqsync.fleet import Fleet
 from zmqsync.tensors.flatten import Flattener
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.shared_params import SharedParams
 from zmqsync.vocabulary import Metadata
 
 if TYPE_CHECKING:
-    from zmqsync.sender.copies import Copy, Forwarded, Pending, Ring
+    from zmqsync.sender.copies import Copy, Forwarding, Pending, Ring
     from zmqsync.sender.pump import HubRunner
 
 __all__ = ["SenderState"]
@@ -55,7 +55,7 @@ class SenderState:
     _closed: bool
     _pump_error: BaseException | None
     _pending: Pending | None
-    _forwarding: tuple[Send, Forwarded] | None
+    _forwarding: Forwarding | None
     _async_pending: bool
 
     # --- copies: ``_snapshot_lock`` guards the snapshot --------------------------------
