@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,13 +18,14 @@ from zmqsync.schemes.base import WeightSyncScheme as _ZmqsyncScheme
 from zmqsync.sender import WeightSender
 from zmqsync.torchrl._model import (
     _built,
+    _check_retain_snapshot,
     _ForwardLock,
     _materialize,
     _model_of,
     _PolicyVersion,
     _weightless,
 )
-from zmqsync.torchrl._plan import _count_workers, _Fanout, _is_per_worker, _nth, _Plan
+from zmqsync.torchrl._plan import _FORMS, _count_workers, _Fanout, _is_per_worker, _nth, _Plan
 from zmqsync.vocabulary import Strategy, WorkerIds
 
 
@@ -56,12 +57,16 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 
     def __init__(
         self,
+        inner_class: type[_ZmqsyncScheme],
         strategy: Strategy,
-        inner: _ZmqsyncScheme,
+        options: dict[str, Any],
         *,
         sync: bool = True,
         per_worker_weights: bool = False,
     ) -> None:
+        """Wrap ``inner_class(strategy, **options)``, the zmqsync scheme that syncs."""
+        _check_retain_snapshot(options)
+        inner = inner_class(strategy, **options)
         with warnings.catch_warnings():
             # torchrl warns that ITS state_dict application is experimental; zmqsync
             # applies weights itself (checked, all-or-nothing), so it does not apply here.
@@ -197,34 +202,26 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         *,
         model_id: str | None = "policy",
         context: Any = None,
-        model: Any = None,
-        weights: Any = None,
-        params_map: Mapping[int, Any] | None = None,
-        devices: Sequence[Any] | None = None,
-        device_map_fn: Callable[[int, Any], Any] | None = None,
-        num_workers: int | None = None,
         ctx: Any = None,
         **kwargs: Any,
     ) -> None:
         """Start serving the workers and publish the learner's weights as version 0.
 
-        Takes every keyword form torchrl's schemes take (see :class:`_Plan`); ``ctx`` is
-        torchrl's multiprocessing context (the pipe scheme makes its pipes with it).
-        Without weights (a collector built from a ``policy_factory`` only), nothing is
+        Takes every keyword form torchrl's schemes take (``model``, ``weights``,
+        ``params_map``, ``devices``, ``device_map_fn``, ``num_workers``: see
+        :class:`_Plan`); ``ctx`` is torchrl's multiprocessing context (the pipe scheme
+        makes its pipes with it), and what is left goes to :meth:`_hub_args`. Without
+        weights (a collector built from a ``policy_factory`` only), nothing is
         published: each worker keeps the weights its factory made until the first
         explicit ``update_policy_weights_(weights)``.
         """
+        forms = {name: kwargs.pop(name, None) for name in _FORMS}
         plan = _Plan.resolve(
             type(self).__name__,
             model_id=model_id,
             context=context,
-            model=model,
-            weights=weights,
-            params_map=params_map,
-            devices=devices,
-            device_map_fn=device_map_fn,
-            num_workers=num_workers,
             per_worker=self.per_worker_weights,
+            **forms,
         )
         self._model_id = plan.model_id
         self.context = context

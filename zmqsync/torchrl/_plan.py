@@ -53,6 +53,11 @@ def _nth(value: Any, i: int) -> Any:
     return value[i]
 
 
+#: The keywords that say what a torchrl scheme's ``init_on_sender`` publishes, and to
+#: how many workers (see :meth:`_Plan.resolve`).
+_FORMS: Final = ("model", "weights", "params_map", "devices", "device_map_fn", "num_workers")
+
+
 @dataclasses.dataclass
 class _Plan:
     """What ``init_on_sender`` was asked for, in any of torchrl's keyword forms.

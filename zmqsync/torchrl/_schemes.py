@@ -10,15 +10,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from zmqsync.errors import SyncTimeout
-from zmqsync.schemes.base import DEFAULT_CONNECT_TIMEOUT
 from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme as _PipeScheme
 from zmqsync.schemes.ray import RayWeightSyncScheme as _RayScheme
 from zmqsync.schemes.zmq import ZMQWeightSyncScheme as _ZMQScheme
-from zmqsync.security import CurveClient, CurveServer
 from zmqsync.torchrl._collector import _CollectorScheme
-from zmqsync.torchrl._model import _check_retain_snapshot
 from zmqsync.torchrl._plan import _STATUS_POLL
-from zmqsync.transport.ray import DELIVER_METHOD, POLL_INTERVAL, deliver
+from zmqsync.transport.ray import DELIVER_METHOD, deliver
 from zmqsync.vocabulary import Mode, Strategy
 
 __all__ = ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme", "ZMQWeightSyncScheme"]
@@ -27,21 +24,19 @@ __all__ = ["MultiProcessWeightSyncScheme", "RayWeightSyncScheme", "ZMQWeightSync
 class ZMQWeightSyncScheme(_CollectorScheme):
     """:class:`zmqsync.ZMQWeightSyncScheme` as a torchrl ``WeightSyncScheme``.
 
-    Same arguments as :class:`zmqsync.ZMQWeightSyncScheme`.
-
     Args:
         strategy: ``"tensordict"`` (default) or ``"state_dict"``.
-        mode: ``"pubsub"`` (fan-out) or ``"router"`` (addressed).
-        endpoint: where the learner binds; ``None`` picks a free ipc path.
-        timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
-            every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
-        curve_server: the learner's CURVE keys, as in zmqsync.
-        curve_client: a worker's CURVE keys, as in zmqsync.
-        insecure: allow a non-loopback endpoint without keys, as in zmqsync.
-        connect_timeout: seconds a worker waits in ``connect()`` for the learner and
-            its first version (and the learner, when it waits, for its workers).
-        **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
-            stay ``True``: workers take their first weights from the snapshot).
+        sync: whether ``send()`` (``collector.update_policy_weights_()``) waits for
+            every targeted worker's ack.
+        per_worker_weights: each worker has weights of its own (one sender per worker,
+            each on an endpoint of its own).
+        **options: every keyword :class:`zmqsync.ZMQWeightSyncScheme` takes, meaning the
+            same: ``mode``, ``endpoint``, ``timeout`` (seconds ``send()`` waits for the
+            acks before raising :class:`zmqsync.SyncTimeout`), the CURVE keys,
+            ``insecure``, ``shared_memory``, ``connect_timeout`` (seconds a worker waits
+            in ``connect()`` for the learner and its first version) and the sender's
+            options (``heartbeat``, ``repair_after``, ...; ``retain_snapshot`` must stay
+            ``True``: workers take their first weights from the snapshot).
     """
 
     _inner: _ZMQScheme
@@ -50,37 +45,19 @@ class ZMQWeightSyncScheme(_CollectorScheme):
         self,
         strategy: Strategy = "tensordict",
         *,
-        mode: Mode = "pubsub",
-        endpoint: str | None = None,
-        timeout: float = 10.0,
-        curve_server: CurveServer | None = None,
-        curve_client: CurveClient | None = None,
-        insecure: bool = False,
-        shared_memory: bool | None = None,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         sync: bool = True,
         per_worker_weights: bool = False,
-        **sender_options: Any,
+        **options: Any,
     ) -> None:
-        _check_retain_snapshot(sender_options)
-        inner = _ZMQScheme(
-            strategy,
-            mode=mode,
-            endpoint=endpoint,
-            timeout=timeout,
-            curve_server=curve_server,
-            curve_client=curve_client,
-            insecure=insecure,
-            shared_memory=shared_memory,
-            connect_timeout=connect_timeout,
-            **sender_options,
-        )
+        endpoint = options.get("endpoint")
         if per_worker_weights and endpoint is not None:
             raise ValueError(
                 "per_worker_weights=True serves each worker from an endpoint of its own: "
                 f"leave endpoint=None (got {endpoint!r})"
             )
-        super().__init__(strategy, inner, sync=sync, per_worker_weights=per_worker_weights)
+        super().__init__(
+            _ZMQScheme, strategy, options, sync=sync, per_worker_weights=per_worker_weights
+        )
 
     @property
     def mode(self) -> Mode:
@@ -106,12 +83,15 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
 
     Args:
         strategy: ``"state_dict"`` (default) or ``"tensordict"``.
-        timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
-            every targeted worker's ack before raising :class:`zmqsync.SyncTimeout`.
-        connect_timeout: seconds a worker waits in ``connect()`` for the learner and
-            its first version (and the learner, when it waits, for its workers).
-        **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
-            stay ``True``: workers take their first weights from the snapshot).
+        sync: whether ``send()`` (``collector.update_policy_weights_()``) waits for
+            every targeted worker's ack.
+        per_worker_weights: each worker has weights of its own (one sender per worker).
+        **options: every keyword :class:`zmqsync.MultiProcessWeightSyncScheme` takes,
+            meaning the same: ``timeout`` (seconds ``send()`` waits for the acks before
+            raising :class:`zmqsync.SyncTimeout`), ``connect_timeout`` (seconds a worker
+            waits in ``connect()`` for the learner and its first version) and the
+            sender's options (``heartbeat``, ``repair_after``, ...; ``retain_snapshot``
+            must stay ``True``: workers take their first weights from the snapshot).
 
     Without a collector: ``init_on_sender(model_id, model=..., num_workers=N)``, start
     the workers with the scheme (``spawn`` or ``forkserver``), call ``connect()`` on the
@@ -125,17 +105,13 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
         self,
         strategy: Strategy = "state_dict",
         *,
-        timeout: float = 10.0,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         sync: bool = True,
         per_worker_weights: bool = False,
-        **sender_options: Any,
+        **options: Any,
     ) -> None:
-        _check_retain_snapshot(sender_options)
-        inner = _PipeScheme(
-            strategy, timeout=timeout, connect_timeout=connect_timeout, **sender_options
+        super().__init__(
+            _PipeScheme, strategy, options, sync=sync, per_worker_weights=per_worker_weights
         )
-        super().__init__(strategy, inner, sync=sync, per_worker_weights=per_worker_weights)
         #: The workers' ends of their pipes, by worker index: held by the learner only
         #: until the workers have started (``connect()``), carried into them by pickling.
         self._worker_ends: dict[int, Connection] = {}
@@ -253,22 +229,23 @@ class RayWeightSyncScheme(_CollectorScheme):
     """:class:`zmqsync.RayWeightSyncScheme` as a torchrl ``WeightSyncScheme``, for
     ``torchrl.collectors.distributed.RayCollector``.
 
-    Same arguments as :class:`zmqsync.RayWeightSyncScheme`.
-
     Args:
         strategy: ``"state_dict"`` (default) or ``"tensordict"``.
-        timeout: seconds ``send()`` (``collector.update_policy_weights_()``) waits for
-            every targeted actor's ack before raising :class:`zmqsync.SyncTimeout` (a
-            killed actor, for one).
         method: ``None`` (default): reach each actor through Ray's built-in
             ``__ray_call__``, which torchrl's remote collectors (any Ray actor) have. A
             name: call that method of the actor instead (an actor class that inherits
             :class:`zmqsync.WeightSyncActorMixin` has ``"zmqsync_deliver"``).
-        poll_interval: longest gap between the learner's polls of an idle actor.
-        connect_timeout: seconds the learner's ``connect()`` (torchrl calls it before
-            the first update) waits for every actor to hold the latest version.
-        **sender_options: ``heartbeat``, ``repair_after``, ... (``retain_snapshot`` must
-            stay ``True``).
+        sync: whether ``send()`` (``collector.update_policy_weights_()``) waits for
+            every targeted actor's ack.
+        per_worker_weights: each actor has weights of its own (one sender per actor).
+        **options: every other keyword :class:`zmqsync.RayWeightSyncScheme` takes,
+            meaning the same: ``timeout`` (seconds ``send()`` waits for the acks before
+            raising :class:`zmqsync.SyncTimeout`, a killed actor for one),
+            ``poll_interval``, ``shared_memory``, ``connect_timeout`` (seconds the
+            learner's ``connect()``, which torchrl calls before the first update, waits
+            for every actor to hold the latest version) and the sender's options
+            (``heartbeat``, ``repair_after``, ...; ``retain_snapshot`` must stay
+            ``True``).
 
     A remote collector applies versions between its own method calls (a plain Ray actor
     runs one call at a time), so an update sent while it collects a batch lands when
@@ -294,30 +271,21 @@ class RayWeightSyncScheme(_CollectorScheme):
         self,
         strategy: Strategy = "state_dict",
         *,
-        timeout: float = 10.0,
         method: str | None = None,
-        poll_interval: float = POLL_INTERVAL,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         sync: bool = True,
         per_worker_weights: bool = False,
-        **sender_options: Any,
+        **options: Any,
     ) -> None:
-        _check_retain_snapshot(sender_options)
-        if "backend" in sender_options:
+        if "backend" in options:
             raise TypeError(
                 "zmqsync.torchrl.RayWeightSyncScheme does not take backend=: it moves weights "
                 "through Ray's calls and object store (and shared memory on one host), not "
                 "a torch.distributed process group. Drop the argument."
             )
-        inner = _RayScheme(
-            strategy,
-            timeout=timeout,
-            method=DELIVER_METHOD if method is None else method,
-            poll_interval=poll_interval,
-            connect_timeout=connect_timeout,
-            **sender_options,
+        options["method"] = DELIVER_METHOD if method is None else method
+        super().__init__(
+            _RayScheme, strategy, options, sync=sync, per_worker_weights=per_worker_weights
         )
-        super().__init__(strategy, inner, sync=sync, per_worker_weights=per_worker_weights)
         self.method = method
 
     def _hub_args(
