@@ -16,21 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
+from zmqsync import protocol
 from zmqsync.errors import SchemaMismatchError, SyncTimeout, WeightsRejected, ZMQSyncError
-from zmqsync.protocol import (
-    AUTO_WORKER,
-    Ack,
-    ErrorMessage,
-    Goodbye,
-    Hello,
-    Message,
-    Probe,
-    ProbeRequest,
-    SnapshotRequest,
-    UpToDate,
-    Welcome,
-    encode,
-)
 from zmqsync.protocol.stream import Broken, ChunkStream
 from zmqsync.transport.base import Follows, SpokeTransport
 
@@ -194,13 +181,13 @@ class Session:
         error.__cause__ = exc
         return error
 
-    def _send(self, message: Message, *, ack: bool = False) -> None:
-        self._spoke.send_frames(encode(message), ack=ack)
+    def _send(self, message: protocol.Message, *, ack: bool = False) -> None:
+        self._spoke.send_frames(protocol.encode(message), ack=ack)
 
     def _send_hello(self) -> None:
-        worker = AUTO_WORKER if self.worker_idx is None else self.worker_idx
+        worker = protocol.AUTO_WORKER if self.worker_idx is None else self.worker_idx
         self._send(
-            Hello(
+            protocol.Hello(
                 self.model_id,
                 self.version,
                 self.epoch,
@@ -214,7 +201,7 @@ class Session:
     def _send_probe(self) -> None:
         if self.worker_idx is not None and self._session:  # probes follow the Welcome
             self._send(
-                ProbeRequest(
+                protocol.ProbeRequest(
                     self.model_id, self.worker_idx, self._probe_nonce, session=self._session
                 )
             )
@@ -226,7 +213,7 @@ class Session:
                 self._send_hello()
             return
         self._send(
-            SnapshotRequest(
+            protocol.SnapshotRequest(
                 self.model_id,
                 self.version,
                 self.epoch,
@@ -276,8 +263,8 @@ class Session:
         self._new_attempt()
         self._send_hello()
 
-    def _on_control(self, message: Message) -> None:
-        if isinstance(message, Welcome):
+    def _on_control(self, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Welcome):
             if message.attempt != self._attempt:
                 self.stats["stale"] += 1  # the answer to an earlier attempt
                 return
@@ -303,10 +290,10 @@ class Session:
             self._heartbeat = message.heartbeat_seconds
             self._sender_epoch = message.epoch
             self._welcomed = True
-        elif isinstance(message, Probe):
+        elif isinstance(message, protocol.Probe):
             if message.worker == self.worker_idx and message.nonce == self._probe_nonce:
                 self._probe_ok = True
-        elif isinstance(message, UpToDate):
+        elif isinstance(message, protocol.UpToDate):
             if message.epoch != self._sender_epoch and self._welcomed:
                 # A restarted sender: say hello again (its data address may be new).
                 self._sender_epoch = message.epoch
@@ -316,7 +303,7 @@ class Session:
             # is already on its way, wait for it instead.
             if not message.in_flight:
                 self._caught_up = True
-        elif isinstance(message, ErrorMessage):
+        elif isinstance(message, protocol.ErrorMessage):
             self._rejected(f"sender said {message.code}: {message.message}")
             if message.code == "unknown-session" and self._welcomed:
                 # Expired while this worker was stopped, or taken over: join again.
@@ -347,7 +334,7 @@ class Session:
                 self._unsent_refusal = {"reason": reason, "version": version, "epoch": epoch}
             return
         self._send(
-            Ack(
+            protocol.Ack(
                 self.model_id,
                 self.version if version is None else version,
                 self.epoch if epoch is None else epoch,
@@ -377,7 +364,9 @@ class Session:
             return
         try:
             self._send(
-                Goodbye(self.model_id, self.version, self.epoch, self.worker_idx, self._session)
+                protocol.Goodbye(
+                    self.model_id, self.version, self.epoch, self.worker_idx, self._session
+                )
             )
         except Exception:  # a closed or broken transport: the sender finds out anyway
             log.debug("could not say goodbye to the sender", exc_info=True)
