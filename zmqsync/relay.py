@@ -115,7 +115,8 @@ class _Downstream(WeightSender):
     makes the relay fetch it from upstream again."""
 
     def __init__(self, relay: Relay, hub: Any, **kw: Any) -> None:
-        super().__init__(hub, **kw)
+        # The relay keeps the snapshot (or none), not its sender: see Relay._serve.
+        super().__init__(hub, retain_snapshot=False, **kw)
         self._relay = relay
 
     def _forward_begin(self, chunk: Chunk, targets: tuple[int, ...] | None = None) -> Forwarded:
@@ -218,26 +219,17 @@ class Relay(ClosesOnExit):
         #: until the version comes or REFETCH_INTERVAL passes.
         self._refetching = False
         self._refetched_at = -REFETCH_INTERVAL
+        # Its two halves move the same model the same way.
+        model = {"model_id": model_id, "strategy": strategy, "timeout": timeout}
         self.sender = _Downstream(
             self,
             hub,
-            model_id=model_id,
-            strategy=strategy,
             num_workers=num_workers,
-            timeout=timeout,
             heartbeat=heartbeat,
-            retain_snapshot=False,
             chunk_bytes=chunk_bytes,
+            **model,
         )
-        self.receiver = _Upstream(
-            self,
-            upstream,
-            model_id=model_id,
-            strategy=strategy,
-            worker_idx=worker_idx,
-            timeout=timeout,
-            failover=failover,
-        )
+        self.receiver = _Upstream(self, upstream, worker_idx=worker_idx, failover=failover, **model)
         #: The version being forwarded, if any.
         self._copy: Forwarded | None = None
         #: The layout of the stream the relay holds, reused while the schema is the same.
