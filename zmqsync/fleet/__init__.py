@@ -12,16 +12,18 @@ The rules, each enforced in :mod:`zmqsync.fleet.core` and nowhere else:
 - Sessions expire when quiet; the table and the status rows are bounded.
 
 Its modules: ``records`` (where a message came from, the effects, a session), ``views``
-(what the table says: status, who is live), ``core`` (the rules). Their public names are
-this package's.
+(what the table says: status, who is live), ``sends`` (whom a version goes to and waits
+for), ``core`` (the rules). Their public names are this package's.
 """
 
-from zmqsync.fleet import core, records, views
+from zmqsync.fleet import core, records, sends, views
 from zmqsync.fleet.core import *  # noqa: F403
 from zmqsync.fleet.records import *  # noqa: F403
+from zmqsync.fleet.sends import *  # noqa: F403
 from zmqsync.fleet.views import *  # noqa: F403
 
 __all__: list[str] = []
 __all__ += records.__all__
 __all__ += views.__all__
+__all__ += sends.__all__
 __all__ += core.__all__
