@@ -57,7 +57,9 @@ def _join(hub: ZMQHub, spokes: list[ZMQSpoke]) -> None:
     for spoke in spokes:
         spoke.send_frames([b"hello"])
         spoke.follow(hub.announce())
-    got = _pump(hub, spokes, lambda: all(s.borrowing for s in spokes), "the handshake")
+    got = _pump(
+        hub, spokes, lambda: all(s.counters()["borrowing"] for s in spokes), "the handshake"
+    )
     assert got == [[b"hello"]] * len(spokes), "the handshake must not reach the hub's user"
 
 
@@ -181,7 +183,7 @@ for _ in range(200):
         break
 print(json.dumps({
     "frames": None if frames is None else [hashlib.sha256(f).hexdigest() for f in frames],
-    "borrowing": spoke.borrowing,
+    "borrowing": spoke.counters()["borrowing"],
     "counters": spoke.counters(),
 }))
 spoke.close()
@@ -247,7 +249,7 @@ def test_a_peer_that_cannot_open_the_blocks_gets_every_byte_inline(
         assert proc.returncode == 0, err
         result = json.loads(out)
         assert result["frames"] == [hashlib.sha256(b).hexdigest() for b in (b"head", payload)]
-        assert result["borrowing"] is False
+        assert result["borrowing"] == 0
         assert result["counters"].get("shm_not_readable") == 1
         assert result["counters"].get("shm_shared_frames", 0) == 0
         assert local_got is not None and bytes(local_got[1]) == payload
@@ -384,14 +386,14 @@ def test_shared_memory_is_on_for_ipc_unless_asked_otherwise(
         spoke.follow(hub.announce())
         deadline = time.monotonic() + DEADLINE
         heard = False
-        while not heard or (expected and not spoke.borrowing):
+        while not heard or (expected and not spoke.counters()["borrowing"]):
             assert time.monotonic() < deadline, "the hello or the handshake never completed"
             heard = hub.recv_frames(0.05) is not None or heard
             assert spoke.recv_frames(0.01) is None
         payload = os.urandom(PAYLOAD)
         buf = hub.lend(PAYLOAD)
         if not expected:
-            assert buf is None and not spoke.borrowing
+            assert buf is None and spoke.counters()["borrowing"] == 0
             assert not any(k.startswith("shm_") for k in spoke.counters())
             return
         buf[:] = np.frombuffer(payload, dtype=np.uint8)
@@ -446,7 +448,7 @@ def test_a_peer_that_never_opened_the_probe_block_cannot_join(mode: str, tmp_pat
         assert dealer.routing_id not in hub._lender.members()  # type: ignore[union-attr]
         assert hub.counters()["shm_joined"] == 1
         assert hub.counters()["shm_peers"] == 1
-        assert spokes[0].borrowing
+        assert spokes[0].counters()["borrowing"] == 1
         # The real worker still reads in place.
         payload = os.urandom(PAYLOAD)
         (got,) = _send_until_all(hub, spokes, _shared(hub, payload))

@@ -84,7 +84,6 @@ class HubRunner:
         self._waiting = False  # the pump waits on the hub's descriptors, not in recv_frames
         self._acks = True  # whether the pump wakes for acks (not when send() reads them)
         self._pokes: Wakeup | None = None  # wakes a waiting pump (see _run_waiting)
-        self.turns = 0  # how often the pump took the baton (a send should not wake it)
         #: Effects of the fleet core meant for this hub, decided on another hub's thread.
         self.later: deque[Any] = deque()
         #: Versions streaming to this hub (the baton holder advances them), oldest first,
@@ -260,7 +259,6 @@ class HubRunner:
                 with self._baton:
                     if self._stopping:
                         break
-                    self.turns += 1
                     self.sender._housekeeping(self)
                     streaming = self.advance()
                     incoming = self.hub.recv_frames(WINDOW_WAIT if streaming else PUMP_TICK)
@@ -292,7 +290,6 @@ class HubRunner:
             with self._baton:
                 if self._stopping:
                     break
-                self.turns += 1
                 self.sender._housekeeping(self)
                 self.advance()
                 look = False

@@ -140,7 +140,9 @@ class Borrower:
         return [encode(Holding(self._slot, self._secret, (self._seen[0], self._seen[1]), held))]
 
     def stats(self) -> dict[str, int]:
-        return {f"shm_{k}": v for k, v in self.counters.items()}
+        """``borrowing``: 1 while the hub counts this spoke as a reader of its blocks
+        (received frames may lie in them), else 0; then the ``shm_`` counts."""
+        return {"borrowing": int(self.active)} | {f"shm_{k}": v for k, v in self.counters.items()}
 
     def close(self) -> None:
         self._maps.clear()

@@ -80,13 +80,10 @@ class ZMQSpoke(OpenEnd, SpokeTransport):
             self._dealer.sndtimeo = 0
             self._dealer.connect(endpoint)
 
-    @property
-    def borrowing(self) -> bool:
-        """True while the hub counts this spoke as a reader of its lent blocks."""
-        return self._borrower.active
-
     def counters(self) -> dict[str, int]:
-        """Shared-memory counts: frames read in place, messages skipped, failures."""
+        """Shared-memory counts: ``borrowing`` (1 while the hub counts this spoke as a
+        reader of its lent blocks, else 0), frames read in place, messages skipped,
+        failures."""
         return self._borrower.stats()
 
     def _request(self, frames: list[bytes]) -> None:

@@ -158,7 +158,6 @@ class RayHub(OpenEnd, FixedPeers, HubTransport):
             "shared_sends": 0,
             "bad_releases": 0,
         }
-        self.last_error: str | None = None
         self._lending = ActorLending() if shared_memory and SHM_AVAILABLE else None
         items = actors.items() if isinstance(actors, Mapping) else enumerate(actors)
         for index, handle in items:
@@ -365,21 +364,20 @@ class RayHub(OpenEnd, FixedPeers, HubTransport):
             return []
         except Exception as exc:  # counted; the actor stays in the fleet
             self._counters["remote_errors"] += 1
-            self.last_error = f"worker {actor.index}: {type(exc).__name__}: {exc}"[:2000]
-            log.warning(
-                "a call to the Ray actor of worker %d failed: %s", actor.index, self.last_error
-            )
+            error = f"worker {actor.index}: {type(exc).__name__}: {exc}"[:2000]
+            log.warning("a call to the Ray actor of worker %d failed: %s", actor.index, error)
             return []
         if not isinstance(result, list) or not all(
             isinstance(m, list) and all(isinstance(b, bytes | bytearray | memoryview) for b in m)
             for m in result
         ):
             self._counters["remote_errors"] += 1
-            self.last_error = (
-                f"worker {actor.index}: {self._method} returned {type(result).__name__}, not a "
-                "list of messages"
+            log.warning(
+                "worker %d: %s returned %s, not a list of messages",
+                actor.index,
+                self._method,
+                type(result).__name__,
             )
-            log.warning("%s", self.last_error)
             return []
         return result
 
