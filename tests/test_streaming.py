@@ -394,3 +394,32 @@ def test_a_scheme_passes_the_apply_mode_and_chunk_size_on(tmp_path) -> None:  # 
         refused.shutdown()
         worker.shutdown()
         learner.shutdown()
+
+
+def test_a_ring_buffer_is_no_larger_than_the_chunks_it_carries() -> None:
+    """A model smaller than one chunk streams through buffers of its own size, not
+    chunk-sized ones; a buffer is reused once nothing views it, and grown when a larger
+    stream needs it."""
+    import weakref
+
+    from zmqsync.sender.copies import RING_SLOTS, Ring
+
+    ring = Ring(chunk_bytes=8 << 20)
+    small = ring.take(1000)
+    assert small is not None and small.nbytes == 1000
+    assert ring.nbytes == 1000
+    ring.hold(small, [weakref.ref(small)])
+    again = ring.take(1000)  # the first is still viewed: a second buffer
+    assert again is not None and ring.nbytes == 2000
+    del small
+    reused = ring.take(800)  # the first is free again: reused, not a third
+    assert reused is not None and reused.nbytes == 800 and ring.nbytes == 2000
+    del again, reused
+    bigger = ring.take(5000)  # a free buffer too small for it is replaced
+    assert bigger is not None and bigger.nbytes == 5000
+    assert ring.nbytes == 5000 + 1000
+    held = []
+    while (buffer := ring.take(100)) is not None:
+        ring.hold(buffer, [weakref.ref(buffer)])
+        held.append(buffer)
+    assert len(held) == RING_SLOTS  # bounded: every slot viewed, nothing more is made

@@ -93,11 +93,15 @@ class Ring:
             # hub's socket, from buffers of our own, until blocks come free.
         for i, (slot, refs) in enumerate(self._slots):
             if all(r() is None for r in refs):
+                if slot.nbytes < nbytes:  # made for a smaller model's stream
+                    slot = np.empty(nbytes, dtype=np.uint8)
                 self._slots[i] = (slot, [])
                 return slot[:nbytes]
         if len(self._slots) >= RING_SLOTS:
             return None
-        slot = np.empty(self.chunk_bytes, dtype=np.uint8)
+        # The size asked for: a stream shorter than one chunk (a small model) needs no
+        # chunk-sized buffer. A version's first chunks are its largest.
+        slot = np.empty(nbytes, dtype=np.uint8)
         self._slots.append((slot, []))
         return slot[:nbytes]
 
