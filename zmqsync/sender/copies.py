@@ -10,7 +10,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from zmqsync.vocabulary import Metadata
 if TYPE_CHECKING:
     from zmqsync.sender.state import SenderState
 
-__all__ = ["Copy", "Forwarded", "Forwarding", "Lease", "Pending", "Ring", "Transfer"]
+__all__ = ["Copy", "Forwarded", "Forwarding", "Lease", "Lent", "Pending", "Ring", "Transfer"]
 
 log = logging.getLogger("zmqsync.sender")
 
@@ -33,6 +33,14 @@ log = logging.getLogger("zmqsync.sender")
 #: stopped peers pin until their transport queues are full (at the default 8 MiB
 #: chunks, 256 MiB at worst, whatever the model's size).
 RING_SLOTS: Final = 32
+
+
+class Lent(NamedTuple):
+    """Frames to send, and weak references to the views of the sender's memory among
+    them: while one is alive, a transport still holds that memory."""
+
+    frames: list[Any]
+    views: list[weakref.ref[np.ndarray]]
 
 
 class Lease:
@@ -48,7 +56,7 @@ class Lease:
     def __init__(self) -> None:
         self._refs: list[weakref.ref[np.ndarray]] = []
 
-    def lend(self, frames: Sequence[Buffer]) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
+    def lend(self, frames: Sequence[Buffer]) -> Lent:
         """``frames`` with every buffer after the header and body as a fresh view, and
         weak references to those views."""
         out: list[Any] = list(frames)
@@ -61,7 +69,7 @@ class Lease:
         self._refs.extend(refs)
         if len(self._refs) > 256:
             self._refs = [r for r in self._refs if r() is not None]
-        return out, refs
+        return Lent(out, refs)
 
     @property
     def released(self) -> bool:
@@ -231,7 +239,7 @@ class Copy:
         spans: list[tuple[int, int]],
         base: int,
         targets: tuple[int, ...] | None = None,
-    ) -> tuple[list[Any], list[weakref.ref[np.ndarray]]]:
+    ) -> Lent:
         """Chunk ``index`` of the delta against ``base`` that carries ``spans`` (a whole
         copy, written: the sender records a version's digests once it is)."""
         assert self.data is not None and self._written == self.layout.count
@@ -255,9 +263,7 @@ class Copy:
         frames = encode(chunk, schema_bytes=self.layout.schema_bytes if index == 0 else None)
         return self.lease.lend(frames)
 
-    def frames(
-        self, index: int, targets: tuple[int, ...] | None = None
-    ) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+    def frames(self, index: int, targets: tuple[int, ...] | None = None) -> Lent | None:
         """Chunk ``index`` as frames to send, lent afresh (and written first if need
         be); None while the ring has no free buffer. ``targets``: the workers behind a
         relay the version is for (the first chunk says so)."""
@@ -292,7 +298,7 @@ class Copy:
         lent = self.lease.lend(frames)
         if self.data is None:
             assert self.ring is not None
-            self.ring.hold(buffer, lent[1])
+            self.ring.hold(buffer, lent.views)
         return lent
 
 
@@ -334,7 +340,7 @@ class Forwarded:
         elif self.reached is not None:
             self.reached.update(to)
 
-    def frames(self, index: int) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+    def frames(self, index: int) -> Lent | None:
         frames = self._frames.pop(index, None)
         return None if frames is None else self.lease.lend(frames)
 
@@ -369,7 +375,7 @@ class Transfer:
         """Bytes it sends each of its peers."""
         return self.copy.nbytes if self.spans is None else sum(n for _, n in self.spans)
 
-    def frames(self) -> tuple[list[Any], list[weakref.ref[np.ndarray]]] | None:
+    def frames(self) -> Lent | None:
         if self.spans is None:
             if isinstance(self.copy, Forwarded):
                 return self.copy.frames(self.next)

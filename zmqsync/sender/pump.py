@@ -11,7 +11,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 
@@ -22,7 +22,15 @@ from zmqsync.transport.wakeup import Wakeup
 if TYPE_CHECKING:
     from zmqsync.sender.core import WeightSender
 
-__all__ = ["MAX_REPAIRS", "PUMP_TICK", "WINDOW", "WINDOW_WAIT", "HubRunner", "sum_counters"]
+__all__ = [
+    "MAX_REPAIRS",
+    "PUMP_TICK",
+    "WINDOW",
+    "WINDOW_WAIT",
+    "HubRunner",
+    "InFlight",
+    "sum_counters",
+]
 
 log = logging.getLogger("zmqsync.sender")
 
@@ -48,6 +56,13 @@ def sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
         for k, v in c.items():
             total[k] = total.get(k, 0) + v
     return total
+
+
+class InFlight(NamedTuple):
+    """A chunk handed to the hub: when, and the views of its memory the hub may hold."""
+
+    sent_at: float
+    views: list[weakref.ref[np.ndarray]]
 
 
 class HubRunner:
@@ -92,7 +107,7 @@ class HubRunner:
         #: The last transfers sent whole, as (version, to, started, finished): a repair
         #: of what one just sent waits (no copy is kept alive by it).
         self.done: deque[tuple[int, list[PeerId] | None, float, float]] = deque(maxlen=MAX_REPAIRS)
-        self.inflight: deque[tuple[float, list[weakref.ref[np.ndarray]]]] = deque()
+        self.inflight: deque[InFlight] = deque()
         self._window_full = False  # whether the last advance() stopped at a full window
         self._thread = threading.Thread(
             target=self._run, name=f"zmqsync-sender-{sender.model_id}-{hub.name}", daemon=True
@@ -173,14 +188,14 @@ class HubRunner:
         inflight = self.inflight
         now = time.monotonic()
         while self.transfers:
-            while inflight and all(r() is None for r in inflight[0][1]):
-                sent_at = inflight.popleft()[0]
+            while inflight and all(r() is None for r in inflight[0].views):
+                sent_at = inflight.popleft().sent_at
                 if self._window_full:
                     # Watched closely (the window was full): how long chunks take to go.
                     sender._released_after(now - sent_at)
             self._window_full = False
             if len(inflight) >= WINDOW:
-                if now - inflight[0][0] <= sender._stall_limit():
+                if now - inflight[0].sent_at <= sender._stall_limit():
                     self._window_full = True
                     return True
                 inflight.popleft()  # held by a stopped peer: go on without it
@@ -202,7 +217,7 @@ class HubRunner:
             self.hub.send_frames(frames, to=transfer.to, stream=stream)
             del frames  # what the hub keeps of them is what the window watches
             now = time.monotonic()
-            inflight.append((now, refs))
+            inflight.append(InFlight(now, refs))
             transfer.next += 1
             sender._totals["chunks_sent"] += 1
             if transfer.sent:
