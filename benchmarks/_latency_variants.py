@@ -7,7 +7,7 @@ processes (see :mod:`benchmarks._latency_worker`), then sends the learner's mode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ class ZmqsyncVariant(Variant):
         timeout: float,
         *,
         retain_snapshot: bool,
-        pack_threshold: int | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         self.name = "zmqsync" if retain_snapshot else "zmqsync-noretain"
         self.mode = mode
@@ -95,9 +95,8 @@ class ZmqsyncVariant(Variant):
         )
         self.timeout = timeout
         self.retain_snapshot = retain_snapshot
-        self.options: dict[str, Any] = (
-            {} if pack_threshold is None else {"pack_threshold": pack_threshold}
-        )
+        #: The scheme's other keywords (``pack_threshold``, ``chunk_bytes``).
+        self.options = dict(options or {})
         self.scheme: ZMQWeightSyncScheme | None = None
 
     def open(self, pool: WorkerPool, procs: Sequence[int], size: str, model: StateDict) -> None:

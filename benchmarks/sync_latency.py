@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -129,7 +129,7 @@ def run_cell(
     timeout: float,
     workdir: str,
     tag: str,
-    pack_threshold: int | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Cell:
     """Open the three variants for ``cell``, measure each one's memory alone, time them
     taking turns send by send (A B C ..., C B A ...), check the workers."""
@@ -143,7 +143,7 @@ def run_cell(
                 tag,
                 timeout,
                 retain_snapshot=retain,
-                pack_threshold=pack_threshold,
+                options=options,
             )
             for retain in (True, False)
         ),
@@ -315,11 +315,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="zmqsync packs tensors under this size into one buffer per dtype (default "
         "64 KiB); 0 sends every tensor from its own memory (no copy, more frames)",
     )
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        metavar="BYTES",
+        help="the chunks zmqsync streams a version in (default 8 MiB)",
+    )
     add_outputs(p, tables="table")
     args = p.parse_args(argv)
     settle_grid(p, args)
     if args.pack_threshold is not None and args.pack_threshold < 0:
         p.error("--pack-threshold must be 0 or more bytes")
+    if args.chunk_bytes is not None and args.chunk_bytes <= 0:
+        p.error("--chunk-bytes must be more than 0")
     return args
 
 
@@ -348,7 +356,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model,
                 timeout=args.timeout,
                 workdir=scratch,
-                pack_threshold=args.pack_threshold,
+                options={
+                    k: v
+                    for k, v in (
+                        ("pack_threshold", args.pack_threshold),
+                        ("chunk_bytes", args.chunk_bytes),
+                    )
+                    if v is not None
+                },
             )
             # A throwaway cell first: one-time costs in the learner (pyzmq's zero-copy
             # collector thread, lazily loaded code, Python's heap growing to hold a
