@@ -50,17 +50,7 @@ from typing import Any, Final
 
 import torch
 
-from benchmarks._command import (
-    DEFAULT_TIMEOUT,
-    FEWEST_REPEATS,
-    add_outputs,
-    csv_list,
-    grid_parser,
-    raise_exit,
-    repeats_for,
-    scratch_dir,
-    settle_grid,
-)
+from benchmarks import _command as command
 from benchmarks._models import describe_models
 from benchmarks._results import Run
 from benchmarks._transports_cell import Cell, run_cell
@@ -91,7 +81,7 @@ RAY_CPUS: Final = 2
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = grid_parser(
+    p = command.grid_parser(
         PROG,
         "zmqsync's transports against torchrl's weight-sync schemes, Ray's object store, "
         "a gloo broadcast, and memcpy.",
@@ -99,7 +89,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--variants",
-        type=csv_list(str, list(VARIANTS)),
+        type=command.csv_list(str, list(VARIANTS)),
         default=list(DEFAULT_VARIANTS),
         help=f"from {','.join(VARIANTS)} (default: all but {','.join(sorted(MOVES_TENSORS))}, "
         "which runs only without the peers)",
@@ -109,13 +99,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         help="timed sends per variant and cell (default by size: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_REPEATS.items())
-        + f"); {' and '.join(SLOW_SIZES)} get a fifth of it, at least {FEWEST_REPEATS}",
+        + f"); {' and '.join(SLOW_SIZES)} get a fifth of it, at least {command.FEWEST_REPEATS}",
     )
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="untimed sends per block")
     p.add_argument(
         "--timeout",
         type=float,
-        default=DEFAULT_TIMEOUT,
+        default=command.DEFAULT_TIMEOUT,
         help="seconds any one send, set-up or worker reply may take",
     )
     p.add_argument(
@@ -126,9 +116,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--torch-threads", type=int, help="torch intra-op threads everywhere (default: torch's)"
     )
-    add_outputs(p, tables="tables")
+    command.add_outputs(p, tables="tables")
     args = p.parse_args(argv)
-    settle_grid(p, args)
+    command.settle_grid(p, args)
     args.variants = [v for v in VARIANTS if v in args.variants]  # the canonical order
     if MOVES_TENSORS & set(args.variants) and set(PEERS[:-1]) & set(args.variants):
         p.error(
@@ -183,7 +173,7 @@ def run_worker_count(
             while left:
                 slot_name, size = left.pop(0)
                 warm = slot_name.endswith("-warm")
-                repeats = repeats_for(size, args.repeats, DEFAULT_REPEATS, SLOW_SIZES)
+                repeats = command.repeats_for(size, args.repeats, DEFAULT_REPEATS, SLOW_SIZES)
                 env = CellEnv(
                     size=size,
                     workers=workers,
@@ -215,7 +205,7 @@ def run_worker_count(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, raise_exit)
+    signal.signal(signal.SIGTERM, command.raise_exit)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # torchrl warns on its own imports and on every scheme; none of it is news here.
     warnings.filterwarnings("ignore", module=r"torchrl\..*")
@@ -234,13 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed_zmqsync = False
     fleet: RayFleet | None = None
     needs_ray = any(WHERE[v] == "ray" for v in args.variants)
-    with scratch_dir() as workdir:
+    with command.scratch_dir() as workdir:
         try:
             if needs_ray:
                 _start_ray(args.torch_threads)
                 # Ray's core worker installs a SIGTERM handler that ends the process at
                 # once; ours runs the cleanup below instead.
-                signal.signal(signal.SIGTERM, raise_exit)
+                signal.signal(signal.SIGTERM, command.raise_exit)
                 fleet = RayFleet(max(args.workers), args.torch_threads, args.timeout)
                 fleet.start()
             for k_no, workers in enumerate(args.workers):
