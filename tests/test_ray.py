@@ -358,7 +358,6 @@ def test_ray_actors_on_this_host_read_versions_in_place_from_shared_memory(actor
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.timeout(180)
 def test_an_actor_whose_receiver_closes_says_goodbye(actors) -> None:  # type: ignore[no-untyped-def]
     """Its goodbye waits in the spoke's outbox when it closes; the hub's next call (a
     poll) still takes it, so a fleet of known size fails a send to it at once, naming

@@ -548,6 +548,76 @@ def test_close_is_idempotent_and_prompt(rig: Rig) -> None:
         rig.sender.send()
 
 
+def test_closing_during_connect_stops_it_and_says_goodbye() -> None:
+    """A worker closed from another thread while its connect() waits (welcomed, its
+    snapshot request unanswered) stops connecting and still tells the sender it left.
+
+    The hub is played by hand. The goodbye used to be skipped because connect() held
+    the spoke, so the sender waited out its timeout for a worker that was gone."""
+    from zmqsync import ZMQSyncError
+    from zmqsync.protocol import Goodbye, Probe, ProbeRequest, Welcome, decode
+
+    hub = MemoryHub()
+    receiver = WeightReceiver(
+        MemorySpoke(hub.endpoint), model=_model(1), strategy="state_dict", worker_idx=0
+    )
+    raised: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            receiver.connect(timeout=30)
+        except BaseException as exc:  # what the test checks
+            raised.append(exc)
+
+    def next_message() -> tuple[object, bytes]:
+        incoming = hub.recv_frames(5.0)
+        assert incoming is not None, "the receiver said nothing"
+        return decode(incoming.frames), incoming.peer
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    try:
+        hello, peer = next_message()
+        while not isinstance(hello, Hello):
+            hello, peer = next_message()
+        hub.send_frames(
+            encode(
+                Welcome(
+                    "policy",
+                    1,
+                    7,
+                    mode="memory",
+                    strategy="state_dict",
+                    worker=0,
+                    session="s3cret",
+                    attempt=hello.attempt,
+                )
+            ),
+            to=[peer],
+        )
+        request, _ = next_message()
+        while not isinstance(request, ProbeRequest):
+            request, _ = next_message()
+        hub.send_frames(encode(Probe("policy", 0, request.nonce)), to=[peer])
+        request, _ = next_message()
+        while not isinstance(request, SnapshotRequest):  # left unanswered
+            request, _ = next_message()
+
+        start = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - start < 2.0
+        thread.join(5.0)
+        assert not thread.is_alive()
+        assert len(raised) == 1 and isinstance(raised[0], ZMQSyncError)
+        assert "closed" in str(raised[0])
+        said = [decode(i.frames) for i in iter(lambda: hub.recv_frames(0.5), None)]
+        goodbyes = [m for m in said if isinstance(m, Goodbye)]
+        assert [(g.worker, g.session) for g in goodbyes] == [(0, "s3cret")]
+    finally:
+        receiver.close()
+        hub.close()
+
+
 def test_one_sender_serves_a_mixed_fleet(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Memory and ZeroMQ workers behind one sender: one version counter, one encode,
     unique worker ids, and a timeout that names missing workers with their transport."""

@@ -33,6 +33,9 @@ RETRY_INTERVAL: Final = 0.2
 #: heartbeat, was silent this many heartbeats (and at least FAILOVER_MIN_SECONDS).
 FAILOVER_HEARTBEATS: Final = 4
 FAILOVER_MIN_SECONDS: Final = 2.0
+#: Longest close() waits for another thread to let go of the spoke before saying
+#: goodbye (a connect() under way notices the close within RETRY_INTERVAL).
+GOODBYE_WAIT: Final = 1.0
 
 
 class Session:
@@ -49,6 +52,7 @@ class Session:
     _spoke: SpokeTransport
     _stream: ChunkStream
     _io_lock: threading.RLock
+    _closed: bool
     _failover: list[Callable[[], SpokeTransport]]
     _failovers: int
     _last_heard: float
@@ -138,6 +142,8 @@ class Session:
         next_ask = 0.0
         interval = FIRST_RETRY
         while True:
+            if self._closed:  # by another thread: it says goodbye once this returns
+                raise ZMQSyncError("the receiver was closed while it connected")
             # Before done(): the sender answers "up to date" to a worker that refused its
             # latest version, and a worker caught up that way does not hold it.
             if (
@@ -359,8 +365,10 @@ class Session:
         (a fleet that is whoever connected)."""
         if not self._welcomed or self.worker_idx is None or not self._session:
             return
-        # Not while the background thread (if it did not stop in time) uses the spoke.
-        if not self._io_lock.acquire(blocking=False):
+        # Not while another thread uses the spoke: a connect() under way (it stops, seeing
+        # the receiver closed), or a background thread that did not stop in time.
+        if not self._io_lock.acquire(timeout=GOODBYE_WAIT):
+            log.debug("the spoke stayed busy: no goodbye to the sender")
             return
         try:
             self._send(
