@@ -333,7 +333,7 @@ def status_table(status: SenderStatus, *, silent_after: float | None) -> Table:
         below = w.below or {}
         if below:  # a relay: the workers behind it, from its heartbeats
             behind = sum(1 for v in below.values() if v < version)
-            state.append(f"; relay for {len(below)}", style="dim")
+            state.append(f"; relay for {max(w.below_total, len(below))}", style="dim")
             if behind:
                 state.append(f", {behind} behind", style="yellow")
         table.add_row(
@@ -349,13 +349,16 @@ def status_table(status: SenderStatus, *, silent_after: float | None) -> Table:
             # Text, not a str: what a host calls itself is not rich markup.
             Text(f"{w.host}:{w.pid}") if w.connected else "-",
         )
-        _below_rows(table, w.worker, below, version)
+        _below_rows(table, w.worker, below, version, w.below_total)
     return table
 
 
-def _below_rows(table: Table, relay: int, below: Mapping[str, int], version: int) -> None:
+def _below_rows(
+    table: Table, relay: int, below: Mapping[str, int], version: int, total: int = 0
+) -> None:
     """The tree under a relay: a row per worker behind it (as its heartbeats say), the
-    furthest behind first, so that where a version stopped shows."""
+    furthest behind first, so that where a version stopped shows. ``total``: how many
+    there are (a status row names only the furthest behind)."""
     shown = sorted(below, key=lambda worker: (below[worker], int(worker)))[:BELOW_ROWS]
     for worker in shown:
         held = below[worker]
@@ -369,10 +372,9 @@ def _below_rows(table: Table, relay: int, below: Mapping[str, int], version: int
             *["-"] * 5,
             Text(f"via relay {relay}", style="dim"),
         )
-    if len(below) > len(shown):
-        table.add_row(
-            f"└ +{len(below) - len(shown)}", *[""] * 8, Text("more behind it", style="dim")
-        )
+    more = max(total, len(below)) - len(shown)
+    if more > 0:
+        table.add_row(f"└ +{more}", *[""] * 8, Text("more behind it", style="dim"))
 
 
 def verdict(status: SenderStatus, problems: Mapping[int, str]) -> Text:

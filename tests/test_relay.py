@@ -318,13 +318,15 @@ def test_the_workers_of_a_dead_relay_fail_over_and_the_learner_names_it() -> Non
             relay.connect(timeout=30)
             relay.start()
         with (
+            # Ids of their own: a worker id that a session of the learner holds (relay
+            # 1 is worker 1) cannot be claimed by a relay.
             _leaves(
                 relays[0].endpoint,
-                [1, 2],
+                [11, 12],
                 models,
                 failover=[lambda: _spoke(backup, "moved")],
             ) as moving,
-            _leaves(backup, [3], models),
+            _leaves(backup, [13], models),
         ):
             _bump(model)
             learner.send()
@@ -347,7 +349,7 @@ def test_the_workers_of_a_dead_relay_fail_over_and_the_learner_names_it() -> Non
             assert "a relay for 2 worker(s)" in str(caught.value)
             # Its workers move to relay 1 and catch up from it.
             until(
-                lambda: {1, 2, 3} <= set(relays[1].sender.connected_workers()),
+                lambda: {11, 12, 13} <= set(relays[1].sender.connected_workers()),
                 20,
                 "the workers of the dead relay joined the other one",
             )

@@ -47,6 +47,7 @@ def _row(worker: int = 0, **fields: Any) -> dict[str, Any]:
         "torn": False,
         "repairing": False,
         "below": {"10": 3, "11": 2},
+        "below_total": 2,
         **fields,
     }
 

@@ -101,9 +101,15 @@ class _Upstream(WeightReceiver):
         self._relay._abort()
 
     def _ack(self, **ack: Any) -> None:
-        if ack["applied"] and not self._relay._settled(self.version):
-            self._relay._owed = True  # acked once every worker below holds it
-            return
+        if ack["applied"]:
+            if not self._relay._settled(self.version):
+                self._relay._owed = True  # acked once every worker below holds it
+                return
+            refused = self._relay._refusals(self.version)
+            if refused:
+                # Its workers' refusals go up as its own: the learner's send then raises
+                # WeightsRejected naming them, as for workers of its own.
+                ack = {**ack, "applied": False, "reason": refused}
         super()._ack(**ack)
 
     def _below(self) -> dict[str, Any]:
@@ -349,7 +355,7 @@ class Relay(ClosesOnExit):
                 if self._owed and self._settled(receiver.version):
                     self._owed = False
                     with receiver._io_lock:
-                        WeightReceiver._ack(receiver, applied=True)
+                        receiver._ack(applied=True)
                 self._refetch()
             except Exception:
                 if self._stop.is_set() or receiver.closed:
@@ -372,17 +378,6 @@ class Relay(ClosesOnExit):
         receiver = self.receiver
         with receiver._io_lock:
             receiver._send_snapshot_request()
-
-    def _lacking(self, version: int) -> tuple[int, ...]:
-        """Its workers that do not hold ``version`` of its epoch whole."""
-        sender = self.sender
-        with sender._cond:
-            fleet = sender.fleet
-            return tuple(
-                w
-                for w, s in fleet.workers.items()
-                if s.left is None and (s.epoch != fleet.epoch or s.version < version or s.torn)
-            )
 
     # --- called by its receiver, on the loop's thread ---------------------------------
 
@@ -407,7 +402,8 @@ class Relay(ClosesOnExit):
         receiver = self.receiver
         if (chunk.version, chunk.epoch) == (receiver.version, receiver.epoch):
             # The version it holds, fetched again: for its workers that lack it.
-            lacking = self._lacking(chunk.version)
+            with self.sender._cond:
+                lacking = self.sender.fleet.lacking(chunk.version)
             if lacking:
                 self._copy = self.sender._forward_begin(chunk, targets=lacking)
             return
@@ -479,18 +475,22 @@ class Relay(ClosesOnExit):
                     return False
         return True
 
+    def _refusals(self, version: int) -> str:
+        """Why workers below refused ``version`` (the version it forwards), in one line,
+        each named; empty when none did."""
+        sender = self.sender
+        with sender._cond:
+            forwarding = sender._forwarding
+            if forwarding is None or forwarding.send.version != version:
+                return ""
+            rejected = sorted(forwarding.send.rejected.items())
+        relay = self.receiver.worker_idx
+        return "; ".join(
+            f"worker {w} (behind relay {relay}) refused it: {reason}" for w, reason in rejected
+        )
+
     def _below(self) -> dict[str, Any]:
         """Its workers and the version each holds, and those behind its own relays (so
         that a send upstream may target any of them)."""
-        sender = self.sender
-        out: dict[str, Any] = {}
-        with sender._cond:
-            fleet = sender.fleet
-            for w, s in fleet.workers.items():
-                if s.left is not None:
-                    continue
-                out[str(w)] = s.version if s.epoch == fleet.epoch else 0
-                out.update((str(b), v) for b, v in s.below.items())
-                if len(out) >= MAX_BELOW:
-                    break
-        return dict(list(out.items())[:MAX_BELOW])
+        with self.sender._cond:
+            return self.sender.fleet.below(MAX_BELOW)

@@ -20,6 +20,7 @@ from zmqsync.protocol import MAX_BELOW
 
 __all__ = [
     "MAX_ITEMS",
+    "STATUS_BELOW",
     "STATUS_ROWS",
     "UNCONNECTED_KEYS",
     "LatencyHistogram",
@@ -33,6 +34,9 @@ __all__ = [
 #: Worker rows in a status; the rest are counted, so a reply stays far below the
 #: protocol's body limit at any fleet size.
 STATUS_ROWS: Final = 1_000
+#: Workers behind one relay that its status row names (the furthest behind first):
+#: whatever relays claim, a status reply stays small and cheap to build.
+STATUS_BELOW: Final = 32
 #: The longest other list or dict ``from_dict`` takes (reasons, histogram buckets,
 #: counters): a sender sends far fewer.
 MAX_ITEMS: Final = 1_000
@@ -77,7 +81,8 @@ class WorkerStatus(_Record):
 
     A worker expected but never connected keeps the defaults, and its JSON row has
     only ``UNCONNECTED_KEYS``. ``below``: for a relay, the version each worker behind
-    it holds, by worker id (as its heartbeats say).
+    it holds, by worker id (as its heartbeats say; at most ``STATUS_BELOW`` of them, the
+    furthest behind first); ``below_total``: how many workers its claim stands for.
     """
 
     worker: int
@@ -100,6 +105,7 @@ class WorkerStatus(_Record):
     torn: bool = False
     repairing: bool = False
     below: dict[str, int] | None = field(default=None, metadata={_MAX: MAX_BELOW})
+    below_total: int = 0
 
     def __post_init__(self) -> None:
         if self.below and not all(w.isascii() and w.isdigit() for w in self.below):
@@ -142,6 +148,12 @@ class Totals(_Record):
     repairs_skipped: int = 0
     timeouts: int = 0
     deltas_sent: int = 0
+    #: Messages whose handling failed unexpectedly: logged and counted, the pump goes on.
+    message_errors: int = 0
+    #: Status requests answered only once the send under way was over, and those dropped
+    #: because too many waited (a status request never delays a send).
+    status_deferred: int = 0
+    status_dropped: int = 0
     rejected_frames: int = 0
     forged: int = 0
     refused_claims: int = 0

@@ -40,7 +40,7 @@ from zmqsync.protocol import (
     Welcome,
 )
 
-__all__ = ["EXPIRE_HEARTBEATS", "EXPIRE_MIN_SECONDS", "MAX_SESSIONS", "Fleet"]
+__all__ = ["EXPIRE_HEARTBEATS", "EXPIRE_MIN_SECONDS", "MAX_CLAIMS", "MAX_SESSIONS", "Fleet"]
 
 #: A session not heard from for this many heartbeats, and at least EXPIRE_MIN_SECONDS
 #: (or that long after its goodbye), is dropped, and its id may be handed out again: a
@@ -50,6 +50,9 @@ EXPIRE_HEARTBEATS: Final = 30
 EXPIRE_MIN_SECONDS: Final = 30.0
 #: Sessions a sender keeps at most: thousands of workers fit, a flood of hellos does not.
 MAX_SESSIONS: Final = 16_384
+#: Workers that relays may claim, all relays together: each claim is a row the sender
+#: keeps, so a flood of relay sessions each naming MAX_BELOW workers stays bounded.
+MAX_CLAIMS: Final = MAX_SESSIONS
 #: A session's probes are answered at most this often (each goes to every subscriber).
 PROBE_INTERVAL: Final = 0.005
 
@@ -100,6 +103,9 @@ class Fleet(FleetSends):
         self.pending: Send | None = None
         self.workers: dict[int, Session] = {}
         self._by_origin: dict[Origin, int] = {}
+        #: Workers behind relays, from the relays' heartbeats: worker id -> the relay's.
+        #: A claim, not a session: one live claimer per worker (see _claim).
+        self.claims: dict[int, int] = {}
         self.counters: dict[str, int] = {
             "rejected_frames": 0,
             "forged": 0,
@@ -127,6 +133,7 @@ class Fleet(FleetSends):
         return effects
 
     def _drop(self, s: Session) -> None:
+        self._unclaim(s)
         del self.workers[s.worker]
         if self._by_origin.get(s.origin) == s.worker:
             del self._by_origin[s.origin]
@@ -233,6 +240,7 @@ class Fleet(FleetSends):
                 return self._refuse_claim(
                     origin, worker, f"a {self.transports[other]} worker holds that index"
                 )
+
         effects: list[Effect] = []
         s = self.workers.get(worker)
         if s is not None and s.origin == origin and s.left is None and hello.attempt == s.attempt:
@@ -273,6 +281,7 @@ class Fleet(FleetSends):
         )
         self.workers[worker] = s
         self._by_origin[origin] = worker
+        self._unclaim_worker(worker)  # it speaks for itself now: no relay speaks for it
         effects.append(self._welcome(s))
         return effects
 
@@ -308,6 +317,7 @@ class Fleet(FleetSends):
         for an id gets. A holder that stopped answering keeps its id until its session
         expires; one that said goodbye gives it back at once."""
         taken = {w for w, s in self.workers.items() if s.left is None}
+        taken |= self.claims.keys()
         for ids in (reserved or {}).values():
             taken |= ids
         return next(i for i in itertools.count() if i not in taken)
@@ -366,8 +376,8 @@ class Fleet(FleetSends):
         # those workers); one that is joining gets the latest version.
         meant = fresh or max(s.target_version, self.broadcast_version) >= self.version
         s.torn = request.torn
-        if request.below:
-            s.below = parse_below(request.below)
+        if request.below or s.below:
+            self._claim(s, parse_below(request.below), now)
         if request.epoch == self.epoch:
             s.version = max(s.version, min(request.version, self.version))
         refused = s.refused == (self.epoch, self.version)
@@ -384,6 +394,52 @@ class Fleet(FleetSends):
             return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, True))]
         return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, False))]
 
+    # --- relays' claims ----------------------------------------------------------------
+
+    def _claim(self, relay: Session, below: dict[int, int], now: float) -> None:
+        """Take a relay's word for the workers behind it where nobody else speaks for
+        them: a worker held live by another session (its own, or a live relay's) cannot
+        be claimed until it is gone, and all claims together stay within MAX_CLAIMS.
+        What it no longer names, it no longer holds."""
+        kept: dict[int, int] = {}
+        refused = 0
+        for w, version in below.items():
+            holder = self.claims.get(w)
+            direct = self.workers.get(w)
+            if (
+                (direct is not None and direct.origin != relay.origin and self.live(direct, now))
+                or (holder is not None and holder != relay.worker and self._live_id(holder, now))
+                or (holder is None and len(self.claims) >= MAX_CLAIMS)
+            ):
+                refused += 1
+                continue
+            if holder is not None and holder != relay.worker:
+                self.workers[holder].below.pop(w, None)  # a silent relay's: taken over
+            self.claims[w] = relay.worker
+            kept[w] = version
+        for w in relay.below.keys() - kept.keys():
+            if self.claims.get(w) == relay.worker:
+                del self.claims[w]
+        relay.below = kept
+        if refused:
+            self.counters["refused_claims"] += refused
+            self.reject(
+                f"relay {relay.worker} named {refused} worker(s) that another session holds "
+                "(or past the fleet's limit on claims): ignored",
+                relay.worker,
+            )
+
+    def _unclaim_worker(self, worker: int) -> None:
+        holder = self.workers.get(self.claims.pop(worker, -1))
+        if holder is not None:
+            holder.below.pop(worker, None)
+
+    def _unclaim(self, relay: Session) -> None:
+        for w in relay.below:
+            if self.claims.get(w) == relay.worker:
+                del self.claims[w]
+        relay.below = {}
+
     def _on_probe(self, request: ProbeRequest, s: Session, now: float) -> list[Effect]:
         if now - s.last_probe < PROBE_INTERVAL:
             self.counters["probes_limited"] += 1
@@ -396,6 +452,7 @@ class Fleet(FleetSends):
             self.counters["stray_goodbyes"] += 1
             return []
         s.left = now
+        self._unclaim(s)
         self.counters["goodbyes"] += 1
         if self._by_origin.get(s.origin) == s.worker:
             del self._by_origin[s.origin]

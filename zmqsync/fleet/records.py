@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
-from zmqsync.protocol import MAX_BELOW, Message
+from zmqsync.protocol import MAX_BELOW, Message, worker_id_key
+from zmqsync.protocol.wire import U64_MAX
 from zmqsync.transport.base import PeerId
 
 __all__ = [
@@ -138,9 +139,12 @@ class Send:
 
 
 def parse_below(below: Mapping[str, Any]) -> dict[int, int]:
-    """A relay's report of the workers behind it, checked and cut to MAX_BELOW."""
+    """A relay's report of the workers behind it, cut to MAX_BELOW and checked as the
+    decoder checks it (ids of ASCII digits, ids and versions within the wire's range):
+    what came some other way than the decoder is not trusted either."""
     out: dict[int, int] = {}
     for key, version in itertools.islice(below.items(), MAX_BELOW):
-        if key.isdigit() and type(version) is int and version >= 0:
-            out[int(key)] = version
+        worker = worker_id_key(key)
+        if worker is not None and type(version) is int and 0 <= version <= U64_MAX:
+            out[worker] = version
     return out

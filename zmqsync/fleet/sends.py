@@ -28,7 +28,7 @@ class FleetSends(FleetViews):
         for w in ids:
             if isinstance(w, bool) or not isinstance(w, int) or w < 0:
                 raise ValueError(f"worker_ids must be non-negative ints; got {w!r}")
-        behind = self._behind_relays(ids)
+        behind = self._behind_relays(ids, now)
         for w in ids:
             if self.num_workers is not None and w >= self.num_workers and w not in behind:
                 raise ValueError(
@@ -36,15 +36,19 @@ class FleetSends(FleetViews):
                 )
         return frozenset(ids)
 
-    def _behind_relays(self, ids: Iterable[int]) -> dict[int, int]:
-        """Of ``ids``, those that are no session of this sender's but a relay's worker
-        (its heartbeats say so), with that relay's id."""
-        wanted = {w for w in ids if w not in self.workers or self.workers[w].left is not None}
+    def _behind_relays(self, ids: Iterable[int], now: float) -> dict[int, int]:
+        """Of ``ids``, those that are no session of this sender's but a live relay's
+        worker (its claim stands), with that relay's id. A route through a relay that
+        went quiet is not taken: its workers, failed over below another relay, are
+        claimed by that one at its next heartbeat."""
         out: dict[int, int] = {}
-        if wanted:
-            for s in self.workers.values():
-                if s.left is None and s.below:
-                    out.update((w, s.worker) for w in wanted.intersection(s.below))
+        for w in ids:
+            s = self.workers.get(w)
+            if s is not None and s.left is None:
+                continue
+            relay = self.relay_of(w, now)
+            if relay is not None:
+                out[w] = relay.worker
         return out
 
     def begin_send(
@@ -79,7 +83,7 @@ class FleetSends(FleetViews):
             ids = self.targets(None, now)
         else:
             wanted = list(worker_ids)
-            behind = self._behind_relays(wanted)
+            behind = self._behind_relays(wanted, now)
             ids = frozenset(w for w in wanted if w in self.workers or w in behind)
         send, _ = self._begin(version, ids, worker_ids, now, timeout)
         return send
@@ -96,7 +100,7 @@ class FleetSends(FleetViews):
         self.published = True
         routes: dict[int, list[int]] = {}
         if worker_ids is not None:
-            for w, relay in self._behind_relays(targets).items():
+            for w, relay in self._behind_relays(targets, now).items():
                 routes.setdefault(relay, []).append(w)
             targets = (targets - {w for ws in routes.values() for w in ws}) | routes.keys()
         send = Send(

@@ -7,7 +7,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Final
 
 from zmqsync.fleet.records import Session
-from zmqsync.status_types import STATUS_ROWS, WorkerStatus
+from zmqsync.status_types import STATUS_BELOW, STATUS_ROWS, WorkerStatus
 from zmqsync.transport.base import PeerId
 
 __all__ = ["LIVE_HEARTBEATS", "STATUS_ROWS", "FleetViews"]
@@ -21,6 +21,7 @@ class FleetViews:
     """What :class:`~zmqsync.fleet.Fleet` answers without changing anything."""
 
     workers: dict[int, Session]
+    claims: dict[int, int]
     num_workers: int | None
     heartbeat: float
     repair_after: float
@@ -36,6 +37,36 @@ class FleetViews:
     def live(self, session: Session, now: float) -> bool:
         """Whether a worker counts as present: not gone, and heard from lately."""
         return session.left is None and now - session.last_seen < LIVE_HEARTBEATS * self._beat
+
+    def _live_id(self, worker: int, now: float) -> bool:
+        s = self.workers.get(worker)
+        return s is not None and self.live(s, now)
+
+    def relay_of(self, worker: int, now: float) -> Session | None:
+        """The live relay whose claim on ``worker`` stands, if any."""
+        relay = self.workers.get(self.claims.get(worker, -1))
+        return relay if relay is not None and self.live(relay, now) else None
+
+    def lacking(self, version: int) -> tuple[int, ...]:
+        """Workers not gone that do not hold ``version`` of this epoch whole."""
+        return tuple(
+            w
+            for w, s in self.workers.items()
+            if s.left is None and (s.epoch != self.epoch or s.version < version or s.torn)
+        )
+
+    def below(self, limit: int) -> dict[str, int]:
+        """For a relay's heartbeats: its workers not gone and the version each holds,
+        with those behind its own relays (whose claims stand), at most ``limit``."""
+        out: dict[str, int] = {}
+        for w, s in self.workers.items():
+            if s.left is not None:
+                continue
+            out[str(w)] = s.version if s.epoch == self.epoch else 0
+            out.update((str(b), v) for b, v in s.below.items())
+            if len(out) >= limit:
+                break
+        return dict(list(out.items())[:limit])
 
     def gone(self, workers: Iterable[int], lost: Mapping[int, frozenset[PeerId]]) -> set[int]:
         """Those of ``workers`` that said goodbye, or whose hub says their peer is lost."""
@@ -97,7 +128,8 @@ class FleetViews:
                     rejections=list(s.rejections),
                     torn=s.torn,
                     repairing=s.torn and now - s.last_repair < self.repair_after,
-                    below={str(b): v for b, v in sorted(s.below.items())} or None,
+                    below=self._below_shown(s) or None,
+                    below_total=len(s.below),
                 )
             )
         counts = {
@@ -110,6 +142,15 @@ class FleetViews:
             rows = sorted(rows, key=lambda r: (-r.lag, r.worker))[:STATUS_ROWS]
             rows.sort(key=lambda r: r.worker)
         return rows, counts
+
+    def _below_shown(self, s: Session) -> dict[str, int]:
+        """The workers behind a relay that a status row shows: at most STATUS_BELOW,
+        the furthest behind first (``below_total`` counts them all)."""
+        below = s.below
+        if len(below) > STATUS_BELOW:
+            shown = sorted(below.items(), key=lambda item: (item[1], item[0]))[:STATUS_BELOW]
+            below = dict(shown)
+        return {str(b): v for b, v in sorted(below.items())}
 
     def acked_versions(self, lost: Mapping[int, frozenset[PeerId]]) -> dict[int, int]:
         """The newest version each worker acked in this epoch (0: none yet), by worker

@@ -20,6 +20,7 @@ from typing import Any, Final
 from zmqsync.errors import FrameError
 from zmqsync.protocol.chunks import decode_chunk, encode_chunk
 from zmqsync.protocol.limits import (
+    MAX_BELOW,
     MAX_BODY_BYTES,
     MAX_MODEL_ID_BYTES,
     MAX_TEXT_CHARS,
@@ -45,7 +46,7 @@ from zmqsync.protocol.wire import FLAG_METADATA as FLAG_METADATA
 from zmqsync.protocol.wire import META_LEN as META_LEN
 from zmqsync.protocol.wire import digest as digest
 
-__all__ = ["decode", "encode", "peek_kind"]
+__all__ = ["decode", "encode", "peek_kind", "worker_id_key"]
 
 #: Every message but a chunk and an ack has a JSON body: its fields but the header's.
 _JSON_KINDS: Final[dict[Kind, type]] = {
@@ -243,8 +244,39 @@ def _check_field(cls: type, name: str, expected: str, value: Any) -> Any:
         ok = type(value) is bool
     elif expected == "str":
         ok = type(value) is str and len(value) <= MAX_TEXT_CHARS
+    elif expected == "dict[str, int]":  # worker id -> version (a relay's claims)
+        ok = _worker_versions(value)
     else:  # dict[str, Any]: the status document
         ok = type(value) is dict
     if not ok:
         raise FrameError(f"{cls.__name__}.{name} must be {expected}; got {value!r:.80}")
     return value
+
+
+#: The longest decimal worker id: U64_MAX has 20 digits.
+_WORKER_ID_CHARS: Final = len(str(U64_MAX))
+
+
+def worker_id_key(key: object) -> int | None:
+    """A worker id written as a JSON key (ASCII digits, at most 20, within the wire's
+    integer range), or None. ``str.isdigit`` alone lets ``"²"`` through, which ``int``
+    then refuses."""
+    if type(key) is not str or not 0 < len(key) <= _WORKER_ID_CHARS:
+        return None
+    if not (key.isascii() and key.isdigit()):
+        return None
+    value = int(key)
+    return value if value <= U64_MAX else None
+
+
+def _worker_versions(value: Any) -> bool:
+    """Whether ``value`` is ``{"<worker id>": version}``: at most MAX_BELOW entries, each
+    id as :func:`worker_id_key` reads it and each version within the wire's range."""
+    return (
+        type(value) is dict
+        and len(value) <= MAX_BELOW
+        and all(
+            worker_id_key(k) is not None and type(v) is int and 0 <= v <= U64_MAX
+            for k, v in value.items()
+        )
+    )

@@ -229,8 +229,9 @@ class SnapshotRequest(_Header):
     whole: bool = False
     #: From a relay: the workers behind it, ``{"<worker id>": version held}`` (at most
     #: :data:`~zmqsync.protocol.limits.MAX_BELOW`), so that its sender can say who a
-    #: late ack waits for.
-    below: dict[str, Any] = field(default_factory=dict)
+    #: late ack waits for. Checked as strictly as the header: ids of ASCII digits within
+    #: the wire's integer range, versions too.
+    below: dict[str, int] = field(default_factory=dict)
 
     kind = Kind.SNAPSHOT_REQUEST
 

@@ -197,6 +197,7 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         self._async_pending = False
         self._started = time.monotonic()
         self._last_expiry = self._started
+        self._last_error_log = float("-inf")
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         #: Every send's latency, counted in LATENCY_BUCKETS (cumulative: Prometheus's
         #: histogram), with their sum.
@@ -213,6 +214,9 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
             "repairs_skipped": 0,
             "timeouts": 0,
             "deltas_sent": 0,
+            "message_errors": 0,
+            "status_deferred": 0,
+            "status_dropped": 0,
         }
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()

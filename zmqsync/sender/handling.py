@@ -51,6 +51,12 @@ STALL_FACTOR: Final = 8.0
 #: would otherwise cost the whole fleet a full stall limit).
 STALL_MEMORY: Final = 5.0
 STALL_KNOWN: Final = 0.02
+#: Status requests a hub keeps while a send is under way, answered (with one report) once
+#: it is over: a status request never delays a send. Further askers are dropped, and
+#: ask again.
+STATUS_WAITING: Final = 64
+#: A message whose handling failed is logged at most this often (seconds); each is counted.
+ERROR_LOG_INTERVAL: Final = 10.0
 
 
 class Handling(SenderState):
@@ -75,7 +81,23 @@ class Handling(SenderState):
 
     def _handle(self, incoming: Incoming, runner: HubRunner) -> None:
         """One message from a hub: refuse what is never accepted unread, let the fleet
-        core decide the rest, and carry out its effects."""
+        core decide the rest, and carry out its effects.
+
+        No message ends the pump (or the send that reads it): an error while handling
+        one is counted (``message_errors``) and logged, and the next message is read.
+        """
+        try:
+            self._handle_message(incoming, runner)
+        except Exception as exc:
+            self._totals["message_errors"] += 1
+            with self._cond:
+                self.fleet.reject(f"handling a message failed: {type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            if now - self._last_error_log >= ERROR_LOG_INTERVAL:
+                self._last_error_log = now
+                log.exception("zmqsync sender: handling a message failed; going on")
+
+    def _handle_message(self, incoming: Incoming, runner: HubRunner) -> None:
         frames, peer = incoming.frames, incoming.peer
         kind = peek_kind(frames[0]) if frames else None
         if peer is None and kind is not Kind.ACK:
@@ -95,8 +117,7 @@ class Handling(SenderState):
             return
         if isinstance(message, StatusRequest):
             if peer is not None:
-                reply = StatusReply(self.model_id, self.version, self.epoch, self.status())
-                runner.hub.send_frames(encode(reply), to=[peer])
+                self._status_asked(runner, peer)
             return
         reserved = (
             {r.index: reserved_workers(r.hub) for r in self._runners}
@@ -110,6 +131,33 @@ class Handling(SenderState):
             if self._pending is not None:
                 self._cond.notify_all()
         self._carry_out(effects, runner)
+
+    def _status_asked(self, runner: HubRunner, peer: PeerId) -> None:
+        """Answer a status request now, or once the send under way is over."""
+        if not self._send_waiting():
+            self._answer_status(runner, [peer])
+            return
+        waiting = runner.status_askers
+        if peer in waiting:
+            return
+        if len(waiting) >= STATUS_WAITING:
+            self._totals["status_dropped"] += 1
+            return
+        waiting.append(peer)
+        self._totals["status_deferred"] += 1
+
+    def _send_waiting(self) -> bool:
+        """Whether a send waits for acks now (until they came, or its deadline)."""
+        pending = self._pending
+        if pending is None:
+            return False
+        send = pending.send
+        return not send.done and time.monotonic() < send.deadline
+
+    def _answer_status(self, runner: HubRunner, peers: Iterable[PeerId]) -> None:
+        reply = encode(StatusReply(self.model_id, self.version, self.epoch, self.status()))
+        for peer in peers:
+            runner.hub.send_frames(reply, to=[peer])
 
     def _carry_out(self, effects: Iterable[Any], runner: HubRunner) -> None:
         """Do what the fleet core decided, on this runner's hub (which this thread
@@ -176,6 +224,10 @@ class Handling(SenderState):
             self._carry_out(effects, runner)
         while runner.later:
             self._carry_out([runner.later.popleft()], runner)
+        if runner.status_askers and not self._send_waiting():
+            askers = list(runner.status_askers)
+            runner.status_askers.clear()
+            self._answer_status(runner, askers)
 
     def free_worker_id(self) -> int:
         """The lowest worker id that no session holds and no hub reserves (a pipe's or

@@ -101,6 +101,8 @@ class HubRunner:
         self._pokes: Wakeup | None = None  # wakes a waiting pump (see _run_waiting)
         #: Effects of the fleet core meant for this hub, decided on another hub's thread.
         self.later: deque[Any] = deque()
+        #: Peers that asked for status while a send was under way (see Handling).
+        self.status_askers: deque[PeerId] = deque()
         #: Versions streaming to this hub (the baton holder advances them), oldest first,
         #: and their chunks that the hub may still hold: (sent at, weak refs to views).
         self.transfers: deque[Transfer] = deque()

@@ -75,6 +75,7 @@ class SenderState:
     _last_delta: dict[str, Any] | None
     _started: float
     _last_expiry: float
+    _last_error_log: float
     _latencies: deque[float]
     _latency_counts: list[int]
     _latency_sum: float
