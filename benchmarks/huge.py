@@ -8,6 +8,13 @@ same bytes, in the same run, in the same worker processes.
 - ``zmqsync``: ``WeightSender(PubSubHub(tcp), retain_snapshot=False)`` and
   ``WeightReceiver(..., apply_mode="in_place")``.
 
+With ``--with-model``, the learner's model is given to the scheme instead
+(``ZMQWeightSyncScheme(retain_snapshot=False).init_on_sender(model=...)``): it is
+published as version 0 at init, the workers' ``connect()`` returns holding it, and the
+learner's ``connect()`` waits for them; the peak extra memory of that rendez-vous (from
+``init_on_sender`` to the end of ``connect()`` on the learner, each worker's
+``connect()``) is reported as ``rendez-vous`` rows, beside the sends'.
+
 Repeats alternate A B B A so drift on a shared machine hits both alike. Peak extra
 memory is :class:`benchmarks._memory.PeakMemoryMeter`'s (malloc'd bytes and anonymous
 RSS over the model itself), per process, over all of a variant's versions.
@@ -110,13 +117,21 @@ class _Worker:
             apply_mode="in_place",
             timeout=ZMQSYNC_SECONDS,
         )
-        self.receiver.connect()
+        with PeakMemoryMeter() as meter:  # the learner's model, if given: version 0
+            self.receiver.connect(WAIT_SECONDS)
+        with self.receiver.lock:
+            exact = all(bool((t == args["initial"]).all()) for t in self.model.values())
+        self.rendezvous = {**meter.extra, "version": self.receiver.version, "exact": exact}
         self.receiver.start()
         targets = _frames(self.model, args["chunk"])
         self.arrays = [np.frombuffer(t, dtype=np.uint8) for t in targets]
 
     def commands(self) -> Mapping[str, Callable[..., Any]]:
-        return {"ping": self.ping, "receive": self.receive}
+        return {"ping": self.ping, "receive": self.receive, "rendezvous": self.report}
+
+    def report(self) -> dict[str, Any]:
+        """What its connect() cost, and whether it then held the learner's weights."""
+        return self.rendezvous
 
     def ping(self) -> None:
         while True:  # until the learner's pings reach us: the subscription is live
@@ -204,9 +219,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=2, help="versions per variant, x2")
     parser.add_argument("--chunk-mib", type=int, default=8)
     parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument(
+        "--with-model",
+        action="store_true",
+        help="give the scheme the model at init (published as version 0 to connecting workers)",
+    )
     ns = parser.parse_args(argv)
 
-    from zmqsync import WeightSender
+    from zmqsync import WeightSender, ZMQWeightSyncScheme
     from zmqsync.transport.zmq_pubsub import PubSubHub
 
     chunk = ns.chunk_mib << 20
@@ -218,17 +238,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     raw_port = pub.bind_to_random_port("tcp://127.0.0.1")
     pull = ctx.socket(zmq.PULL)
     ack_port = pull.bind_to_random_port("tcp://127.0.0.1")
-    hub = PubSubHub("tcp://127.0.0.1:*")
-    sender = WeightSender(
-        hub,
-        model=None,
-        strategy="state_dict",
-        num_workers=ns.workers,
-        timeout=WAIT_SECONDS,
-        retain_snapshot=False,
-        chunk_bytes=chunk,
-    )
+    scheme: Any = None
+    rendezvous = PeakMemoryMeter()
+    if ns.with_model:
+        scheme = ZMQWeightSyncScheme(
+            "state_dict",
+            mode="pubsub",
+            endpoint="tcp://127.0.0.1:*",
+            timeout=WAIT_SECONDS,
+            retain_snapshot=False,
+            chunk_bytes=chunk,
+        )
+        rendezvous.__enter__()  # left once the learner's connect() returns
+        scheme.init_on_sender("policy", model=model, num_workers=ns.workers)
+        sender = scheme.get_sender()
+        hub = sender.transport
+    else:
+        hub = PubSubHub("tcp://127.0.0.1:*")
+        sender = WeightSender(
+            hub,
+            model=None,
+            strategy="state_dict",
+            num_workers=ns.workers,
+            timeout=WAIT_SECONDS,
+            retain_snapshot=False,
+            chunk_bytes=chunk,
+        )
     args = {
+        "initial": 1.0 if ns.with_model else 0.0,  # what a worker holds once connected
         "gib": ns.gib,
         "single": ns.single,
         "chunk": chunk,
@@ -242,6 +279,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     receivers: dict[str, dict[str, int]] = {}
     try:
         pool.start(START_SECONDS)
+        if scheme is not None:
+            scheme.connect(timeout=WAIT_SECONDS)
+            rendezvous.__exit__(None, None, None)
+            for key in ("heap", "rss_anon"):
+                memory.setdefault("learner rendez-vous", {})[key] = [rendezvous.extra.get(key, 0)]
+            ids = pool.post(range(pool.size), "rendezvous", ())
+            for extra in pool.collect(ids, "rendezvous", WAIT_SECONDS):
+                if not extra["exact"] or extra["version"] != 0:
+                    raise AssertionError(f"a worker did not connect holding version 0: {extra}")
+                row = memory.setdefault("worker rendez-vous", {})
+                for key in ("heap", "rss_anon"):
+                    row.setdefault(key, []).append(extra.get(key, 0))
         _handshake(pub, pull, pool)
         frames = _frames(model, chunk)
         version = 0
@@ -274,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise AssertionError(f"a worker's tensors differ after {extra['variant']}")
         totals = sender.status()["totals"]
     finally:
+        rendezvous.__exit__(None, None, None)  # its sampling thread, if an error came first
         pool.close()
         sender.close()
         ctx.destroy(linger=0)
@@ -283,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tensors": len(model),
         "workers": ns.workers,
         "chunk_bytes": chunk,
+        "with_model": ns.with_model,
         "seconds": {k: sorted(v) for k, v in times.items()},
         "gb_per_s": {k: nbytes / sorted(v)[len(v) // 2] / 1e9 for k, v in times.items()},
         "peak_extra_mib": {

@@ -358,3 +358,68 @@ def test_a_silent_worker_drops_out_of_a_fleet_of_whoever_connected(fleet, tcp_en
         assert [fleet.ask(i, "checksum") for i in (0, 1)] == [zmqsync.checksum(model)] * 2
     finally:
         scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_rendez_vous_without_a_snapshot_costs_chunks_not_a_model(fleet) -> None:  # type: ignore[no-untyped-def]
+    """``retain_snapshot=False``: the learner's weights published at init reach workers
+    that connect before the first send whole (version 0, the model's checksum), read
+    from the model chunk by chunk: the learner's own memory grows by a few chunks, not
+    by a copy of the model, from init_on_sender to the end of connect()."""
+    import tracemalloc
+
+    model = make_model("big", seed=0)  # 32 MiB
+    model_bytes = sum(t.nbytes for t in model.state_dict().values())
+    chunk = 256 * 1024
+    scheme = ZMQWeightSyncScheme(
+        mode="pubsub", endpoint="tcp://127.0.0.1:*", retain_snapshot=False, chunk_bytes=chunk
+    )
+    tracemalloc.start()  # numpy's arrays (the sender's memory) are traced
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        scheme.init_on_sender("policy", model=model, num_workers=2)
+        _start_fleet(fleet, scheme, [0, 1], kind="big")  # each returned from connect()
+        scheme.connect(timeout=60)
+        held = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    try:
+        expected = zmqsync.checksum(model, scheme.strategy)
+        for i in (0, 1):
+            state = fleet.ask(i, "state")
+            assert state["version"] == 0 and state["checksum"] == expected
+        # At most the ring's 32 chunks (a few normally), never the model's 128.
+        assert held <= 32 * chunk + 2 * 1024 * 1024 < model_bytes, held
+        bump(model)
+        scheme.send()
+        expected = zmqsync.checksum(model, scheme.strategy)
+        assert all(fleet.ask(i, "state")["checksum"] == expected for i in (0, 1))
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_model_changed_before_connect_reaches_workers_whole(fleet) -> None:  # type: ignore[no-untyped-def]
+    """``retain_snapshot=False``: the model changed in place after init_on_sender (a
+    checkpoint loaded, say) no longer matches what was published and no copy of that
+    is kept. The learner's connect(), where the model holds still, publishes it anew:
+    its workers return holding the changed weights as version 0, never a mix."""
+    model = make_model("big", seed=0)
+    scheme = ZMQWeightSyncScheme(
+        mode="router", endpoint="tcp://127.0.0.1:*", retain_snapshot=False, chunk_bytes=256 * 1024
+    )
+    try:
+        scheme.init_on_sender("policy", model=model, num_workers=2)
+        bump(model)
+        for i in (0, 1):
+            fleet.start(scheme, i, kind="big")
+        scheme.connect(timeout=90)
+        for i in (0, 1):
+            fleet.wait_ready(i)
+        expected = zmqsync.checksum(model, scheme.strategy)
+        for i in (0, 1):
+            state = fleet.ask(i, "state")
+            assert state["version"] == 0 and state["checksum"] == expected
+        assert scheme.get_sender().version == 0 and not scheme.get_sender().published_changed
+    finally:
+        scheme.shutdown()

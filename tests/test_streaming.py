@@ -423,3 +423,75 @@ def test_a_ring_buffer_is_no_larger_than_the_chunks_it_carries() -> None:
         ring.hold(buffer, [weakref.ref(buffer)])
         held.append(buffer)
     assert len(held) == RING_SLOTS  # bounded: every slot viewed, nothing more is made
+
+
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_without_a_snapshot_version_0_changed_in_place_is_never_sent(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``retain_snapshot=False``: version 0 is the weights as of publish(), read again
+    as a worker is served and checked chunk by chunk. Changed in place since, it is
+    not sent: a worker that connects waits (never returning with its own weights, nor a
+    mix) and gets the first send's version; publish() makes the changed weights
+    version 0 for the workers that connect after it."""
+    model = _model(0)
+    hub, spoke = _pair(kind, tmp_path, "changed")
+    sender = WeightSender(
+        hub,
+        model=model,
+        strategy="state_dict",
+        num_workers=None,
+        timeout=10,
+        chunk_bytes=CHUNK,
+        retain_snapshot=False,
+    )
+    receivers: list[WeightReceiver] = []
+    try:
+        _bump(model)  # in place, after it was published
+        own = _model(10)
+        first = WeightReceiver(spoke(0), model=own, strategy="state_dict", worker_idx=0)
+        receivers.append(first)
+        errors: list[BaseException] = []
+
+        def connect() -> None:
+            try:
+                first.connect(timeout=30)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        joining = threading.Thread(target=connect)
+        joining.start()
+        deadline = time.monotonic() + 20
+        while not sender.published_changed:
+            assert time.monotonic() < deadline, "the change was never found"
+            time.sleep(0.01)
+        assert joining.is_alive()  # it waits for a version it can hold whole
+        assert first.version == 0 and checksum(own) == checksum(_model(10))
+        sender.send()
+        joining.join(30)
+        assert not joining.is_alive() and not errors
+        assert first.version == 1 and checksum(own) == checksum(model)
+        # Before a send, publish() after the change: a late worker holds it.
+        sender2_model = _model(1)
+        hub2, spoke2 = _pair(kind, tmp_path, "republished")
+        sender2 = WeightSender(
+            hub2,
+            model=sender2_model,
+            strategy="state_dict",
+            num_workers=None,
+            timeout=10,
+            chunk_bytes=CHUNK,
+            retain_snapshot=False,
+        )
+        try:
+            _bump(sender2_model)
+            sender2.publish()
+            late = WeightReceiver(spoke2(1), model=_model(11), strategy="state_dict")
+            receivers.append(late)
+            late.connect(timeout=30)
+            assert late.version == 0 and checksum(late.model) == checksum(sender2_model)
+            assert not sender2.published_changed
+        finally:
+            sender2.close()
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()

@@ -16,6 +16,7 @@ with its endpoint and settings, but not its sockets, threads or model::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Any, Final
@@ -400,16 +401,28 @@ class WeightSyncScheme:
         raise RuntimeError("connect() needs init_on_sender() or init_on_receiver() first")
 
     def _wait_for_workers(self, timeout: float) -> None:
+        """Wait for workers ``0..num_workers-1`` to connect. A sender that keeps no copy
+        of the published version 0 (``retain_snapshot=False``) reads it from the model
+        as each worker is served: then also wait until they hold it, so that the model
+        does not change (the learner is blocked here) while it streams to them; and if
+        the model changed in place since it was published, publish it anew (it holds
+        still meanwhile), so that they get the weights the learner has now."""
         sender = self.get_sender()
         expected = set(range(sender.num_workers or 0))
         deadline = time.monotonic() + timeout
         while True:
-            missing = expected - sender.connected_workers()
+            missing, what = expected - sender.connected_workers(), "connect"
+            if not missing and not sender.retain_snapshot and sender.version == 0:
+                if sender.published_changed:
+                    with contextlib.suppress(RuntimeError):  # a send came first: fine
+                        sender.publish()
+                missing = expected - sender.current_workers()
+                what = "take the learner's weights (version 0)"
             if not missing:
                 return
             if time.monotonic() > deadline:
                 raise SyncTimeout(
-                    f"workers {sorted(missing)} did not connect within {timeout:g}s",
+                    f"workers {sorted(missing)} did not {what} within {timeout:g}s",
                     missing_workers=missing,
                 )
             time.sleep(WORKERS_POLL)

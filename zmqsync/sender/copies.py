@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
@@ -25,7 +26,17 @@ from zmqsync.vocabulary import Metadata
 if TYPE_CHECKING:
     from zmqsync.sender.state import SenderState
 
-__all__ = ["Copy", "Forwarded", "Forwarding", "Lease", "Lent", "Pending", "Ring", "Transfer"]
+__all__ = [
+    "Copy",
+    "Forwarded",
+    "Forwarding",
+    "Lease",
+    "Lent",
+    "Pending",
+    "Ring",
+    "Transfer",
+    "stream_checksums",
+]
 
 log = logging.getLogger("zmqsync.sender")
 
@@ -33,6 +44,36 @@ log = logging.getLogger("zmqsync.sender")
 #: stopped peers pin until their transport queues are full (at the default 8 MiB
 #: chunks, 256 MiB at worst, whatever the model's size).
 RING_SLOTS: Final = 32
+
+
+def stream_checksums(layout: StreamLayout, sources: Sources) -> list[int]:
+    """Each chunk's :func:`checksum`, as the stream written from ``sources`` would carry
+    it: read in place where the sources are plain bytes, else through one chunk-sized
+    buffer (casts, tensors on an accelerator), so nothing model-sized is made."""
+    plain = isinstance(sources, list) and all(isinstance(s, np.ndarray) for s in sources)
+    scratch: np.ndarray | None = None
+    out = []
+    for index in range(layout.count):
+        _, length = layout.span(index)
+        if not plain:
+            if scratch is None:
+                scratch = np.empty(min(layout.chunk_bytes, layout.total), dtype=np.uint8)
+            layout.write(index, sources, scratch)
+            out.append(checksum(scratch[:length].data))
+            continue
+        assert isinstance(sources, list)
+        crc, pos = 0, 0
+        for p in layout.pieces(index):
+            if p.at > pos:  # an alignment gap: zeros in the stream
+                crc = zlib.crc32(bytes(p.at - pos), crc)
+            source = sources[p.buffer]
+            assert isinstance(source, np.ndarray)
+            crc = zlib.crc32(source[p.start : p.stop].data, crc)
+            pos = p.at + p.stop - p.start
+        if length > pos:
+            crc = zlib.crc32(bytes(length - pos), crc)
+        out.append(crc + 1)  # as checksum() counts
+    return out
 
 
 class Lent(NamedTuple):
@@ -135,6 +176,11 @@ class Copy:
 
     Or ``live``: ``data`` is the model's own parameters, which live in shared memory
     (``share_params``): nothing is written, and nothing is sent once the send is over.
+
+    A ring copy with ``expected`` (version 0 published without a snapshot) checks each
+    chunk it writes against the checksum it had when published: the weights are read
+    when a worker is served, and a chunk that changed since ends the copy, unsent
+    (``changed``), so a worker gets the published version whole or not at all.
     """
 
     def __init__(
@@ -163,6 +209,10 @@ class Copy:
         #: (the previous snapshot's memory, reused), or None.
         self.holds: int | None = None
         self.lease = Lease()
+        #: Each chunk's checksum when published, checked as it is written (see above).
+        self.expected: list[int] | None = None
+        #: Whether a chunk differed from ``expected``: the weights changed in place.
+        self.changed = False
         self._model_id = sender.model_id
         self._epoch = sender.epoch
         self._checksums = sender.checksums
@@ -280,6 +330,19 @@ class Copy:
             layout.write(index, self._sources, taken)
             buffer = taken
         payload = buffer.data.toreadonly()
+        crc = checksum(payload) if self._checksums or self.expected is not None else 0
+        if self.expected is not None and crc != self.expected[index]:
+            # Changed since it was published, and no copy of it is kept: this version
+            # can no longer be sent whole (the ring buffer, never lent, is free again).
+            if not self.changed:
+                log.warning(
+                    "the weights published as version 0 changed in place before the first "
+                    "send (no copy is kept: retain_snapshot=False); workers that connect "
+                    "now get the first send's version. Call publish() after changing them."
+                )
+            self.changed = True
+            self.end()
+            return None
         chunk = Chunk(
             self._model_id,
             self.version,
@@ -290,7 +353,7 @@ class Copy:
             layout.total,
             layout.layout,
             payload,
-            checksum=checksum(payload) if self._checksums else 0,
+            checksum=crc if self._checksums else 0,
             metadata=self.metadata if index == 0 else None,
             targets=targets if index == 0 else None,
         )

@@ -4,6 +4,7 @@ the latest version; and, with ``delta``, which blocks each version changed."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from zmqsync.chunking.layout import StreamLayout
 from zmqsync.protocol import (
     Buffer,
 )
-from zmqsync.sender.copies import Copy, Ring, Transfer
+from zmqsync.sender.copies import Copy, Ring, Transfer, stream_checksums
 from zmqsync.sender.pump import HubRunner
 from zmqsync.sender.state import SenderState
 from zmqsync.tensors.extract import KeyPath, extract
@@ -115,7 +116,8 @@ class Copying(SenderState):
             if source is not None
             else extract(None, self.strategy)  # raises: says what to pass
         )
-        if not whole and self.share_params:
+        if not whole and self.share_params and version > 0:
+            # (Version 0 is served through the ring: publishing moves no tensor.)
             if source is self.model:
                 live = self._live_copy(tensors, version)
                 if live is not None:
@@ -128,8 +130,7 @@ class Copying(SenderState):
             self._layout = StreamLayout(flat, self.chunk_bytes)
         shared = self._shared_runner()
         if not whole:
-            with self._snapshot_lock:
-                self._snapshot = None  # none is kept: let the last one go
+            self._drop_snapshot()  # none is kept: let the last one go
             if shared is not None and len(self._runners) == 1:
                 # Chunks written into blocks the hub lends, which workers copy out
                 # while the next is written; the hub's pool bounds them.
@@ -145,6 +146,37 @@ class Copying(SenderState):
                 return self._own(version, flat, self._layout, alloc=shared.lend)
         return self._own(version, flat, self._layout)
 
+    def _rendezvous(self, weights: Any) -> Copy:
+        """Version 0 without a snapshot (``publish()`` with ``retain_snapshot=False``):
+        read from ``weights`` (``None``: the model's) chunk by chunk through the ring
+        whenever a worker is served, as a send reads them, and checked against each
+        chunk's checksum taken now (one read of the weights, nothing model-sized kept).
+        Weights changed in place since can no longer be sent as version 0: see
+        :class:`Copy`'s ``expected``."""
+        copy = self._copy_of(weights, 0, whole=False)
+        if copy.ring is self._ring:
+            # A ring of its own, let go of with the copy at the first send: the sends'
+            # ring is sized then (over ipc, say, the hub's blocks serve as theirs).
+            copy.ring = Ring(self.chunk_bytes)
+        sources = copy.sources
+        assert sources is not None
+        copy.expected = stream_checksums(copy.layout, sources)
+        return copy
+
+    def _drop_snapshot(self) -> Copy | None:
+        """Keep no snapshot any more; return the one kept. One read from the weights
+        (the published version 0 without a snapshot) is ended, holding every hub's
+        baton: no pump is writing a chunk from it meanwhile."""
+        with self._snapshot_lock:
+            old, self._snapshot = self._snapshot, None
+        if old is not None and old.data is None:
+            with contextlib.ExitStack() as batons:
+                for runner in self._runners:
+                    batons.enter_context(runner.holding())
+                old.end()
+            return None
+        return old
+
     def _live_copy(self, tensors: dict[KeyPath, Any], version: int) -> Copy | None:
         """The version as the model's own tensors in shared memory (``share_params``),
         moved there first if need be; None if they cannot live there."""
@@ -153,8 +185,7 @@ class Copying(SenderState):
             shared = self._share(tensors)
             if shared is None:
                 return None
-        with self._snapshot_lock:
-            self._snapshot = None  # the published version 0, if still kept
+        self._drop_snapshot()  # the published version 0, if still kept
         return Copy(self, version, shared.layout, shared.data, None, lent_by_hub=True, live=True)
 
     def _share(self, tensors: dict[KeyPath, Any]) -> SharedParams | None:
@@ -204,8 +235,7 @@ class Copying(SenderState):
         alloc: Callable[[int], Any] | None = None,
     ) -> Copy:
         """Memory the sender owns for ``flat``'s stream (``alloc``: memory a hub lends)."""
-        with self._snapshot_lock:
-            old, self._snapshot = self._snapshot, None  # at most one kept copy at a time
+        old = self._drop_snapshot()  # at most one kept copy at a time
         # The previous stream's memory is reused once no transport reads it any more
         # (fresh memory costs a page fault per page); else it is left to whoever still
         # holds it, and freed when they let go.
@@ -240,7 +270,11 @@ class Copying(SenderState):
         version = self.fleet.version
         with self._snapshot_lock:
             snapshot = self._snapshot
-            if snapshot is not None and (snapshot.version == version or self._forwarding):
+            if (
+                snapshot is not None
+                and snapshot.readable  # not version 0 read from weights changed since
+                and (snapshot.version == version or self._forwarding)
+            ):
                 return snapshot  # a relay serves the latest it holds whole
             pending = self._pending
             if pending is not None and pending.copy.version == version and pending.copy.readable:

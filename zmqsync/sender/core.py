@@ -71,6 +71,8 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         retain_snapshot: keep the copy of the latest version for late joiners and
             repairs after its send (one model's worth of memory); without it the copy
             lives only while its send does, and a late joiner waits for the next send.
+            Before the first send, the published version 0 is then read from the
+            weights when a worker is served, not copied (see :meth:`publish`).
         heartbeat: seconds between workers' heartbeats (told to them in the Welcome).
         repair_after: a worker still behind this long after a version was sent to it
             gets it again, addressed.
@@ -250,6 +252,13 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         return self.fleet.version
 
     @property
+    def published_changed(self) -> bool:
+        """Whether version 0, published without a copy (``retain_snapshot=False``), was
+        found changed in place as a worker was served: it can no longer be sent."""
+        snapshot = self._snapshot
+        return self.version == 0 and snapshot is not None and snapshot.changed
+
+    @property
     def endpoint(self) -> str:
         """The address workers (and ``zmqsync status``) connect to (the first hub's)."""
         return self._runners[0].hub.endpoint
@@ -330,17 +339,30 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         learner's weights. Waits for nobody. A sender built with a model publishes it
         at once; call this again (before the first send) to publish newer weights to
         workers that have not connected yet.
+
+        With ``retain_snapshot`` (the default) the weights are copied now, and may
+        change as soon as this returns. Without it nothing model-sized is made: each
+        chunk's checksum is taken now (one read of the weights), and the chunks are
+        read from the weights again when a worker is served, as a send reads them, and
+        checked. Version 0 is the weights as of this call either way: if they change in
+        place before the first send (a checkpoint loaded after ``init_on_sender``),
+        call this again; otherwise they can no longer be sent as version 0, and a
+        worker that connects then waits for the first send's version (never one whole
+        version mixed with another, nor its own initial weights).
         """
         with self._send_lock:
             self._check_open()
             if self.fleet.version > 0:
                 raise RuntimeError("publish() is for the weights before the first send()")
-            copy = self._copy_of(weights, 0)
-            if self.delta:
-                self._record(copy)
-            copy.write_through(copy.count - 1)  # the weights may change once this returns
+            if self.retain_snapshot:
+                copy = self._copy_of(weights, 0)
+                if self.delta:
+                    self._record(copy)
+                copy.write_through(copy.count - 1)  # the weights may change once this returns
+            else:
+                copy = self._rendezvous(weights)
             with self._snapshot_lock:
-                self._snapshot = copy  # kept until the first send, whatever retain_snapshot
+                self._snapshot = copy  # kept until the first send
             with self._cond:
                 self.fleet.published = True
 

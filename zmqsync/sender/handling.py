@@ -3,6 +3,7 @@ this carries its effects out on the hubs; and how long a stopped worker may hold
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -16,6 +17,7 @@ from zmqsync.protocol import (
     Kind,
     StatusReply,
     StatusRequest,
+    UpToDate,
     decode,
     encode,
     peek_kind,
@@ -198,9 +200,13 @@ class Handling(SenderState):
 
     def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
         """A worker needs the latest version and the sender keeps none: it is told so,
-        and gets the next version."""
+        and gets the next version. Version 0 changed in place since it was published:
+        told it is on its way, so that its connect() waits for the first send."""
         assert effect.origin.peer is not None
-        hub.send_frames(encode(effect.otherwise), to=[effect.origin.peer])
+        message = effect.otherwise
+        if self.version == 0 and isinstance(message, UpToDate):
+            message = dataclasses.replace(message, in_flight=True)
+        hub.send_frames(encode(message), to=[effect.origin.peer])
 
     def _released_after(self, seconds: float) -> None:
         """A chunk was let go of ``seconds`` after it was sent (an upper bound)."""
