@@ -121,19 +121,27 @@ def serve(
             with serving_metrics(publisher, metrics_port, metrics_addr, out):
                 _announce(publisher, first, out, mode=mode.value, curve=curve is not None)
                 out.print(f"watching {checkpoint} every {poll:g}s; Ctrl-C to stop", soft_wrap=True)
+                serving = first.version
                 while True:
                     time.sleep(poll)
                     if not publisher.changed():
                         continue
                     try:
                         result = _publish(publisher, out)
-                    except CheckpointError as exc:
-                        # Keep serving the last good version; the next change is read again.
+                    except Exception as exc:
+                        # Whatever a new file does (unreadable, refused, or tensors the
+                        # sender cannot send), keep serving the last good version: the
+                        # learner outlives one bad write, and the next change is read again.
+                        why = (
+                            str(exc)
+                            if isinstance(exc, CheckpointError)
+                            else f"cannot publish {checkpoint}: {type(exc).__name__}: {exc}"
+                        )
                         console(stderr=True).print(
-                            f"warning: {exc}; still serving version {publisher.version}",
-                            soft_wrap=True,
+                            f"warning: {why}; still serving version {serving}", soft_wrap=True
                         )
                         continue
+                    serving = result.version
                     _report(result, out)
         except KeyboardInterrupt:
             out.print("zmqsync serve: stopped")

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+import zipfile
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -411,6 +412,54 @@ def test_load_checkpoint_formats_and_key(tmp_path: Path) -> None:
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
     with pytest.raises(CheckpointError, match="as safetensors"):
         load_checkpoint(tmp_path / "bad.safetensors")
+
+
+def _deflated(src: Path, dst: Path) -> None:
+    """``src``'s zip entries deflated into ``dst``: what torch.save never writes."""
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w") as out:
+        for info in z.infolist():
+            out.writestr(info.filename, z.read(info), compress_type=zipfile.ZIP_DEFLATED)
+
+
+def test_load_checkpoint_refuses_tensors_larger_than_their_file(tmp_path: Path) -> None:
+    """Every tensor must be distinct bytes of the file: views that name more bytes than
+    are stored (expanded, overlapping), tensors with no data in the file, entries that
+    name one tensor many times, and deflated entries are refused before anything is
+    copied; checking them never materialises them."""
+    weights = torch.rand(16)
+    nested: dict[str, Any] = {str(i): weights for i in range(100)}
+    for _ in range(2):  # 100**3 names of one tensor, from a file of about 10 KB
+        nested = {str(i): nested for i in range(100)}
+    cycle: dict[str, Any] = {"w": torch.zeros(2)}
+    cycle["again"] = cycle
+    hostile = {
+        # 1 GiB of float32 from a file of 1.5 KB
+        "expanded": ({"w": torch.zeros(1).expand(2**28)}, "names 1073741824 bytes but its"),
+        "overlapping": (
+            {"w": torch.rand(10).as_strided((5, 5), (1, 1))},
+            "an expanded or overlapping view",
+        ),
+        "meta": ({"w": torch.empty(2**28, device="meta")}, "on meta, not a dense one"),
+        "sparse": ({"w": torch.eye(4).to_sparse()}, "sparse_coo tensor"),
+        "aliased": (nested, "add up to more than 4 times its size"),
+        "cycle": (cycle, "entry 'again' contains itself"),
+    }
+    for name, (contents, why) in hostile.items():
+        torch.save(contents, tmp_path / f"{name}.pt")
+        with pytest.raises(CheckpointError, match=re.escape(why)):
+            load_checkpoint(tmp_path / f"{name}.pt")
+    torch.save({"w": torch.zeros(2**20)}, tmp_path / "plain.pt")
+    _deflated(tmp_path / "plain.pt", tmp_path / "deflated.pt")
+    assert (tmp_path / "deflated.pt").stat().st_size < 2**16  # 4 MiB of zeros, deflated
+    with pytest.raises(CheckpointError, match="compressed entries"):
+        load_checkpoint(tmp_path / "deflated.pt")
+
+    # Views that are distinct stored bytes, and tied weights, still load.
+    base = torch.rand(3, 4)
+    fine = {"t": base.t(), "part": torch.rand(10)[2:5], "embed": base, "head": base}
+    torch.save(fine, tmp_path / "fine.pt")
+    loaded = load_checkpoint(tmp_path / "fine.pt")
+    assert all(torch.equal(loaded[k], v) for k, v in fine.items())
 
 
 def test_publisher_and_model_worker_follow_a_changing_file(tmp_path: Path) -> None:

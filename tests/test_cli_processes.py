@@ -411,6 +411,68 @@ def test_serve_without_an_endpoint_listens_on_a_private_ipc_path(
     assert not any("Traceback" in line or "WARNING" in line for line in serve.lines)
 
 
+def _peak_rss(pid: int) -> int:
+    """The most resident memory process ``pid`` has held so far, in bytes (VmHWM)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    found = re.search(r"^VmHWM:\s+(\d+) kB$", status, re.MULTILINE)
+    assert found is not None, status
+    return int(found[1]) * 1024
+
+
+def _replace(path: Path, contents: dict[str, Any]) -> int:
+    """torch.save ``contents`` over ``path`` atomically; return the file's size."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(contents, tmp)
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+@pytest.mark.timeout(300)
+def test_serve_keeps_its_last_version_through_checkpoints_it_cannot_publish(
+    tmp_path: Path, spawn: Any, run_id: str
+) -> None:
+    """A 1.5 KB checkpoint whose tensor is a stride-0 view naming 1 GiB is refused before
+    anything is copied (serve's peak memory barely moves); a checkpoint the sender
+    refuses (a dtype zmqsync cannot send: not a CheckpointError) does not end serve
+    either. Through both it serves version 1, and it publishes the next good file."""
+    ckpt = tmp_path / "policy.pt"
+    _save_checkpoint(ckpt, seed=1)
+    serve = spawn("serve", str(ckpt), "--endpoint", "tcp://127.0.0.1:*", "--poll", "0.1")
+    endpoint = serve.expect(r"zmqsync serve: listening on (tcp://127\.0\.0\.1:\d+)", 120)[1]
+    serve.expect(r"^watching ", 30)
+    peak = _peak_rss(serve.proc.pid)
+
+    logical = 2**28 * 4  # float32; the test never materialises it either
+    size = _replace(ckpt, {"0.weight": torch.zeros(1).expand(2**28)})
+    assert size < 4096
+    serve.expect(
+        rf"^warning: .*'0\.weight' .* names {logical} bytes but its storage holds 4: .*; "
+        r"still serving version 1$",
+        60,
+    )
+    grown = _peak_rss(serve.proc.pid) - peak
+    assert grown < 128 * 2**20, f"serve grew by {grown} bytes for a {size}-byte file"
+
+    # The sender's own refusal (SchemaMismatchError), after the file loaded fine.
+    fp4 = torch.zeros(64, 4, dtype=torch.float4_e2m1fn_x2)
+    _replace(ckpt, {"0.weight": fp4, "0.bias": torch.zeros(64)})
+    serve.expect(
+        r"^warning: cannot publish .*: SchemaMismatchError: dtype torch\.float4_e2m1fn_x2 "
+        r"cannot be sent by zmqsync; still serving version 1$",
+        60,
+    )
+    assert serve.proc.poll() is None
+    code, doc = _status(endpoint, tmp_path, run_id)
+    assert code == 0 and doc["version"] == 1, doc
+
+    _save_checkpoint(ckpt, seed=2)
+    serve.expect(r"^version 2: .* synced to no workers yet", 60)
+    code, doc = _status(endpoint, tmp_path, run_id)
+    assert code == 0 and doc["version"] == 2, doc
+    assert serve.stop(signal.SIGTERM) == 0
+    assert not any("Traceback" in line for line in serve.lines), "\n".join(serve.lines)
+
+
 @pytest.mark.timeout(180)
 def test_status_exits_2_when_no_sender_answers(tmp_path: Path, run_id: str) -> None:
     result = _run(

@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import time
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,11 @@ __all__ = ["CheckpointPublisher", "PublishResult", "load_checkpoint"]
 
 #: Seconds between looks at the workers' acks while a publish reports progress.
 PROGRESS_POLL: Final = 0.05
+#: A checkpoint's tensors may add up to at most this many times its file's size. Each
+#: publish copies every tensor, so this bounds what a file can make ``serve`` hold. Tied
+#: weights (an embedding shared with the output layer) name the same bytes twice; a file
+#: naming one storage thousands of times, from a few kilobytes, is refused.
+MAX_EXPANSION: Final = 4
 
 
 def load_checkpoint(
@@ -43,12 +49,15 @@ def load_checkpoint(
     ``torch.load(weights_only=True)``, which never runs code from the file. Nested dicts
     are flattened to dotted names (as ``nn.Module.state_dict()`` names them); ``key``
     picks one entry first (``key="model"`` for ``{"model": state_dict, "step": 10}``).
+    Every tensor must be dense CPU data of its own in the file, and all of them at most
+    :data:`MAX_EXPANSION` times the file's size: expanded or overlapping views, compressed
+    zip entries and the like are refused before anything is copied.
     Raises :class:`CheckpointError` with what to do instead.
     """
     import torch
 
     file = Path(path)
-    contents = _read(file)
+    contents, size = _read(file)
     if key is not None:
         if not isinstance(contents, Mapping) or key not in contents:
             keys = (
@@ -66,15 +75,16 @@ def load_checkpoint(
             "model.state_dict()"
         )
     flat: dict[str, torch.Tensor] = {}
-    _flatten_into(flat, contents, (), file, top=contents)
+    budget = _Budget(file, bytes_left=MAX_EXPANSION * size, entries_left=size)
+    _flatten_into(flat, contents, (), budget, top=contents, path=set())
     if not flat:
         raise CheckpointError(f"{file} holds no tensors")
     return flat
 
 
-def _read(file: Path) -> Any:
-    """What a checkpoint file holds, on the CPU: safetensors' dict, or what
-    ``torch.load(weights_only=True)`` gives."""
+def _read(file: Path) -> tuple[Any, int]:
+    """What a checkpoint file holds, on the CPU (safetensors' dict, or what
+    ``torch.load(weights_only=True)`` gives), and the size of the file it was read from."""
     import torch
 
     if not file.exists():
@@ -92,11 +102,19 @@ def _read(file: Path) -> Any:
                 f"reading {file} needs the safetensors package: pip install 'zmqsync[safetensors]'"
             ) from exc
         try:
-            return load_file(str(file), device="cpu")
+            # safetensors checks every tensor against the file and has no shared views.
+            return load_file(str(file), device="cpu"), file.stat().st_size
         except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
             raise CheckpointError(f"cannot read {file} as safetensors: {exc}") from exc
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        # One open file for the size, the zip check and the load: a file renamed into
+        # place meanwhile cannot pair one file's size with another's contents.
+        with file.open("rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            _refuse_compressed(stream, file)
+            return torch.load(stream, map_location="cpu", weights_only=True), size
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
         if found is None:  # not a pickle torch would load at all: corrupt or garbage
@@ -115,23 +133,72 @@ def _read(file: Path) -> Any:
         ) from exc
 
 
+def _refuse_compressed(stream: Any, file: Path) -> None:
+    """Refuse a zip checkpoint with a compressed entry, then rewind ``stream``.
+
+    ``torch.save`` stores its entries uncompressed, so its storages are no larger than
+    the file; ``torch.load`` inflates a deflated one all the same, and a megabyte of
+    deflated zeros is a gigabyte, materialised before any tensor can be looked at.
+    """
+    packed: list[str] = []
+    try:
+        if zipfile.is_zipfile(stream):
+            stream.seek(0)
+            with zipfile.ZipFile(stream) as archive:
+                packed = [i.filename for i in archive.infolist() if i.compress_type]
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise CheckpointError(f"cannot read {file} as a torch checkpoint ({exc})") from exc
+    if packed:
+        raise CheckpointError(
+            f"{file} has compressed entries ({packed[0]}), which torch.save never writes "
+            "and which could inflate to any size: save it with torch.save"
+        )
+    stream.seek(0)
+
+
+@dataclass
+class _Budget:
+    """What is left for the tensors of one checkpoint (see :data:`MAX_EXPANSION`)."""
+
+    file: Path
+    bytes_left: int
+    #: Entries: every real one costs its name and more bytes of the file, and a dict
+    #: referenced from many places (pickle's memo) would otherwise multiply them.
+    entries_left: int
+
+
 def _flatten_into(
     out: dict[str, torch.Tensor],
     tree: Mapping[Any, Any],
     prefix: tuple[str, ...],
-    file: Path,
+    budget: _Budget,
     *,
     top: Mapping[Any, Any],
+    path: set[int],
 ) -> None:
-    """Add ``tree``'s tensors to ``out`` under dotted names; ``top``: the whole
-    checkpoint, to suggest a ``--key`` when an entry is not a tensor."""
+    """Add ``tree``'s tensors to ``out`` under dotted names, each checked to be dense,
+    within ``budget``; ``top``: the whole checkpoint, to suggest a ``--key`` when an
+    entry is not a tensor; ``path``: the ids of the dicts above, to refuse a cycle."""
     import torch
 
+    file = budget.file
+    if id(tree) in path:
+        raise CheckpointError(f"{file}: entry {'.'.join(prefix)!r} contains itself")
+    path.add(id(tree))
     for entry, value in tree.items():
         name = (*prefix, str(entry))
+        budget.entries_left -= 1
+        if budget.entries_left < 0:
+            raise CheckpointError(f"{file} names more entries than it has bytes")
         if isinstance(value, Mapping):
-            _flatten_into(out, value, name, file, top=top)
+            _flatten_into(out, value, name, budget, top=top, path=path)
         elif isinstance(value, torch.Tensor):
+            budget.bytes_left -= _dense_nbytes(".".join(name), value, file)
+            if budget.bytes_left < 0:
+                raise CheckpointError(
+                    f"{file}'s tensors add up to more than {MAX_EXPANSION} times its size "
+                    "(its entries name the same bytes many times): save each tensor once"
+                )
             out[".".join(name)] = value
         else:
             dicts = [str(k) for k, sub in top.items() if isinstance(sub, Mapping)]
@@ -143,6 +210,42 @@ def _flatten_into(
             raise CheckpointError(
                 f"{file}: entry {'.'.join(name)!r} is a {type(value).__name__}, not a tensor;{hint}"
             )
+    path.discard(id(tree))
+
+
+def _dense_nbytes(name: str, tensor: torch.Tensor, file: Path) -> int:
+    """``tensor``'s logical size in bytes, once it is known to be a CPU tensor whose
+    elements are distinct bytes of its storage; else :class:`CheckpointError`.
+
+    A stride-0 (expanded) or overlapping view of a few stored bytes names as many
+    elements as it likes: copying it would make gigabytes of a kilobyte file.
+    """
+    import torch
+
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        raise CheckpointError(
+            f"{file}: tensor {name!r} is a {tensor.layout} tensor on {tensor.device}, not a "
+            "dense one with its data in the file: save dense CPU tensors"
+        )
+    itemsize = tensor.element_size()
+    logical = tensor.numel() * itemsize
+    if logical == 0:
+        return 0
+    stored = tensor.untyped_storage().nbytes()
+    # Sizes above 1 by stride: each dimension must step past all of the smaller ones.
+    dims = sorted((st, n) for n, st in zip(tensor.shape, tensor.stride(), strict=True) if n > 1)
+    span, overlapping = 1, False
+    for stride, n in dims:
+        overlapping = overlapping or stride < span
+        span = stride * (n - 1) + span
+    end = (tensor.storage_offset() + span) * itemsize
+    if overlapping or logical > stored or end > stored:
+        raise CheckpointError(
+            f"{file}: tensor {name!r} ({list(tensor.shape)}, strides {list(tensor.stride())}) "
+            f"names {logical} bytes but its storage holds {stored}: an expanded or "
+            "overlapping view is refused; save dense tensors (tensor.contiguous().clone())"
+        )
+    return logical
 
 
 def _file_signature(path: Path) -> tuple[int, int] | None:

@@ -6,17 +6,34 @@ state, the workers behind each relay (from its heartbeats), the bytes, versions 
 chunks sent, timeouts and rejections, the sync latency as a histogram, and for a relay
 what it forwarded and where it stands upstream. Nothing is sampled in the background: a
 scrape reads the status as it is. Needs ``prometheus_client`` (the ``metrics`` extra).
+
+The server serves at most :data:`MAX_CONNECTIONS` connections at once (more are closed
+as they arrive), and closes one that sends nothing for :data:`IDLE_TIMEOUT` seconds.
 """
 
 from __future__ import annotations
 
+import socket
+import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from socketserver import ThreadingMixIn
+from typing import Any, Final
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from zmqsync.closing import ClosesOnExit
 from zmqsync.status_types import SenderStatus, UpstreamStatus
 
-__all__ = ["MetricsServer", "StatusCollector", "serve_metrics"]
+__all__ = ["IDLE_TIMEOUT", "MAX_CONNECTIONS", "MetricsServer", "StatusCollector", "serve_metrics"]
+
+#: Connections served at once; more are closed as they arrive. Each one holds a thread
+#: until it is done: without a bound, 1,000 half-sent requests held 1,000 threads. A
+#: Prometheus server scrapes over one connection at a time; a few more leave room for an
+#: HA pair and a person with curl.
+MAX_CONNECTIONS: Final = 16
+#: Seconds a connection may send (or take) nothing before it is closed. A scraper sends
+#: its whole request at once; without a timeout a silent client held its thread forever.
+IDLE_TIMEOUT: Final = 5.0
 
 #: Counters of ``report().totals``, as (field, metric name, help).
 _COUNTERS = (
@@ -145,12 +162,69 @@ def serve_metrics(source: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
     """Serve ``source``'s status (a :class:`~zmqsync.WeightSender`, a
     :class:`~zmqsync.Relay`, or anything with ``report()`` or ``status()``) as Prometheus
     metrics on ``http://addr:port/metrics`` (port 0: a free one, see
-    :attr:`MetricsServer.port`)."""
+    :attr:`MetricsServer.port`). At most :data:`MAX_CONNECTIONS` connections are served
+    at once, and each is closed after :data:`IDLE_TIMEOUT` seconds without a byte."""
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, make_wsgi_app
     except ImportError as exc:  # pragma: no cover - the extra is installed in CI
         raise ImportError("metrics need prometheus_client: pip install 'zmqsync[metrics]'") from exc
     registry = CollectorRegistry()
     registry.register(StatusCollector(getattr(source, "report", None) or source.status))
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class Server(_BoundedServer):
+        address_family = family  # an IPv6 address needs an IPv6 socket
+
+    server = Server((str(sockaddr[0]), port), _QuietHandler)
+    server.set_app(make_wsgi_app(registry))
+    thread = threading.Thread(target=server.serve_forever, name="zmqsync-metrics", daemon=True)
+    thread.start()
     return MetricsServer(server, thread)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """One request per connection, none logged; a silent connection times out."""
+
+    timeout = IDLE_TIMEOUT  # socketserver sets it on each accepted socket
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log nothing: a scrape every few seconds would fill the learner's output."""
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most :data:`MAX_CONNECTIONS` of them."""
+
+    daemon_threads = True  # a stuck connection never holds the process at exit
+    # socketserver's 5 fills at once under a burst of connections, and each connection
+    # past it (a scrape too) waits a second for its SYN to be sent again; extra
+    # connections are closed as fast as they are accepted, so a longer queue drains.
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler]) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve ``request`` on a thread of its own if a slot is free, else close it."""
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: it will never give the slot back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """Serve one connection, then free its slot."""
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out or went away is no error of ours; print others."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
