@@ -82,9 +82,9 @@ def relay(
         bool,
         typer.Option(
             "--snapshot/--no-snapshot",
-            help="Keep the latest version (its size in memory) for late joiners and "
-            "repairs; --no-snapshot keeps only the chunks on their way and fetches the "
-            "latest again from upstream when a worker needs it.",
+            help="Keep the latest version (twice its size in memory: the next is staged "
+            "apart) for late joiners and repairs; --no-snapshot keeps only the chunks on "
+            "their way and fetches the latest again from upstream when a worker needs it.",
         ),
     ] = True,
     insecure: Annotated[

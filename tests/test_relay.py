@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing as mp
 import resource
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from _faults import until
 from _workers import run_leaves
 
 from zmqsync import Relay, SyncTimeout, WeightReceiver, WeightSender, checksum
+from zmqsync.protocol import Buffer, Chunk, decode
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
 
@@ -567,6 +569,126 @@ def test_a_worker_that_a_relay_is_streaming_to_is_not_sent_anything_else(retain:
             assert (totals["repairs_sent"], relay.stats["refetches"]) == repairs
             assert totals["repairs_skipped"] > skipped  # they did ask meanwhile
             assert all(r.stats["applied"] >= 4 for r in leaves.values())
+    finally:
+        relay.close()
+        learner.close()
+
+
+class _Gate(PubSubSpoke):
+    """A relay's link to its upstream (a real spoke) that can hold back one version's
+    chunks from an index on, until the test opens it: the test decides when the rest of
+    a stream arrives, and so catches a relay mid-forward every time."""
+
+    def __init__(self, endpoint: str, identity: str) -> None:
+        super().__init__(endpoint, identity=identity)
+        #: (version, index): chunks of that version from that index on wait.
+        self.hold: tuple[int, int] | None = None
+        #: What waits, in the order it came (read and emptied by the relay's loop only).
+        self.held: list[list[Buffer]] = []
+
+    def has_input(self) -> bool:
+        return (self.hold is None and bool(self.held)) or super().has_input()
+
+    def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
+        hold = self.hold
+        if hold is None and self.held:
+            return self.held.pop(0)
+        frames = super().recv_frames(timeout)
+        if frames is not None and hold is not None:
+            message = decode(frames)
+            if (
+                isinstance(message, Chunk)
+                and message.version == hold[0]
+                and message.index >= hold[1]
+            ):
+                self.held.append(frames)
+                return None
+        return frames
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", ["whole", "delta"])
+def test_a_late_joiner_during_a_targeted_forward_gets_the_version_it_is_told(stream: str) -> None:
+    # send(worker_ids=[10]) brings version v+1 (whole, or a delta the relay patches into
+    # what it holds) through a relay while a worker joins it. The relay takes the
+    # joiner's request while part of v+1 has landed, and serves it v, its latest whole
+    # version: v's bytes, whatever v+1 writes meanwhile and after.
+    model = _model()
+    learner = WeightSender(
+        _hub(),
+        model=model,
+        strategy="state_dict",
+        timeout=30,
+        chunk_bytes=MIB // 4,  # 17 chunks: a stream can be cut in the middle
+        delta=stream == "delta",
+    )
+    # The relay's stream is held on purpose: the learner must not send it again meanwhile.
+    learner.fleet.repair_after = 60.0
+    gate = _Gate(learner.endpoint, "relay")
+    relay = Relay(gate, _hub(), strategy="state_dict", heartbeat=0.2, chunk_bytes=MIB // 4)
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    joiners: list[WeightReceiver] = []
+
+    def join() -> WeightReceiver:
+        models[12] = {k: torch.zeros_like(t) for k, t in model.items()}
+        late = WeightReceiver(
+            _spoke(relay.endpoint, "leaf12"), model=models[12], strategy="state_dict", worker_idx=12
+        )
+        joiners.append(late)
+        late.connect(timeout=30)
+        late.start()
+        return late
+
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        with _leaves(relay.endpoint, [10, 11], models), ThreadPoolExecutor(2) as pool:
+            _bump(model)
+            learner.send()
+            v, held = learner.version, checksum(model)
+            until(
+                lambda: any("10" in (row["below"] or {}) for row in learner.status()["workers"]),
+                15,
+                "the relay named worker 10 in a heartbeat",
+            )
+            if stream == "whole":
+                _bump(model)
+                gate.hold = (v + 1, 8)  # about half of it
+            else:
+                with torch.no_grad():  # two stretches far apart: a delta of two chunks
+                    model["layer0.weight"][:1000].add_(1)
+                    model["layer3.weight"][-1000:].add_(1)
+                gate.hold = (v + 1, 1)
+            deltas = relay.receiver.stats["deltas"]
+            repairs = relay.status()["totals"]["repairs_sent"]
+            try:
+                sending = pool.submit(learner.send, worker_ids=[10])
+                # The relay asked for more after the first part: that part is staged.
+                until(lambda: gate.held, 30, "the relay staged the first part of v+1")
+                joining = pool.submit(join)
+                until(
+                    lambda: relay.status()["totals"]["repairs_sent"] > repairs,
+                    30,
+                    "the relay took the joiner's request",
+                )
+                assert gate.held and relay.version == v  # in the middle of v+1
+                gate.hold = None
+                late = joining.result(timeout=30)
+                # connect() returned: with v, and v's bytes.
+                assert late.version == v
+                assert checksum(models[12]) == held
+                sending.result(timeout=30)
+                assert checksum(models[10]) == checksum(model)
+                assert checksum(models[11]) == held  # not meant for it
+                assert relay.receiver.stats["deltas"] == deltas + (stream == "delta")
+                # It said hello while v+1 was the relay's latest: it gets it next, as a
+                # worker that joins the learner would, and whole.
+                until(lambda: late.version == v + 1, 30, "the joiner got v+1")
+                assert checksum(models[12]) == checksum(model)
+            finally:
+                gate.hold = None  # whatever failed, the send is let through
+                for late in joiners:
+                    late.close()
     finally:
         relay.close()
         learner.close()

@@ -82,7 +82,7 @@ class _Upstream(WeightReceiver):
         return ""
 
     def _on_start(self, event: Start) -> None:
-        self._relay._before_version()
+        self._relay._before_version(event.chunk)
         super()._on_start(event)
         if self._writing:  # taken: not a delta this relay cannot apply, not refused
             self._relay._begin(event.chunk)
@@ -161,11 +161,12 @@ class _Downstream(WeightSender):
             if streaming and runner._waiting:
                 runner._poke()
 
-    def _serve(self, copy: Copy) -> None:
-        """A relay's whole copy of the latest version it received: what its late joiners
-        and repairs get (it may be older than the version being forwarded)."""
+    def _serve(self, copy: Copy) -> Copy | None:
+        """Serve ``copy``, whole, to late joiners and repairs (it may be older than the
+        version being forwarded); returns the copy served until now."""
         with self._snapshot_lock:
-            self._snapshot = copy
+            old, self._snapshot = self._snapshot, copy
+        return old
 
     def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
         if self._relay.retain_snapshot or effect.origin.peer is None:
@@ -195,9 +196,9 @@ class Relay(ClosesOnExit):
         chunk_bytes: the chunks its late joiners and repairs are sent in.
         failover: makers of spokes to other upstreams, followed in turn when this one
             goes silent (see ``WeightReceiver``).
-        retain_snapshot: keep the latest version whole (its size in memory) to serve
-            late joiners and repairs; False: keep only the chunks on their way, and
-            fetch the latest again from upstream (which must keep a snapshot) for them.
+        retain_snapshot: keep the latest version whole (twice the model's size: the next
+            is staged apart) for late joiners and repairs; False: keep only the chunks on
+            their way, and fetch the latest again from upstream (which must keep one).
     """
 
     def __init__(
@@ -238,6 +239,8 @@ class Relay(ClosesOnExit):
         self.receiver = _Upstream(self, upstream, worker_idx=worker_idx, failover=failover, **model)
         #: The version being forwarded, if any.
         self._copy: Forwarded | None = None
+        #: The snapshot served before the latest: its buffer stages the next version.
+        self._spare: Copy | None = None
         #: The layout of the stream the relay holds, reused while the schema is the same.
         self._layout: StreamLayout | None = None
         #: An applied ack is owed upstream, until every worker below holds the version.
@@ -381,19 +384,17 @@ class Relay(ClosesOnExit):
 
     # --- called by its receiver, on the loop's thread ---------------------------------
 
-    def _before_version(self) -> None:
-        """A version starts: if a repair may still read the staging buffer the relay
-        serves from, write the new one into a copy."""
-        sender = self.sender
-        snapshot = sender._snapshot
-        if snapshot is None:
-            return
-        reading = not snapshot.lease.released
-        for runner in sender._runners:
-            with runner.holding():
-                reading = reading or any(t.copy is snapshot for t in runner.transfers)
-        if reading:
-            self.receiver._staging.detach()
+    def _before_version(self, chunk: Chunk) -> None:
+        """A version starts: stage it apart from the buffer served, which a late joiner or
+        a repair may read until the version is whole (what is served as v is v's bytes),
+        in the buffer of the snapshot before once nothing reads it (two buffers in all)."""
+        snapshot, staging = self.sender._snapshot, self.receiver._staging
+        if snapshot is None or not staging.nbytes or snapshot.data is not staging.array:
+            return  # what staging holds is served to nobody
+        spare, self._spare = self._spare, None
+        free = spare.data if spare is not None and not self.sender._still_read(spare) else None
+        # A delta patches the version held: it goes on from a copy of its bytes.
+        staging.hand_over(free, keep=chunk.base is not None)
 
     def _begin(self, chunk: Chunk) -> None:
         if self._copy is not None:
@@ -444,7 +445,9 @@ class Relay(ClosesOnExit):
             layout = self._layout = StreamLayout.received(receiver._schema, self.chunk_bytes)
         copy = Copy(self.sender, receiver.version, layout, receiver._staging.array, None)
         copy.metadata = receiver.metadata
-        self.sender._serve(copy)
+        old = self.sender._serve(copy)
+        if old is not None and old.data is not copy.data:
+            self._spare = old  # nothing stages into it while it may be served
         self._copy = None
 
     def _abort(self) -> None:

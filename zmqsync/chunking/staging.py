@@ -49,8 +49,15 @@ class Staging:
     def release(self) -> None:
         self._buffer = None
 
-    def detach(self) -> None:
-        """Go on in a copy of the buffer: the one held so far is someone else's now (a
-        relay's snapshot that a repair may still be reading)."""
-        if self._buffer is not None:
-            self._buffer = self._buffer.copy()
+    def hand_over(self, spare: np.ndarray | None, *, keep: bool) -> None:
+        """Go on in ``spare`` (fresh memory if None or of another size): the buffer held
+        so far is someone else's now (the snapshot a relay serves, which must stay that
+        version's bytes). ``keep``: copy its bytes over first (a delta patches them)."""
+        held = self._buffer
+        if held is None:
+            return
+        if spare is None or len(spare) != len(held):
+            spare = np.empty_like(held)
+        if keep:
+            np.copyto(spare, held)
+        self._buffer = spare

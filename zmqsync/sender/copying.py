@@ -265,6 +265,15 @@ class Copying(SenderState):
                 self._snapshot = owned
         return owned
 
+    def _still_read(self, copy: Copy) -> bool:
+        """Whether a transfer still streams ``copy`` or a transport holds its memory: its
+        buffer may be written again only once neither does."""
+        for runner in self._runners:
+            with runner.holding():
+                if any(t.copy is copy for t in runner.transfers):
+                    return True
+        return not copy.lease.released  # after: a transfer that ended lent its last chunk
+
     def _latest(self) -> Copy | None:
         """The latest version's stream, or None if the sender keeps none."""
         version = self.fleet.version
