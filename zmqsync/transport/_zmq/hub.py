@@ -181,7 +181,10 @@ class ZMQHub(OpenEnd, HubTransport):
         return {"ack_endpoint": self._ack_endpoint}
 
     def counters(self) -> dict[str, int]:
+        """Rejected handshakes, dropped sends, ``peers`` (the spokes this hub keeps
+        anything for: whom a fan-out over the ROUTER reaches), and shared-memory counts."""
         out = dict(self._counters)
+        out["peers"] = len(self._peers)
         if self._lender is not None:
             out.update(self._lender.stats())
         return out
