@@ -289,7 +289,7 @@ def test_a_delta_against_a_version_the_worker_lacks_is_skipped_and_asked_for_who
 def test_the_fleet_answers_a_request_for_the_whole_version_at_once_and_once() -> None:
     fleet = FleetCore("policy", 5, mode="memory", strategy="state_dict", transports=["memory"])
     origin = Origin(0, b"peer")
-    (welcome,) = fleet.handle(Hello("policy", 0, 0, 3), origin, 0.0, {})
+    _admit, welcome = fleet.handle(Hello("policy", 0, 0, 3), origin, 0.0, {})
     secret = welcome.message.session
     fleet.published = True
     fleet.begin_send(None, 0.0, 10.0)  # version 1: sent to worker 3 just now

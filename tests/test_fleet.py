@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from zmqsync.fleet import (
     EXPIRE_HEARTBEATS,
     EXPIRE_MIN_SECONDS,
+    Admit,
     FanOut,
     Fleet,
     Forget,
@@ -90,6 +91,17 @@ class FleetMachine(RuleBasedStateMachine):
                 assert e.origin.peer is not None
             if isinstance(e, FanOut):
                 assert isinstance(e.message, Probe)
+        # A hub keeps a peer only once admitted: exactly the connections welcomed, each
+        # admitted before its Welcome (so what the hub offers it arrives first).
+        admitted = [e.origin for e in effects if isinstance(e, Admit)]
+        welcomed = [
+            e.origin for e in effects if isinstance(e, Reply) and isinstance(e.message, Welcome)
+        ]
+        assert admitted == welcomed, effects
+        for e in effects:
+            if isinstance(e, Admit):
+                after = effects[effects.index(e) + 1]
+                assert isinstance(after, Reply) and isinstance(after.message, Welcome)
         return effects
 
     def _welcomes(self, effects):  # type: ignore[no-untyped-def]
@@ -282,7 +294,7 @@ def test_expiry_floor_and_heartbeats() -> None:
 
 def test_an_up_to_date_worker_is_told_so() -> None:
     core = Fleet("policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"])
-    (welcome,) = core.handle(Hello("policy", 0, 0, 0, attempt="a"), Origin(0, b"p"), 0.0)
+    _admit, welcome = core.handle(Hello("policy", 0, 0, 0, attempt="a"), Origin(0, b"p"), 0.0)
     secret = welcome.message.session  # type: ignore[union-attr]
     (effect,) = core.handle(SnapshotRequest("policy", 0, 0, 0, secret), Origin(0, b"p"), 0.0)
     assert isinstance(effect, Reply) and isinstance(effect.message, UpToDate)

@@ -17,7 +17,8 @@ from _faults import raw_sockets, rss_bytes, squatter, stopped, until
 from _workers import bump, make_model
 
 import zmqsync
-from zmqsync import SyncTimeout, ZMQWeightSyncScheme
+from zmqsync import SyncTimeout, WeightReceiver, WeightSender, ZMQWeightSyncScheme
+from zmqsync.errors import FrameError
 from zmqsync.protocol import (
     MAX_BODY_BYTES,
     Ack,
@@ -28,10 +29,13 @@ from zmqsync.protocol import (
     StatusReply,
     TensorEntry,
     WeightsSchema,
+    decode,
     encode,
     encode_schema,
     layout_digest,
 )
+from zmqsync.transport import resolve
+from zmqsync.transport._zmq import SPOKE_PREFIX
 
 pytestmark = pytest.mark.slow
 
@@ -258,6 +262,99 @@ def test_strangers_grow_no_state_and_status_stays_bounded(fleet: Any) -> None:
         scheme.shutdown()
 
 
+#: Connections under a worker's routing id that each send one junk message and never
+#: say hello; opened in batches (a ZeroMQ context holds at most 1023 sockets).
+STRANGERS = 3000
+STRANGER_BATCH = 500
+
+
+def _replies(sock: zmq.Socket[Any]) -> list[str]:
+    """What a stranger was sent: each message's type, once its first one came."""
+    got: list[str] = []
+    deadline = time.monotonic() + 20
+    while not got or sock.poll(0):
+        assert time.monotonic() < deadline, "a stranger's junk was never answered"
+        if sock.poll(50):
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            try:
+                got.append(type(decode(frames)).__name__)
+            except FrameError:
+                got.append("not a zmqsync message")
+    return got
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("mode", "transport"), [("router", "tcp"), ("pubsub", "ipc")])
+def test_strangers_that_never_say_hello_leave_nothing_in_the_hub(
+    mode: str, transport: str, tmp_path: Any
+) -> None:
+    """Thousands of connections under a spoke's routing id, each sending one junk
+    message and never a hello: the hub keeps nothing for them (its ``peers`` count is
+    its workers'), sends them nothing but the refusal (no version, no shared-memory
+    offer), and a worker that connects after them joins and gets each version exactly."""
+    endpoint = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp_path}/hub"
+    hub_cls, spoke_cls = resolve(f"zmq-{mode}")
+    hub = hub_cls(endpoint)
+    model = make_model("wide", seed=0)  # large enough for shared memory over ipc
+    sender = WeightSender(hub, model=model, strategy="state_dict", num_workers=None, timeout=30)
+    workers: list[tuple[WeightReceiver, Any]] = []
+
+    def totals() -> dict[str, Any]:
+        return sender.status()["totals"]
+
+    def read_junk(count: int) -> None:
+        until(lambda: totals()["rejected_frames"] >= count, 60, f"{count} junk messages read")
+
+    def join(worker: int) -> None:
+        target = make_model("wide", seed=100 + worker)
+        spoke = spoke_cls(hub.endpoint, identity=f"w{worker}")
+        receiver = WeightReceiver(spoke, model=target, strategy="state_dict", worker_idx=worker)
+        workers.append((receiver, target))
+        receiver.connect(timeout=30)
+        receiver.start()
+
+    context: zmq.Context[Any] = zmq.Context()
+    strangers: list[zmq.Socket[Any]] = []
+    try:
+        join(0)
+        until(lambda: totals()["peers"] == 1, 10, "the hub counted its worker")
+        rejected = totals()["rejected_frames"]
+        for first in range(0, STRANGERS, STRANGER_BATCH):
+            for sock in strangers:
+                sock.close(linger=0)
+            strangers = []
+            for i in range(first, first + STRANGER_BATCH):
+                sock = context.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.routing_id = SPOKE_PREFIX + b"stranger-%d" % i
+                sock.connect(hub.endpoint)
+                sock.send(b"junk", zmq.NOBLOCK)  # queued until connected
+                strangers.append(sock)
+            rejected += STRANGER_BATCH
+            read_junk(rejected)
+        # The last batch stays connected: a fan-out could still reach it.
+        assert totals()["peers"] == 1, "the hub keeps peers that never said hello"
+        join(1)  # a worker that connects after them
+        until(lambda: totals()["peers"] == 2, 10, "the hub counted its new worker")
+        for _ in range(2):
+            bump(model)
+            sender.send()  # waits for both workers' acks
+            for _receiver, target in workers:
+                assert zmqsync.checksum(target) == zmqsync.checksum(model)
+        assert totals()["peers"] == 2
+        for sock in strangers:
+            assert _replies(sock) == ["ErrorMessage"], "a stranger was sent more than a refusal"
+        workers[1][0].close()  # its goodbye: the hub forgets it
+        until(lambda: totals()["peers"] == 1, 10, "the hub forgot a worker that left")
+    finally:
+        for sock in strangers:
+            sock.close(linger=0)
+        context.term()
+        for receiver, _target in workers:
+            receiver.close()
+        sender.close()
+
+
 def test_status_stays_bounded_for_thousands_of_workers() -> None:
     """The fleet core keeps thousands of sessions, and status shows a bounded number of
     rows (furthest behind first) with counts, far below the protocol's body limit."""
@@ -377,7 +474,9 @@ def test_a_worker_welcome_carries_a_secret_that_differs_per_session() -> None:
     core = Fleet("policy", 7, mode="zmq", strategy="state_dict", transports=["zmq"])
 
     def welcome(worker: int, peer: bytes, attempt: str) -> Welcome:
-        (effect,) = core.handle(Hello("policy", 0, 0, worker, attempt=attempt), Origin(0, peer), 0)
+        _admit, effect = core.handle(
+            Hello("policy", 0, 0, worker, attempt=attempt), Origin(0, peer), 0
+        )
         assert isinstance(effect, Reply) and isinstance(effect.message, Welcome)
         return effect.message
 

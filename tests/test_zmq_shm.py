@@ -36,9 +36,15 @@ def _fleet(mode: str, tmp_path: Any, n: int) -> tuple[ZMQHub, list[ZMQSpoke]]:
 
 
 def _pump(
-    hub: ZMQHub, spokes: list[ZMQSpoke], until: Any, what: str, within: float = DEADLINE
+    hub: ZMQHub,
+    spokes: list[ZMQSpoke],
+    until: Any,
+    what: str,
+    within: float = DEADLINE,
+    admit: bool = False,
 ) -> list[Any]:
-    """Run both sides until ``until()``; returns what the hub received meanwhile."""
+    """Run both sides until ``until()``; returns what the hub received meanwhile.
+    ``admit``: admit each peer heard from (as a sender welcomes a worker's hello)."""
     got = []
     deadline = time.monotonic() + within
     while not until():
@@ -46,21 +52,36 @@ def _pump(
         incoming = hub.recv_frames(0.02)
         if incoming is not None:
             got.append([bytes(f) for f in incoming.frames])
+            if admit and incoming.peer is not None:
+                hub.peer_joined(incoming.peer)
         for spoke in spokes:
             frames = spoke.recv_frames(0.005)
             assert frames is None, f"a spoke got a message during {what}: {frames!r:.80}"
     return got
 
 
-def _join(hub: ZMQHub, spokes: list[ZMQSpoke]) -> None:
-    """Each spoke speaks (as a Hello does), follows the hub, and is counted."""
+def _admit(hub: ZMQHub, spokes: list[ZMQSpoke]) -> None:
+    """Each spoke speaks (as a Hello does) and is admitted (as its Welcome is)."""
     for spoke in spokes:
         spoke.send_frames([b"hello"])
         spoke.follow(hub.announce())
+        deadline = time.monotonic() + DEADLINE
+        incoming = None
+        while incoming is None:
+            assert time.monotonic() < deadline, "a spoke's hello never reached the hub"
+            incoming = hub.recv_frames(0.05)
+        assert [bytes(f) for f in incoming.frames] == [b"hello"]
+        assert incoming.peer == spoke.peer_id
+        hub.peer_joined(spoke.peer_id)
+
+
+def _join(hub: ZMQHub, spokes: list[ZMQSpoke]) -> None:
+    """Each spoke is admitted, answers the hub's offer, and is counted."""
+    _admit(hub, spokes)
     got = _pump(
         hub, spokes, lambda: all(s.counters()["borrowing"] for s in spokes), "the handshake"
     )
-    assert got == [[b"hello"]] * len(spokes), "the handshake must not reach the hub's user"
+    assert got == [], "the handshake must not reach the hub's user"
 
 
 def _shared(hub: ZMQHub, payload: bytes) -> list[Any]:
@@ -231,6 +252,7 @@ def test_a_peer_that_cannot_open_the_blocks_gets_every_byte_inline(
                 lambda: hub.counters().get("shm_declined") == 1,
                 "the namespaced worker",
                 60.0,
+                admit=True,
             )
             assert got == [[b"hello"]]
             payload = os.urandom(PAYLOAD)
@@ -388,7 +410,10 @@ def test_shared_memory_is_on_for_ipc_unless_asked_otherwise(
         heard = False
         while not heard or (expected and not spoke.counters()["borrowing"]):
             assert time.monotonic() < deadline, "the hello or the handshake never completed"
-            heard = hub.recv_frames(0.05) is not None or heard
+            incoming = hub.recv_frames(0.05)
+            if incoming is not None and incoming.peer is not None:
+                hub.peer_joined(incoming.peer)  # as its Welcome does
+                heard = True
             assert spoke.recv_frames(0.01) is None
         payload = os.urandom(PAYLOAD)
         buf = hub.lend(PAYLOAD)
@@ -423,7 +448,9 @@ def test_a_peer_that_never_opened_the_probe_block_cannot_join(mode: str, tmp_pat
         offer = None
         while offer is None:
             assert time.monotonic() < deadline, "the hub made no offer to a new peer"
-            hub.recv_frames(0.02)  # reads the hello, and answers it with an offer
+            incoming = hub.recv_frames(0.02)
+            if incoming is not None and incoming.peer == dealer.routing_id:
+                hub.peer_joined(incoming.peer)  # as its Welcome does: offered the blocks
             if dealer.poll(10):
                 record = dealer.recv_multipart(zmq.NOBLOCK)
                 if records.is_record(record) and isinstance(

@@ -22,7 +22,15 @@ from typing import Final
 
 from zmqsync.errors import TransportClosed
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import Announces, Follows, HubTransport, PeerId, SpokeTransport, Stream
+from zmqsync.transport.base import (
+    AdmitsPeers,
+    Announces,
+    Follows,
+    HubTransport,
+    PeerId,
+    SpokeTransport,
+    Stream,
+)
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
 __all__ = ["FleetFactory", "check_transport", "memory_fleet"]
@@ -62,13 +70,16 @@ def _spoke_recv(spoke: SpokeTransport, timeout: float = ARRIVAL) -> list[bytes]:
 
 
 def _introduce(hub: HubTransport, spokes: Sequence[SpokeTransport]) -> list[PeerId]:
-    """Each spoke speaks first, so the hub knows its peer id (as a sender's Hello does)."""
+    """Each spoke speaks first, so the hub knows its peer id (as a sender's Hello does),
+    and a hub that admits peers is told it may keep them (as a sender's Welcome does)."""
     peers: list[PeerId] = []
     for i, spoke in enumerate(spokes):
         spoke.send_frames([b"hello", str(i).encode()])
         incoming = _hub_recv(hub)
         assert _b(incoming.frames) == [b"hello", str(i).encode()], _b(incoming.frames)
         assert incoming.peer is not None, "a spoke's message must carry its peer id"
+        if isinstance(hub, AdmitsPeers):
+            hub.peer_joined(incoming.peer)
         peers.append(incoming.peer)
     assert len(set(peers)) == len(peers), f"peer ids must be unique: {peers}"
     announced = hub.announce() if isinstance(hub, Announces) else {}

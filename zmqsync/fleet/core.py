@@ -15,6 +15,7 @@ from typing import Any, Final
 from zmqsync.fleet.records import (
     REASON_CHARS,
     REASONS_KEPT,
+    Admit,
     Effect,
     FanOut,
     Forget,
@@ -248,7 +249,7 @@ class Fleet(FleetSends):
             # over Ray several may arrive at once, late): its Welcome again, and nothing
             # rewound (what the worker acked since, the repair interval).
             s.last_seen = now
-            return [self._welcome(s)]
+            return self._welcome(s)
         if s is not None and s.origin != origin:
             if self.live(s, now):
                 where = f"{s.transport}, pid {s.pid or '?'} on {s.host or '?'}"
@@ -262,6 +263,8 @@ class Fleet(FleetSends):
         if len(self.workers) >= self.max_sessions:
             effects += self.expire(now)
             if len(self.workers) >= self.max_sessions:
+                # Whatever this connection held before is dropped above: no one's now.
+                effects.append(Forget(origin))
                 return effects + self._refuse(
                     origin, "fleet-full", f"this sender keeps at most {self.max_sessions} workers"
                 )
@@ -282,8 +285,7 @@ class Fleet(FleetSends):
         self.workers[worker] = s
         self._by_origin[origin] = worker
         self._unclaim_worker(worker)  # it speaks for itself now: no relay speaks for it
-        effects.append(self._welcome(s))
-        return effects
+        return effects + self._welcome(s)
 
     def _refuse_claim(self, origin: Origin, worker: int, why: str) -> list[Effect]:
         self.counters["refused_claims"] += 1
@@ -293,9 +295,11 @@ class Fleet(FleetSends):
             f"worker id {worker} is already taken: {why}; worker ids must be unique in a fleet",
         )
 
-    def _welcome(self, s: Session) -> Reply:
+    def _welcome(self, s: Session) -> list[Effect]:
+        """Admit the session's connection at its hub (before its Welcome, so what the hub
+        offers its peers arrives first), and welcome it."""
         announced = self.announced[s.origin.hub]
-        return Reply(
+        welcome = Reply(
             s.origin,
             Welcome(
                 self.model_id,
@@ -311,6 +315,7 @@ class Fleet(FleetSends):
                 attempt=s.attempt,
             ),
         )
+        return [Admit(s.origin), welcome]
 
     def free_worker_id(self, reserved: Mapping[int, frozenset[int]] | None = None) -> int:
         """The lowest id no session holds and no hub reserves: what a worker that asks

@@ -16,6 +16,7 @@ from zmqsync.transport.base import PeerId
 __all__ = [
     "REASONS_KEPT",
     "REASON_CHARS",
+    "Admit",
     "Effect",
     "FanOut",
     "Forget",
@@ -66,13 +67,21 @@ class FanOut:
 
 
 @dataclass(frozen=True, slots=True)
+class Admit:
+    """The peer at ``origin`` is a worker's now (its Welcome follows): the hub may keep
+    what it keeps per peer (fan-outs reach it) until told to :class:`Forget` it."""
+
+    origin: Origin
+
+
+@dataclass(frozen=True, slots=True)
 class Forget:
     """The peer at ``origin`` is no longer anyone's: drop what the hub keeps for it."""
 
     origin: Origin
 
 
-Effect: TypeAlias = Reply | SendLatest | FanOut | Forget
+Effect: TypeAlias = Reply | SendLatest | FanOut | Admit | Forget
 
 
 @dataclass

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from zmqsync.errors import FrameError
-from zmqsync.fleet import FanOut, Forget, Origin, Reply, SendLatest
+from zmqsync.fleet import Admit, FanOut, Forget, Origin, Reply, SendLatest
 from zmqsync.protocol import (
     ErrorMessage,
     Hello,
@@ -25,6 +25,7 @@ from zmqsync.protocol import (
 from zmqsync.sender.pump import HubRunner
 from zmqsync.sender.state import SenderState
 from zmqsync.transport.base import (
+    AdmitsPeers,
     ForgetsPeers,
     HubTransport,
     Incoming,
@@ -191,6 +192,12 @@ class Handling(SenderState):
                     self._totals["repairs_skipped"] += 1
             elif isinstance(effect, FanOut):
                 hub.send_frames(encode(effect.message))
+            elif (
+                isinstance(effect, Admit)
+                and effect.origin.peer is not None
+                and isinstance(hub, AdmitsPeers)
+            ):
+                hub.peer_joined(effect.origin.peer)
             elif (
                 isinstance(effect, Forget)
                 and effect.origin.peer is not None

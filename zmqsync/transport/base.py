@@ -11,10 +11,11 @@ Contract, for every adapter (``zmqsync.testing.check_transport`` tests it):
   transport's own short send timeout; a message a peer cannot take right now (gone, or
   its queue full) is dropped for that peer, silently: the sync layer above notices the
   missing ack and repairs it.
-- Hub ``send_frames(frames, to=None)`` fans out to every connected spoke;
-  ``to=[peer, ...]`` sends to exactly those peers, over the transport's reliable
-  addressed path. ``stream=`` marks a version's chunks (see :class:`Stream`): a hub that
-  queues may drop the queued chunks of older versions once a newer one starts.
+- Hub ``send_frames(frames, to=None)`` fans out to every connected spoke (a hub that
+  :class:`AdmitsPeers`: to every admitted one); ``to=[peer, ...]`` sends to exactly
+  those peers, over the transport's reliable addressed path. ``stream=`` marks a
+  version's chunks (see :class:`Stream`): a hub that queues may drop the queued chunks
+  of older versions once a newer one starts.
 - Spoke ``send_frames(frames, ack=True)`` says the message is an ack: it may travel on
   the hub's ack channel, where the hub receives it with ``peer=None``.
 - ``recv_frames(timeout)`` returns the next message, or ``None`` when ``timeout``
@@ -24,6 +25,13 @@ Contract, for every adapter (``zmqsync.testing.check_transport`` tests it):
   once the send has completed... except over ``inproc``, where they may, and where the
   hub lends memory (:class:`Lends`), whose read-only views it rewrites only once
   released: which is why receivers always copy before keeping anything.
+- Whatever a stranger sends, a hub keeps nothing per peer for it: anyone who can
+  connect may send a message, and the hub passes it up with its ``peer`` id. What a
+  hub keeps per peer (whom a fan-out goes to, leases on lent memory), it keeps for the
+  ends its caller gave it (a pipe, an actor, an in-process spoke), or for the peers the
+  layer above admitted (:class:`AdmitsPeers`: the sender does with each Welcome) until
+  told they left (:class:`ForgetsPeers`): never more than the sender keeps sessions.
+  A hub is told who is admitted; it never reads a message to find out.
 - A hub's ``wake()`` is the only method that may be called from another thread: it
   makes a blocked ``recv_frames`` return ``None`` promptly.
 - ``close()`` is idempotent and never waits on a dead peer (linger 0). Any other call
@@ -47,6 +55,7 @@ from zmqsync.closing import ClosesOnExit
 from zmqsync.protocol import Buffer
 
 __all__ = [
+    "AdmitsPeers",
     "Announces",
     "Borrows",
     "Counted",
@@ -230,6 +239,19 @@ class TracksPeers(Protocol):
     def reserved_workers(self) -> frozenset[int]:
         """Worker ids bound to this hub's peers (a pipe's or an actor's index): a sender
         serving several hubs gives them to nobody else, even before they first speak."""
+        ...
+
+
+@runtime_checkable
+class AdmitsPeers(Protocol):
+    """A hub that keeps something per peer (whom a fan-out reaches, leases on shared
+    memory) only for the peers the layer above admitted: anyone can connect and send,
+    and what such a stranger sends is passed up and leaves nothing behind."""
+
+    def peer_joined(self, peer: PeerId) -> None:
+        """``peer`` is a worker now (the sender welcomed it): fan-outs reach it, and it
+        may be offered what the hub keeps per peer, until :meth:`ForgetsPeers.peer_left`.
+        Saying so again changes nothing."""
         ...
 
 

@@ -2,7 +2,7 @@
 
 Every message is addressed, so ``to=[...]`` costs nothing extra and a worker that is
 gone is known at once (``ROUTER_MANDATORY``). Fan-out (``to=None``) reaches every
-worker that has spoken to the hub.
+worker the sender admitted (welcomed), never a connection that merely spoke.
 """
 
 from __future__ import annotations

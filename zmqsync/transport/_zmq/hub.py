@@ -57,8 +57,13 @@ class ZMQHub(OpenEnd, HubTransport):
 
     Subclasses choose how ``send_frames(to=None)`` fans out. Besides the contract it
     is :class:`~zmqsync.transport.base.Waitable`, ``Lends`` (to ``ipc://`` peers, or
-    as ``shared_memory`` says), ``ZeroCopy``, ``Announces``, ``ForgetsPeers`` and
-    ``Counted``.
+    as ``shared_memory`` says), ``ZeroCopy``, ``Announces``, ``AdmitsPeers``,
+    ``ForgetsPeers`` and ``Counted``.
+
+    Anyone who can connect may send to the ROUTER under a spoke's routing id: the hub
+    keeps a peer (fans out to it, offers it shared memory) only once the sender admitted
+    it (``peer_joined``), so its table is as large as the sender's sessions, whatever
+    strangers do.
     """
 
     name = "zmq"
@@ -109,7 +114,11 @@ class ZMQHub(OpenEnd, HubTransport):
         self._socks = Sockets(self._context, curve)
         self._counters = {"handshake_failures": 0, "dropped_sends": 0}
         self._zero_copy_min = ZERO_COPY_MIN  # pyzmq's copy_threshold on the data sockets
+        #: Admitted spokes (see peer_joined) that a fan-out over the ROUTER reaches.
         self._peers: set[PeerId] = set()
+        #: Admitted spokes found unreachable (gone, or reconnecting): skipped by fan-outs
+        #: until they speak again, forgotten when the sender says they left.
+        self._away: set[PeerId] = set()
         self._closed = False
         self._monitors: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
         if (scheme == "ipc" if shared_memory is None else shared_memory) and SHM_AVAILABLE:
@@ -181,7 +190,10 @@ class ZMQHub(OpenEnd, HubTransport):
         return {"ack_endpoint": self._ack_endpoint}
 
     def counters(self) -> dict[str, int]:
+        """Rejected handshakes, dropped sends, ``peers`` (the spokes this hub keeps
+        anything for: whom a fan-out over the ROUTER reaches), and shared-memory counts."""
         out = dict(self._counters)
+        out["peers"] = len(self._peers) + len(self._away)
         if self._lender is not None:
             out.update(self._lender.stats())
         return out
@@ -262,7 +274,9 @@ class ZMQHub(OpenEnd, HubTransport):
             # Gone, or its queue is full: the sync layer sees the missing ack and repairs.
             self._counters["dropped_sends"] += 1
             if exc.errno == zmq.EHOSTUNREACH:
-                self._peers.discard(peer)
+                if peer in self._peers:  # still admitted: back in the fan-out once it speaks
+                    self._peers.discard(peer)
+                    self._away.add(peer)
                 if self._lender is not None:
                     self._lender.drop(peer, "unreachable")
 
@@ -296,27 +310,57 @@ class ZMQHub(OpenEnd, HubTransport):
                 if woken or remaining == 0 or (deadline is None and not events):
                     return None
 
+    def peer_joined(self, peer: PeerId) -> None:
+        """The sender admitted ``peer``: fan-outs reach it, and over ``ipc://`` it is
+        offered the hub's blocks. Only this transport's spokes are kept (a status query's
+        socket gets replies, never fan-outs or offers)."""
+        self._check_open()
+        if not peer.startswith(SPOKE_PREFIX):
+            return
+        self._away.discard(peer)
+        self._peers.add(peer)
+        self._offer(peer)
+
     def peer_left(self, peer: PeerId) -> None:
         self._peers.discard(peer)
+        self._away.discard(peer)
         if self._lender is not None:
             # no longer counted; blocks it may still map are retired, never rewritten
             self._lender.drop(peer, "left")
 
+    def _offer(self, peer: PeerId) -> None:
+        """Offer an admitted ``peer`` the hub's blocks, unless it was offered them."""
+        if self._lender is not None:
+            offer = self._lender.offer(peer)
+            if offer is not None:
+                self._send_to(peer, offer)
+
     def _from_router(self, peer: PeerId, frames: list[Buffer]) -> Incoming | None:
-        """A message from the ROUTER, or None when it was part of the lending handshake."""
-        if not peer.startswith(SPOKE_PREFIX):
+        """A message from the ROUTER, or None when it was part of the lending handshake.
+
+        Nothing is kept for a peer the sender has not admitted: its message goes up to
+        the sender, which decides whether it becomes a worker.
+        """
+        if peer in self._away:
+            # Admitted, and found unreachable since: it is back (a DEALER reconnects
+            # under the same routing id).
+            self._away.discard(peer)
+            self._peers.add(peer)
+        if self._lender is None or not peer.startswith(SPOKE_PREFIX):
             return Incoming(frames, peer)
-        self._peers.add(peer)
-        if self._lender is None:
-            return Incoming(frames, peer)
+        admitted = peer in self._peers
         if is_record(frames):
+            if not admitted:
+                # Only an admitted peer was offered anything to answer: a join from any
+                # other would make it a member, kept, of a stranger's choosing.
+                self._lender.counters["bad_records"] += 1
+                return None
             reply = self._lender.on_request(peer, frames)
             if reply is not None:
                 self._send_to(peer, reply)
             return None
-        offer = self._lender.offer(peer)
-        if offer is not None:
-            self._send_to(peer, offer)
+        if admitted:
+            self._offer(peer)  # again, if the lender dropped it (unreachable, expired)
         return Incoming(frames, peer)
 
     def wake(self) -> None:

@@ -69,8 +69,8 @@ class Lender:
 
     Nothing here trusts that a peer can read the blocks, or that it keeps up:
 
-    1. **Offer.** The first time a spoke speaks, the hub offers it (over the ROUTER) its
-       probe block: pid, descriptor and inode, never the token written there.
+    1. **Offer.** Once the sender admitted a spoke (its Welcome), the hub offers it (over
+       the ROUTER) its probe block: pid, descriptor and inode, never the token written there.
     2. **Join.** A spoke that can open ``/proc/<pid>/fd/<fd>`` (same host, same pid
        namespace, allowed to) answers with the token. Others leave, and keep getting
        every byte inline.
@@ -111,7 +111,7 @@ class Lender:
     # offers and joins
 
     def offer(self, peer: bytes) -> list[bytes] | None:
-        """The offer to send ``peer`` on first contact, or None (offered already)."""
+        """The offer to send an admitted ``peer``, or None (offered already)."""
         if peer in self._offered or peer in self._members:
             return None
         self._offered.add(peer)
