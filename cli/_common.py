@@ -79,6 +79,19 @@ CurveServerKey = Annotated[
     ),
 ]
 
+#: --curve-relays, for the commands that listen (serve, relay).
+CurveRelays = Annotated[
+    Path | None,
+    typer.Option(
+        "--curve-relays",
+        envvar="ZMQSYNC_CURVE_RELAYS",
+        help="The public key file (NAME.key), or a directory of them, of the clients "
+        "allowed to act as relays: only they may say which workers are below them (so "
+        "that a send to those workers goes through them). Without it, with CURVE, no "
+        "client may: relays still forward every version. Needs --curve-secret.",
+    ),
+]
+
 Failover = Annotated[
     list[str] | None,
     typer.Option(
@@ -412,10 +425,12 @@ def client_keys(secret: Path | None, server_key: Path | None) -> CurveClient | N
         return curve_client_from_files(secret, server_key)
 
 
-def server_keys(secret: Path | None, clients: Path | None) -> CurveServer | None:
+def server_keys(
+    secret: Path | None, clients: Path | None, relays: Path | None = None
+) -> CurveServer | None:
     """The CURVE keys of a command that listens, from its options (as :func:`client_keys`)."""
     with quiet_logger(_SECURITY_LOGGER):
-        return curve_server_from_files(secret, clients)
+        return curve_server_from_files(secret, clients, relays)
 
 
 def refuse_exposed(

@@ -12,6 +12,7 @@ from zmqsync.relay import Relay
 
 from ._common import (
     ConnectTimeout,
+    CurveRelays,
     CurveSecret,
     CurveServerKey,
     Failover,
@@ -87,6 +88,7 @@ def relay(
             "their way and fetches the latest again from upstream when a worker needs it.",
         ),
     ] = True,
+    curve_relays: CurveRelays = None,
     insecure: Annotated[
         bool,
         typer.Option(
@@ -109,7 +111,7 @@ def relay(
         # One key pair for both ends: a client upstream (with the upstream's public key),
         # a server downstream.
         client = client_keys(curve_secret, curve_server_key) if curve_server_key else None
-        server = server_keys(curve_secret, curve_clients)
+        server = server_keys(curve_secret, curve_clients, curve_relays)
         refuse_exposed(
             endpoint, server, insecure, who="the relay", how="--curve-secret and --curve-clients"
         )

@@ -14,6 +14,7 @@ from zmqsync.checkpoints import CheckpointPublisher, PublishResult
 from zmqsync.errors import CheckpointError
 
 from ._common import (
+    CurveRelays,
     CurveSecret,
     MetricsAddr,
     MetricsPort,
@@ -78,6 +79,7 @@ def serve(
             "public keys (*.key) are in this directory; needs --curve-secret.",
         ),
     ] = None,
+    curve_relays: CurveRelays = None,
     insecure: Annotated[
         bool,
         typer.Option(
@@ -98,7 +100,7 @@ def serve(
     """
     out = console()
     with user_errors(), sigterm_as_interrupt():
-        curve = server_keys(curve_secret, curve_clients)
+        curve = server_keys(curve_secret, curve_clients, curve_relays)
         refuse_exposed(
             endpoint,
             curve,

@@ -113,6 +113,8 @@ def test_compose_fleet_is_scalable_and_keyed() -> None:
     for service in (learner, relay):
         assert service["environment"]["ZMQSYNC_CURVE_CLIENTS"] == "/keys/clients"
     assert relay["environment"]["ZMQSYNC_CURVE_SERVER_KEY"] == "/keys/learner.key"
+    # Only the relays' key may claim the actors below it.
+    assert learner["environment"]["ZMQSYNC_CURVE_RELAYS"] == "/keys/clients/relay.key"
     assert actor["environment"]["ZMQSYNC_CURVE_SERVER_KEY"] == "/keys/clients/relay.key"
     # Up to 3 descriptors per peer at the learner and the relays: room for thousands.
     for service in (learner, relay):

@@ -247,8 +247,11 @@ def test_a_tree_over_curve_survives_a_killed_relay_a_restart_and_a_cut_link() ->
         net = Net(topo, 2)  # the learner's workers: the two relays
         relays: dict[int, Proc] = {}
         try:
+            # The relays' key is a relay's: the learner takes its word for the workers
+            # below it (and names them when they lag).
+            relays_key = frozenset({relay_pub})
             net.start_sender(
-                4.0, curve_server=CurveServer(learner_pub, learner_sec, frozenset({relay_pub}))
+                4.0, curve_server=CurveServer(learner_pub, learner_sec, relays_key, relays_key)
             )
             upstream = f"tcp://{topo.address('learner')}:{PORT}"
             ends = [f"tcp://{topo.address(f'r{r}')}:{PORT}" for r in range(2)]

@@ -18,7 +18,7 @@ import torch
 import zmq
 from _faults import raw_sockets, rss_bytes, until
 
-from zmqsync import Relay, WeightReceiver, WeightSender, WeightsRejected, checksum
+from zmqsync import Relay, SyncTimeout, WeightReceiver, WeightSender, WeightsRejected, checksum
 from zmqsync.fleet import MAX_CLAIMS
 from zmqsync.protocol import (
     MAX_BELOW,
@@ -358,4 +358,68 @@ def test_a_targeted_send_follows_a_worker_from_a_dead_relay_to_a_live_one() -> N
         if leaf is not None:
             leaf.close()
         backup.close()
+        learner.close()
+
+
+@pytest.mark.timeout(90)
+def test_with_curve_only_relay_keys_may_claim_workers() -> None:
+    """Under CURVE, the learner takes the word of a relay whose key it was given as a
+    relay's for the workers below it; a client with a valid key that is not a relay's
+    forwards versions all the same, but its claims are refused: a targeted send to a
+    worker behind it names that worker in its timeout."""
+    from zmqsync.security import CurveClient, CurveServer, generate_keypair
+
+    server_public, server_secret = generate_keypair()
+    relay_keys, other_keys = generate_keypair(), generate_keypair()
+    curve = CurveServer(server_public, server_secret).with_relays({relay_keys[0]})
+    model = _model()
+    learner = WeightSender(
+        PubSubHub("tcp://127.0.0.1:*", curve=curve),
+        model=model,
+        strategy="state_dict",
+        num_workers=None,
+        timeout=2,
+        heartbeat=BEAT,
+    )
+    relays: list[Relay] = []
+    leaves: list[WeightReceiver] = []
+    try:
+        for idx, (public, secret) in ((1, relay_keys), (2, other_keys)):
+            relay = Relay.over_zmq(
+                learner.endpoint,
+                curve_client=CurveClient(public, secret, server_public),
+                strategy="state_dict",
+                worker_idx=idx,
+                heartbeat=BEAT,
+            )
+            relays.append(relay)
+            relay.connect(timeout=30)
+            relay.start()
+        held: dict[int, dict[str, torch.Tensor]] = {}
+        for relay, worker in zip(relays, (5, 6), strict=True):
+            leaf, held[worker] = _leaf(relay.endpoint, worker)
+            leaves.append(leaf)
+        until(lambda: _below_of(learner, 1) == {5}, 10, "relay 1 claimed worker 5")
+        until(
+            lambda: learner.status()["totals"]["refused_claims"] >= 3,
+            10,
+            "the other client's claims were refused, heartbeat after heartbeat",
+        )
+        assert _below_of(learner, 2) == set()
+        _bump(model)
+        learner.send(worker_ids=[5])
+        assert checksum(held[5]) == checksum(model)
+        _bump(model)
+        with pytest.raises(SyncTimeout) as caught:
+            learner.send(worker_ids=[6])
+        assert list(caught.value.missing_workers) == [6]
+        assert checksum(held[6]) != checksum(model)
+        _bump(model)
+        learner.send()  # every version still reaches every worker, through both
+        assert checksum(held[5]) == checksum(held[6]) == checksum(model)
+    finally:
+        for leaf in leaves:
+            leaf.close()
+        for relay in relays:
+            relay.close()
         learner.close()

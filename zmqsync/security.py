@@ -24,9 +24,11 @@ from typing import Any, Final
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 from zmqsync.errors import ZMQSyncError
+from zmqsync.transport.base import RELAY_CREDENTIAL
 
 __all__ = [
     "ZAP_DOMAIN",
@@ -150,11 +152,16 @@ def _load(path: str | os.PathLike[str], *, secret: bool) -> tuple[bytes, bytes |
 
 @dataclass(frozen=True)
 class CurveServer:
-    """The sender's side: its key pair and, optionally, the client keys it accepts."""
+    """The sender's side: its key pair and, optionally, the client keys it accepts and
+    those of them allowed to act as relays (to claim the workers below them: see
+    :data:`~zmqsync.transport.base.RELAY_CREDENTIAL`). Without ``relay_clients`` no
+    client may: a relay still forwards every version, but the learner does not take
+    its word for who is below it (no targeted send reaches them)."""
 
     public_key: bytes
     secret_key: bytes = field(repr=False)
     allowed_clients: frozenset[bytes] | None = None
+    relay_clients: frozenset[bytes] = frozenset()
 
     @classmethod
     def from_files(
@@ -162,21 +169,32 @@ class CurveServer:
         secret_file: str | os.PathLike[str],
         *,
         allowed_clients_dir: str | os.PathLike[str] | None = None,
+        relay_clients: str | os.PathLike[str] | None = None,
     ) -> CurveServer:
+        """Keys from ``zmqsync keys``' files; ``relay_clients``: a public key file, or a
+        directory of them, of the clients allowed to act as relays (they are allowed
+        clients too)."""
         public, secret = _load(secret_file, secret=True)
         allowed = None
         if allowed_clients_dir is not None:
             clients = Path(allowed_clients_dir)
             if not clients.is_dir():
                 raise FileNotFoundError(f"allowed-clients directory {clients} does not exist")
-            allowed = frozenset(
-                _load(file, secret=False)[0] for file in sorted(clients.glob("*.key"))
-            )
+            allowed = _public_keys(clients)
+        relays = frozenset() if relay_clients is None else _public_keys(Path(relay_clients))
+        if allowed is not None:
+            allowed |= relays
         assert secret is not None
-        return cls(public, secret, allowed)
+        return cls(public, secret, allowed, relays)
 
     def with_clients(self, keys: Iterable[bytes]) -> CurveServer:
-        return CurveServer(self.public_key, self.secret_key, frozenset(keys))
+        return CurveServer(self.public_key, self.secret_key, frozenset(keys), self.relay_clients)
+
+    def with_relays(self, keys: Iterable[bytes]) -> CurveServer:
+        """The same, with ``keys`` (Z85 public keys) allowed to act as relays."""
+        relays = frozenset(keys)
+        allowed = None if self.allowed_clients is None else self.allowed_clients | relays
+        return CurveServer(self.public_key, self.secret_key, allowed, relays)
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
         sock.curve_server = True
@@ -185,8 +203,9 @@ class CurveServer:
         sock.zap_domain = ZAP_DOMAIN.encode()
 
     def start_authenticator(self, context: zmq.Context[Any]) -> ThreadAuthenticator:
-        """The ZAP handler that accepts exactly ``allowed_clients`` (any, when None)."""
-        auth = ThreadAuthenticator(context, log=None)
+        """The ZAP handler that accepts exactly ``allowed_clients`` (any, when None),
+        and names each client by its role and key (the User-Id of its messages)."""
+        auth = _Authenticator(context, self.relay_clients)
         auth.start()
         if self.allowed_clients is None:
             auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
@@ -195,6 +214,29 @@ class CurveServer:
                 domain=ZAP_DOMAIN, credentials_provider=_AllowList(self.allowed_clients)
             )
         return auth
+
+
+def _public_keys(path: Path) -> frozenset[bytes]:
+    """The public key in a ``.key`` file, or those of every ``.key`` file in a directory."""
+    if path.is_dir():
+        return frozenset(_load(file, secret=False)[0] for file in sorted(path.glob("*.key")))
+    if not path.is_file():
+        raise FileNotFoundError(f"no CURVE public key file or directory at {path}")
+    return frozenset({_load(path, secret=False)[0]})
+
+
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler, naming each CURVE client ``relay:KEY`` or ``client:KEY``:
+    the role rides on every message of the connection, where no peer can forge it."""
+
+    def __init__(self, context: zmq.Context[Any], relays: frozenset[bytes]) -> None:
+        super().__init__(context, log=None)
+        self._relays = relays
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        key = zmq.utils.z85.encode(client_public_key)
+        role = RELAY_CREDENTIAL if key in self._relays else "client:"
+        return role + key.decode("ascii")
 
 
 class _AllowList:
@@ -256,20 +298,24 @@ def create_curve_keypair(
 def curve_server_from_files(
     secret_file: str | os.PathLike[str] | None,
     allowed_clients_dir: str | os.PathLike[str] | None = None,
+    relay_clients: str | os.PathLike[str] | None = None,
 ) -> CurveServer | None:
     """The sender's CURVE keys from ``zmqsync keys`` files; ``None`` without a secret file.
 
     ``allowed_clients_dir`` holds the public ``*.key`` files of the workers (and status
     clients) to accept; without it, any client with the server's public key may connect
-    (encrypted, but not authenticated).
+    (encrypted, but not authenticated). ``relay_clients``: the public key file (or a
+    directory of them) of the clients allowed to act as relays; without it, none may.
     """
     if secret_file is None:
-        if allowed_clients_dir is not None:
+        if allowed_clients_dir is not None or relay_clients is not None:
             raise ValueError(
                 "a directory of allowed client keys needs the sender's own secret key file too"
             )
         return None
-    return CurveServer.from_files(secret_file, allowed_clients_dir=allowed_clients_dir)
+    return CurveServer.from_files(
+        secret_file, allowed_clients_dir=allowed_clients_dir, relay_clients=relay_clients
+    )
 
 
 def curve_client_from_files(

@@ -40,6 +40,7 @@ from zmqsync.protocol import (
     UpToDate,
     Welcome,
 )
+from zmqsync.transport.base import RELAY_CREDENTIAL
 
 __all__ = ["EXPIRE_HEARTBEATS", "EXPIRE_MIN_SECONDS", "MAX_CLAIMS", "MAX_SESSIONS", "Fleet"]
 
@@ -152,11 +153,15 @@ class Fleet(FleetSends):
         origin: Origin,
         now: float,
         reserved: Mapping[int, frozenset[int]] | None = None,
+        *,
+        credential: str | None = None,
     ) -> list[Effect]:
         """Everything a message from a worker changes, and the effects to carry out.
 
         ``reserved``: per hub, the worker ids bound to its peers (pipe and actor
-        indices); needed for a Hello only.
+        indices); needed for a Hello only. ``credential``: who the peer proved to be,
+        where its hub authenticates peers (see ``Incoming``); a session whose hello came
+        with one may claim workers below it only if it names a relay.
         """
         if message.model_id != self.model_id:
             reason = (
@@ -171,7 +176,7 @@ class Fleet(FleetSends):
         if isinstance(message, Ack):
             return self._on_ack(message, origin, now)
         if isinstance(message, Hello):
-            return self._on_hello(message, origin, now, reserved or {})
+            return self._on_hello(message, origin, now, reserved or {}, credential)
         if isinstance(message, SnapshotRequest | ProbeRequest | Goodbye):
             session = self._authenticate(message.worker, message.session, origin)
             if session is None:
@@ -228,6 +233,7 @@ class Fleet(FleetSends):
         origin: Origin,
         now: float,
         reserved: Mapping[int, frozenset[int]],
+        credential: str | None = None,
     ) -> list[Effect]:
         if hello.worker == AUTO_WORKER:
             held = self._by_origin.get(origin)
@@ -281,6 +287,7 @@ class Fleet(FleetSends):
             version=hello.version if hello.epoch == self.epoch else 0,
             epoch=hello.epoch if hello.epoch == self.epoch else 0,
             joining_to=self.version,
+            may_relay=credential is None or credential.startswith(RELAY_CREDENTIAL),
         )
         self.workers[worker] = s
         self._by_origin[origin] = worker
@@ -408,6 +415,10 @@ class Fleet(FleetSends):
         What it no longer names, it no longer holds."""
         kept: dict[int, int] = {}
         refused = 0
+        if not relay.may_relay:
+            # Its hub authenticated it, as a client that is not a relay: it speaks for
+            # nobody but itself.
+            refused, below = len(below), {}
         for w, version in below.items():
             holder = self.claims.get(w)
             direct = self.workers.get(w)
@@ -428,10 +439,13 @@ class Fleet(FleetSends):
         relay.below = kept
         if refused:
             self.counters["refused_claims"] += refused
+            why = (
+                "that another session holds (or past the fleet's limit on claims)"
+                if relay.may_relay
+                else "below it, but its key is not allowed to act as a relay"
+            )
             self.reject(
-                f"relay {relay.worker} named {refused} worker(s) that another session holds "
-                "(or past the fleet's limit on claims): ignored",
-                relay.worker,
+                f"worker {relay.worker} named {refused} worker(s) {why}: ignored", relay.worker
             )
 
     def _unclaim_worker(self, worker: int) -> None:

@@ -119,8 +119,12 @@ class Session:
     #: The latest version when it last asked for a whole one (a delta it could not
     #: apply): it is answered at once, once per version.
     asked_whole: int = -1
-    #: For a relay: the workers behind it and the version each holds (its heartbeats).
+    #: For a relay: the workers behind it and the version each holds (its heartbeats),
+    #: where its claim stands (see Fleet._claim).
     below: dict[int, int] = field(default_factory=dict)
+    #: Whether it may claim workers below it: its hub authenticated nobody, or
+    #: authenticated it as a relay.
+    may_relay: bool = True
 
 
 @dataclass

@@ -129,7 +129,11 @@ class Handling(SenderState):
         )
         with self._cond:
             effects = self.fleet.handle(
-                message, Origin(runner.index, peer), time.monotonic(), reserved
+                message,
+                Origin(runner.index, peer),
+                time.monotonic(),
+                reserved,
+                credential=incoming.credential,
             )
             if self._pending is not None:
                 self._cond.notify_all()

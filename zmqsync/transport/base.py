@@ -49,12 +49,13 @@ import enum
 import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias, cast, runtime_checkable
+from typing import Any, Final, Protocol, TypeAlias, cast, runtime_checkable
 
 from zmqsync.closing import ClosesOnExit
 from zmqsync.protocol import Buffer
 
 __all__ = [
+    "RELAY_CREDENTIAL",
     "AdmitsPeers",
     "Announces",
     "Borrows",
@@ -78,6 +79,11 @@ __all__ = [
     "reserved_workers",
 ]
 
+#: How a hub that authenticates its peers names one allowed to act as a relay (to claim
+#: the workers below it): its credential starts so. The keys given that role are the
+#: hub's configuration (``CurveServer.relay_clients``); the sender only reads the name.
+RELAY_CREDENTIAL: Final = "relay:"
+
 #: Opaque id of a spoke as its hub sees it (a ZeroMQ routing id, a pipe index, ...).
 PeerId = bytes
 #: Whom a hub sends a message to: exactly these peers, or every spoke (``None``).
@@ -100,10 +106,16 @@ class Stream(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Incoming:
-    """A message a hub received, and the peer to address a reply to (if any)."""
+    """A message a hub received, and the peer to address a reply to (if any).
+
+    ``credential``: who the peer proved to be, as the hub's authentication names it
+    (with CURVE: ``"relay:<key>"`` or ``"client:<key>"``, see :data:`RELAY_CREDENTIAL`);
+    None where the hub authenticates nobody.
+    """
 
     frames: list[Buffer] = field(repr=False)
     peer: PeerId | None = None
+    credential: str | None = None
 
 
 class _Closable(ClosesOnExit):

@@ -4,6 +4,7 @@ shared memory lent to ``ipc://`` peers (see :mod:`.lending`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import time
@@ -292,9 +293,7 @@ class ZMQHub(OpenEnd, HubTransport):
                         self._drain_monitor(mon)
                 if self._router in events:
                     with contextlib.suppress(zmq.Again):
-                        # Requests are small: bytes cost less than frames to get.
-                        parts = recv_parts(self._router, copy=True)
-                        incoming = self._from_router(parts[0], parts[1:])
+                        incoming = self._recv_router()
                         if incoming is not None:
                             return incoming
                 if self._pull in events:
@@ -334,6 +333,24 @@ class ZMQHub(OpenEnd, HubTransport):
             offer = self._lender.offer(peer)
             if offer is not None:
                 self._send_to(peer, offer)
+
+    def _recv_router(self) -> Incoming | None:
+        """One message from the ROUTER, with who its peer proved to be under CURVE."""
+        if self._auth is None:
+            # Requests are small: bytes cost less than frames to get.
+            parts = recv_parts(self._router, copy=True)
+            return self._from_router(parts[0], parts[1:])
+        frames = recv_parts(self._router, copy=False)
+        credential = None
+        if len(frames) > 1:
+            # The ZAP handler's name for the connection (see CurveServer): libzmq sets
+            # it on every message, where no peer can write it.
+            with contextlib.suppress(zmq.ZMQError):
+                credential = frames[1].get("User-Id")
+        incoming = self._from_router(frames[0].bytes, [f.bytes for f in frames[1:]])
+        if incoming is None:
+            return None
+        return dataclasses.replace(incoming, credential=credential)
 
     def _from_router(self, peer: PeerId, frames: list[Buffer]) -> Incoming | None:
         """A message from the ROUTER, or None when it was part of the lending handshake.
