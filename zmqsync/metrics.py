@@ -8,14 +8,20 @@ what it forwarded and where it stands upstream. Nothing is sampled in the backgr
 scrape reads the status as it is. Needs ``prometheus_client`` (the ``metrics`` extra).
 
 The server serves at most :data:`MAX_CONNECTIONS` connections at once (more are closed
-as they arrive), and closes one that sends nothing for :data:`IDLE_TIMEOUT` seconds.
+as they arrive), one request each. It closes a connection that sends nothing for
+:data:`IDLE_TIMEOUT` seconds, one whose request is not whole :data:`REQUEST_DEADLINE`
+seconds after it was accepted (however it trickles), and one whose reply is not taken
+within :data:`RESPONSE_DEADLINE` seconds.
 """
 
 from __future__ import annotations
 
+import io
 import socket
+import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from socketserver import ThreadingMixIn
 from typing import Any, Final
@@ -24,7 +30,15 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from zmqsync.closing import ClosesOnExit
 from zmqsync.status_types import SenderStatus, UpstreamStatus
 
-__all__ = ["IDLE_TIMEOUT", "MAX_CONNECTIONS", "MetricsServer", "StatusCollector", "serve_metrics"]
+__all__ = [
+    "IDLE_TIMEOUT",
+    "MAX_CONNECTIONS",
+    "REQUEST_DEADLINE",
+    "RESPONSE_DEADLINE",
+    "MetricsServer",
+    "StatusCollector",
+    "serve_metrics",
+]
 
 #: Connections served at once; more are closed as they arrive. Each one holds a thread
 #: until it is done: without a bound, 1,000 half-sent requests held 1,000 threads. A
@@ -34,6 +48,19 @@ MAX_CONNECTIONS: Final = 16
 #: Seconds a connection may send (or take) nothing before it is closed. A scraper sends
 #: its whole request at once; without a timeout a silent client held its thread forever.
 IDLE_TIMEOUT: Final = 5.0
+#: Seconds from accepting a connection to the end of its request, however the bytes
+#: trickle in. A scrape request is a few hundred bytes sent at once; the idle timeout
+#: alone restarts at every byte, so clients sending a byte every few seconds held every
+#: slot for as long as they liked, and scrapes were refused. As long as the idle
+#: timeout: a silent connection is closed when it was before.
+REQUEST_DEADLINE: Final = 5.0
+#: Seconds from the first byte of a reply to its last, however slowly the client reads:
+#: Prometheus gives up on a scrape after 10 s (its default ``scrape_timeout``). The idle
+#: timeout bounds each write, not the reply, and does not stop the kernel sending on what
+#: it holds: a connection past this deadline is reset instead.
+RESPONSE_DEADLINE: Final = 10.0
+#: Bytes of a reply handed to the socket at a time, each within :data:`IDLE_TIMEOUT`.
+_SEND_CHUNK: Final = 16 * 1024
 
 #: Counters of ``report().totals``, as (field, metric name, help).
 _COUNTERS = (
@@ -163,7 +190,9 @@ def serve_metrics(source: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
     :class:`~zmqsync.Relay`, or anything with ``report()`` or ``status()``) as Prometheus
     metrics on ``http://addr:port/metrics`` (port 0: a free one, see
     :attr:`MetricsServer.port`). At most :data:`MAX_CONNECTIONS` connections are served
-    at once, and each is closed after :data:`IDLE_TIMEOUT` seconds without a byte."""
+    at once, one request each; each is closed after :data:`IDLE_TIMEOUT` seconds without
+    a byte, if its request is not whole within :data:`REQUEST_DEADLINE` seconds, or if
+    its reply is not taken within :data:`RESPONSE_DEADLINE` seconds."""
     try:
         from prometheus_client import CollectorRegistry, make_wsgi_app
     except ImportError as exc:  # pragma: no cover - the extra is installed in CI
@@ -184,10 +213,90 @@ def serve_metrics(source: Any, port: int, addr: str = "127.0.0.1") -> MetricsSer
     return MetricsServer(server, thread)
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """One request per connection, none logged; a silent connection times out."""
+class _Overdue(ConnectionAbortedError):
+    """A connection that missed its deadline, abandoned by the server.
 
-    timeout = IDLE_TIMEOUT  # socketserver sets it on each accepted socket
+    A :class:`ConnectionAbortedError`: wsgiref drops the connection quietly, as it does
+    one its client aborted, instead of printing a traceback for each slow client."""
+
+
+def _abandon(sock: socket.socket, what: str) -> _Overdue:
+    """The error to raise for ``sock``, which missed its deadline, once it is set to be
+    reset when closed: the kernel drops what it still holds of the reply instead of
+    sending it on to a client too slow to take it."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return _Overdue(f"the metrics {what} missed its deadline")
+
+
+def _left(sock: socket.socket, deadline: float, what: str) -> float:
+    """The timeout for ``sock``'s next call: what is left before ``deadline``, at most
+    :data:`IDLE_TIMEOUT`; raise :class:`_Overdue` once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _abandon(sock, what)
+    return min(IDLE_TIMEOUT, left)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket, read until a deadline: each read waits at most what is
+    left of it (and at most :data:`IDLE_TIMEOUT`), so however the bytes trickle in, no
+    read ends after the deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """Read what has come (at least a byte; none at the end of the stream)."""
+        self._sock.settimeout(_left(self._sock, self._deadline, "request"))
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError as exc:
+            raise _abandon(self._sock, "request") from exc
+
+
+class _DeadlineWriter(io.BufferedIOBase):
+    """A connection's socket, written in chunks that each must be taken within
+    :data:`IDLE_TIMEOUT`, all of them within ``budget`` seconds of the first write."""
+
+    def __init__(self, sock: socket.socket, budget: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._budget = budget
+        self._deadline: float | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        """Send all of ``data`` or raise :class:`_Overdue`."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._budget
+        view = memoryview(data).cast("B")
+        try:
+            for start in range(0, len(view), _SEND_CHUNK):
+                self._sock.settimeout(_left(self._sock, self._deadline, "reply"))
+                self._sock.sendall(view[start : start + _SEND_CHUNK])
+        except TimeoutError as exc:
+            raise _abandon(self._sock, "reply") from exc
+        return len(view)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """One request per connection, none logged; every read and write has a deadline."""
+
+    def setup(self) -> None:
+        """Wrap the socket in files whose reads end by :data:`REQUEST_DEADLINE` after the
+        connection was accepted, and whose writes end by :data:`RESPONSE_DEADLINE` after
+        the reply began (replaces socketserver's, which only set :data:`IDLE_TIMEOUT`)."""
+        self.connection = self.request
+        reader = _DeadlineReader(self.connection, time.monotonic() + REQUEST_DEADLINE)
+        self.rfile = io.BufferedReader(reader)
+        self.wfile = _DeadlineWriter(self.connection, RESPONSE_DEADLINE)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Log nothing: a scrape every few seconds would fill the learner's output."""
