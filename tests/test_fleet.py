@@ -306,3 +306,30 @@ def test_nothing_but_acks_on_the_ack_channel(peer: bytes | None) -> None:
     effects = core.handle(Hello("policy", 0, 0, 0, attempt="a"), Origin(0, peer), 0.0)
     assert bool(core.workers) == (peer is not None)
     assert (effects == []) == (peer is None)
+
+
+def test_a_relay_restarts_the_forward_of_a_version_streamed_again() -> None:
+    """The version a relay forwards, streamed again by its upstream (a repair that came
+    mid-stream), restarts that forward: the same send goes on (what was answered still
+    counts) and those it waits for count as sent to now. Any other version is no
+    restart, and starting that version as a new forward still raises."""
+    core = Fleet("policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"])
+    secrets = {}
+    for w, peer in ((0, b"p"), (1, b"q")):
+        _admit, welcome = core.handle(Hello("policy", 0, 0, w, attempt="a"), Origin(0, peer), 0.0)
+        secrets[w] = welcome.message.session  # type: ignore[union-attr]
+    upstream = 7  # the upstream's epoch, which the relay's fleet follows
+    send = core.begin_forward(3, upstream, 1.0, 10.0)
+    assert send.targets == {0, 1}
+    core.handle(Ack("policy", 3, upstream, 0, True, session=secrets[0]), Origin(0, b"p"), 1.5)
+    assert core.restart_forward(3, upstream, 2.0) is send
+    assert send.acked == {0} and send.missing == {1}
+    assert core.workers[1].last_repair == 2.0  # streamed to it anew: no repair meanwhile
+    assert core.workers[0].last_repair == 1.0
+    assert core.restart_forward(4, upstream, 2.0) is None  # a newer version: a new forward
+    assert core.restart_forward(3, upstream + 1, 2.0) is None  # another upstream life
+    with pytest.raises(ValueError, match="forwarded after"):
+        core.begin_forward(3, upstream, 2.0, 10.0)
+    assert core.settled(3, upstream, send, 2.0) is False
+    core.handle(Ack("policy", 3, upstream, 1, True, session=secrets[1]), Origin(0, b"q"), 2.5)
+    assert core.settled(3, upstream, send, 3.0) is True

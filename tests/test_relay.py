@@ -692,3 +692,88 @@ def test_a_late_joiner_during_a_targeted_forward_gets_the_version_it_is_told(str
     finally:
         relay.close()
         learner.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("first", ["whole", "delta"])
+def test_a_version_the_learner_streams_again_mid_forward_restarts_the_forward(
+    first: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # On a slow link the learner repairs a relay that is still receiving the version:
+    # its heartbeat says it lacks it, so after repair_after the learner streams that
+    # version again, from its first chunk. The relay, in the middle of forwarding it,
+    # starts its forward of that version again (its workers' streams restart too), and
+    # its workers all end with the version: nothing raised, nobody torn, no timeout.
+    # "delta": the first stream is a delta, which the restart (whole) cuts; the held
+    # delta chunk then breaks the restarted stream too, and a later repair restarts the
+    # forward of a version whose upstream stream had already broken.
+    model = _model()
+    learner = WeightSender(
+        _hub(),
+        model=model,
+        strategy="state_dict",
+        timeout=30,
+        heartbeat=0.2,  # the relay says what it holds this often
+        chunk_bytes=MIB // 4,  # 17 chunks: a stream can be cut in the middle
+        delta=first == "delta",
+    )
+    gate = _Gate(learner.endpoint, "relay")
+    relay = Relay(gate, _hub(), strategy="state_dict", heartbeat=0.2, chunk_bytes=MIB // 4)
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        with (
+            _leaves(relay.endpoint, [1], models, apply_mode="in_place") as placed,
+            _leaves(relay.endpoint, [2], models, apply_mode="staged") as staged,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            leaves = {**placed, **staged}
+            _bump(model)
+            learner.send()
+            v = learner.version
+            if first == "whole":
+                _bump(model)
+                cut = 8  # about half of it comes, the rest waits
+            else:
+                with torch.no_grad():  # two stretches far apart: a delta of two chunks
+                    model["layer0.weight"][:1000].add_(1)
+                    model["layer3.weight"][-1000:].add_(1)
+                cut = 1
+            gate.hold = (v + 1, cut)
+            broken = relay.receiver.stats["broken_streams"]
+            repairs = learner.status()["totals"]["repairs_sent"]
+            try:
+                sending = pool.submit(learner.send)
+                until(lambda: gate.held, 30, "the relay forwarded the first part of v+1")
+                # The relay is mid-version and says so: the learner streams it again.
+                learner.fleet.repair_after = 0.3
+                until(
+                    lambda: learner.status()["totals"]["repairs_sent"] > repairs,
+                    30,
+                    "the learner sent v+1 to the relay again",
+                )
+                # The restart's first part came through the gate, and its rest waits
+                # behind the first stream's: the relay took the restart by then.
+                count = 17 if first == "whole" else 2  # the first stream's chunks
+                until(
+                    lambda: len(gate.held) >= (count - cut) + (17 - cut),
+                    30,
+                    "the rest of the restarted stream waits at the gate",
+                )
+                assert relay.receiver.stats["broken_streams"] > broken
+                gate.hold = None
+                sending.result(timeout=30)  # returned: every leaf holds v+1
+            finally:
+                gate.hold = None  # whatever failed, the stream is let through
+            assert relay.version == learner.version == v + 1
+            assert {i: checksum(m) for i, m in models.items()} == dict.fromkeys(
+                models, checksum(model)
+            )
+            assert not any(r.torn for r in leaves.values())
+            assert all(r.version == v + 1 for r in leaves.values())
+        assert "forwarded after" not in caplog.text
+        assert not [r for r in caplog.records if r.name == "zmqsync.relay"], caplog.text
+    finally:
+        relay.close()
+        learner.close()

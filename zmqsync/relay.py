@@ -84,8 +84,13 @@ class _Upstream(WeightReceiver):
     def _on_start(self, event: Start) -> None:
         self._relay._before_version(event.chunk)
         super()._on_start(event)
-        if self._writing:  # taken: not a delta this relay cannot apply, not refused
-            self._relay._begin(event.chunk)
+        try:
+            if self._writing:  # taken: not a delta this relay cannot apply, not refused
+                self._relay._begin(event.chunk)
+        except BaseException:  # logged by its loop, which drops the chunk: never staged
+            self._writing = ""  # without its first chunk, the version is asked for again
+            self._stream.abandon("it could not be forwarded")
+            raise
 
     def _on_piece(self, chunk: Chunk) -> None:
         if self._writing:
@@ -125,9 +130,12 @@ class _Downstream(WeightSender):
         super().__init__(hub, retain_snapshot=False, **kw)
         self._relay = relay
 
-    def _forward_begin(self, chunk: Chunk, targets: tuple[int, ...] | None = None) -> Forwarded:
+    def _forward_begin(
+        self, chunk: Chunk, targets: tuple[int, ...] | None = None
+    ) -> tuple[Forwarded, bool]:
         """Send ``chunk``'s version on to every worker as its chunks come, or
-        to ``chunk.targets``, or (``targets``) to those that lack the version it holds."""
+        to ``chunk.targets``, or (``targets``) to those that lack the version it holds;
+        and whether it restarts the forward of that version (streamed again upstream)."""
         again = targets is not None
         targets = chunk.targets if targets is None else targets
         copy = Forwarded(chunk)
@@ -136,21 +144,31 @@ class _Downstream(WeightSender):
                 self.epoch = chunk.epoch  # the upstream's life, which workers follow
                 with self._snapshot_lock:
                     self._snapshot = None  # of the life before: nobody gets it now
-            send = self.fleet.begin_forward(
-                chunk.version, chunk.epoch, time.monotonic(), self.timeout, targets, again=again
-            )
+            now, old = time.monotonic(), self._forwarding
+            send = None if again else self.fleet.restart_forward(chunk.version, chunk.epoch, now)
+            restart = send is not None and old is not None
+            if send is None or old is None:
+                send = self.fleet.begin_forward(
+                    chunk.version, chunk.epoch, now, self.timeout, targets, again=again
+                )
+                to = None if targets is None else send.targets
+            else:
+                # Anew from its first chunk, never spliced onto the stream it replaces
+                # (ended): the way that one went, fanned out (on the same path, after
+                # its chunks), or to those its send still waits for.
+                to = None if old.copy.reached is None else frozenset(send.missing)
+            peers = {} if to is None else self._peers_of(to)
             self._forwarding = Forwarding(send, copy)
             self._metadata = chunk.metadata
-            peers = self._peers_of(send.targets) if targets is not None else {}
         for runner in self._runners:
-            if targets is None:
+            if to is None:
                 runner.begin(Transfer(copy, None))
             elif peers.get(runner.index):
                 # Only to the workers (and relays) it is for: they filter it further.
                 runner.begin(Transfer(copy, peers[runner.index]))
-        self._totals["versions_sent"] += 1
+        self._totals["versions_sent"] += not restart
         self._totals["bytes_sent"] += copy.nbytes * max(1, len(send.targets))
-        return copy
+        return copy, restart
 
     def _forward(self, copy: Forwarded, index: int, frames: list[Any]) -> None:
         """Chunk ``index`` of a forwarded version came: send it on now (cut-through)."""
@@ -406,11 +424,13 @@ class Relay(ClosesOnExit):
             with self.sender._cond:
                 lacking = self.sender.fleet.lacking(chunk.version)
             if lacking:
-                self._copy = self.sender._forward_begin(chunk, targets=lacking)
+                self._copy, _ = self.sender._forward_begin(chunk, targets=lacking)
             return
-        self._owed = False  # a newer version supersedes the one owed
-        self._copy = self.sender._forward_begin(chunk)
-        self.stats["versions_forwarded"] += 1
+        # A newer version, or (restart) the one it forwards, streamed again upstream.
+        self._copy, restart = self.sender._forward_begin(chunk)
+        if not restart:
+            self._owed = False  # a newer version supersedes the one owed
+            self.stats["versions_forwarded"] += 1
 
     def _forward(self, chunk: Chunk) -> None:
         copy = self._copy
@@ -459,38 +479,19 @@ class Relay(ClosesOnExit):
     def _settled(self, version: int) -> bool:
         """Whether every worker an ack upstream waits for holds ``version``: those it
         was forwarded to (its targets, when it came with some), else every live one."""
-        sender = self.sender
-        now = time.monotonic()
-        with sender._cond:
-            fleet = sender.fleet
-            forwarding = sender._forwarding
-            if (
-                forwarding is not None
-                and forwarding.send.version == version
-                and fleet.epoch == self.receiver.epoch
-            ):
-                return forwarding.send.done
-            if fleet.epoch != self.receiver.epoch:
-                return not fleet.targets(None, now)
-            for w in fleet.targets(None, now):
-                s = fleet.workers.get(w)
-                if s is None or s.epoch != fleet.epoch or s.version < version:
-                    return False
-        return True
+        with self.sender._cond:
+            forwarding = self.sender._forwarding
+            forward = None if forwarding is None else forwarding.send
+            now = time.monotonic()
+            return self.sender.fleet.settled(version, self.receiver.epoch, forward, now)
 
     def _refusals(self, version: int) -> str:
         """Why workers below refused ``version`` (the version it forwards), in one line,
         each named; empty when none did."""
-        sender = self.sender
-        with sender._cond:
-            forwarding = sender._forwarding
-            if forwarding is None or forwarding.send.version != version:
-                return ""
-            rejected = sorted(forwarding.send.rejected.items())
-        relay = self.receiver.worker_idx
-        return "; ".join(
-            f"worker {w} (behind relay {relay}) refused it: {reason}" for w, reason in rejected
-        )
+        with self.sender._cond:
+            forwarding = self.sender._forwarding
+            forward = None if forwarding is None else forwarding.send
+            return self.sender.fleet.refusals(version, forward, self.receiver.worker_idx)
 
     def _below(self) -> dict[str, Any]:
         """Its workers and the version each holds, and those behind its own relays (so

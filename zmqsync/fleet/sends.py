@@ -88,6 +88,49 @@ class FleetSends(FleetViews):
         send, _ = self._begin(version, ids, worker_ids, now, timeout)
         return send
 
+    def restart_forward(self, version: int, epoch: int, now: float) -> Send | None:
+        """The send of the version a relay is forwarding, if ``version`` of ``epoch`` is
+        that version, streamed again from its first chunk by its upstream (a repair that
+        came while the first stream was still on its way, or after it broke); None
+        otherwise. The send goes on: the same workers, what they answered still counts,
+        and those it still waits for are streamed the version anew now (so none of them
+        is sent a repair meanwhile)."""
+        p = self.pending
+        if p is None or not self.published or (version, epoch) != (self.version, self.epoch):
+            return None
+        if p.version != version:
+            return None
+        for w in p.missing:
+            s = self.workers.get(w)
+            if s is not None:
+                s.last_repair = now
+        return p
+
+    def settled(self, version: int, epoch: int, forward: Send | None, now: float) -> bool:
+        """For a relay: whether every worker its ack of ``version`` (of its upstream's
+        ``epoch``) waits for holds it: those ``forward`` (the send of its forward in
+        progress, if of that version) was for, else every live one."""
+        if forward is not None and forward.version == version and self.epoch == epoch:
+            return forward.done
+        if self.epoch != epoch:
+            return not self.targets(None, now)
+        for w in self.targets(None, now):
+            s = self.workers.get(w)
+            if s is None or s.epoch != self.epoch or s.version < version:
+                return False
+        return True
+
+    def refusals(self, version: int, forward: Send | None, relay: int | None) -> str:
+        """For relay ``relay``'s ack of ``version`` upstream: why workers below refused it
+        (those ``forward``, the send of its forward in progress, went to), in one line,
+        each named; empty when none did."""
+        if forward is None or forward.version != version:
+            return ""
+        return "; ".join(
+            f"worker {w} (behind relay {relay}) refused it: {reason}"
+            for w, reason in sorted(forward.rejected.items())
+        )
+
     def _begin(
         self,
         version: int,
