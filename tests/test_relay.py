@@ -302,7 +302,7 @@ def test_two_hundred_workers_behind_two_relays_reach_every_version() -> None:
 @pytest.mark.timeout(120)
 def test_the_workers_of_a_dead_relay_fail_over_and_the_learner_names_it() -> None:
     model = _model()
-    learner = WeightSender(_hub(), model=model, strategy="state_dict", num_workers=2, timeout=3)
+    learner = WeightSender(_hub(), model=model, strategy="state_dict", num_workers=2, timeout=30)
     relays = [
         Relay(
             _spoke(learner.endpoint, f"relay{r}"),
@@ -345,8 +345,12 @@ def test_the_workers_of_a_dead_relay_fail_over_and_the_learner_names_it() -> Non
             dead.receiver._spoke.close()
             dead.sender.close()
             _bump(model)
+            # Shorter than the 3 heartbeats after which relay 0 is no longer live: then
+            # relay 1's claim on the workers that moved to it takes them from relay 0.
+            learner.timeout = 2
             with pytest.raises(SyncTimeout) as caught:
                 learner.send()
+            learner.timeout = 30
             assert list(caught.value.missing_workers) == [0]
             assert "a relay for 2 worker(s)" in str(caught.value)
             # Its workers move to relay 1 and catch up from it.
@@ -358,6 +362,11 @@ def test_the_workers_of_a_dead_relay_fail_over_and_the_learner_names_it() -> Non
             assert all(r.stats["failovers"] == 1 for r in moving.values())
             learner.num_workers = None  # the live relay: relay 0 is gone
             until(lambda: 0 not in learner.current_workers(), 20, "relay 0 counts as gone")
+            until(
+                lambda: not any(r["live"] for r in learner.status()["workers"] if r["worker"] == 0),
+                20,
+                "relay 0 is no longer live (a send to every live worker leaves it out)",
+            )
             _bump(model)
             learner.send()
             assert [checksum(m) for m in models.values()] == [checksum(model)] * 3
