@@ -638,6 +638,8 @@ def test_a_late_joiner_during_a_targeted_forward_gets_the_version_it_is_told(str
     models: dict[int, dict[str, torch.Tensor]] = {}
     joiners: list[WeightReceiver] = []
 
+    connected: list[tuple[int, str]] = []  # the joiner's version and checksum at connect
+
     def join() -> WeightReceiver:
         models[12] = {k: torch.zeros_like(t) for k, t in model.items()}
         late = WeightReceiver(
@@ -645,6 +647,8 @@ def test_a_late_joiner_during_a_targeted_forward_gets_the_version_it_is_told(str
         )
         joiners.append(late)
         late.connect(timeout=30)
+        # What connect() returned with, before its thread applies anything newer.
+        connected.append((late.version, checksum(models[12])))
         late.start()
         return late
 
@@ -684,8 +688,7 @@ def test_a_late_joiner_during_a_targeted_forward_gets_the_version_it_is_told(str
                 gate.hold = None
                 late = joining.result(timeout=30)
                 # connect() returned: with v, and v's bytes.
-                assert late.version == v
-                assert checksum(models[12]) == held
+                assert connected == [(v, held)]
                 sending.result(timeout=30)
                 assert checksum(models[10]) == checksum(model)
                 assert checksum(models[11]) == held  # not meant for it
