@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -422,4 +423,36 @@ def test_with_curve_only_relay_keys_may_claim_workers() -> None:
             leaf.close()
         for relay in relays:
             relay.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_status_answers_while_a_send_waits_on_a_missing_worker() -> None:
+    """Status requests during a send are answered with one report a second at most,
+    never not at all: `zmqsync status` is what one runs while a send waits on a worker
+    that is not there."""
+    model = _model()
+    learner = _learner(model, num_workers=2, timeout=10)
+    leaf = None
+    try:
+        leaf, held = _leaf(learner.endpoint, 0)
+        _bump(model)
+        with (
+            ThreadPoolExecutor(1) as pool,
+            raw_sockets((zmq.DEALER, learner.endpoint)) as (asker,),
+        ):
+            sending = pool.submit(learner.send)  # waits for worker 1, which never came
+            until(lambda: checksum(held) == checksum(model), 10, "worker 0 applied it")
+            for _ in range(2):
+                asker.send_multipart(encode(StatusRequest("policy", 0, 0)))
+                assert asker.poll(5000), "no status while the send waits"
+                reply = decode(asker.recv_multipart())
+                assert isinstance(reply, StatusReply)
+                assert reply.status["version"] == learner.version
+            assert not sending.done()  # still waiting for worker 1
+            with pytest.raises(SyncTimeout):
+                sending.result(timeout=30)
+    finally:
+        if leaf is not None:
+            leaf.close()
         learner.close()

@@ -54,10 +54,14 @@ STALL_FACTOR: Final = 8.0
 #: would otherwise cost the whole fleet a full stall limit).
 STALL_MEMORY: Final = 5.0
 STALL_KNOWN: Final = 0.02
-#: Status requests a hub keeps while a send is under way, answered (with one report) once
-#: it is over: a status request never delays a send. Further askers are dropped, and
-#: ask again.
+#: Status requests a hub keeps while a send waits for acks, answered together with one
+#: report; further askers are dropped, and ask again.
 STATUS_WAITING: Final = 64
+#: While a send waits for acks, a report is built at most this often (seconds), for
+#: every asker since: a flood of status requests costs a send one report a second (a
+#: few ms, the rows being bounded), and `zmqsync status` still answers while a send
+#: waits on a dead worker.
+STATUS_INTERVAL: Final = 1.0
 #: A message whose handling failed is logged at most this often (seconds); each is counted.
 ERROR_LOG_INTERVAL: Final = 10.0
 
@@ -140,18 +144,30 @@ class Handling(SenderState):
         self._carry_out(effects, runner)
 
     def _status_asked(self, runner: HubRunner, peer: PeerId) -> None:
-        """Answer a status request now, or once the send under way is over."""
-        if not self._send_waiting():
-            self._answer_status(runner, [peer])
-            return
+        """Answer a status request now, or, while a send waits for acks, with the next
+        report (see STATUS_INTERVAL)."""
         waiting = runner.status_askers
-        if peer in waiting:
-            return
-        if len(waiting) >= STATUS_WAITING:
-            self._totals["status_dropped"] += 1
-            return
-        waiting.append(peer)
-        self._totals["status_deferred"] += 1
+        if peer not in waiting:
+            if len(waiting) >= STATUS_WAITING:
+                self._totals["status_dropped"] += 1
+                return
+            waiting.append(peer)
+        if not self._answer_askers(runner):
+            self._totals["status_deferred"] += 1
+
+    def _answer_askers(self, runner: HubRunner) -> bool:
+        """Send the hub's waiting askers one report, unless a send waits for acks and
+        one went out less than STATUS_INTERVAL ago; True if none wait any more."""
+        if not runner.status_askers:
+            return True
+        now = time.monotonic()
+        if self._send_waiting() and now - runner.status_at < STATUS_INTERVAL:
+            return False
+        askers = list(runner.status_askers)
+        runner.status_askers.clear()
+        runner.status_at = now
+        self._answer_status(runner, askers)
+        return True
 
     def _send_waiting(self) -> bool:
         """Whether a send waits for acks now (until they came, or its deadline)."""
@@ -241,10 +257,7 @@ class Handling(SenderState):
             self._carry_out(effects, runner)
         while runner.later:
             self._carry_out([runner.later.popleft()], runner)
-        if runner.status_askers and not self._send_waiting():
-            askers = list(runner.status_askers)
-            runner.status_askers.clear()
-            self._answer_status(runner, askers)
+        self._answer_askers(runner)
 
     def free_worker_id(self) -> int:
         """The lowest worker id that no session holds and no hub reserves (a pipe's or

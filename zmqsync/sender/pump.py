@@ -101,8 +101,10 @@ class HubRunner:
         self._pokes: Wakeup | None = None  # wakes a waiting pump (see _run_waiting)
         #: Effects of the fleet core meant for this hub, decided on another hub's thread.
         self.later: deque[Any] = deque()
-        #: Peers that asked for status while a send was under way (see Handling).
+        #: Peers that asked for status while a send waited for acks, and when this hub
+        #: last sent a report (see Handling).
         self.status_askers: deque[PeerId] = deque()
+        self.status_at = float("-inf")
         #: Versions streaming to this hub (the baton holder advances them), oldest first,
         #: and their chunks that the hub may still hold: (sent at, weak refs to views).
         self.transfers: deque[Transfer] = deque()

@@ -100,4 +100,5 @@ class SenderState:
     _latest: Callable[[], Copy | None]
     _share: Callable[[dict[Any, Any]], SharedParams | None]
     _handle: Callable[..., None]
+    _answer_askers: Callable[..., bool]
     status: Callable[[], dict[str, Any]]

@@ -49,6 +49,7 @@ class Waiting(SenderState):
                         if pending.done:
                             return
                         incoming = runner.hub.recv_frames(0)
+                    self._answer_askers(runner)  # the pump is not reading this hub
             return
         with self._cond:
             while not pending.done and not self._closed and self._pump_error is None:
