@@ -402,7 +402,7 @@ def test_a_ring_buffer_is_no_larger_than_the_chunks_it_carries() -> None:
     stream needs it."""
     import weakref
 
-    from zmqsync.sender.copies import RING_SLOTS, Ring
+    from zmqsync.sender.transfers import RING_SLOTS, Ring
 
     ring = Ring(chunk_bytes=8 << 20)
     small = ring.take(1000)

@@ -34,7 +34,7 @@ from zmqsync.protocol.stream import Broken, Start
 from zmqsync.receiver import WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
-from zmqsync.sender.copies import Copy, Forwarded, Forwarding, Transfer
+from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Transfer
 from zmqsync.status_types import RelayCounts, SenderStatus, UpstreamStatus
 from zmqsync.transport.base import HubTransport, SpokeTransport
 from zmqsync.vocabulary import Mode, Strategy

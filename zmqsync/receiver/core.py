@@ -26,7 +26,7 @@ from zmqsync.protocol import Chunk, Message, WeightsSchema, decode
 from zmqsync.protocol.stream import DEFAULT_GAP, ChunkStream
 from zmqsync.receiver.applying import APPLY_MODES, Applying
 from zmqsync.receiver.lock import WeightsLock
-from zmqsync.receiver.session import Session
+from zmqsync.receiver.session import UpstreamSession
 from zmqsync.tensors.apply import ApplyPlan
 from zmqsync.tensors.in_place import InPlace
 from zmqsync.tensors.model_tensors import ModelTensors
@@ -42,7 +42,7 @@ log = logging.getLogger("zmqsync.receiver")
 RETIRED_EPOCHS: Final = 16
 
 
-class WeightReceiver(Applying, Session):
+class WeightReceiver(Applying, UpstreamSession):
     """Receives versions of one model and applies them to ``model`` in place.
 
     Args:

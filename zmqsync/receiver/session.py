@@ -21,7 +21,7 @@ from zmqsync.errors import SchemaMismatchError, SyncTimeout, WeightsRejected, ZM
 from zmqsync.protocol.stream import Broken, ChunkStream
 from zmqsync.transport.base import Follows, SpokeTransport
 
-__all__ = ["FAILOVER_HEARTBEATS", "FAILOVER_MIN_SECONDS", "Session"]
+__all__ = ["FAILOVER_HEARTBEATS", "FAILOVER_MIN_SECONDS", "UpstreamSession"]
 
 log = logging.getLogger("zmqsync.receiver")
 
@@ -38,7 +38,7 @@ FAILOVER_MIN_SECONDS: Final = 2.0
 GOODBYE_WAIT: Final = 1.0
 
 
-class Session:
+class UpstreamSession:
     """The receiver's part that speaks to the sender (a mixin of
     :class:`~zmqsync.receiver.WeightReceiver`, whose ``__init__`` sets this state)."""
 

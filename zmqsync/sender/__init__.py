@@ -2,7 +2,7 @@
 workers, acked.
 
 :mod:`.core` is the sender and its send path; :mod:`.copying` the copies a version is
-streamed from; :mod:`.copies` those copies and the streams to each hub; :mod:`.pump` a
+streamed from; :mod:`.transfers` those copies and the streams to each hub; :mod:`.pump` a
 hub's pump thread and its window; :mod:`.handling` what the pumps do with workers'
 messages; :mod:`.waiting` how a send waits for acks; :mod:`.reporting` its status.
 """

@@ -16,9 +16,9 @@ from zmqsync.chunking.layout import StreamLayout
 from zmqsync.protocol import (
     Buffer,
 )
-from zmqsync.sender.copies import Copy, Ring, Transfer, stream_checksums
 from zmqsync.sender.pump import HubRunner
 from zmqsync.sender.state import SenderState
+from zmqsync.sender.transfers import Copy, Ring, Transfer, stream_checksums
 from zmqsync.tensors.extract import KeyPath, extract
 from zmqsync.tensors.flatten import Flat
 from zmqsync.tensors.shared_params import SharedParams, why_not_shared

@@ -27,11 +27,11 @@ from zmqsync.protocol import (
     MAX_CHUNK_BYTES,
     encode_metadata,
 )
-from zmqsync.sender.copies import Copy, Forwarding, Pending, Ring, Transfer
 from zmqsync.sender.copying import Copying
 from zmqsync.sender.handling import STALL_MEMORY, Handling
 from zmqsync.sender.pump import HubRunner
 from zmqsync.sender.reporting import LATENCY_BUCKETS, LATENCY_WINDOW, Reporting
+from zmqsync.sender.transfers import Copy, Forwarding, Pending, Ring, Transfer
 from zmqsync.sender.waiting import Waiting
 from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD, Flattener
 from zmqsync.tensors.model_tensors import ModelTensors

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 
-from zmqsync.sender.copies import Copy, Forwarded, Transfer
+from zmqsync.sender.transfers import Copy, Forwarded, Transfer
 from zmqsync.transport.base import HubTransport, Lends, PeerId, Stream, Waitable
 from zmqsync.transport.wakeup import Wakeup
 

@@ -21,8 +21,8 @@ from zmqsync.tensors.shared_params import SharedParams
 from zmqsync.vocabulary import Metadata
 
 if TYPE_CHECKING:
-    from zmqsync.sender.copies import Copy, Forwarding, Pending, Ring
     from zmqsync.sender.pump import HubRunner
+    from zmqsync.sender.transfers import Copy, Forwarding, Pending, Ring
 
 __all__ = ["SenderState"]
 

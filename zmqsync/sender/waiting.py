@@ -11,10 +11,10 @@ from collections.abc import Iterable
 import zmqsync.sender.pump as pump
 from zmqsync.errors import SyncTimeout, TransportError, WeightsRejected
 from zmqsync.fleet import Send
-from zmqsync.sender.copies import Pending
 from zmqsync.sender.pump import WINDOW_WAIT
 from zmqsync.sender.reporting import LATENCY_BUCKETS
 from zmqsync.sender.state import SenderState
+from zmqsync.sender.transfers import Pending
 from zmqsync.transport.base import (
     lost_peers,
 )

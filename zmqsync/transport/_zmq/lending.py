@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from zmqsync.protocol import Buffer
 from zmqsync.transport.shm.blocks import BlockPool, Ref
-from zmqsync.transport.shm.lending import Probe, lease_of
+from zmqsync.transport.shm.lending import ProbeBlock, lease_of
 from zmqsync.transport.shm.records import (
     ADDRESSED,
     FAN_OUT,
@@ -96,7 +96,7 @@ class Lender:
 
     def __init__(self) -> None:
         self.pool = BlockPool()
-        self._probe = Probe()
+        self._probe = ProbeBlock()
         self._members: dict[bytes, _Member] = {}
         self._by_slot: dict[int, _Member] = {}
         self._slots = iter(range(1, _MAX_SLOT))

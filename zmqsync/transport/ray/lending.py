@@ -10,7 +10,7 @@ from typing import Any
 from zmqsync.protocol import Buffer
 from zmqsync.transport.ray.actor import owned
 from zmqsync.transport.shm.blocks import Block, BlockPool, Ref
-from zmqsync.transport.shm.lending import Probe, lease_of
+from zmqsync.transport.shm.lending import ProbeBlock, lease_of
 from zmqsync.transport.shm.records import Join, Leave, Release, decode, encode
 
 __all__ = ["ActorLending", "LentPayload"]
@@ -32,7 +32,7 @@ class ActorLending:
 
     def __init__(self) -> None:
         self.pool = BlockPool()
-        self._probe = Probe()
+        self._probe = ProbeBlock()
         #: Releases of leases that were never counted, and records only a hub sends.
         self.bad_releases = 0
 

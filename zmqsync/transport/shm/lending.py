@@ -12,13 +12,13 @@ import numpy as np
 from zmqsync.transport.shm.blocks import Block, Ref
 from zmqsync.transport.shm.records import FAN_OUT, TOKEN_BYTES, Entry, Join, Lease, Offer
 
-__all__ = ["Probe", "lease_of"]
+__all__ = ["ProbeBlock", "lease_of"]
 
 #: Bytes of a probe block (one page).
 PROBE_BYTES: Final = 4096
 
 
-class Probe:
+class ProbeBlock:
     """A small block holding a random token. The :attr:`offer` says where the block
     is, never the token: a peer that answers with the token (a :class:`Join`) has opened
     the block, so it can map this process's blocks."""

@@ -30,11 +30,11 @@ __all__ = [
     "Copy",
     "Forwarded",
     "Forwarding",
-    "Lease",
     "Lent",
     "Pending",
     "Ring",
     "Transfer",
+    "ViewLease",
     "stream_checksums",
 ]
 
@@ -84,7 +84,7 @@ class Lent(NamedTuple):
     views: list[weakref.ref[np.ndarray]]
 
 
-class Lease:
+class ViewLease:
     """Tracks the views of sender-owned memory that were handed to transports.
 
     A transport that sends without copying keeps the view object until it let go of
@@ -208,7 +208,7 @@ class Copy:
         #: The version whose whole stream ``data`` held when this copy took it over
         #: (the previous snapshot's memory, reused), or None.
         self.holds: int | None = None
-        self.lease = Lease()
+        self.lease = ViewLease()
         #: Each chunk's checksum when published, checked as it is written (see above).
         self.expected: list[int] | None = None
         #: Whether a chunk differed from ``expected``: the weights changed in place.
@@ -380,7 +380,7 @@ class Forwarded:
         self.nbytes = chunk.total
         self.metadata = chunk.metadata
         self.reached: set[PeerId] | None = set()
-        self.lease = Lease()
+        self.lease = ViewLease()
         self._frames: dict[int, list[Any]] = {}
         self._ended = False
 
