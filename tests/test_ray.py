@@ -24,6 +24,7 @@ from zmqsync.schemes.ray import RayWeightSyncScheme
 from zmqsync.testing import check_transport
 from zmqsync.transport.base import SpokeTransport
 from zmqsync.transport.ray import RayHub, RaySpoke, WeightSyncActorMixin
+from zmqsync.transport.ray import actor as ray_actor
 from zmqsync.transport.ray.driver import log as driver_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
@@ -588,3 +589,41 @@ def test_versions_of_many_chunks_reach_plain_and_threaded_actors_whole(
         assert scheme.get_sender().status()["totals"]["chunks_sent"] >= 5 * 4  # 4+ a version
     finally:
         scheme.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_threaded_actors_spoke_queues_calls_in_the_hubs_order_without_waiting() -> None:
+    """Calls that overtake an earlier one (a threaded actor, or an argument fetched late
+    from the object store) return at once, and their messages reach the receiver in the
+    hub's order once the earlier call came: nothing holds an actor's thread, however long
+    the earlier call is delayed."""
+    spoke = RaySpoke("order-test")
+    try:
+        assert spoke.exchange(3, [b"a"], seq=0) == []
+        started = time.monotonic()
+        spoke.exchange(3, [b"c"], seq=2)  # overtook seq 1
+        spoke.exchange(3, None, seq=3)  # a poll overtook it too
+        spoke.exchange(3, [b"d"], seq=4)
+        assert time.monotonic() - started < 1.0  # returned at once, waited for nothing
+        assert spoke.recv_frames(0) == [b"a"]
+        assert spoke.recv_frames(0) is None  # c and d wait for b
+        spoke.exchange(3, [b"b"], seq=1)
+        got = [spoke.recv_frames(0) for _ in range(3)]
+        assert [bytes(f[0]) for f in got if f] == [b"b", b"c", b"d"]
+        assert spoke.counters()["order_gaps"] == 0
+        # A new hub numbers its calls anew: what waited for the old hub's calls goes.
+        spoke.exchange(3, [b"old"], seq=9)
+        spoke.exchange(4, [b"new"], seq=0)
+        assert spoke.recv_frames(0) == [b"new"]
+        assert spoke.recv_frames(0) is None
+        # A gap that is never filled is given up once MAX_EARLY calls wait behind it:
+        # their messages are queued as they are (the sync layer repairs the version).
+        for seq in range(2, 3 + ray_actor.MAX_EARLY):
+            spoke.exchange(4, [b"%d" % seq], seq=seq)
+        got = []
+        while (frames := spoke.recv_frames(0)) is not None:
+            got.append(int(bytes(frames[0])))
+        assert got == list(range(2, 3 + ray_actor.MAX_EARLY))
+        assert spoke.counters()["order_gaps"] == 1
+    finally:
+        spoke.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -34,9 +35,14 @@ __all__ = ["DELIVER_METHOD", "RaySpoke", "WeightSyncActorMixin", "deliver", "own
 
 log = logging.getLogger("zmqsync.transport.ray")
 
-#: How long a call that overtook an earlier one (a threaded actor) waits for it (seconds);
-#: past it the call goes on, and a version whose chunks came out of order is repaired.
-ORDER_WAIT: Final = 2.0
+#: How long the messages of calls that overtook an earlier one (a threaded actor) wait
+#: for it (seconds); past it they are queued as they are, and a version whose chunks came
+#: out of order is repaired. They wait in the spoke, not in the call: a call returns at
+#: once, so calls that overtook another never hold the actor's threads.
+ORDER_WAIT: Final = 30.0
+#: Calls that overtook an earlier one whose messages the spoke keeps; more than that and
+#: the gap is given up (the hub has at most this many calls to one actor under way).
+MAX_EARLY: Final = 16
 #: The actor method a hub calls (what :class:`WeightSyncActorMixin` defines).
 DELIVER_METHOD: Final = "zmqsync_deliver"
 #: Messages an actor's spoke keeps for the hub before dropping new ones.
@@ -76,8 +82,15 @@ class RaySpoke(OpenEnd, SpokeTransport):
         self._taken = 0  # ... and recv_frames took
         self._reader_idle = False  # a reader waits in recv_frames on an empty inbox
         self._next_seq: int | None = None  # the hub's next call, by its number
+        #: Messages of calls that overtook an earlier one: seq -> (arrived, views).
+        self._early: dict[int, tuple[float, list[Buffer] | None]] = {}
         self._closed = False
-        self._counters = {"dropped_sends": 0, "read_only_views": 0, "shared_frames": 0}
+        self._counters = {
+            "dropped_sends": 0,
+            "order_gaps": 0,
+            "read_only_views": 0,
+            "shared_frames": 0,
+        }
         self._maps = PeerBlocks()  # the driver's blocks, mapped read-only
         #: This actor's index at its hub (``None`` until the hub's first call).
         self.peer_index: int | None = None
@@ -192,46 +205,26 @@ class RaySpoke(OpenEnd, SpokeTransport):
     ) -> list[list[bytes]]:
         """One call from the hub: queue ``frames`` (if any) and return the outbox.
 
-        ``seq``: the call's number at the hub. A call that overtook an earlier one (a
-        threaded actor) waits for it, at most :data:`ORDER_WAIT` seconds.
+        ``seq``: the call's number at the hub. The messages of a call that overtook an
+        earlier one (a threaded actor runs calls at once, and Ray may hand them over in
+        any order) wait in the spoke until the earlier ones came, at most
+        :data:`ORDER_WAIT` seconds and :data:`MAX_EARLY` calls; the call itself returns.
         """
         if self._closed:
             return []
-        if seq is not None:
-            with self._cond:
-                if seq == 0 or peer_index != self.peer_index:
-                    self._next_seq = None  # a new hub (or index): its numbers start anew
-                if self._next_seq is not None and seq > self._next_seq:
-                    self._cond.wait_for(
-                        lambda: self._closed or self._next_seq is None or self._next_seq >= seq,
-                        ORDER_WAIT,
-                    )
-        try:
-            return self._exchange(peer_index, frames)
-        finally:
-            if seq is not None:
-                with self._cond:
-                    self._next_seq = max(seq + 1, self._next_seq or 0)
-                    self._cond.notify_all()
-
-    def _exchange(self, peer_index: int, frames: Sequence[Any] | None) -> list[list[bytes]]:
-        self.peer_index = peer_index
-        first = frames[0] if frames else None
-        if isinstance(first, bytes) and is_record([first]):
-            frames = self._on_record(first, frames[1:])  # type: ignore[index]
-        if frames is not None:
-            # Views, not copies: numpy arrays from the object store stay where they are
-            # until the receiver copies them into its model.
-            views: list[Buffer] = [f if isinstance(f, bytes) else memoryview(f) for f in frames]
-            with self._cond:
-                self._counters["read_only_views"] += sum(
-                    isinstance(v, memoryview) and v.readonly for v in views
-                )
-                self._delivered += 1
-                self._inbox.put(views)
-            # The inbox holds the only reference now: once the receiver is done with the
-            # frames, lent blocks are released in this very reply.
-            views = frames = first = None  # type: ignore[assignment]
+        views = self._views(frames)
+        with self._cond:
+            if seq is not None and (seq == 0 or peer_index != self.peer_index):
+                # A new hub (or index): its numbers start anew, and what waited for an
+                # older hub's calls goes.
+                self._next_seq = None
+                self._early.clear()
+            self.peer_index = peer_index
+            if seq is None:
+                self._queue(views)
+            else:
+                self._in_order(seq, views)
+            views = frames = None  # the inbox holds the only reference now (see _views)
         hook = self.on_delivery
         if hook is not None:
             try:
@@ -242,10 +235,53 @@ class RaySpoke(OpenEnd, SpokeTransport):
             out, self._outbox = self._outbox, []
         return out
 
+    def _views(self, frames: Sequence[Any] | None) -> list[Buffer] | None:
+        """What the inbox gets from one call's ``frames``: views, not copies (numpy
+        arrays from the object store stay where they are until the receiver copies them
+        into its model; lent blocks are released in the reply after the receiver lets
+        go of them). None: nothing for the receiver (a poll, or a record answered here)."""
+        first = frames[0] if frames else None
+        if isinstance(first, bytes) and is_record([first]):
+            frames = self._on_record(first, frames[1:])  # type: ignore[index]
+        if frames is None:
+            return None
+        return [f if isinstance(f, bytes) else memoryview(f) for f in frames]
+
+    def _in_order(self, seq: int, views: list[Buffer] | None) -> None:
+        """Queue call ``seq``'s messages in the hub's order (caller holds the lock)."""
+        expected = self._next_seq
+        if expected is not None and seq > expected:
+            self._early[seq] = (time.monotonic(), views)
+        else:  # the next call, the first, or a late one whose gap was given up
+            self._queue(views)
+            self._next_seq = max(seq + 1, expected or 0)
+        while self._early:
+            if self._next_seq not in self._early:
+                oldest = min(self._early)
+                waited = time.monotonic() - self._early[oldest][0]
+                if len(self._early) <= MAX_EARLY and waited < ORDER_WAIT:
+                    return
+                self._counters["order_gaps"] += 1  # given up: a later repair mends it
+                self._next_seq = oldest
+            _, waiting = self._early.pop(self._next_seq)
+            self._queue(waiting)
+            self._next_seq += 1
+
+    def _queue(self, views: list[Buffer] | None) -> None:
+        if views is None:
+            return
+        self._counters["read_only_views"] += sum(
+            isinstance(v, memoryview) and v.readonly for v in views
+        )
+        self._delivered += 1
+        self._inbox.put(views)
+
     def counters(self) -> dict[str, int]:
-        """``dropped_sends`` (the hub stopped calling), ``read_only_views`` (frames read
-        in place from Ray's object store or the hub's shared memory, without a copy) and
-        ``shared_frames`` (those of them in the hub's shared memory)."""
+        """``dropped_sends`` (the hub stopped calling), ``order_gaps`` (calls whose
+        messages were queued out of the hub's order, an earlier one not having come in
+        time), ``read_only_views`` (frames read in place from Ray's object store or the
+        hub's shared memory, without a copy) and ``shared_frames`` (those of them in the
+        hub's shared memory)."""
         return dict(self._counters)
 
     def close(self) -> None:
@@ -254,6 +290,7 @@ class RaySpoke(OpenEnd, SpokeTransport):
         self._closed = True
         with self._cond:
             words, self._outbox = self._outbox, []
+            self._early.clear()
         with _spokes_lock:
             if _spokes.get(self.channel) is self:
                 del _spokes[self.channel]
