@@ -38,24 +38,27 @@ Contract, for every adapter (``zmqsync.testing.check_transport`` tests it):
   after it raises :class:`~zmqsync.errors.TransportClosed`.
 - Backend errors are raised as :class:`~zmqsync.errors.TransportError`, chained.
 
-Abilities some adapters have beyond that are the small protocols below (:class:`Waitable`,
-:class:`Lends`, :class:`TracksPeers`, ...); callers test for them with ``isinstance``.
+Abilities some adapters have beyond that are the small classes below (:class:`Waitable`,
+:class:`Lends`, :class:`TracksPeers`, ...): an adapter declares each one it has by
+subclassing it, and callers test for them with ``isinstance``.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, TypeAlias, cast, runtime_checkable
+from typing import Any, Final, TypeAlias
 
 from zmqsync.closing import ClosesOnExit
 from zmqsync.protocol import Buffer
 
 __all__ = [
+    "HUB_ABILITIES",
     "RELAY_CREDENTIAL",
+    "SPOKE_ABILITIES",
+    "Ability",
     "AdmitsPeers",
     "Announces",
     "Borrows",
@@ -171,11 +174,27 @@ class SpokeTransport(_Closable):
         """The next message from the hub, or ``None`` after ``timeout`` seconds."""
 
 
+# --- abilities -----------------------------------------------------------------------------
+#
+# An adapter declares each ability it has by subclassing it (trio's way), and callers test
+# for it with ``isinstance``: a declaration, never a method's name, switches an ability on.
+# Each ability's methods are abstract, so a class that declares one and lacks (or renamed)
+# a method cannot be instantiated; ``zmqsync.testing.check_transport`` checks each declared
+# ability's methods and behaviour besides.
+
+
+# A common base names them all (HUB_ABILITIES, SPOKE_ABILITIES); its abstract methods are
+# each ability's own.
+class Ability(abc.ABC):  # noqa: B024
+    """Base of the abilities: what a transport end may do beyond the contract."""
+
+    __slots__ = ()
+
+
 # --- abilities: hubs ----------------------------------------------------------------------
 
 
-@runtime_checkable
-class Waitable(Protocol):
+class Waitable(Ability):
     """A hub whose input can be waited for WITHOUT holding the hub (ZeroMQ's sockets).
 
     A hub's sockets are used by one thread at a time. With these, the thread that
@@ -189,109 +208,117 @@ class Waitable(Protocol):
     blocked in ``recv_frames``.
     """
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def wait_handles(self, *, acks: bool = True) -> list[int]:
         """The file descriptors to wait on."""
-        ...
 
+    @abc.abstractmethod
     def has_input(self, *, acks: bool = True) -> bool:
         """Whether a message is waiting."""
-        ...
 
 
-@runtime_checkable
-class Lends(Protocol):
+class Lends(Ability):
     """A hub that lends memory its peers read in place (shared-memory blocks).
 
     A sender then writes its snapshot into memory the hub lends and sends it as it is;
     the hub counts a lease per peer on it and reuses it only once every peer released it.
     """
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def lending(self) -> bool:
         """Whether some peer reads lent memory in place, now (else the sender sends the
         model's own memory and keeps its snapshot apart)."""
-        ...
 
+    @abc.abstractmethod
     def lend(self, nbytes: int) -> Any:
         """``nbytes`` of memory this hub's peers can read in place (a uint8 numpy array),
         or None. Frames that are read-only views of it are sent without a copy."""
-        ...
 
 
-@runtime_checkable
-class ZeroCopy(Protocol):
+class ZeroCopy(Ability):
     """A hub that copies small buffers unless told otherwise (pyzmq's threshold)."""
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def zero_copy_from(self, nbytes: int) -> None:
         """Send buffers of at least ``nbytes`` from the caller's memory, without a copy.
 
         A sender says this once, with the size below which it packs tensors together:
         what it does not pack, it wants sent zero-copy.
         """
-        ...
 
 
-@runtime_checkable
-class Announces(Protocol):
+class Announces(Ability):
     """A hub whose spokes need more addresses than its endpoint (see :class:`Follows`)."""
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def announce(self) -> dict[str, Any]:
-        """The extra addresses (the sender puts them in its Welcome)."""
-        ...
+        """The extra addresses (the sender puts them in its Welcome): JSON-ready."""
 
 
-@runtime_checkable
-class TracksPeers(Protocol):
+class TracksPeers(Ability):
     """A hub whose peers are fixed, known ends (a pipe, an actor) bound to worker ids."""
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def lost_peers(self) -> frozenset[PeerId]:
         """Peers known to be gone for good (a broken pipe, a dead actor): a sender stops
         waiting for them instead of waiting out its timeout."""
-        ...
 
+    @abc.abstractmethod
     def reserved_workers(self) -> frozenset[int]:
         """Worker ids bound to this hub's peers (a pipe's or an actor's index): a sender
         serving several hubs gives them to nobody else, even before they first speak."""
-        ...
 
 
-@runtime_checkable
-class AdmitsPeers(Protocol):
+class AdmitsPeers(Ability):
     """A hub that keeps something per peer (whom a fan-out reaches, leases on shared
     memory) only for the peers the layer above admitted: anyone can connect and send,
     and what such a stranger sends is passed up and leaves nothing behind."""
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def peer_joined(self, peer: PeerId) -> None:
         """``peer`` is a worker now (the sender welcomed it): fan-outs reach it, and it
         may be offered what the hub keeps per peer, until :meth:`ForgetsPeers.peer_left`.
         Saying so again changes nothing."""
-        ...
 
 
-@runtime_checkable
-class ForgetsPeers(Protocol):
+class ForgetsPeers(Ability):
     """A hub that keeps something per peer (leases on shared memory) until told."""
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def peer_left(self, peer: PeerId) -> None:
         """``peer`` said goodbye: forget what is kept for it. It may come back (a
         hello) as a new peer."""
-        ...
 
 
 # --- abilities: spokes --------------------------------------------------------------------
 
 
-@runtime_checkable
-class Peekable(Protocol):
+class Peekable(Ability):
     """A spoke that can tell cheaply that no message waits."""
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def has_input(self) -> bool:
         """False only when surely no message waits: a receiver that got a version asks
         this before reading again for a newer one, and a cheap no spares a read."""
-        ...
 
 
-@runtime_checkable
-class Borrows(Protocol):
+class Borrows(Ability):
     """A spoke whose received buffers may be memory its hub lends (see :class:`Lends`).
 
     The receiver then lets go of a version's frames before acking it, and applies such
@@ -299,42 +326,53 @@ class Borrows(Protocol):
     critical path.
     """
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def borrowed(self, buffers: Sequence[Buffer]) -> bool:
         """Whether these received buffers may be memory the hub lends."""
-        ...
 
 
-@runtime_checkable
-class Follows(Protocol):
+class Follows(Ability):
     """A spoke that connects the addresses its hub announced (see :class:`Announces`)."""
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def follow(self, announced: dict[str, Any]) -> None:
         """Use the addresses a hub announced in its Welcome (connect the data path)."""
-        ...
 
 
 # --- abilities: both ----------------------------------------------------------------------
 
 
-@runtime_checkable
-class Counted(Protocol):
+class Counted(Ability):
     """An end that counts what happens at the transport's level."""
 
+    __slots__ = ()
+
+    @abc.abstractmethod
     def counters(self) -> dict[str, int]:
         """Counts such as rejected connections, dropped messages, frames read in place."""
-        ...
+
+
+#: The abilities a hub may declare, and a spoke.
+HUB_ABILITIES: Final[tuple[type[Ability], ...]] = (
+    Waitable,
+    Lends,
+    ZeroCopy,
+    Announces,
+    TracksPeers,
+    AdmitsPeers,
+    ForgetsPeers,
+    Counted,
+)
+SPOKE_ABILITIES: Final[tuple[type[Ability], ...]] = (Peekable, Borrows, Follows, Counted)
 
 
 def has_input(spoke: SpokeTransport) -> bool:
     """Whether a message may be waiting at ``spoke`` (False only when surely none is)."""
-    # A receiver asks once per message: the class's answer is cached (an isinstance
-    # check against a protocol costs microseconds).
-    return not _is_peekable(type(spoke)) or cast(Peekable, spoke).has_input()
-
-
-@functools.cache
-def _is_peekable(cls: type) -> bool:
-    return issubclass(cls, Peekable)
+    return not isinstance(spoke, Peekable) or spoke.has_input()
 
 
 def counters(end: HubTransport | SpokeTransport) -> dict[str, int]:

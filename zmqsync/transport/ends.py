@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from zmqsync.errors import TransportClosed
-from zmqsync.transport.base import PeerId
+from zmqsync.transport.base import PeerId, TracksPeers
 
 __all__ = ["BoundEnd", "FixedPeers", "OpenEnd", "worker_index"]
 
@@ -46,9 +46,10 @@ class BoundEnd(Protocol):
         ...
 
 
-class FixedPeers(abc.ABC):
+class FixedPeers(TracksPeers):
     """:class:`~zmqsync.transport.base.TracksPeers` for a hub whose peers are fixed ends
-    bound to worker indices: a mixin over its table of them, guarded by its ``_lock``."""
+    bound to worker indices: a mixin over its table of them, guarded by its ``_lock``
+    (a hub that subclasses it declares that ability)."""
 
     _lock: threading.Lock
 

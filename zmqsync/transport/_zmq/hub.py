@@ -35,7 +35,20 @@ from zmqsync.transport._zmq.sockets import (
     send_parts,
     translated,
 )
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, Recipients, Stream
+from zmqsync.transport.base import (
+    AdmitsPeers,
+    Announces,
+    Counted,
+    ForgetsPeers,
+    HubTransport,
+    Incoming,
+    Lends,
+    PeerId,
+    Recipients,
+    Stream,
+    Waitable,
+    ZeroCopy,
+)
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 from zmqsync.transport.shm.records import ADDRESSED, FAN_OUT, is_record
@@ -53,13 +66,22 @@ _HANDSHAKE_FAILED: Final = (
 )
 
 
-class ZMQHub(OpenEnd, HubTransport):
+class ZMQHub(
+    OpenEnd,
+    HubTransport,
+    Waitable,
+    Lends,
+    ZeroCopy,
+    Announces,
+    AdmitsPeers,
+    ForgetsPeers,
+    Counted,
+):
     """Base of the ZeroMQ hubs: ROUTER for requests and addressed sends, PULL for acks.
 
     Subclasses choose how ``send_frames(to=None)`` fans out. Besides the contract it
-    is :class:`~zmqsync.transport.base.Waitable`, ``Lends`` (to ``ipc://`` peers, or
-    as ``shared_memory`` says), ``ZeroCopy``, ``Announces``, ``AdmitsPeers``,
-    ``ForgetsPeers`` and ``Counted``.
+    has the abilities it subclasses (see :mod:`zmqsync.transport.base`); it lends
+    memory to ``ipc://`` peers, or as ``shared_memory`` says.
 
     Anyone who can connect may send to the ROUTER under a spoke's routing id: the hub
     keeps a peer (fans out to it, offers it shared memory) only once the sender admitted

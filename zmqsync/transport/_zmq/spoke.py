@@ -27,7 +27,7 @@ from zmqsync.transport._zmq.sockets import (
     send_parts,
     translated,
 )
-from zmqsync.transport.base import PeerId, SpokeTransport
+from zmqsync.transport.base import Borrows, Counted, Follows, Peekable, PeerId, SpokeTransport
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.records import is_record
 
@@ -41,11 +41,11 @@ DEFAULT_MAX_MESSAGE: Final = 16 * 1024**3
 CLOSE_LINGER_MS: Final = 100
 
 
-class ZMQSpoke(OpenEnd, SpokeTransport):
+class ZMQSpoke(OpenEnd, SpokeTransport, Peekable, Borrows, Follows, Counted):
     """A worker's ZeroMQ end: DEALER to the hub's ROUTER, PUSH for acks, SUB for fan-out.
 
-    Besides the contract it is :class:`~zmqsync.transport.base.Peekable`, ``Borrows``,
-    ``Follows`` and ``Counted``.
+    Besides the contract it has the abilities it subclasses (see
+    :mod:`zmqsync.transport.base`).
     """
 
     name = "zmq"

@@ -16,7 +16,15 @@ import numpy as np
 
 from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, Recipients, Stream
+from zmqsync.transport.base import (
+    Counted,
+    HubTransport,
+    Incoming,
+    Lends,
+    PeerId,
+    Recipients,
+    Stream,
+)
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import ASSIGN, HEADER, read, socket_of
@@ -48,7 +56,7 @@ class _Peer:
     lost: str | None = None
 
 
-class PipeHub(OpenEnd, FixedPeers, HubTransport):
+class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
     """The learner's end: one duplex pipe per worker.
 
     Args:
@@ -61,8 +69,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport):
 
     Peer ids are ``b"pipe:<index>"`` (:func:`peer_id`). A worker whose pipe breaks (it
     exited or was killed) is counted in ``counters()["peers_lost"]``; sends to it are
-    dropped, never raised. Besides the contract it is
-    :class:`~zmqsync.transport.base.Lends`, ``TracksPeers`` and ``Counted``.
+    dropped, never raised. Besides the contract it has the
+    abilities it subclasses: ``Lends``, ``Counted``, and ``TracksPeers`` (as
+    :class:`~zmqsync.transport.ends.FixedPeers`).
     """
 
     name = "pipe"

@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 
 from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.base import Borrows, Counted, SpokeTransport
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import read, socket_of
@@ -24,13 +24,13 @@ __all__ = ["PipeSpoke"]
 log = logging.getLogger("zmqsync.transport.pipe")
 
 
-class PipeSpoke(OpenEnd, SpokeTransport):
+class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
     """A worker's end: the child end of its ``multiprocessing.Pipe()``.
 
     If the hub closes or its process dies, the spoke says so once in the log, drops what
     it is asked to send and receives nothing; it does not raise (the receiver's own
-    timeouts report a missing sender). Besides the contract it is
-    :class:`~zmqsync.transport.base.Borrows` and ``Counted``.
+    timeouts report a missing sender). Besides the contract it has the
+    abilities it subclasses.
     """
 
     name = "pipe"

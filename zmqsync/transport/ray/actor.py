@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from zmqsync.errors import EndpointError
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.base import Borrows, Counted, SpokeTransport
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
 from zmqsync.transport.shm.records import (
@@ -61,14 +61,14 @@ _last_words: dict[str, list[list[bytes]]] = {}
 _spokes_lock = threading.Lock()
 
 
-class RaySpoke(OpenEnd, SpokeTransport):
+class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
     """A worker actor's end, registered in its process under ``channel`` (the model_id).
 
     The hub's calls reach it through :func:`deliver`: delivered messages queue for
     :meth:`recv_frames`; what :meth:`send_frames` is given is returned to the hub as the
     result of the call. :attr:`on_delivery`, if set, runs on every call between the two
     (the Ray scheme applies versions and acks there, so the ack rides on the same call).
-    Besides the contract it is :class:`~zmqsync.transport.base.Borrows` and ``Counted``.
+    Besides the contract it has the abilities it subclasses.
     """
 
     name = "ray"

@@ -17,7 +17,15 @@ from typing import Any, Final
 
 from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
-from zmqsync.transport.base import HubTransport, Incoming, PeerId, Recipients, Stream
+from zmqsync.transport.base import (
+    Counted,
+    HubTransport,
+    Incoming,
+    Lends,
+    PeerId,
+    Recipients,
+    Stream,
+)
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.ray.actor import DELIVER_METHOD, owned
 from zmqsync.transport.ray.lending import ActorLending, LentPayload
@@ -82,7 +90,7 @@ class _Actor:
     answer_due: bool = False  # it was offered the hub's blocks and has not answered
 
 
-class RayHub(OpenEnd, FixedPeers, HubTransport):
+class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
     """The driver's end: one Ray actor per worker.
 
     A Ray actor cannot be written to like a socket, and cannot easily call its driver
@@ -120,8 +128,9 @@ class RayHub(OpenEnd, FixedPeers, HubTransport):
             those that cannot open them (elsewhere) get the object store.
 
     Peer ids are ``b"ray:<index>"`` (:func:`peer_id`). Ray must be initialised
-    (``ray.init()``) by the caller. Besides the contract it is
-    :class:`~zmqsync.transport.base.Lends`, ``TracksPeers`` and ``Counted``.
+    (``ray.init()``) by the caller. Besides the contract it has the
+    abilities it subclasses: ``Lends``, ``Counted``, and ``TracksPeers`` (as
+    :class:`~zmqsync.transport.ends.FixedPeers`).
     """
 
     name = "ray"
