@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import pytest
 
-from zmqsync.testing import check_transport, memory_fleet
-from zmqsync.transport import resolve
+from zmqsync.testing import ABILITY_CHECKS, check_transport, memory_fleet
+from zmqsync.transport import ALIASES, resolve
+from zmqsync.transport.base import (
+    HUB_ABILITIES,
+    SPOKE_ABILITIES,
+    Counted,
+    Lends,
+    Peekable,
+    TracksPeers,
+    ZeroCopy,
+    counters,
+    reserved_workers,
+)
+from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
 
 def _free_port() -> int:
@@ -95,3 +108,124 @@ def test_a_zmq_hub_sends_small_buffers_from_the_callers_memory_when_told() -> No
         sub.close(linger=0)
         hub.close()
         ctx.term()
+
+
+# --- abilities: declared, and checked -----------------------------------------------------
+
+
+def _fleet_of(hub_cls: type[MemoryHub], spoke_cls: type[MemorySpoke] = MemorySpoke):  # type: ignore[no-untyped-def]
+    def make(n: int) -> tuple[MemoryHub, list[MemorySpoke]]:
+        hub = hub_cls()
+        return hub, [spoke_cls(hub.endpoint) for _ in range(n)]
+
+    return make
+
+
+class _Lender(MemoryHub, Lends):
+    """A memory hub that lends nothing: a correct (if idle) Lends."""
+
+    def lending(self) -> bool:
+        return False
+
+    def lend(self, nbytes: int) -> Any:
+        return None
+
+
+@pytest.mark.timeout(30)
+def test_a_hub_that_declares_an_ability_and_keeps_its_promise_passes() -> None:
+    check_transport(_fleet_of(_Lender))
+
+
+@pytest.mark.timeout(30)
+def test_an_ability_whose_method_was_renamed_fails_check_transport() -> None:
+    # Declared by subclassing: the class cannot even be made, here or anywhere.
+    class RenamedLender(MemoryHub, Lends):
+        def lending(self) -> bool:
+            return False
+
+        def lend_memory(self, nbytes: int) -> Any:  # was lend()
+            return None
+
+    with pytest.raises(TypeError, match=r"RenamedLender.* lend\b"):
+        check_transport(_fleet_of(RenamedLender))
+
+
+@pytest.mark.timeout(30)
+def test_an_ability_registered_without_its_method_fails_check_transport() -> None:
+    class RegisteredLender(MemoryHub):
+        def lending(self) -> bool:
+            return False
+
+        def lend_memory(self, nbytes: int) -> Any:  # was lend()
+            return None
+
+    Lends.register(RegisteredLender)  # a declaration that Python does not check
+    with pytest.raises(
+        AssertionError, match=r"RegisteredLender declares Lends but has no lend\(\) of its own"
+    ):
+        check_transport(_fleet_of(RegisteredLender))
+
+
+@pytest.mark.timeout(30)
+def test_an_ability_that_breaks_its_promise_fails_check_transport() -> None:
+    class Blind(MemorySpoke, Peekable):
+        def has_input(self) -> bool:
+            return False  # "surely nothing waits", while messages do
+
+    with pytest.raises(AssertionError, match=r"has_input\(\) stayed False while a message came"):
+        check_transport(_fleet_of(MemoryHub, Blind))
+
+    class Unbound(MemoryHub, TracksPeers):
+        def lost_peers(self) -> frozenset[bytes]:
+            return frozenset()
+
+        def reserved_workers(self) -> frozenset[int]:
+            return frozenset({0})  # three fixed peers, one worker id
+
+    with pytest.raises(AssertionError, match=r"3 fixed peers, worker ids \[0\]"):
+        check_transport(_fleet_of(Unbound))
+
+
+@pytest.mark.timeout(30)
+def test_an_end_may_declare_only_the_abilities_of_its_kind() -> None:
+    class CopyingSpoke(MemorySpoke, ZeroCopy):
+        def zero_copy_from(self, nbytes: int) -> None:
+            pass
+
+    with pytest.raises(AssertionError, match="CopyingSpoke declares ZeroCopy, which no spoke"):
+        check_transport(_fleet_of(MemoryHub, CopyingSpoke))
+
+
+@pytest.mark.timeout(30)
+def test_an_ability_is_its_declaration_not_a_method_name() -> None:
+    class Undeclared(MemoryHub):
+        def counters(self) -> dict[str, int]:
+            return {"sends": 1}
+
+        def reserved_workers(self) -> frozenset[int]:
+            return frozenset({7})
+
+    hub = Undeclared()
+    try:
+        assert not isinstance(hub, Counted | TracksPeers)
+        assert counters(hub) == {}
+        assert reserved_workers(hub) == frozenset()
+    finally:
+        hub.close()
+
+
+@pytest.mark.timeout(30)
+def test_every_ability_has_a_check() -> None:
+    assert set(ABILITY_CHECKS) == {*HUB_ABILITIES, *SPOKE_ABILITIES}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_shipped_transports_declare_every_ability_they_have(alias: str) -> None:
+    """A class with all of an ability's methods declares it: else the methods would sit
+    there unused, the ability silently off."""
+    for cls, kinds in zip(resolve(alias), (HUB_ABILITIES, SPOKE_ABILITIES), strict=True):
+        for ability in kinds:
+            names = ability.__abstractmethods__
+            if all(callable(getattr(cls, name, None)) for name in names):
+                assert issubclass(cls, ability), f"{cls.__name__} has {sorted(names)}, undeclared"
