@@ -1,8 +1,8 @@
 """What the commands share: consoles, error reporting, and the status table.
 
 No sync logic lives here: the table only lays out a :class:`~zmqsync.SenderStatus` (what
-:func:`zmqsync.status.query_status` or ``scheme.status()`` returned, read by its
-``from_dict``), and what :func:`zmqsync.status.assess` judged.
+:func:`zmqsync.tools.status.query_status` or ``scheme.status()`` returned, read by its
+``from_dict``), and what :func:`zmqsync.tools.status.assess` judged.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from zmqsync.security import (
     curve_server_from_files,
     exposed_secret_file,
 )
-from zmqsync.status import worker_problem
 from zmqsync.status_types import SenderStatus, WorkerStatus
+from zmqsync.tools.status import worker_problem
 from zmqsync.vocabulary import MODES, STRATEGIES
 
 #: Width of output that goes to a file or a pipe (rich would pick 80 columns, which
@@ -451,7 +451,7 @@ def serving_metrics(source: Any, port: int | None, addr: str, out: Console) -> I
     (``--metrics-port``)."""
     server = None
     if port is not None:
-        from zmqsync.metrics import serve_metrics
+        from zmqsync.tools.metrics import serve_metrics
 
         server = serve_metrics(source, port, addr)
         out.print(f"metrics on http://{addr}:{server.port}/metrics", soft_wrap=True)

@@ -11,9 +11,9 @@ import typer
 from rich.console import RenderableType
 from rich.live import Live
 
-from zmqsync.demo import DEMO_TRANSPORTS, LocalFleet
-from zmqsync.status import assess
 from zmqsync.status_types import SenderStatus
+from zmqsync.tools.demo import DEMO_TRANSPORTS, LocalFleet
+from zmqsync.tools.status import assess
 
 from ._common import (
     ModeChoice,

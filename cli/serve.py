@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from zmqsync.checkpoints import CheckpointPublisher, PublishResult
 from zmqsync.errors import CheckpointError
+from zmqsync.tools.checkpoints import CheckpointPublisher, PublishResult
 
 from ._common import (
     CurveRelays,

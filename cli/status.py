@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from zmqsync.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
 from zmqsync.status_types import SenderStatus
+from zmqsync.tools.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
 
 from ._common import (
     SILENT_HELP,

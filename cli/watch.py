@@ -13,8 +13,8 @@ from rich.text import Text
 from zmqsync.endpoints import check_connectable
 from zmqsync.errors import ZMQSyncError
 from zmqsync.security import CurveClient
-from zmqsync.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
 from zmqsync.status_types import SenderStatus
+from zmqsync.tools.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
 
 from ._common import (
     SILENT_HELP,

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from zmqsync.worker import ModelWorker, build_model
+from zmqsync.tools.worker import ModelWorker, build_model
 
 from ._common import (
     ConnectTimeout,

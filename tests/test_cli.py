@@ -28,7 +28,8 @@ import zmq.auth
 from typer.testing import CliRunner
 
 from zmqsync import ZMQWeightSyncScheme, checksum
-from zmqsync.client import (
+from zmqsync.errors import EndpointError, SchemaMismatchError, SyncTimeout
+from zmqsync.tools.client import (
     CheckpointError,
     CheckpointPublisher,
     FactoryError,
@@ -41,7 +42,6 @@ from zmqsync.client import (
     load_checkpoint,
     query_status,
 )
-from zmqsync.errors import EndpointError, SchemaMismatchError, SyncTimeout
 from zmqsync_cli.main import app
 
 ROW = re.compile(r"^\s*[│|]\s*(\d+)\s*[│|]\s*(\d+)\s*[│|]\s*(\d+)\s*[│|]", re.MULTILINE)
@@ -530,7 +530,7 @@ def factory_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     name = f"factories_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(
         "import torch\n"
-        "from zmqsync.client import demo_model\n"
+        "from zmqsync.tools.client import demo_model\n"
         "def make_policy():\n    return demo_model(0.01, seed=3)\n"
         "def make_other():\n    return torch.nn.Linear(3, 3)\n"
         "def broken():\n    raise RuntimeError('no GPU here')\n"
@@ -772,8 +772,8 @@ def test_the_verdict_counts_every_worker_of_a_trimmed_status() -> None:
 def test_a_torn_worker_is_named_as_such() -> None:
     """A worker whose in-place stream broke is neither ok nor merely behind: the state
     cell says torn (repairing while a repair is under way), and the problem says why."""
-    from zmqsync.client import assess
     from zmqsync.status_types import WorkerStatus
+    from zmqsync.tools.client import assess
     from zmqsync_cli._common import worker_state
 
     row = {"worker": 0, "connected": True, "version": 3, "lag": 0, "torn": True}

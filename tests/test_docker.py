@@ -24,7 +24,7 @@ import typer
 import yaml
 from netns import Topology, why_unavailable
 
-from zmqsync.client import demo_model
+from zmqsync.tools.client import demo_model
 from zmqsync_cli.main import app
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"

@@ -15,14 +15,14 @@ from _faults import until
 from _prom import one, scrape
 
 from zmqsync import Relay, WeightReceiver, WeightSender
-from zmqsync.metrics import (
+from zmqsync.status_types import STATUS_BELOW, STATUS_ROWS, SenderStatus, WorkerStatus
+from zmqsync.tools.metrics import (
     IDLE_TIMEOUT,
     MAX_CONNECTIONS,
     REQUEST_DEADLINE,
     RESPONSE_DEADLINE,
     serve_metrics,
 )
-from zmqsync.status_types import STATUS_BELOW, STATUS_ROWS, SenderStatus, WorkerStatus
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 
 

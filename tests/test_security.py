@@ -18,10 +18,10 @@ from torch import nn
 
 import zmqsync
 from zmqsync import EndpointError, SyncTimeout, ZMQWeightSyncScheme
-from zmqsync.client import create_curve_keypair
 from zmqsync.protocol import StatusRequest, encode
 from zmqsync.security import CurveClient, CurveServer, generate_keypair
 from zmqsync.testing import check_transport
+from zmqsync.tools.client import create_curve_keypair
 from zmqsync.transport._zmq import HANDSHAKE_SECONDS
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 from zmqsync.transport.zmq_router import RouterHub, RouterSpoke

@@ -734,7 +734,7 @@ def test_the_pump_waits_holding_nothing_and_sends_do_not_wake_it(monkeypatch) ->
     consumed while it held the hub. The pump's tick is set to 30 s here, so only a real
     wake-up answers anything within the test's timeouts."""
     import zmqsync.sender.pump as sender_module
-    from zmqsync.client import query_status
+    from zmqsync.tools.client import query_status
 
     monkeypatch.setattr(sender_module, "PUMP_TICK", 30.0)
     receivers: list[WeightReceiver] = []

@@ -12,7 +12,6 @@ import torch
 
 from zmqsync import FrameError, SenderStatus, WeightSender, WorkerStatus
 from zmqsync.protocol import MAX_BELOW
-from zmqsync.status import assess
 from zmqsync.status_types import (
     MAX_ITEMS,
     STATUS_ROWS,
@@ -21,6 +20,7 @@ from zmqsync.status_types import (
     Totals,
     UpstreamStatus,
 )
+from zmqsync.tools.status import assess
 from zmqsync.transport.zmq_pubsub import PubSubHub
 
 

@@ -325,7 +325,7 @@ def test_the_learner_sees_a_torn_worker_until_a_whole_version_repairs_it() -> No
     status`` names the problem, until a whole version is acked."""
     from _faults import until
 
-    from zmqsync.client import assess
+    from zmqsync.tools.client import assess
 
     model = _model(0)
     hub = MemoryHub()

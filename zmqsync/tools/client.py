@@ -1,16 +1,14 @@
 """What the ``zmqsync`` command line does, as a library, under one name.
 
 The commands are thin shells over these; each name lives in the module of its idea:
-:mod:`zmqsync.status` (ask and judge a sender), :mod:`zmqsync.checkpoints` (``serve``),
-:mod:`zmqsync.worker` (``worker``), :mod:`zmqsync.demo` (``demo``),
-:mod:`zmqsync.security` (``keys``) and :mod:`zmqsync.endpoints`. Nothing here imports
+:mod:`zmqsync.tools.status` (ask and judge a sender), :mod:`zmqsync.tools.checkpoints`
+(``serve``), :mod:`zmqsync.tools.worker` (``worker``), :mod:`zmqsync.tools.demo`
+(``demo``), :mod:`zmqsync.security` (``keys``) and :mod:`zmqsync.endpoints`. Nothing here imports
 typer, rich or torch: the same calls work from a notebook or a script.
 """
 
 from __future__ import annotations
 
-from zmqsync.checkpoints import CheckpointPublisher, PublishResult, load_checkpoint
-from zmqsync.demo import LocalFleet, demo_model
 from zmqsync.endpoints import check_connectable, reachable_from_other_hosts
 from zmqsync.errors import CheckpointError, FactoryError
 from zmqsync.security import (
@@ -18,14 +16,16 @@ from zmqsync.security import (
     curve_client_from_files,
     curve_server_from_files,
 )
-from zmqsync.status import (
+from zmqsync.tools.checkpoints import CheckpointPublisher, PublishResult, load_checkpoint
+from zmqsync.tools.demo import LocalFleet, demo_model
+from zmqsync.tools.status import (
     DEFAULT_SILENT_AFTER,
     DEFAULT_STATUS_TIMEOUT,
     assess,
     query_status,
     worker_problem,
 )
-from zmqsync.worker import ModelWorker, build_model, load_factory
+from zmqsync.tools.worker import ModelWorker, build_model, load_factory
 
 __all__ = [
     "DEFAULT_SILENT_AFTER",
