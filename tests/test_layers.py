@@ -1,16 +1,80 @@
 """The shape of the code: no import cycles in the library, its command line or its
-benchmarks, and no module of the library over 500 lines."""
+benchmarks, type-only imports included; and the relay reaches into no other object's
+private members."""
 
 from __future__ import annotations
 
 import ast
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Packages checked, as (folder, the name it is imported as).
 PACKAGES = (("zmqsync", "zmqsync"), ("cli", "zmqsync_cli"), ("benchmarks", "benchmarks"))
-#: The most lines a library module may have: one idea each.
-MAX_LINES = 500
+
+#: Imports known to close a cycle, as (importer, imported): left out of the graph, each
+#: with why it is still here. Emptied as each is removed; an entry that no longer
+#: matches an import fails the test, so the list cannot outlive its edges.
+KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
+    # The pump names its host's class for typing (under TYPE_CHECKING), which closes a
+    # circle through the sender's core. The sender's reshaping (its pump names what it
+    # needs from its host in a Protocol of its own) removes this import.
+    ("zmqsync.sender.pump", "zmqsync.sender.core"): "the pump imports WeightSender",
+    # A transfer's Copy is built from the whole SenderState (named for typing), which
+    # names the pump and the transfers back: circles of two and three files. The
+    # sender's reshaping builds a Copy from what it needs (model id, epoch, checksums).
+    ("zmqsync.sender.transfers", "zmqsync.sender.state"): "a Copy takes the SenderState",
+}
+
+#: Where relay.py reaches into another object's underscore-prefixed members today, as
+#: "object.member" (as the source spells it) -> how many times. The relay's reshaping
+#: (a receiver and a sender held through public hooks) empties it; a reach not listed,
+#: or more of one, fails the test, and so does an entry the relay no longer makes.
+KNOWN_RELAY_REACHES: Counter[str] = Counter(
+    {
+        # Into the receiver it extends, or holds upstream.
+        "receiver._ack": 1,
+        "receiver._io_lock": 2,
+        "receiver._process": 1,
+        "receiver._schema": 3,
+        "receiver._send_snapshot_request": 1,
+        "receiver._staging": 1,
+        "self.receiver._staging": 1,
+        # Into the sender it extends, or holds downstream, and its pumps.
+        "runner._poke": 1,
+        "runner._waiting": 1,
+        "self.sender._cond": 4,
+        "self.sender._forward": 1,
+        "self.sender._forward_begin": 2,
+        "self.sender._forwarding": 2,
+        "self.sender._serve": 1,
+        "self.sender._snapshot": 1,
+        "self.sender._still_read": 1,
+        # The relay's own parts, into the relay that holds them.
+        "self._relay._abort": 1,
+        "self._relay._before_version": 1,
+        "self._relay._begin": 1,
+        "self._relay._below": 1,
+        "self._relay._completed": 1,
+        "self._relay._forward": 1,
+        "self._relay._owed": 1,
+        "self._relay._refetching": 1,
+        "self._relay._refusals": 1,
+        "self._relay._settled": 1,
+        "self._relay._wants_latest": 1,
+        # The private methods of the classes it subclasses, past its own overrides.
+        "super()._ack": 1,
+        "super()._complete": 1,
+        "super()._on_broken": 1,
+        "super()._on_piece": 1,
+        "super()._on_start": 1,
+        "super()._patchable": 1,
+        "super()._unserved": 1,
+    }
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -24,30 +88,40 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports that run when the module is imported, or that a type checker reads:
+    every import outside a function body (at the top, under ``if TYPE_CHECKING:`` or
+    any other ``if``, ``try`` or ``with``, in a class body). An import inside a function
+    runs only when it is called: that is how a module reaches up lazily."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child
+        elif not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            yield from _import_nodes(child)
+
+
 def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The modules of ``known`` that ``module`` imports when it is imported (its
-    top-level imports, not those under ``if TYPE_CHECKING:`` or inside functions)."""
+    """The modules of ``known`` that ``module`` imports (see :func:`_import_nodes`)."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in _import_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = ".".join(package[: len(package) - node.level + 1])
                 base = f"{base}.{node.module}" if node.module else base
             else:
                 base = node.module or ""
-            names = [base, *(f"{base}.{a.name}" for a in node.names)]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            submodules = [f"{base}.{a.name}" for a in node.names]
+            # The package itself only where a name comes from its __init__: importing a
+            # submodule initialises its package first, as every import of one does.
+            names = submodules if all(m in known for m in submodules) else [base, *submodules]
         else:
-            continue
+            names = [a.name for a in node.names]
         out.update(n for n in names if n in known and n != module)
     return out
 
 
-def test_no_import_cycles() -> None:
-    mods = _modules()
-    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}  # 1: on the path, 2: done
     path: list[str] = []
     cycles: list[list[str]] = []
@@ -66,15 +140,87 @@ def test_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m)
+    return cycles
+
+
+@pytest.mark.timeout(60)
+def test_no_import_cycles_type_only_imports_included() -> None:
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     assert len(mods) > 100, sorted(mods)  # the walk found the packages
-    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+    stale = [edge for edge in KNOWN_CYCLE_EDGES if edge[1] not in graph.get(edge[0], set())]
+    assert not stale, f"no longer imported: remove from KNOWN_CYCLE_EDGES: {stale}"
+    for importer, imported in KNOWN_CYCLE_EDGES:
+        graph[importer].discard(imported)
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (each import closes one):\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
 
 
-def test_no_library_module_is_much_over_five_hundred_lines() -> None:
-    sizes = {
-        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
-        for p in (ROOT / "zmqsync").rglob("*.py")
+@pytest.mark.timeout(60)
+def test_the_import_walk_sees_type_only_imports() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import zmqsync.errors\n"
+        "if TYPE_CHECKING:\n"
+        "    from zmqsync.sender import WeightSender\n"
+        "def later():\n"
+        "    import zmqsync.relay\n"
+    )
+    seen = {n for node in _import_nodes(ast.parse(source)) for n in _names(node)}
+    assert seen == {"typing", "zmqsync.errors", "zmqsync.sender"}
+
+
+def _names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.ImportFrom):
+        return [node.module or ""]
+    return [a.name for a in node.names]
+
+
+def _private_reaches(tree: ast.AST) -> dict[str, list[int]]:
+    """Each ``obj._member`` in ``tree`` where ``obj`` is not ``self`` or ``cls``, as the
+    source spells it, with the lines it is on. Dunders (``__init__``) are not private."""
+    reaches: dict[str, list[int]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") and node.attr.endswith("__"):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        reaches.setdefault(f"{ast.unparse(node.value)}.{node.attr}", []).append(node.lineno)
+    return reaches
+
+
+@pytest.mark.timeout(60)
+def test_the_relay_reaches_into_no_other_objects_private_members() -> None:
+    reaches = _private_reaches(ast.parse((ROOT / "zmqsync" / "relay.py").read_text()))
+    new = {
+        reach: lines
+        for reach, lines in sorted(reaches.items())
+        if len(lines) > KNOWN_RELAY_REACHES[reach]
     }
-    assert len(sizes) > 50
-    too_long = {p: n for p, n in sizes.items() if n > MAX_LINES}
-    assert not too_long, too_long
+    assert not new, (
+        "relay.py reaches into another object's private members (use a public method or "
+        "hook of that object instead):\n"
+        + "\n".join(f"  {reach} on lines {lines}" for reach, lines in new.items())
+    )
+    stale = sorted(set(KNOWN_RELAY_REACHES) - set(reaches))
+    assert not stale, f"relay.py no longer does these: remove from KNOWN_RELAY_REACHES: {stale}"
+
+
+@pytest.mark.timeout(60)
+def test_the_private_reach_walk_tells_self_from_others() -> None:
+    source = (
+        "class A:\n"
+        "    def f(self, other):\n"
+        "        self._mine = other._theirs\n"
+        "        super().__init__()\n"
+        "        return self.sender._cond, WeightReceiver._ack(other), cls._ok\n"
+    )
+    assert _private_reaches(ast.parse(source)) == {
+        "other._theirs": [3],
+        "self.sender._cond": [5],
+        "WeightReceiver._ack": [5],
+    }
