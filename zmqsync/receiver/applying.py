@@ -176,11 +176,6 @@ class Applier:
         """The longest wait between two chunks of a version before it counts as broken."""
         return self._stream.gap
 
-    @property
-    def writing_in_place(self) -> bool:
-        """Whether a version is being written into the model (which holds part of it)."""
-        return self._writing == "in_place"
-
     def feed(self, chunk: Chunk) -> PendingAck | None:
         """Take ``chunk``; return the ack it calls for, to send once its frames are let
         go of (a transport that lends its memory may reuse it once the ack is out)."""

@@ -225,6 +225,7 @@ class WeightReceiver:
 
     @property
     def strategy(self) -> str:
+        """How the weights are laid out (``"tensordict"`` or ``"state_dict"``)."""
         return self._applier.strategy
 
     @property
@@ -520,6 +521,7 @@ class WeightReceiver:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self._closed
 
     def close(self) -> None:

@@ -129,10 +129,12 @@ class UpstreamSession:
 
     @property
     def pid(self) -> int:
+        """This worker's process id, as its Hellos and acks give it."""
         return self._pid
 
     @property
     def host_name(self) -> str:
+        """This worker's host name, as its Hellos and acks give it."""
         return self._host_name
 
     def take_refusal(self) -> str:
@@ -168,6 +170,7 @@ class UpstreamSession:
         self.spoke.send_frames(protocol.encode(message), ack=ack)
 
     def send_hello(self) -> None:
+        """Introduce this worker, with the version it holds and the attempt under way."""
         worker = protocol.AUTO_WORKER if self.worker_idx is None else self.worker_idx
         self._send(
             protocol.Hello(
@@ -187,6 +190,7 @@ class UpstreamSession:
         self.probe_ok = False
 
     def send_probe(self) -> None:
+        """Ask for the probe to come down the data path (once welcomed)."""
         if self.worker_idx is not None and self._session:  # probes follow the Welcome
             self._send(
                 protocol.ProbeRequest(
