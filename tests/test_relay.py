@@ -342,7 +342,7 @@ def test_the_workers_of_a_dead_relay_fail_over_and_the_learner_names_it() -> Non
             dead._stop.set()
             assert dead._thread is not None
             dead._thread.join(10)
-            dead.receiver._spoke.close()
+            dead.receiver.transport.close()
             dead.sender.close()
             _bump(model)
             # Shorter than the 3 heartbeats after which relay 0 is no longer live: then
@@ -536,7 +536,7 @@ def test_a_relay_that_keeps_no_snapshot_fetches_the_latest_again_for_late_joiner
                 learner.send()
                 assert [checksum(m) for m in models.values()] == [checksum(model)] * 3
             # Nothing of a version is kept: no staging buffer, no snapshot.
-            assert relay.receiver._staging._buffer is None
+            assert relay.receiver.staging._buffer is None
             assert relay.sender._snapshot is None
             assert relay.status()["upstream"]["version"] == learner.version
     finally:

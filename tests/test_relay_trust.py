@@ -348,7 +348,7 @@ def test_a_targeted_send_follows_a_worker_from_a_dead_relay_to_a_live_one() -> N
         dying._stop.set()  # dies as a SIGKILL leaves it: no goodbye
         assert dying._thread is not None
         dying._thread.join(10)
-        dying.receiver._spoke.close()
+        dying.receiver.transport.close()
         dying.sender.close()
         until(lambda: _below_of(learner, 1) == {5}, 20, "relay 1 claimed worker 5")
         _bump(model)

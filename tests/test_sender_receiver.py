@@ -175,11 +175,12 @@ def test_a_late_repeat_of_a_workers_hello_neither_rewinds_it_nor_earns_a_resend(
             rig.sender.send()
         receiver, _ = rig.workers[0]
         # What the worker sent while connecting, delivered only now.
+        upstream = receiver._upstream  # the receiver's session with its sender
         stale = [
-            Hello("policy", 0, 0, 0, receiver._pid, receiver._host, receiver._attempt),
-            SnapshotRequest("policy", 0, 0, 0, receiver._session),
+            Hello("policy", 0, 0, 0, upstream.pid, upstream.host_name, upstream.attempt),
+            SnapshotRequest("policy", 0, 0, 0, upstream.session),
         ]
-        with receiver._io_lock:
+        with upstream.io_lock:
             for message in stale:
                 receiver.transport.send_frames(encode(message))
         rig.bump()
@@ -191,17 +192,17 @@ def test_a_late_repeat_of_a_workers_hello_neither_rewinds_it_nor_earns_a_resend(
 
         # A new connect attempt (a restarted worker, same process) still starts over:
         # a new session, and the latest version for a worker that says it holds nothing.
-        old_session = receiver._session
-        with receiver._io_lock:
-            receiver._new_attempt()
-            fresh = Hello("policy", 0, 0, 0, receiver._pid, receiver._host, receiver._attempt)
+        old_session = upstream.session
+        with upstream.io_lock:
+            upstream.new_attempt()
+            fresh = Hello("policy", 0, 0, 0, upstream.pid, upstream.host_name, upstream.attempt)
             receiver.transport.send_frames(encode(fresh))
         deadline = time.monotonic() + 5
-        while not receiver._session and time.monotonic() < deadline:
+        while not upstream.session and time.monotonic() < deadline:
             time.sleep(0.01)  # its background thread takes the Welcome
-        assert receiver._session and receiver._session != old_session
-        with receiver._io_lock:
-            request = SnapshotRequest("policy", 0, 0, 0, receiver._session)
+        assert upstream.session and upstream.session != old_session
+        with upstream.io_lock:
+            request = SnapshotRequest("policy", 0, 0, 0, upstream.session)
             receiver.transport.send_frames(encode(request))
         while receiver.stats["duplicates"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)

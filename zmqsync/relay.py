@@ -29,9 +29,9 @@ from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, StreamLayout
 from zmqsync.closing import ClosesOnExit
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.fleet import SendLatest
-from zmqsync.protocol import MAX_BELOW, Chunk, UpToDate, encode
-from zmqsync.protocol.stream import Broken, Start
-from zmqsync.receiver import WeightReceiver
+from zmqsync.protocol import MAX_BELOW, Chunk, UpToDate, WeightsSchema, encode
+from zmqsync.protocol.stream import Broken
+from zmqsync.receiver import PendingAck, ReceiverObserver, WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
 from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Transfer
@@ -53,72 +53,52 @@ IDLE_POLL: Final = 0.05
 REFETCH_INTERVAL: Final = 1.0
 
 
-class _Upstream(WeightReceiver):
-    """The relay's receiver: it applies versions to nothing but its staging buffer, and
-    hands each chunk to the relay as it comes."""
+class _Upstream(ReceiverObserver):
+    """What the relay does as its receiver takes each version: stage it apart from the
+    snapshot served, forward each chunk as it comes, serve it once whole, and ack it
+    upstream once its workers hold it."""
 
-    def __init__(self, relay: Relay, spoke: SpokeTransport, **kw: Any) -> None:
-        super().__init__(spoke, model=None, **kw)
+    def __init__(self, relay: Relay) -> None:
         self._relay = relay
-        self._materialize = False
-        self._stages = relay.retain_snapshot
 
-    @property
-    def torn(self) -> bool:
-        # While it fetches the latest version again, it says it holds none whole: the
-        # upstream then sends it (see Relay._refetch).
-        return self._relay._refetching or super().torn
+    def version_starting(self, chunk: Chunk) -> None:
+        self._relay._before_version(chunk)
 
-    def _patchable(self, chunk: Chunk) -> str:
-        if self._stages:
-            return super()._patchable(chunk)
-        # It patches nothing: a delta goes on to workers who hold its base, and those
-        # that do not ask for the whole version.
-        assert chunk.base is not None
-        if chunk.epoch != self.epoch or not chunk.base <= self.version < chunk.version:
-            return f"it is against version {chunk.base}; this relay holds {self.version}"
-        if chunk.layout != self._held_layout:
-            return "its layout is not the one of the version held"
-        return ""
+    def version_started(self, chunk: Chunk) -> None:
+        # If it raises, the receiver drops the version: without its first chunk, the
+        # version is asked for again (never staged without being forwarded).
+        self._relay._begin(chunk)
 
-    def _on_start(self, event: Start) -> None:
-        self._relay._before_version(event.chunk)
-        super()._on_start(event)
-        try:
-            if self._writing:  # taken: not a delta this relay cannot apply, not refused
-                self._relay._begin(event.chunk)
-        except BaseException:  # logged by its loop, which drops the chunk: never staged
-            self._writing = ""  # without its first chunk, the version is asked for again
-            self._stream.abandon("it could not be forwarded")
-            raise
+    def chunk_arrived(self, chunk: Chunk) -> None:
+        self._relay._forward(chunk)  # before the receiver stages it: cut-through
 
-    def _on_piece(self, chunk: Chunk) -> None:
-        if self._writing:
-            self._relay._forward(chunk)  # before staging it: cut-through
-        super()._on_piece(chunk)
+    def version_completed(self, chunk: Chunk, schema: WeightsSchema) -> None:
+        self._relay._completed(schema)
 
-    def _complete(self, chunk: Chunk) -> None:
-        super()._complete(chunk)
-        self._relay._completed()
-
-    def _on_broken(self, broken: Broken) -> None:
-        super()._on_broken(broken)
+    def version_broken(self, broken: Broken) -> None:
         self._relay._abort()
 
-    def _ack(self, **ack: Any) -> None:
-        if ack["applied"]:
-            if not self._relay._settled(self.version):
-                self._relay._owed = True  # acked once every worker below holds it
-                return
-            refused = self._relay._refusals(self.version)
+    def review_ack(self, ack: PendingAck) -> PendingAck | None:
+        relay = self._relay
+        if ack.applied:
+            version = relay.receiver.version
+            if not relay._settled(version):
+                relay._owed = True  # acked once every worker below holds it
+                return None
+            refused = relay._refusals(version)
             if refused:
                 # Its workers' refusals go up as its own: the learner's send then raises
                 # WeightsRejected naming them, as for workers of its own.
-                ack = {**ack, "applied": False, "reason": refused}
-        super()._ack(**ack)
+                return dataclasses.replace(ack, applied=False, reason=refused)
+        return ack
 
-    def _below(self) -> dict[str, Any]:
+    def below(self) -> dict[str, Any]:
         return self._relay._below()
+
+    def wants_resend(self) -> bool:
+        # While it fetches the latest version again, it says it holds none whole: the
+        # upstream then sends it (see Relay._refetch).
+        return self._relay._refetching
 
 
 class _Downstream(WeightSender):
@@ -254,7 +234,18 @@ class Relay(ClosesOnExit):
             chunk_bytes=chunk_bytes,
             **model,
         )
-        self.receiver = _Upstream(self, upstream, worker_idx=worker_idx, failover=failover, **model)
+        # Its receiver applies versions to nothing but its staging buffer (or keeps
+        # nothing), and tells the relay of each chunk as it comes.
+        self.receiver = WeightReceiver(
+            upstream,
+            keep="bytes" if retain_snapshot else "nothing",
+            model_id=model_id,
+            strategy=strategy,
+            worker_idx=worker_idx,
+            timeout=timeout,
+            failover=failover,
+        )
+        self.receiver.add_observer(_Upstream(self))
         #: The version being forwarded, if any.
         self._copy: Forwarded | None = None
         #: The snapshot served before the latest: its buffer stages the next version.
@@ -372,11 +363,10 @@ class Relay(ClosesOnExit):
         receiver = self.receiver
         while not self._stop.is_set():
             try:
-                receiver._process(ACK_POLL if self._owed else IDLE_POLL)
+                receiver.poll(ACK_POLL if self._owed else IDLE_POLL)
                 if self._owed and self._settled(receiver.version):
                     self._owed = False
-                    with receiver._io_lock:
-                        receiver._ack(applied=True)
+                    receiver.send_ack()
                 self._refetch()
             except Exception:
                 if self._stop.is_set() or receiver.closed:
@@ -396,9 +386,7 @@ class Relay(ClosesOnExit):
         self._refetching = True
         self._refetched_at = now
         self.stats["refetches"] += 1
-        receiver = self.receiver
-        with receiver._io_lock:
-            receiver._send_snapshot_request()
+        self.receiver.request_latest()
 
     # --- called by its receiver, on the loop's thread ---------------------------------
 
@@ -406,7 +394,7 @@ class Relay(ClosesOnExit):
         """A version starts: stage it apart from the buffer served, which a late joiner or
         a repair may read until the version is whole (what is served as v is v's bytes),
         in the buffer of the snapshot before once nothing reads it (two buffers in all)."""
-        snapshot, staging = self.sender._snapshot, self.receiver._staging
+        snapshot, staging = self.sender._snapshot, self.receiver.staging
         if snapshot is None or not staging.nbytes or snapshot.data is not staging.array:
             return  # what staging holds is served to nobody
         spare, self._spare = self._spare, None
@@ -453,17 +441,18 @@ class Relay(ClosesOnExit):
             self._layout = layout
         return layout
 
-    def _completed(self) -> None:
-        """The version is whole in the staging buffer: serve it to late joiners."""
+    def _completed(self, schema: WeightsSchema) -> None:
+        """The version (laid out as ``schema``) is whole in the staging buffer: serve it
+        to late joiners."""
         self._refetching = False
         receiver = self.receiver
-        if receiver._schema is None or not self.retain_snapshot:
+        if not self.retain_snapshot:
             self._copy = None
             return
         layout = self._layout
-        if layout is None or layout.schema is not receiver._schema:
-            layout = self._layout = StreamLayout.received(receiver._schema, self.chunk_bytes)
-        copy = Copy(self.sender, receiver.version, layout, receiver._staging.array, None)
+        if layout is None or layout.schema is not schema:
+            layout = self._layout = StreamLayout.received(schema, self.chunk_bytes)
+        copy = Copy(self.sender, receiver.version, layout, receiver.staging.array, None)
         copy.metadata = receiver.metadata
         old = self.sender._serve(copy)
         if old is not None and old.data is not copy.data:

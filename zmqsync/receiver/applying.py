@@ -18,13 +18,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Literal, Protocol
 
 from zmqsync.chunking.staging import Staging
 from zmqsync.errors import SchemaMismatchError
-from zmqsync.protocol import Chunk, WeightsSchema
+from zmqsync.protocol import Buffer, Chunk, WeightsSchema
 from zmqsync.protocol.stream import Apply, Broken, ChunkStream, Ignored, Start
 from zmqsync.receiver.lock import WeightsLock
+from zmqsync.receiver.observer import PendingAck, ReceiverObserver
+from zmqsync.receiver.rejections import Rejections
 from zmqsync.tensors.apply import ApplyPlan, materialize
 from zmqsync.tensors.extract import as_weights_object
 from zmqsync.tensors.in_place import InPlace
@@ -33,7 +35,7 @@ from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.transport.base import Borrows, SpokeTransport
 from zmqsync.vocabulary import Metadata
 
-__all__ = ["APPLY_MODES", "STAGED_MAX_BYTES", "Applying"]
+__all__ = ["APPLY_MODES", "KEEPS", "STAGED_MAX_BYTES", "Applier", "ApplyHost", "Keep"]
 
 log = logging.getLogger("zmqsync.receiver")
 
@@ -44,63 +46,140 @@ log = logging.getLogger("zmqsync.receiver")
 STAGED_MAX_BYTES: Final = 256 * 1024 * 1024
 APPLY_MODES: Final = ("auto", "in_place", "staged")
 
+#: Without a model or sink, what a receiver keeps of each version: its weights (as
+#: tensors), only its stream's bytes (the staging buffer), or nothing (its chunks only
+#: pass by its observers).
+Keep = Literal["weights", "bytes", "nothing"]
+KEEPS: Final = ("weights", "bytes", "nothing")
 
-class Applying:
-    """The receiver's part that applies versions (a mixin of
-    :class:`~zmqsync.receiver.WeightReceiver`, whose ``__init__`` sets this state)."""
 
-    #: Without a model: whether the stream's bytes are kept in the staging buffer (a
-    #: relay that keeps no copy of the latest version only passes them on).
-    _stages = True
+class ApplyHost(Protocol):
+    """What the apply machinery needs from the receiver that holds it."""
 
-    model_id: str
-    model: Any
-    strategy: str
-    apply_mode: str
-    sink: Callable[[list[Any]], Any] | None
-    worker_idx: int | None
-    version: int
-    epoch: int
-    weights: Any
-    metadata: Metadata | None
-    wire_dtype: str | None
-    lock: WeightsLock
-    stats: dict[str, Any]
-    on_applied: list[Callable[[int, int], None]]
-    _spoke: SpokeTransport
-    _stream: ChunkStream
-    _staging: Staging
-    _model_tensors: ModelTensors
-    _plan: ApplyPlan | None
-    _in_place: InPlace | None
-    _sink_feed: SinkFeed | None
-    _sink_refused: tuple[int, str] | None
-    _writing: str
-    _held_layout: bytes
-    _staging_holds: tuple[int, int] | None
-    _delta_spans: list[tuple[int, int]] | None
-    _fills_staging: bool
-    _materialize: bool
-    _started_at: float
-    _schema: WeightsSchema | None
-    _incoming_metadata: Metadata | None
-    _wire_of: tuple[WeightsSchema | None, str | None]
-    _ack_due: dict[str, Any] | None
-    _mismatch: tuple[int, SchemaMismatchError] | None
-    _retired: deque[int]
-    _sender_epoch: int
-    _caught_up: bool
-    _welcomed: bool
-    #: The session's and the receiver's (see zmqsync.receiver.session and .core).
-    _send_snapshot_request: Callable[..., None]
-    _rejected: Callable[[str], None]
+    @property
+    def worker_idx(self) -> int | None:
+        """The worker's id, for the log."""
+
+    @property
+    def transport(self) -> SpokeTransport:
+        """The spoke chunks come through (it may lend their memory)."""
+
+    def request_latest(self, *, whole: bool = False) -> None:
+        """Ask the upstream for its latest version now, if joined (``whole``: not as a
+        delta)."""
+
+
+class Applier:
+    """A version's chunks into the model (or its staging buffer, or a sink): the held
+    version, the stream in progress, and what each mode keeps between versions.
+
+    It owns the version held (:attr:`version`, :attr:`epoch`, :attr:`weights`,
+    :attr:`metadata`, :attr:`wire_dtype`), the :attr:`lock` a forward pass holds, and
+    why a version was last refused (:attr:`mismatch`, :attr:`sink_refused`). It adds
+    to ``stats``, the receiver's counters. One thread feeds it at a time (the one that
+    holds the receiver's transport); :attr:`lock` guards what forward passes read.
+    """
+
+    def __init__(
+        self,
+        host: ApplyHost,
+        *,
+        model_id: str,
+        model: Any,
+        strategy: str,
+        apply_mode: str,
+        sink: Callable[[list[Any]], Any] | None,
+        keep: Keep,
+        chunk_timeout: float,
+        timeout: float,
+        stats: dict[str, Any],
+        rejections: Rejections,
+        observer: ReceiverObserver,
+        retired_epochs: int,
+    ) -> None:
+        self._host = host
+        self._rejections = rejections
+        self._observer = observer
+        self.stats = stats
+        self.model_id = model_id
+        self.model = model
+        self.strategy = strategy
+        self.apply_mode = apply_mode
+        self.sink = sink
+        #: Without a model: whether the stream's bytes are kept in the staging buffer (a
+        #: receiver that keeps nothing only passes them by).
+        self._stages = keep != "nothing"
+        #: Without a model: make :attr:`weights` of each version.
+        self._materialize = keep == "weights"
+        self.version = 0
+        self.epoch = 0
+        self.weights: Any = None
+        #: What the learner attached to the version held now (``send(metadata=)``).
+        self.metadata: Metadata | None = None
+        #: The dtype the version held now travelled as (``wire_dtype``), or None.
+        self.wire_dtype: str | None = None
+        #: Held while a version is copied into the model. Hold it during a forward pass
+        #: to never see half of one.
+        self.lock = WeightsLock(timeout)
+        #: Called as ``fn(epoch, version)`` after each version is applied, still under
+        #: :attr:`lock` (so the model holds exactly that version while it runs).
+        self.on_applied: list[Callable[[int, int], None]] = []
+        #: The buffer a version is gathered in (without a model: the one held whole).
+        self.staging = Staging()
+        #: The last version refused for not fitting the model, and why, until one fits.
+        self.mismatch: tuple[int, SchemaMismatchError] | None = None
+        #: The version a sink last refused, and why.
+        self.sink_refused: tuple[int, str] | None = None
+        self._stream = ChunkStream(chunk_timeout)
+        self._incoming_metadata: Metadata | None = None
+        self._wire_of: tuple[WeightsSchema | None, str | None] = (None, None)
+        self._model_tensors = ModelTensors(strategy)
+        self._plan: ApplyPlan | None = None
+        self._in_place: InPlace | None = None
+        self._sink_feed: SinkFeed | None = None
+        #: How the version in progress is applied: "in_place", "staged", "sink",
+        #: "passing", or "" (none).
+        self._writing = ""
+        #: The layout digest of the version held now (a delta must be of the same).
+        self._held_layout = b""
+        #: (epoch, version) whose whole stream the staging buffer holds, if any: what a
+        #: delta is patched onto without a model (and for a sink).
+        self._staging_holds: tuple[int, int] | None = None
+        #: The version in progress is a delta: the stretches it carried so far.
+        self._delta_spans: list[tuple[int, int]] | None = None
+        #: Whether staging holds the whole version in progress once its stream is in.
+        self._fills_staging = False
+        self._started_at = 0.0
+        self._schema: WeightsSchema | None = None
+        #: The ack the chunk being fed calls for, if any.
+        self._ack_due: PendingAck | None = None
+        #: Epochs it left, to drop their late frames.
+        self._retired: deque[int] = deque(maxlen=retired_epochs)
 
     @property
     def torn(self) -> bool:
         """Whether the model holds parts of two versions (an in-place stream broke)."""
         return self.lock.torn is not None
 
-    def _on_chunk(self, chunk: Chunk) -> None:
+    def needs_whole(self) -> bool:
+        """Whether it takes the next whole version, even one it holds: the model is torn,
+        or an observer wants the version held again."""
+        return self.lock.torn is not None or self._observer.wants_resend()
+
+    @property
+    def active(self) -> bool:
+        """Whether a version is in progress (its next chunk is awaited)."""
+        return self._stream.active
+
+    @property
+    def gap(self) -> float:
+        """The longest wait between two chunks of a version before it counts as broken."""
+        return self._stream.gap
+
+    def feed(self, chunk: Chunk) -> PendingAck | None:
+        """Take ``chunk``; return the ack it calls for, to send once its frames are let
+        go of (a transport that lends its memory may reuse it once the ack is out)."""
+        self._ack_due = None
         self.stats["received_bytes"] += len(chunk.payload)
         self.stats["chunks"] += 1
         wanted = self._wanted(chunk) if chunk.first else True
@@ -113,6 +192,30 @@ class Applying:
                 self._on_broken(event)
             elif isinstance(event, Ignored) and event.reason != "not wanted":
                 self.stats["stale"] += 1
+        return self._ack_due
+
+    def expire(self, now: float) -> bool:
+        """Break the version in progress if its next chunk is overdue; True if it did."""
+        broken = self._stream.expire(now)
+        if broken is None:
+            return False
+        self._on_broken(broken)
+        return True
+
+    def abandon(self, reason: str) -> None:
+        """Give up the version in progress, if any (the receiver follows another
+        upstream): as a broken stream."""
+        broken = self._stream.abandon(reason)
+        if broken is not None:
+            self._on_broken(broken)
+
+    def close(self) -> None:
+        """The receiver closes: half a version in the model leaves it torn for good."""
+        if self._writing == "in_place":
+            self._writing = ""
+            with self.lock.raw:
+                self.lock.tear(self.version + 1, "the receiver closed mid-version")
+                self.lock.end_write()
 
     def _wanted(self, chunk: Chunk) -> bool:
         """Whether to receive the version ``chunk`` starts (counts what it is not)."""
@@ -121,32 +224,53 @@ class Applying:
                 self.stats["stale"] += 1  # frames of a sender life we already left
                 return False
             return True
-        if self.torn and chunk.version >= self.version:
+        if chunk.version >= self.version and self.needs_whole():
             return True  # a repair: the model no longer holds self.version
         if chunk.version <= self.version:
             self.stats["duplicates"] += 1
-            self._caught_up = True
-            self._ack_due = {"applied": True}  # we hold it (or newer): settles a waiting send
+            self._ack_due = PendingAck(applied=True)  # we hold it (or newer): settles a send
             return False
         return True
 
     def _patchable(self, chunk: Chunk) -> str:
         """Why this worker cannot apply the delta ``chunk`` starts ("" if it can)."""
         assert chunk.base is not None
-        if self.torn:
+        # A receiver that keeps nothing patches nothing: the delta passes by its
+        # observers, to those below that hold its base.
+        if self._stages and self.needs_whole():
             return "the model is torn"
         if chunk.epoch != self.epoch or not chunk.base <= self.version < chunk.version:
             return f"it is against version {chunk.base}; this worker holds {self.version}"
         if chunk.layout != self._held_layout:
             return "its layout is not the one of the version held"
-        if (self.sink is not None or self.model is None) and self._staging_holds != (
-            self.epoch,
-            self.version,
+        if (
+            self._stages
+            and (self.sink is not None or self.model is None)
+            and self._staging_holds != (self.epoch, self.version)
         ):
             return "the staging buffer does not hold the version held"
         return ""
 
     def _on_start(self, event: Start) -> None:
+        self._observer.version_starting(event.chunk)
+        self._prepare(event)
+        if self._writing:  # taken: not a delta it cannot apply, not refused
+            try:
+                self._observer.version_started(event.chunk)
+            except BaseException:
+                self._drop("an observer refused it")
+                raise
+
+    def _drop(self, reason: str) -> None:
+        """Let the version just started go (nothing of it was written yet): without its
+        first chunk, it is asked for again."""
+        writing, self._writing = self._writing, ""
+        if writing == "in_place":
+            with self.lock.raw:
+                self.lock.end_write()
+        self._stream.abandon(reason)
+
+    def _prepare(self, event: Start) -> None:
         chunk, schema = event.chunk, event.schema
         self._delta_spans = None
         if chunk.base is not None:
@@ -157,12 +281,11 @@ class Applying:
                 self.stats["deltas_skipped"] += 1
                 log.info(
                     "worker %s: delta of version %s skipped: %s",
-                    self.worker_idx,
+                    self._host.worker_idx,
                     chunk.version,
                     why,
                 )
-                if self._welcomed:
-                    self._send_snapshot_request(whole=True)
+                self._host.request_latest(whole=True)
                 return
             self._delta_spans = []
         patches_staging = self._staging_holds == (self.epoch, self.version)
@@ -176,7 +299,7 @@ class Applying:
         self._fills_staging = chunk.base is None or patches_staging
         if self.sink is not None:
             self._writing = "sink"
-            self._staging.start(chunk.total)
+            self.staging.start(chunk.total)
             feed = self._sink_feed
             if feed is None or feed.schema is not schema:
                 self._sink_feed = feed = SinkFeed(schema)
@@ -188,15 +311,13 @@ class Applying:
                 self._fills_staging = False
                 return
             self._writing = "staged"
-            self._staging.start(chunk.total)
+            self.staging.start(chunk.total)
             return
         target = self._model_tensors.get(self.model)
         in_place = self.apply_mode == "in_place" or (
             self.apply_mode == "auto"
             and (
-                chunk.count == 1
-                or chunk.total > STAGED_MAX_BYTES
-                or (isinstance(self._spoke, Borrows) and self._spoke.borrowed([chunk.payload]))
+                chunk.count == 1 or chunk.total > STAGED_MAX_BYTES or self._borrowed(chunk.payload)
             )
         )
         try:
@@ -215,31 +336,33 @@ class Applying:
             self._writing = "in_place"
         else:
             self._writing = "staged"
-            self._staging.start(chunk.total)
+            self.staging.start(chunk.total)
+
+    def _borrowed(self, payload: Buffer) -> bool:
+        """Whether ``payload`` is memory the transport lends (shared memory)."""
+        spoke = self._host.transport
+        return isinstance(spoke, Borrows) and spoke.borrowed([payload])
 
     def _refuse(self, chunk: Chunk, exc: SchemaMismatchError) -> None:
-        self._rejected(f"version {chunk.version}: {exc}")
-        self._mismatch = (chunk.version, exc)
-        self._ack_due = {
-            "applied": False,
-            "reason": str(exc),
-            "version": chunk.version,
-            "epoch": chunk.epoch,
-        }
+        self._rejections.add(self._host.worker_idx, f"version {chunk.version}: {exc}")
+        self.mismatch = (chunk.version, exc)
+        self._ack_due = PendingAck(False, str(exc), chunk.version, chunk.epoch)
 
     def _on_piece(self, chunk: Chunk) -> None:
+        if self._writing:
+            self._observer.chunk_arrived(chunk)  # before it is written: cut-through
         if self._delta_spans is not None and chunk.payload:
             self._delta_spans.append((chunk.offset, len(chunk.payload)))
         if self._writing == "in_place":
             assert self._in_place is not None
             self._in_place.apply(chunk.offset, chunk.payload)
         elif self._writing == "staged":
-            self._staging.write(chunk.offset, chunk.payload)
+            self.staging.write(chunk.offset, chunk.payload)
         elif self._writing == "sink":
-            self._staging.write(chunk.offset, chunk.payload)
+            self.staging.write(chunk.offset, chunk.payload)
             assert self._sink_feed is not None and self.sink is not None
             tensors = self._sink_feed.ready(
-                self._staging, chunk.offset + len(chunk.payload), self._delta_spans
+                self.staging, chunk.offset + len(chunk.payload), self._delta_spans
             )
             if tensors:
                 try:
@@ -248,14 +371,11 @@ class Applying:
                     self._writing = ""
                     self._stream.abandon("refused")
                     reason = f"sink raised {type(exc).__name__}: {exc}"
-                    self._rejected(f"version {chunk.version}: {reason}")
-                    self._sink_refused = (chunk.version, reason)
-                    self._ack_due = {
-                        "applied": False,
-                        "reason": reason,
-                        "version": chunk.version,
-                        "epoch": chunk.epoch,
-                    }
+                    self._rejections.add(
+                        self._host.worker_idx, f"version {chunk.version}: {reason}"
+                    )
+                    self.sink_refused = (chunk.version, reason)
+                    self._ack_due = PendingAck(False, reason, chunk.version, chunk.epoch)
                     return
                 finally:
                     del tensors
@@ -274,7 +394,7 @@ class Applying:
                 pass  # every tensor went to the sink as its chunk came
             elif self.model is not None and self._delta_spans is not None:
                 assert self._in_place is not None
-                staged = self._staging.array
+                staged = self.staging.array
                 for offset, length in self._delta_spans:
                     self._in_place.apply(offset, staged[offset : offset + length].data)
                 self._in_place.finish()
@@ -282,20 +402,19 @@ class Applying:
                 assert self._plan is not None
                 schema = self._plan.schema
                 self._plan.apply(
-                    self._staging.weights(self.model_id, chunk.version, chunk.epoch, schema)
+                    self.staging.weights(self.model_id, chunk.version, chunk.epoch, schema)
                 )
             elif self._materialize:
                 assert self._schema is not None
-                weights = self._staging.weights(
+                weights = self.staging.weights(
                     self.model_id, chunk.version, chunk.epoch, self._schema
                 )
                 self.weights = as_weights_object(materialize(weights), self.strategy)
-            self._mismatch = None
+            self.mismatch = None
             if chunk.epoch != self.epoch:
                 if self.epoch:
                     self._retired.append(self.epoch)
                 self.epoch = chunk.epoch
-                self._sender_epoch = chunk.epoch
             self.version = chunk.version
             self._held_layout = chunk.layout
             if writing != "in_place" and self._fills_staging:
@@ -309,20 +428,24 @@ class Applying:
         if self._delta_spans is not None:
             self.stats["deltas"] += 1
         self.stats["last_apply_s"] = time.monotonic() - self._started_at
-        self._caught_up = True
-        self._ack_due = {"applied": True}
+        self._ack_due = PendingAck(applied=True)
+        assert self._schema is not None
+        self._observer.version_completed(chunk, self._schema)
 
     def _on_broken(self, broken: Broken) -> None:
         """The version in progress will not complete."""
         writing, self._writing = self._writing, ""
         self.stats["broken_streams"] += 1
         log.info(
-            "worker %s: version %s broke off: %s", self.worker_idx, broken.version, broken.reason
+            "worker %s: version %s broke off: %s",
+            self._host.worker_idx,
+            broken.version,
+            broken.reason,
         )
         if writing == "in_place":
             with self.lock.raw:
                 self.lock.tear(broken.version, broken.reason)
                 self.lock.end_write()  # forward passes now refuse: the model is torn
             self.stats["torn"] += 1
-        if self._welcomed:
-            self._send_snapshot_request()  # the sender's latest repairs it
+        self._host.request_latest()  # the sender's latest repairs it
+        self._observer.version_broken(broken)

@@ -2,16 +2,15 @@
 
 A receiver holds ``(epoch, version)``: versions of its sender's epoch only go up;
 duplicates and stale versions are ignored and counted; a new epoch (a restarted sender)
-is followed, and frames of an epoch it has left are dropped. How it joins and speaks to
-its sender is :mod:`~zmqsync.receiver.session`'s; how a version reaches the model is
-:mod:`~zmqsync.receiver.applying`'s.
+is followed, and frames of an epoch it has left are dropped. It holds two parts and
+drives them from its loop: the session with its upstream
+(:class:`~zmqsync.receiver.session.UpstreamSession`) and the apply machinery
+(:class:`~zmqsync.receiver.applying.Applier`); observers watch it take each version.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections import deque
@@ -21,16 +20,20 @@ from typing import Any, Final
 import torch
 
 from zmqsync.chunking.staging import Staging
-from zmqsync.errors import FrameError, SchemaMismatchError
-from zmqsync.protocol import Chunk, Message, WeightsSchema, decode
-from zmqsync.protocol.stream import DEFAULT_GAP, ChunkStream
-from zmqsync.receiver.applying import APPLY_MODES, Applying
+from zmqsync.errors import (
+    FrameError,
+    SchemaMismatchError,
+    SyncTimeout,
+    WeightsRejected,
+    ZMQSyncError,
+)
+from zmqsync.protocol import Chunk, Message, decode
+from zmqsync.protocol.stream import DEFAULT_GAP
+from zmqsync.receiver.applying import APPLY_MODES, KEEPS, Applier, Keep
 from zmqsync.receiver.lock import WeightsLock
+from zmqsync.receiver.observer import Observers, PendingAck, ReceiverObserver
+from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import UpstreamSession
-from zmqsync.tensors.apply import ApplyPlan
-from zmqsync.tensors.in_place import InPlace
-from zmqsync.tensors.model_tensors import ModelTensors
-from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.transport.base import SpokeTransport, has_input
 from zmqsync.vocabulary import Metadata, Strategy
 
@@ -40,9 +43,13 @@ log = logging.getLogger("zmqsync.receiver")
 
 #: Epochs a receiver remembers having left, to drop their late frames.
 RETIRED_EPOCHS: Final = 16
+#: connect() repeats an unanswered hello, probe or snapshot request after FIRST_RETRY
+#: seconds, doubling up to RETRY_INTERVAL (a new subscription takes a few ms to be live).
+FIRST_RETRY: Final = 0.005
+RETRY_INTERVAL: Final = 0.2
 
 
-class WeightReceiver(Applying, UpstreamSession):
+class WeightReceiver:
     """Receives versions of one model and applies them to ``model`` in place.
 
     Args:
@@ -71,6 +78,10 @@ class WeightReceiver(Applying, UpstreamSession):
             dtype, a view valid during the call: copy what you keep). The version is
             acked once the last call returned; a call that raises refuses the version,
             with the exception's text in the ack.
+        keep: without a model or sink, what to keep of each version: ``"weights"``
+            (:attr:`weights`), ``"bytes"`` (only its stream's bytes, in :attr:`staging`:
+            a relay's snapshot) or ``"nothing"`` (its chunks only pass by the observers;
+            a delta goes by whenever its base is the version held).
     """
 
     def __init__(
@@ -86,62 +97,19 @@ class WeightReceiver(Applying, UpstreamSession):
         chunk_timeout: float = DEFAULT_GAP,
         sink: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
         failover: Sequence[Callable[[], SpokeTransport]] = (),
+        keep: Keep = "weights",
     ) -> None:
         if apply_mode not in APPLY_MODES:
             raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
         if sink is not None and (model is not None or not callable(sink)):
             raise ValueError("sink= is a callable that takes the place of a model: not both")
-        self.sink = sink
-        self._sink_feed: SinkFeed | None = None
-        #: The version the sink last refused during connect(), and why.
-        self._sink_refused: tuple[int, str] | None = None
-        self._spoke = spoke
-        self._failover = list(failover)
-        self._failovers = 0
-        #: When the upstream was last heard from (any message).
-        self._last_heard = time.monotonic()
-        self.apply_mode = apply_mode
+        if keep not in KEEPS:
+            raise ValueError(f"keep must be one of {KEEPS}; got {keep!r}")
+        if keep != "weights" and (model is not None or sink is not None):
+            raise ValueError("keep= is for a receiver without a model or sink")
         self.model_id = model_id
-        self.model = model
-        self.strategy = strategy
-        self.worker_idx = worker_idx
         self.timeout = timeout
-        self.version = 0
-        self.epoch = 0
-        self.weights: Any = None
-        #: What the learner attached to the version held now (``send(metadata=)``).
-        self.metadata: Metadata | None = None
-        self._incoming_metadata: Metadata | None = None
-        #: The dtype the version held now travelled as (``wire_dtype``), or None.
-        self.wire_dtype: str | None = None
-        self._wire_of: tuple[WeightsSchema | None, str | None] = (None, None)
-        self._model_tensors = ModelTensors(strategy)
-        self._plan: ApplyPlan | None = None
-        self._in_place: InPlace | None = None
-        self._staging = Staging()
-        self._stream = ChunkStream(chunk_timeout)
-        #: How the version in progress is applied: "in_place", "staged", "sink", or "".
-        self._writing = ""
-        #: The layout digest of the version held now (a delta must be of the same).
-        self._held_layout = b""
-        #: (epoch, version) whose whole stream the staging buffer holds, if any: what a
-        #: delta is patched onto without a model (and for a sink).
-        self._staging_holds: tuple[int, int] | None = None
-        #: The version in progress is a delta: the stretches it carried so far.
-        self._delta_spans: list[tuple[int, int]] | None = None
-        #: Whether staging holds the whole version in progress once its stream is in.
-        self._fills_staging = False
-        #: Without a model: make :attr:`weights` of each version (a relay needs only its
-        #: staging buffer).
-        self._materialize = True
-        self._started_at = 0.0
-        self._schema: WeightsSchema | None = None
-        #: The ack to send once the last chunk's frames are let go of.
-        self._ack_due: dict[str, Any] | None = None
-        #: Held while a version is copied into the model. Hold it during a forward pass
-        #: to never see half of one.
-        self.lock = WeightsLock(timeout)
-        self.stats = {
+        self.stats: dict[str, Any] = {
             "received_bytes": 0,
             "applied": 0,
             "duplicates": 0,
@@ -155,42 +123,260 @@ class WeightReceiver(Applying, UpstreamSession):
             "deltas_skipped": 0,
             "failovers": 0,
         }
-        self.rejections: deque[str] = deque(maxlen=8)
-        #: The last version refused for not fitting the model, and why, until one fits:
-        #: what connect() raises. ``_stale_mismatch``: the one refused before it began.
-        self._mismatch: tuple[int, SchemaMismatchError] | None = None
+        self._rejections = Rejections(self.stats)
+        #: The reasons of the last messages it refused, latest last.
+        self.rejections: deque[str] = self._rejections.recent
+        self._observers = Observers()
+        self._applier = Applier(
+            self,
+            model_id=model_id,
+            model=model,
+            strategy=strategy,
+            apply_mode=apply_mode,
+            sink=sink,
+            keep=keep,
+            chunk_timeout=chunk_timeout,
+            timeout=timeout,
+            stats=self.stats,
+            rejections=self._rejections,
+            observer=self._observers,
+            retired_epochs=RETIRED_EPOCHS,
+        )
+        self._upstream = UpstreamSession(
+            self,
+            spoke,
+            model_id=model_id,
+            strategy=strategy,
+            worker_idx=worker_idx,
+            failover=failover,
+            stats=self.stats,
+            rejections=self._rejections,
+            observer=self._observers,
+        )
+        #: The refusal pending when connect() began: it stands unless a version fits.
         self._stale_mismatch: tuple[int, SchemaMismatchError] | None = None
-        #: A rejected ack from before the Welcome: sent once the session exists.
-        self._unsent_refusal: dict[str, Any] | None = None
-        #: Called as ``fn(epoch, version)`` after each version is applied, still under
-        #: :attr:`lock` (so the model holds exactly that version while it runs).
-        self.on_applied: list[Callable[[int, int], None]] = []
-        self._sender_epoch = 0
-        self._heartbeat = 1.0
-        self._last_heartbeat = 0.0
-        self._welcomed = False
-        self._probe_nonce = ""
-        self._probe_ok = False
-        #: One attempt to connect (its repeated Hellos), and the secret of its Welcome.
-        self._attempt = ""
-        self._session = ""
-        #: Whether the sender picks this worker's id (and may pick another one later).
-        self._auto_id = worker_idx is None
-        self._retired: deque[int] = deque(maxlen=RETIRED_EPOCHS)
-        self._pid = os.getpid()
-        self._host = socket.gethostname()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
-        self._caught_up = False
-        self._refused = ""
-        # The spoke's sockets are used by one thread at a time: connect(), receive() or
-        # the background thread.
-        self._io_lock = threading.RLock()
+
+    # --- what it holds: the apply machinery's -------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The version held (0: none yet)."""
+        return self._applier.version
+
+    @property
+    def epoch(self) -> int:
+        """The sender's life the version held is of (0: none yet)."""
+        return self._applier.epoch
+
+    @property
+    def weights(self) -> Any:
+        """Without a model or sink: the latest weights received (``keep="weights"``)."""
+        return self._applier.weights
+
+    @property
+    def metadata(self) -> Metadata | None:
+        """What the learner attached to the version held now (``send(metadata=)``)."""
+        return self._applier.metadata
+
+    @property
+    def wire_dtype(self) -> str | None:
+        """The dtype the version held now travelled as (``wire_dtype``), or None."""
+        return self._applier.wire_dtype
+
+    @property
+    def lock(self) -> WeightsLock:
+        """Held while a version is copied into the model. Hold it during a forward pass
+        to never see half of one."""
+        return self._applier.lock
+
+    @property
+    def on_applied(self) -> list[Callable[[int, int], None]]:
+        """Called as ``fn(epoch, version)`` after each version is applied, still under
+        :attr:`lock` (so the model holds exactly that version while it runs): append."""
+        return self._applier.on_applied
+
+    @property
+    def model(self) -> Any:
+        """What received weights are applied to (may be replaced between versions)."""
+        return self._applier.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._applier.model = model
+
+    @property
+    def apply_mode(self) -> str:
+        """``"staged"``, ``"in_place"`` or ``"auto"`` (may be changed between versions)."""
+        return self._applier.apply_mode
+
+    @apply_mode.setter
+    def apply_mode(self, mode: str) -> None:
+        if mode not in APPLY_MODES:
+            raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {mode!r}")
+        self._applier.apply_mode = mode
+
+    @property
+    def sink(self) -> Callable[[list[tuple[str, torch.Tensor]]], Any] | None:
+        """The callable that takes the place of a model, if any."""
+        return self._applier.sink
+
+    @property
+    def strategy(self) -> str:
+        """How the weights are laid out (``"tensordict"`` or ``"state_dict"``)."""
+        return self._applier.strategy
+
+    @property
+    def staging(self) -> Staging:
+        """The buffer a version is gathered in: without a model, with ``keep="bytes"``,
+        it holds the version held, as its stream's bytes, until the next one starts."""
+        return self._applier.staging
+
+    @property
+    def torn(self) -> bool:
+        """Whether the model holds parts of two versions (an in-place stream broke), or
+        an observer wants the version held again: either way it takes the next whole
+        version, even the one it holds, and its heartbeats say so."""
+        return self._applier.needs_whole()
+
+    # --- who it is to the sender: the session's -----------------------------------
+
+    @property
+    def worker_idx(self) -> int | None:
+        """This worker's id (None until the sender assigns one, when it picks them)."""
+        return self._upstream.worker_idx
+
+    @worker_idx.setter
+    def worker_idx(self, worker_idx: int | None) -> None:
+        self._upstream.worker_idx = worker_idx  # before connecting: who it says it is
 
     @property
     def transport(self) -> SpokeTransport:
-        return self._spoke
+        """The spoke it receives through (another after a failover)."""
+        return self._upstream.spoke
+
+    # --- observers ------------------------------------------------------------------
+
+    def add_observer(self, observer: ReceiverObserver) -> None:
+        """Tell ``observer`` of each version as it is taken, and let it review acks (see
+        :class:`~zmqsync.receiver.ReceiverObserver`). Add observers before receiving."""
+        self._observers.add(observer)
+
+    def send_ack(self) -> None:
+        """Ack the version held to the upstream now, through the observers' review: what
+        an observer that held an ack back calls once it may go."""
+        with self._upstream.io_lock:
+            self._upstream.ack(PendingAck(applied=True))
+
+    def request_latest(self, *, whole: bool = False) -> None:
+        """Ask the upstream for its latest version now, as a heartbeat does, once joined
+        (``whole``: not as a delta; whole anyway while :attr:`torn`)."""
+        with self._upstream.io_lock:
+            self._upstream.ask_again(whole=whole)
+
+    def connect(self, timeout: float | None = None) -> None:
+        """Join the fleet and return with the latest version applied.
+
+        Raises :class:`SyncTimeout` if no sender answers within ``timeout`` seconds, and
+        :class:`SchemaMismatchError` if the sender's latest version does not fit the
+        model (the model keeps its weights; the sender is told, and counts the refusal).
+        """
+        timeout = self.timeout if timeout is None else timeout
+        with self._upstream.io_lock:
+            self._connect(timeout)
+
+    def _connect(self, timeout: float) -> None:
+        upstream, applier = self._upstream, self._applier
+        deadline = time.monotonic() + timeout
+        endpoint = getattr(upstream.spoke, "endpoint", "")
+        upstream.new_attempt()
+        upstream.welcomed = False  # welcomed anew: a new session for this attempt
+        # A refusal from before this call stands unless a version that fits comes: a
+        # sender that knows of it answers "up to date" instead of resending that version.
+        self._stale_mismatch = applier.mismatch
+        applier.sink_refused = None
+        self._wait(
+            deadline,
+            lambda: upstream.welcomed,
+            upstream.send_hello,
+            f"no sender answered at {endpoint} within {timeout:g}s: is the learner running "
+            "and the endpoint right?",
+        )
+        upstream.start_probe()
+        self._wait(
+            deadline,
+            lambda: upstream.probe_ok,
+            upstream.send_probe,
+            f"the sender at {endpoint} answered but its fan-out never reached this worker "
+            f"within {timeout:g}s (blocked data port?)",
+        )
+        upstream.caught_up = False
+        self._wait(
+            deadline,
+            lambda: upstream.caught_up,
+            upstream.request_snapshot,
+            f"the sender at {endpoint} did not send its latest version within {timeout:g}s",
+        )
+        if applier.mismatch is not None:
+            raise self._mismatch_error()
+        if applier.sink_refused is not None:
+            version, reason = applier.sink_refused
+            raise WeightsRejected(
+                f"this worker's sink refused version {version} of {endpoint or 'the sender'}: "
+                f"{reason}",
+                rejections={-1 if self.worker_idx is None else self.worker_idx: reason},
+                version=version,
+            )
+        upstream.joined(time.monotonic())
+
+    def _wait(
+        self, deadline: float, done: Callable[[], bool], ask: Callable[[], None], message: str
+    ) -> None:
+        next_ask = 0.0
+        interval = FIRST_RETRY
+        while True:
+            if self._closed:  # by another thread: it says goodbye once this returns
+                raise ZMQSyncError("the receiver was closed while it connected")
+            # Before done(): the sender answers "up to date" to a worker that refused its
+            # latest version, and a worker caught up that way does not hold it.
+            mismatch = self._applier.mismatch
+            if (
+                mismatch is not None
+                and mismatch is not self._stale_mismatch
+                and (self._upstream.session or time.monotonic() >= deadline)
+            ):
+                # Once welcomed: its rejected ack, sent then, tells the sender why.
+                raise self._mismatch_error()
+            if done():
+                return
+            refused = self._upstream.take_refusal()
+            if refused:
+                raise ZMQSyncError(f"the sender refused worker {self.worker_idx}: {refused}")
+            now = time.monotonic()
+            if now >= deadline:
+                raise SyncTimeout(message)
+            if now >= next_ask:
+                ask()
+                next_ask = now + interval
+                interval = min(RETRY_INTERVAL, interval * 2)
+            self._process(min(RETRY_INTERVAL, deadline - now, max(0.0, next_ask - now)))
+
+    def _mismatch_error(self) -> SchemaMismatchError:
+        """What connect() raises for the version refused: the tensors layer's reason (the
+        offending key), with the version and where it came from."""
+        assert self._applier.mismatch is not None
+        version, exc = self._applier.mismatch
+        endpoint = getattr(self._upstream.spoke, "endpoint", "")
+        weights = f"the weights at {endpoint}" if endpoint else "the sender's weights"
+        error = SchemaMismatchError(
+            f"{weights} (version {version}) do not fit this worker's model: {exc}; "
+            "build the model the learner's weights come from",
+            key=exc.key,
+        )
+        error.__cause__ = exc
+        return error
 
     def receive(self, timeout: float | None = None) -> Any:
         """Wait up to ``timeout`` seconds for a new version; apply it and return it.
@@ -208,16 +394,17 @@ class WeightReceiver(Applying, UpstreamSession):
         before = (self.epoch, self.version)
         while True:
             remaining = deadline - time.monotonic()
-            self._process(max(0.0, min(remaining, self._heartbeat)))
+            self._process(max(0.0, min(remaining, self._upstream.heartbeat)))
             if (self.epoch, self.version) != before:
                 return self.current_weights()
             if remaining <= 0:
                 return None
 
-    def poll(self) -> bool:
-        """Handle whatever has arrived without waiting; True if a new version was applied."""
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Handle whatever has arrived, waiting up to ``timeout`` seconds for something
+        (none: not at all); True if a new version was applied."""
         before = (self.epoch, self.version)
-        self._process(0.0)
+        self._process(timeout)
         return (self.epoch, self.version) != before
 
     def current_weights(self) -> Any:
@@ -235,73 +422,75 @@ class WeightReceiver(Applying, UpstreamSession):
         Of several queued versions only the newest is applied: a worker that fell behind
         skips straight to the latest.
         """
-        with self._io_lock:
+        with self._upstream.io_lock:
             self._process_locked(timeout)
 
     def _process_locked(self, timeout: float) -> None:
+        upstream, applier = self._upstream, self._applier
         now = time.monotonic()
-        if self._upstream_silent(now):
-            self._fail_over()
-        if self._welcomed and now - self._last_heartbeat >= self._heartbeat:
-            self._last_heartbeat = now
-            self._send_snapshot_request()
-        frames = self._spoke.recv_frames(timeout)
+        if upstream.upstream_silent(now) and upstream.fail_over():
+            applier.abandon("the upstream went silent")
+        upstream.beat(now)
+        frames = upstream.spoke.recv_frames(timeout)
         while True:
             if frames is not None:
-                self._last_heard = time.monotonic()
+                upstream.heard(time.monotonic())
                 message = self._decode(frames)
+                ack = None
                 if isinstance(message, Chunk):
-                    self._on_chunk(message)
+                    ack = self._on_chunk(message)
                 elif message is not None:
-                    self._on_control(message)
+                    upstream.on_control(message)
                 # Let go of the frames before acking: a transport that lends its memory
                 # (shared blocks) may reuse it by the time the sender sees the ack.
                 frames = message = None
-                if self._ack_due is not None:
-                    ack, self._ack_due = self._ack_due, None
-                    self._ack(**ack)
-            if self._stream.active:
+                if ack is not None:
+                    upstream.ack(ack)
+            if applier.active:
                 # The middle of a version: wait for its next chunk (an in-place write
                 # holds the model's lock until the last one).
-                broken = self._stream.expire(time.monotonic())
-                if broken is not None:
-                    self._on_broken(broken)
+                if applier.expire(time.monotonic()):
                     continue
-                now = time.monotonic()
-                if self._welcomed and now - self._last_heartbeat >= self._heartbeat:
-                    self._last_heartbeat = now  # still alive, still behind
-                    self._send_snapshot_request()
+                upstream.beat(time.monotonic())  # still alive, still behind
+                spoke = upstream.spoke
                 if timeout <= 0:
                     # A poll (a Ray actor's call delivers one chunk): the next chunk
                     # comes with a later call, and the stream's gap is checked then.
-                    frames = self._spoke.recv_frames(0) if has_input(self._spoke) else None
+                    frames = spoke.recv_frames(0) if has_input(spoke) else None
                     if frames is None:
                         return
                     continue
-                frames = self._spoke.recv_frames(min(self._heartbeat, self._stream.gap))
+                frames = spoke.recv_frames(min(upstream.heartbeat, applier.gap))
                 continue
-            if frames is None and has_input(self._spoke):
-                frames = self._spoke.recv_frames(0)  # anything more? asking first spares a read
+            spoke = upstream.spoke
+            if frames is None and has_input(spoke):
+                frames = spoke.recv_frames(0)  # anything more? asking first spares a read
             if frames is None:
                 return
+
+    def _on_chunk(self, chunk: Chunk) -> PendingAck | None:
+        applier = self._applier
+        epoch = applier.epoch
+        ack = applier.feed(chunk)
+        if applier.epoch != epoch:
+            self._upstream.sender_epoch = applier.epoch  # it follows a restarted sender
+        if ack is not None and ack.applied:
+            self._upstream.caught_up = True  # it holds the version (or a newer one)
+        return ack
 
     def _decode(self, frames: list[Any]) -> Message | None:
         try:
             message = decode(frames)
         except FrameError as exc:
-            self._rejected(f"malformed message: {exc}")
+            self._rejections.add(self.worker_idx, f"malformed message: {exc}")
             return None
         if message.model_id != self.model_id:
-            self._rejected(
-                f"message for model {message.model_id!r}; this worker holds {self.model_id!r}"
+            self._rejections.add(
+                self.worker_idx,
+                f"message for model {message.model_id!r}; this worker holds {self.model_id!r}",
             )
             return None
         return message
-
-    def _rejected(self, reason: str) -> None:
-        self.stats["rejected_frames"] += 1
-        self.rejections.append(reason)
-        log.warning("worker %s rejected a message: %s", self.worker_idx, reason)
 
     def start(self) -> None:
         """Receive in a background thread; new versions are applied under :attr:`lock`."""
@@ -332,6 +521,7 @@ class WeightReceiver(Applying, UpstreamSession):
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self._closed
 
     def close(self) -> None:
@@ -340,10 +530,6 @@ class WeightReceiver(Applying, UpstreamSession):
             return
         self.stop()
         self._closed = True
-        if self._writing == "in_place":  # half a version is in the model: torn for good
-            self._writing = ""
-            with self.lock.raw:
-                self.lock.tear(self.version + 1, "the receiver closed mid-version")
-                self.lock.end_write()
-        self._say_goodbye()
-        self._spoke.close()
+        self._applier.close()  # half a version in the model leaves it torn for good
+        self._upstream.say_goodbye()
+        self._upstream.spoke.close()

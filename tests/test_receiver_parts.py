@@ -1,0 +1,579 @@
+"""The receiver's parts on their own, with a fake host: the apply machinery fed chunk
+messages, the session speaking to an in-memory hub; and a receiver's observers."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from _faults import until
+
+from zmqsync import SyncTimeout, WeightSender, checksum
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES
+from zmqsync.errors import SchemaMismatchError
+from zmqsync.protocol import (
+    Ack,
+    Chunk,
+    ErrorMessage,
+    Goodbye,
+    Hello,
+    Message,
+    SnapshotRequest,
+    UpToDate,
+    WeightsSchema,
+    Welcome,
+    decode,
+)
+from zmqsync.protocol.stream import Broken
+from zmqsync.receiver import PendingAck, ReceiverObserver, WeightReceiver
+from zmqsync.receiver.applying import Applier, Keep
+from zmqsync.receiver.observer import Observers
+from zmqsync.receiver.rejections import Rejections
+from zmqsync.receiver.session import FAILOVER_MIN_SECONDS, UpstreamSession
+from zmqsync.tensors.version_messages import version_messages
+from zmqsync.testing import memory_fleet
+from zmqsync.transport.base import HubTransport, SpokeTransport
+from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _stats() -> dict[str, Any]:
+    return {
+        "received_bytes": 0,
+        "applied": 0,
+        "duplicates": 0,
+        "stale": 0,
+        "rejected_frames": 0,
+        "last_apply_s": 0.0,
+        "chunks": 0,
+        "broken_streams": 0,
+        "torn": 0,
+        "deltas": 0,
+        "deltas_skipped": 0,
+        "failovers": 0,
+    }
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    """About 300 KB: five chunks of MIN_CHUNK_BYTES."""
+    g = torch.Generator().manual_seed(seed)
+    return {"big": torch.randn(256, 256, generator=g), "small": torch.randn(10, generator=g)}
+
+
+def _chunks(weights: Any, version: int = 1, epoch: int = 7) -> list[Chunk]:
+    messages = version_messages(weights, version=version, epoch=epoch, chunk_bytes=MIN_CHUNK_BYTES)
+    out = []
+    for frames in messages:
+        chunk = decode([bytes(f) for f in frames])
+        assert isinstance(chunk, Chunk)
+        out.append(chunk)
+    return out
+
+
+@dataclass
+class Watcher(ReceiverObserver):
+    """An observer that writes down what it is told (and may hold acks back)."""
+
+    seen: list[tuple[str, Any]] = field(default_factory=list)
+    hold_acks: bool = False
+    refuse_start: bool = False
+    resend: bool = False
+
+    def version_starting(self, chunk: Chunk) -> None:
+        self.seen.append(("starting", chunk.version))
+
+    def version_started(self, chunk: Chunk) -> None:
+        self.seen.append(("started", chunk.version))
+        if self.refuse_start:
+            raise RuntimeError("cannot take it")
+
+    def chunk_arrived(self, chunk: Chunk) -> None:
+        self.seen.append(("chunk", chunk.index))
+
+    def version_completed(self, chunk: Chunk, schema: WeightsSchema) -> None:
+        self.seen.append(("completed", chunk.version))
+
+    def version_broken(self, broken: Broken) -> None:
+        self.seen.append(("broken", broken.version))
+
+    def review_ack(self, ack: PendingAck) -> PendingAck | None:
+        self.seen.append(("ack", ack.applied))
+        return None if self.hold_acks else ack
+
+    def below(self) -> dict[str, Any]:
+        return {"9": 3}
+
+    def wants_resend(self) -> bool:
+        return self.resend
+
+
+# --- the apply machinery ------------------------------------------------------------
+
+
+@dataclass
+class ApplyHostFake:
+    """What an Applier asks of its receiver: who it is, its spoke, a request upstream."""
+
+    worker_idx: int | None = 4
+    transport: SpokeTransport = field(default_factory=lambda: MemorySpoke("inproc://none"))
+    requests: list[bool] = field(default_factory=list)
+
+    def request_latest(self, *, whole: bool = False) -> None:
+        self.requests.append(whole)
+
+
+def _applier(
+    model: Any = None,
+    *,
+    apply_mode: str = "staged",
+    keep: Keep = "weights",
+    watcher: Watcher | None = None,
+    chunk_timeout: float = 10.0,
+) -> tuple[Applier, ApplyHostFake, Watcher, dict[str, Any]]:
+    host, watcher = ApplyHostFake(), watcher or Watcher()
+    observers = Observers()
+    observers.add(watcher)
+    stats = _stats()
+    applier = Applier(
+        host,
+        model_id="policy",
+        model=model,
+        strategy="state_dict",
+        apply_mode=apply_mode,
+        sink=None,
+        keep=keep,
+        chunk_timeout=chunk_timeout,
+        timeout=1.0,
+        stats=stats,
+        rejections=Rejections(stats),
+        observer=observers,
+        retired_epochs=4,
+    )
+    return applier, host, watcher, stats
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["staged", "in_place"])
+def test_the_applier_writes_a_whole_version_into_the_model_and_says_so(mode: str) -> None:
+    source, model = _model(0), _model(1)
+    applier, _, watcher, stats = _applier(model, apply_mode=mode)
+    applied: list[tuple[int, int]] = []
+    applier.on_applied.append(lambda epoch, version: applied.append((epoch, version)))
+    chunks = _chunks(source, version=3)
+    acks = []
+    for i, chunk in enumerate(chunks):
+        acks.append(applier.feed(chunk))
+        if i < len(chunks) - 1:
+            assert applier.active
+            # In place, the model holds part of the version: forward passes wait.
+            assert applier.lock.writing == (mode == "in_place")
+    assert acks[:-1] == [None] * (len(chunks) - 1)
+    assert acks[-1] == PendingAck(applied=True)
+    assert (applier.epoch, applier.version) == (7, 3) and applied == [(7, 3)]
+    assert checksum(model) == checksum(source) and not applier.active
+    assert stats["applied"] == 1 and stats["chunks"] == len(chunks)
+    assert watcher.seen == [
+        ("starting", 3),
+        ("started", 3),
+        *(("chunk", i) for i in range(len(chunks))),
+        ("completed", 3),
+    ]
+    # The same version again is a duplicate: acked as held, not taken.
+    assert applier.feed(chunks[0]) == PendingAck(applied=True)
+    assert stats["duplicates"] == 1 and not applier.active
+    assert watcher.seen[-1] == ("completed", 3)
+
+
+@pytest.mark.timeout(60)
+def test_a_broken_in_place_stream_tears_the_model_until_a_whole_version_mends_it() -> None:
+    source, model = _model(0), _model(1)
+    applier, host, watcher, stats = _applier(model, apply_mode="in_place", chunk_timeout=0.5)
+    chunks = _chunks(source, version=1)
+    for chunk in chunks[:2]:
+        applier.feed(chunk)
+    assert not applier.expire(time.monotonic())  # within the gap
+    assert applier.expire(time.monotonic() + 1.0)  # its next chunk is overdue
+    assert applier.torn and applier.needs_whole() and not applier.lock.writing
+    assert stats["broken_streams"] == 1 and stats["torn"] == 1
+    assert host.requests == [False]  # asked for the latest, which repairs it
+    assert watcher.seen[-1] == ("broken", 1)
+    # A repair: the whole version, even one it would hold, is taken.
+    for chunk in chunks:
+        applier.feed(chunk)
+    assert not applier.torn and applier.version == 1
+    assert checksum(model) == checksum(source)
+
+
+@pytest.mark.timeout(60)
+def test_without_a_model_the_applier_keeps_weights_bytes_or_nothing() -> None:
+    source = _model(0)
+    chunks = _chunks(source)
+    total = chunks[0].total
+
+    weights, _, _, _ = _applier(keep="weights")
+    for chunk in chunks:
+        weights.feed(chunk)
+    assert checksum(weights.weights) == checksum(source)
+
+    staged, _, _, _ = _applier(keep="bytes")
+    for chunk in chunks:
+        staged.feed(chunk)
+    assert staged.weights is None and staged.staging.nbytes == total
+    assert bytes(staged.staging.array) == b"".join(bytes(c.payload) for c in chunks)
+
+    passing, _, watcher, _ = _applier(keep="nothing")
+    for chunk in chunks:
+        passing.feed(chunk)
+    assert passing.version == 1 and passing.staging.nbytes == 0
+    assert watcher.seen.count(("completed", 1)) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_version_that_does_not_fit_is_refused_and_the_model_kept() -> None:
+    model = _model(1)
+    before = checksum(model)
+    applier, _, watcher, stats = _applier(model)
+    ack = applier.feed(_chunks({"other": torch.zeros(3)}, version=2)[0])
+    assert ack is not None and not ack.applied and ack.version == 2 and ack.epoch == 7
+    assert applier.mismatch is not None and applier.mismatch[0] == 2
+    assert isinstance(applier.mismatch[1], SchemaMismatchError)
+    assert stats["rejected_frames"] == 1 and applier.version == 0
+    assert checksum(model) == before and not applier.active
+    assert watcher.seen == [("starting", 2)]  # seen starting, never taken
+
+
+@pytest.mark.timeout(60)
+def test_an_observer_that_refuses_a_start_drops_the_version_whole() -> None:
+    model = _model(1)
+    watcher = Watcher(refuse_start=True)
+    applier, _, _, _ = _applier(model, apply_mode="in_place", watcher=watcher)
+    chunks = _chunks(_model(0), version=1)
+    with pytest.raises(RuntimeError, match="cannot take it"):
+        applier.feed(chunks[0])
+    # Nothing of it was written, and forward passes are not held up.
+    assert not applier.active and not applier.lock.writing and not applier.torn
+    for chunk in chunks[1:]:
+        assert applier.feed(chunk) is None  # chunks of no version in progress
+    assert applier.version == 0
+    watcher.refuse_start = False
+    for chunk in chunks:
+        applier.feed(chunk)
+    assert applier.version == 1 and checksum(model) == checksum(_model(0))
+
+
+@pytest.mark.timeout(60)
+def test_an_observer_that_wants_a_resend_makes_the_applier_take_the_version_held() -> None:
+    watcher = Watcher()
+    applier, _, _, stats = _applier(keep="bytes", watcher=watcher)
+    chunks = _chunks(_model(0), version=1)
+    for chunk in chunks:
+        applier.feed(chunk)
+    applier.feed(chunks[0])
+    assert stats["duplicates"] == 1 and not applier.active
+    watcher.resend = True
+    assert applier.needs_whole() and not applier.torn
+    applier.feed(chunks[0])
+    assert applier.active and stats["duplicates"] == 1
+
+
+# --- the session --------------------------------------------------------------------
+
+
+@dataclass
+class SessionHostFake:
+    """What an UpstreamSession asks of its receiver: what it holds."""
+
+    version: int = 0
+    epoch: int = 0
+    torn: bool = False
+
+
+def _session(
+    spoke: SpokeTransport,
+    *,
+    host: SessionHostFake | None = None,
+    watcher: Watcher | None = None,
+    worker_idx: int | None = 2,
+    failover: list[Any] | None = None,
+) -> tuple[UpstreamSession, SessionHostFake, Watcher, dict[str, Any]]:
+    host, watcher = host or SessionHostFake(), watcher or Watcher()
+    observers = Observers()
+    observers.add(watcher)
+    stats = _stats()
+    session = UpstreamSession(
+        host,
+        spoke,
+        model_id="policy",
+        strategy="state_dict",
+        worker_idx=worker_idx,
+        failover=failover or [],
+        stats=stats,
+        rejections=Rejections(stats),
+        observer=observers,
+    )
+    return session, host, watcher, stats
+
+
+def _heard(hub: HubTransport) -> tuple[Message, Any]:
+    """The next message the hub received, and whom to answer."""
+    incoming = hub.recv_frames(5.0)
+    assert incoming is not None, "the hub heard nothing"
+    return decode([bytes(f) for f in incoming.frames]), incoming.peer
+
+
+def _nothing_heard(hub: HubTransport) -> None:
+    assert hub.recv_frames(0.05) is None
+
+
+def _welcome(session: UpstreamSession, epoch: int = 7, **fields: Any) -> Welcome:
+    welcome = Welcome(
+        "policy",
+        0,
+        epoch,
+        mode="pubsub",
+        strategy="state_dict",
+        heartbeat_seconds=0.5,
+        worker=2,
+        session="s3cret",
+        attempt=session.attempt,
+    )
+    return dataclasses.replace(welcome, **fields)
+
+
+@pytest.mark.timeout(60)
+def test_the_session_joins_on_its_attempts_welcome_and_acks_what_it_holds() -> None:
+    hub, (spoke,) = memory_fleet(1)
+    session, _, _, stats = _session(spoke, host=SessionHostFake(version=3, epoch=7))
+    try:
+        session.new_attempt()
+        session.send_hello()
+        hello, _ = _heard(hub)
+        assert isinstance(hello, Hello)
+        assert (hello.version, hello.epoch, hello.worker) == (3, 7, 2)
+        assert hello.attempt == session.attempt and hello.pid == session.pid
+        # The answer to an earlier attempt is stale.
+        session.on_control(_welcome(session, attempt="an-earlier-one"))
+        assert not session.welcomed and stats["stale"] == 1
+        session.on_control(_welcome(session))
+        assert session.welcomed and session.session == "s3cret" and session.heartbeat == 0.5
+        ack, _ = _heard(hub)  # what it holds of this sender, acked anew
+        assert isinstance(ack, Ack) and ack.applied and (ack.version, ack.epoch) == (3, 7)
+        assert ack.session == "s3cret" and ack.worker == 2
+        # A welcome with another strategy is noted, not obeyed.
+        session.new_attempt()
+        session.on_control(_welcome(session, strategy="tensordict"))
+        assert stats["rejected_frames"] == 1
+    finally:
+        spoke.close()
+        hub.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_before_the_welcome_is_sent_once_welcomed() -> None:
+    hub, (spoke,) = memory_fleet(1)
+    session, _, _, _ = _session(spoke)
+    try:
+        session.new_attempt()
+        session.ack(PendingAck(False, "does not fit", version=5, epoch=7))
+        _nothing_heard(hub)  # no session yet: no ack counts
+        session.on_control(_welcome(session, epoch=8))
+        ack, _ = _heard(hub)
+        assert isinstance(ack, Ack) and not ack.applied
+        assert (ack.version, ack.epoch, ack.reason) == (5, 7, "does not fit")
+        _nothing_heard(hub)  # only the refusal: the version held is of another epoch
+    finally:
+        spoke.close()
+        hub.close()
+
+
+@pytest.mark.timeout(60)
+def test_heartbeats_are_due_a_heartbeat_apart_and_name_the_workers_below() -> None:
+    hub, (spoke,) = memory_fleet(1)
+    session, host, _, _ = _session(spoke, host=SessionHostFake(version=3, epoch=7))
+    try:
+        session.new_attempt()
+        session.on_control(_welcome(session))
+        _heard(hub)  # its ack
+        now = time.monotonic()
+        session.joined(now)
+        session.beat(now + 0.1)
+        _nothing_heard(hub)
+        host.torn = True
+        session.beat(now + 0.6)
+        request, _ = _heard(hub)
+        assert isinstance(request, SnapshotRequest)
+        assert (request.version, request.epoch, request.session) == (3, 7, "s3cret")
+        assert request.torn and not request.whole and request.below == {"9": 3}
+        session.beat(now + 0.7)
+        _nothing_heard(hub)
+        session.ask_again(whole=True)  # out of turn
+        request, _ = _heard(hub)
+        assert isinstance(request, SnapshotRequest) and request.whole
+    finally:
+        spoke.close()
+        hub.close()
+
+
+@pytest.mark.timeout(60)
+def test_observers_review_acks_and_may_hold_them_back() -> None:
+    hub, (spoke,) = memory_fleet(1)
+    watcher = Watcher(hold_acks=True)
+    session, _, _, _ = _session(spoke, watcher=watcher)
+    try:
+        session.new_attempt()
+        session.on_control(_welcome(session, epoch=1))  # holds nothing of epoch 7
+        session.ack(PendingAck(applied=True))
+        assert watcher.seen == [("ack", True)]
+        _nothing_heard(hub)
+        watcher.hold_acks = False
+        session.ack(PendingAck(applied=True))
+        ack, _ = _heard(hub)
+        assert isinstance(ack, Ack) and ack.applied
+    finally:
+        spoke.close()
+        hub.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_upstream_is_left_for_the_next_in_the_failover_list() -> None:
+    first, second = MemoryHub(), MemoryHub()
+    spoke = MemorySpoke(first.endpoint)
+    made: list[SpokeTransport] = []
+
+    def make() -> SpokeTransport:
+        if not made:
+            made.append(MemorySpoke(second.endpoint))
+            raise OSError("not yet")  # a bad address: tried again later
+        made.append(MemorySpoke(second.endpoint))
+        return made[-1]
+
+    session, _, _, stats = _session(spoke, failover=[make])
+    try:
+        session.new_attempt()
+        session.on_control(_welcome(session, epoch=1))
+        now = time.monotonic()
+        session.heard(now)
+        assert not session.upstream_silent(now + 1.0)
+        assert session.upstream_silent(now + FAILOVER_MIN_SECONDS + 0.1)
+        assert not session.fail_over() and session.spoke is spoke and session.welcomed
+        assert session.fail_over() and session.spoke is made[-1]
+        assert spoke.closed and not session.welcomed and stats["failovers"] == 1
+        hello, _ = _heard(second)
+        assert isinstance(hello, Hello) and hello.attempt == session.attempt
+    finally:
+        session.spoke.close()
+        spoke.close()
+        first.close()
+        second.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_sender_may_give_a_worker_that_asked_for_an_id_another_one() -> None:
+    hub, (auto, fixed) = memory_fleet(2)
+    chosen, _, _, _ = _session(auto, worker_idx=None)
+    named, _, _, _ = _session(fixed)
+    try:
+        chosen.new_attempt()
+        chosen.on_control(_welcome(chosen, epoch=1))
+        assert chosen.worker_idx == 2  # assigned by the sender
+        taken = ErrorMessage("policy", "duplicate-worker", "worker 2 is someone else")
+        chosen.on_control(taken)
+        hello, _ = _heard(hub)
+        assert isinstance(hello, Hello) and chosen.worker_idx is None and not chosen.session
+        named.new_attempt()
+        named.on_control(_welcome(named, epoch=1))
+        named.on_control(taken)
+        assert named.take_refusal() == "worker 2 is someone else"
+        assert named.take_refusal() == ""
+    finally:
+        auto.close()
+        fixed.close()
+        hub.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_sender_is_greeted_again_and_up_to_date_means_caught_up() -> None:
+    hub, (spoke,) = memory_fleet(1)
+    session, _, _, _ = _session(spoke)
+    try:
+        session.new_attempt()
+        session.on_control(_welcome(session, epoch=1))
+        attempt = session.attempt
+        session.on_control(UpToDate("policy", 0, 1, in_flight=True))
+        assert not session.caught_up  # the latest is on its way: wait for it
+        _nothing_heard(hub)
+        session.on_control(UpToDate("policy", 0, 9))
+        assert session.caught_up and session.sender_epoch == 9
+        hello, _ = _heard(hub)
+        assert isinstance(hello, Hello) and hello.attempt == session.attempt != attempt
+    finally:
+        spoke.close()
+        hub.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_welcomed_session_says_goodbye_once() -> None:
+    hub, (spoke,) = memory_fleet(1)
+    session, _, _, _ = _session(spoke, host=SessionHostFake(version=3, epoch=1))
+    try:
+        session.say_goodbye()
+        _nothing_heard(hub)  # never welcomed: nobody waits for it
+        session.new_attempt()
+        session.on_control(_welcome(session, epoch=2))
+        session.say_goodbye()
+        goodbye, _ = _heard(hub)
+        assert isinstance(goodbye, Goodbye) and goodbye.session == "s3cret"
+    finally:
+        spoke.close()
+        hub.close()
+
+
+# --- observers, through a receiver --------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_receivers_observer_sees_each_version_and_settles_its_acks() -> None:
+    """The contract as a relay uses it: an ack held back goes with send_ack() once the
+    observer lets it go; heartbeats name the workers it speaks for."""
+    model = _model(0)
+    hub = MemoryHub()
+    sender = WeightSender(
+        hub,
+        model=model,
+        strategy="state_dict",
+        num_workers=1,
+        timeout=1.0,
+        chunk_bytes=MIN_CHUNK_BYTES,
+    )
+    receiver = WeightReceiver(MemorySpoke(hub.endpoint), strategy="state_dict", keep="bytes")
+    watcher = Watcher(hold_acks=True)
+    receiver.add_observer(watcher)
+    try:
+        receiver.connect(10)  # caught up with the latest version, though its ack is held
+        count = _chunks(model)[0].count
+        assert watcher.seen[:2] == [("starting", 0), ("started", 0)]
+        assert watcher.seen[2 : 2 + count] == [("chunk", i) for i in range(count)]
+        assert ("completed", 0) in watcher.seen and ("ack", True) in watcher.seen
+        assert receiver.staging.nbytes == _chunks(model)[0].total and receiver.weights is None
+        receiver.start()
+        with torch.no_grad():
+            model["small"].add_(1)
+        with pytest.raises(SyncTimeout):
+            sender.send()  # its worker holds version 1, but says so only when let
+        assert receiver.version == 1
+        watcher.hold_acks = False
+        receiver.send_ack()
+        until(lambda: sender.status()["workers"][0]["version"] == 1, 10, "the ack came")
+        until(
+            lambda: sender.status()["workers"][0]["below"] == {"9": 3},
+            10,
+            "a heartbeat named the worker below",
+        )
+    finally:
+        receiver.close()
+        sender.close()
