@@ -174,7 +174,7 @@ class HubRunner:
         #: Effects of the fleet core meant for this hub, decided on another hub's thread.
         self.later: deque[Any] = deque()
         #: Peers that asked for status while a send waited for acks, and when this hub
-        #: last sent a report (see Handling).
+        #: last sent a report (the sender answers them; see its STATUS_INTERVAL).
         self.status_askers: deque[PeerId] = deque()
         self.status_at = float("-inf")
         #: Versions streaming to this hub (the baton holder advances them), oldest first,
