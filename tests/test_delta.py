@@ -269,7 +269,7 @@ def test_a_delta_against_a_version_the_worker_lacks_is_skipped_and_asked_for_who
         assert receiver.version == 1 and checksum(target) == checksum(model)
         # Version 3 as a delta against 2, which this worker never had (a forgery, or a
         # fan-out it was not counted in): applying it would make a wrong version.
-        layout = sender._layout
+        layout = sender._versions.layout
         assert layout is not None
         poisoned = Chunk(
             "policy", 3, sender.epoch, 0, 1, 0, layout.total, layout.layout, b"\xff" * 1024, base=2

@@ -537,7 +537,7 @@ def test_a_relay_that_keeps_no_snapshot_fetches_the_latest_again_for_late_joiner
                 assert [checksum(m) for m in models.values()] == [checksum(model)] * 3
             # Nothing of a version is kept: no staging buffer, no snapshot.
             assert relay.receiver.staging._buffer is None
-            assert relay.sender._snapshot is None
+            assert relay.sender.snapshot is None
             assert relay.status()["upstream"]["version"] == learner.version
     finally:
         relay.close()

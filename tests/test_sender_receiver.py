@@ -411,7 +411,7 @@ def test_the_sender_rewrites_its_copy_only_once_no_transport_holds_it() -> None:
         rig.sender.send()
 
         def copy_pointer() -> int:
-            snapshot = rig.sender._snapshot
+            snapshot = rig.sender.snapshot
             assert snapshot is not None
             return int(snapshot.data.ctypes.data)
 

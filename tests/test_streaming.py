@@ -125,14 +125,14 @@ def test_without_a_snapshot_the_sender_streams_through_a_small_ring(kind: str, t
         for version in (1, 2, 3):
             _bump(model)
             sender.send()
-            assert sender._snapshot is None
+            assert sender.snapshot is None
             for r, w in zip(receivers, workers, strict=True):
                 assert r.version == version and checksum(w) == checksum(model)
         model_bytes = sum(t.nbytes for t in model.values())
         assert model_bytes > 16 * CHUNK
-        assert sender._ring.nbytes <= (WINDOW + 2) * CHUNK
+        assert sender._versions.ring.nbytes <= (WINDOW + 2) * CHUNK
         if kind == "ipc":
-            assert sender._ring.nbytes == 0  # the hub's blocks are the ring
+            assert sender._versions.ring.nbytes == 0  # the hub's blocks are the ring
             assert 0 < hub.counters()["shm_bytes"] <= 4 * CHUNK + 4096
     finally:
         for r in receivers:
@@ -286,7 +286,7 @@ def test_a_new_version_repairs_a_torn_model_and_no_ack_names_the_torn_one() -> N
         receiver.connect(timeout=30)  # its own timeout (0.2 s) is for forward passes
         assert checksum(worker) == checksum(model)
         # The learner streams half of version 1 and dies.
-        copy = sender._copy_of(None, 1)
+        copy = sender._versions.copy_of(None, 1, model=sender.model)
         with sender._holding_baton():
             for i in range(copy.count // 2):
                 frames, _ = copy.frames(i)
@@ -343,7 +343,7 @@ def test_the_learner_sees_a_torn_worker_until_a_whole_version_repairs_it() -> No
     )
     try:
         receiver.connect()  # nothing published: it keeps its own weights
-        copy = sender._copy_of(model, 1)
+        copy = sender._versions.copy_of(model, 1, model=sender.model)
         with sender._holding_baton():
             for i in range(3):  # three chunks of version 1, and the learner "dies"
                 frames, _ = copy.frames(i)

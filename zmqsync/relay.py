@@ -28,13 +28,12 @@ from typing import Any, Final
 from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, StreamLayout
 from zmqsync.closing import ClosesOnExit
 from zmqsync.errors import SchemaMismatchError
-from zmqsync.fleet import SendLatest
-from zmqsync.protocol import MAX_BELOW, Chunk, UpToDate, WeightsSchema, encode
+from zmqsync.protocol import MAX_BELOW, Chunk, WeightsSchema, encode
 from zmqsync.protocol.stream import Broken
 from zmqsync.receiver import PendingAck, ReceiverObserver, WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
-from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Transfer
+from zmqsync.sender.transfers import Copy, Forwarded
 from zmqsync.status_types import RelayCounts, SenderStatus, UpstreamStatus
 from zmqsync.transport.base import HubTransport, SpokeTransport
 from zmqsync.vocabulary import Mode, Strategy
@@ -101,82 +100,6 @@ class _Upstream(ReceiverObserver):
         return self._relay._refetching
 
 
-class _Downstream(WeightSender):
-    """The relay's sender: without a snapshot, a worker that needs the latest version
-    makes the relay fetch it from upstream again."""
-
-    def __init__(self, relay: Relay, hub: Any, **kw: Any) -> None:
-        # The relay keeps the snapshot (or none), not its sender: see Relay._serve.
-        super().__init__(hub, retain_snapshot=False, **kw)
-        self._relay = relay
-
-    def _forward_begin(
-        self, chunk: Chunk, targets: tuple[int, ...] | None = None
-    ) -> tuple[Forwarded, bool]:
-        """Send ``chunk``'s version on to every worker as its chunks come, or
-        to ``chunk.targets``, or (``targets``) to those that lack the version it holds;
-        and whether it restarts the forward of that version (streamed again upstream)."""
-        again = targets is not None
-        targets = chunk.targets if targets is None else targets
-        copy = Forwarded(chunk)
-        with self._cond:
-            if chunk.epoch != self.epoch:
-                self.epoch = chunk.epoch  # the upstream's life, which workers follow
-                with self._snapshot_lock:
-                    self._snapshot = None  # of the life before: nobody gets it now
-            now, old = time.monotonic(), self._forwarding
-            send = None if again else self.fleet.restart_forward(chunk.version, chunk.epoch, now)
-            restart = send is not None and old is not None
-            if send is None or old is None:
-                send = self.fleet.begin_forward(
-                    chunk.version, chunk.epoch, now, self.timeout, targets, again=again
-                )
-                to = None if targets is None else send.targets
-            else:
-                # Anew from its first chunk, never spliced onto the stream it replaces
-                # (ended): the way that one went, fanned out (on the same path, after
-                # its chunks), or to those its send still waits for.
-                to = None if old.copy.reached is None else frozenset(send.missing)
-            peers = {} if to is None else self._peers_of(to)
-            self._forwarding = Forwarding(send, copy)
-            self._metadata = chunk.metadata
-        for runner in self._runners:
-            if to is None:
-                runner.begin(Transfer(copy, None))
-            elif peers.get(runner.index):
-                # Only to the workers (and relays) it is for: they filter it further.
-                runner.begin(Transfer(copy, peers[runner.index]))
-        self._totals["versions_sent"] += not restart
-        self._totals["bytes_sent"] += copy.nbytes * max(1, len(send.targets))
-        return copy, restart
-
-    def _forward(self, copy: Forwarded, index: int, frames: list[Any]) -> None:
-        """Chunk ``index`` of a forwarded version came: send it on now (cut-through)."""
-        copy.add(index, frames)
-        for runner in self._runners:
-            with runner.holding():
-                streaming = runner.advance()
-            if streaming and runner._waiting:
-                runner._poke()
-
-    def _serve(self, copy: Copy) -> Copy | None:
-        """Serve ``copy``, whole, to late joiners and repairs (it may be older than the
-        version being forwarded); returns the copy served until now."""
-        with self._snapshot_lock:
-            old, self._snapshot = self._snapshot, copy
-        return old
-
-    def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
-        if self._relay.retain_snapshot or effect.origin.peer is None:
-            super()._unserved(effect, hub)
-            return
-        # On its way: the relay fetches it (a worker that connects waits for it).
-        assert isinstance(effect.otherwise, UpToDate)
-        on_its_way = dataclasses.replace(effect.otherwise, in_flight=True)
-        hub.send_frames(encode(on_its_way), to=[effect.origin.peer])
-        self._relay._wants_latest = True
-
-
 class Relay(ClosesOnExit):
     """Forwards one model's versions from ``upstream`` (a learner's or another relay's
     spoke) to the workers of ``hub`` (see the module).
@@ -225,15 +148,18 @@ class Relay(ClosesOnExit):
         self._refetching = False
         self._refetched_at = -REFETCH_INTERVAL
         # Its two halves move the same model the same way.
-        model = {"model_id": model_id, "strategy": strategy, "timeout": timeout}
-        self.sender = _Downstream(
-            self,
+        model: dict[str, Any] = {"model_id": model_id, "strategy": strategy, "timeout": timeout}
+        # The relay keeps the snapshot (or none), not its sender: see _completed.
+        self.sender = WeightSender(
             hub,
+            retain_snapshot=False,
             num_workers=num_workers,
             heartbeat=heartbeat,
             chunk_bytes=chunk_bytes,
             **model,
         )
+        if not retain_snapshot:
+            self.sender.on_unserved = self._unserved
         # Its receiver applies versions to nothing but its staging buffer (or keeps
         # nothing), and tells the relay of each chunk as it comes.
         self.receiver = WeightReceiver(
@@ -353,7 +279,7 @@ class Relay(ClosesOnExit):
         if self._thread is not None:
             self._thread.join(10)
         if self._copy is not None:
-            self._copy.end()
+            self.sender.abort_forward(self._copy)
         self.receiver.close()
         self.sender.close()
 
@@ -373,6 +299,12 @@ class Relay(ClosesOnExit):
                     return
                 log.exception("relay %s: its loop failed; going on", self.model_id)
                 time.sleep(IDLE_POLL)
+
+    def _unserved(self) -> bool:
+        """Without a snapshot (its sender's pump): a worker needs the latest version. On
+        its way: the relay fetches it (a worker that connects waits for it)."""
+        self._wants_latest = True
+        return True
 
     def _refetch(self) -> None:
         """Without a snapshot: ask upstream for the latest version again if a worker
@@ -394,28 +326,27 @@ class Relay(ClosesOnExit):
         """A version starts: stage it apart from the buffer served, which a late joiner or
         a repair may read until the version is whole (what is served as v is v's bytes),
         in the buffer of the snapshot before once nothing reads it (two buffers in all)."""
-        snapshot, staging = self.sender._snapshot, self.receiver.staging
+        snapshot, staging = self.sender.snapshot, self.receiver.staging
         if snapshot is None or not staging.nbytes or snapshot.data is not staging.array:
             return  # what staging holds is served to nobody
         spare, self._spare = self._spare, None
-        free = spare.data if spare is not None and not self.sender._still_read(spare) else None
+        free = spare.data if spare is not None and not self.sender.still_read(spare) else None
         # A delta patches the version held: it goes on from a copy of its bytes.
         staging.hand_over(free, keep=chunk.base is not None)
 
     def _begin(self, chunk: Chunk) -> None:
         if self._copy is not None:
-            self._copy.end()
+            self.sender.abort_forward(self._copy)
             self._copy = None
         receiver = self.receiver
         if (chunk.version, chunk.epoch) == (receiver.version, receiver.epoch):
             # The version it holds, fetched again: for its workers that lack it.
-            with self.sender._cond:
-                lacking = self.sender.fleet.lacking(chunk.version)
+            lacking = self.sender.lacking(chunk.version)
             if lacking:
-                self._copy, _ = self.sender._forward_begin(chunk, targets=lacking)
+                self._copy, _ = self.sender.begin_forward(chunk, targets=lacking)
             return
         # A newer version, or (restart) the one it forwards, streamed again upstream.
-        self._copy, restart = self.sender._forward_begin(chunk)
+        self._copy, restart = self.sender.begin_forward(chunk)
         if not restart:
             self._owed = False  # a newer version supersedes the one owed
             self.stats["versions_forwarded"] += 1
@@ -428,7 +359,7 @@ class Relay(ClosesOnExit):
         if chunk.first:
             layout = self._layout_of(chunk)
             schema_bytes = layout.schema_bytes
-        self.sender._forward(copy, chunk.index, encode(chunk, schema_bytes=schema_bytes))
+        self.sender.forward_chunk(copy, chunk.index, encode(chunk, schema_bytes=schema_bytes))
         self.stats["chunks_forwarded"] += 1
 
     def _layout_of(self, chunk: Chunk) -> StreamLayout:
@@ -452,38 +383,29 @@ class Relay(ClosesOnExit):
         layout = self._layout
         if layout is None or layout.schema is not schema:
             layout = self._layout = StreamLayout.received(schema, self.chunk_bytes)
-        copy = Copy(self.sender, receiver.version, layout, receiver.staging.array, None)
-        copy.metadata = receiver.metadata
-        old = self.sender._serve(copy)
-        if old is not None and old.data is not copy.data:
+        data = receiver.staging.array
+        old = self.sender.serve_whole(receiver.version, layout, data, receiver.metadata)
+        if old is not None and old.data is not data:
             self._spare = old  # nothing stages into it while it may be served
         self._copy = None
 
     def _abort(self) -> None:
         if self._copy is not None:
-            self._copy.end()
+            self.sender.abort_forward(self._copy)
             self._copy = None
             self.stats["aborted"] += 1
 
     def _settled(self, version: int) -> bool:
         """Whether every worker an ack upstream waits for holds ``version``: those it
         was forwarded to (its targets, when it came with some), else every live one."""
-        with self.sender._cond:
-            forwarding = self.sender._forwarding
-            forward = None if forwarding is None else forwarding.send
-            now = time.monotonic()
-            return self.sender.fleet.settled(version, self.receiver.epoch, forward, now)
+        return self.sender.forward_settled(version, self.receiver.epoch)
 
     def _refusals(self, version: int) -> str:
         """Why workers below refused ``version`` (the version it forwards), in one line,
         each named; empty when none did."""
-        with self.sender._cond:
-            forwarding = self.sender._forwarding
-            forward = None if forwarding is None else forwarding.send
-            return self.sender.fleet.refusals(version, forward, self.receiver.worker_idx)
+        return self.sender.forward_refusals(version, self.receiver.worker_idx)
 
     def _below(self) -> dict[str, Any]:
         """Its workers and the version each holds, and those behind its own relays (so
         that a send upstream may target any of them)."""
-        with self.sender._cond:
-            return self.sender.fleet.below(MAX_BELOW)
+        return self.sender.below(MAX_BELOW)

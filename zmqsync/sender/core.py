@@ -1,52 +1,89 @@
 """WeightSender: versions one model's weights and gets them to workers, acked.
 
 The I/O shell around the fleet core (:mod:`zmqsync.fleet`), which decides everything
-about the workers. Caller memory never reaches a transport: each chunk of a version is
-copied into memory the sender owns (:mod:`.copying`) while the one before it is sent,
-and each hub's stream keeps a window of chunks in its transport (:mod:`.pump`), written
-again only once every transport let go of it.
+about the workers; this carries its decisions out. It holds its parts, each with its
+own state: the copies a version streams from (:class:`~.versions.VersionStore`), its
+counts and latencies (:class:`~.stats.SendStats`) and a pump per hub
+(:class:`~.pump.HubRunner`). Caller memory never reaches a transport: each chunk of a
+version is copied into memory the sender owns while the one before it is sent, and
+each hub's stream keeps a window of chunks in its transport, written again only once
+every transport let go of it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import secrets
+import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final
 
+import numpy as np
 import torch
 
-from zmqsync.chunking.delta import DeltaTracker
+import zmqsync.sender.pump as pump
 from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, StreamLayout
-from zmqsync.fleet import Fleet
+from zmqsync.errors import FrameError, SyncTimeout, TransportError, WeightsRejected
+from zmqsync.fleet import Admit, FanOut, Fleet, Forget, Origin, Reply, Send, SendLatest
 from zmqsync.protocol import (
     MAX_CHUNK_BYTES,
+    Chunk,
+    ErrorMessage,
+    Hello,
+    Kind,
+    StatusReply,
+    StatusRequest,
+    UpToDate,
+    decode,
+    encode,
     encode_metadata,
+    peek_kind,
 )
-from zmqsync.sender.copying import Copying
-from zmqsync.sender.handling import STALL_MEMORY, Handling
-from zmqsync.sender.pump import HubRunner
-from zmqsync.sender.reporting import LATENCY_BUCKETS, LATENCY_WINDOW, Reporting
-from zmqsync.sender.transfers import Copy, Forwarding, Pending, Ring, Transfer
-from zmqsync.sender.waiting import Waiting
-from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD, Flattener
-from zmqsync.tensors.model_tensors import ModelTensors
-from zmqsync.tensors.shared_params import SharedParams
+from zmqsync.sender.pump import HubRunner, StallClock, sum_counters
+from zmqsync.sender.stats import SendStats
+from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Pending, Stamp, Transfer
+from zmqsync.sender.versions import VersionStore
+from zmqsync.status_types import SenderStatus
+from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD
+from zmqsync.tensors.views import dtype_name
 from zmqsync.transport.base import (
+    AdmitsPeers,
     Announces,
+    ForgetsPeers,
     HubTransport,
+    Incoming,
     PeerId,
     ZeroCopy,
+    counters,
+    lost_peers,
+    reserved_workers,
 )
 from zmqsync.vocabulary import Metadata, Strategy, WorkerIds
 
-__all__ = ["WeightSender", "new_epoch"]
+__all__ = ["ACCEPTED", "WeightSender", "new_epoch"]
 
 log = logging.getLogger("zmqsync.sender")
+
+#: What a worker may send to a sender; anything else is refused before it is decoded
+#: (a weights message sent to a sender would otherwise be parsed and held for nothing).
+ACCEPTED: Final = frozenset(
+    {Kind.ACK, Kind.HELLO, Kind.SNAPSHOT_REQUEST, Kind.PROBE_REQUEST, Kind.GOODBYE}
+)
+#: Status requests a hub keeps while a send waits for acks, answered together with one
+#: report; further askers are dropped, and ask again.
+STATUS_WAITING: Final = 64
+#: While a send waits for acks, a report is built at most this often (seconds), for
+#: every asker since: a flood of status requests costs a send one report a second (a
+#: few ms, the rows being bounded), and `zmqsync status` still answers while a send
+#: waits on a dead worker.
+STATUS_INTERVAL: Final = 1.0
+#: A message whose handling failed is logged at most this often (seconds); each is counted.
+ERROR_LOG_INTERVAL: Final = 10.0
 
 
 def new_epoch() -> int:
@@ -54,7 +91,30 @@ def new_epoch() -> int:
     return secrets.randbits(63) | 1
 
 
-class WeightSender(Copying, Waiting, Handling, Reporting):
+class _Pumps:
+    """What the pumps ask of their sender (:class:`~.pump.PumpHost`): the sender's own
+    handling, looked up on it at each call."""
+
+    __slots__ = ("_sender",)
+
+    def __init__(self, sender: WeightSender) -> None:
+        self._sender = sender
+
+    def housekeeping(self, runner: HubRunner) -> None:
+        self._sender._housekeeping(runner)
+
+    def handle(self, incoming: Incoming, runner: HubRunner) -> None:
+        self._sender._handle(incoming, runner)
+
+    def pump_failed(self, exc: BaseException) -> None:
+        self._sender._pump_failed(exc)
+
+    def forwarded_version(self) -> int | None:
+        forwarding = self._sender._forwarding
+        return None if forwarding is None else forwarding.copy.version
+
+
+class WeightSender:
     """Sends weights for ONE model to workers, and knows where each worker stands.
 
     Usually built by a scheme (``scheme.init_on_sender(...)``), not by hand.
@@ -161,10 +221,10 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         self.heartbeat = heartbeat
         self.repair_after = repair_after
         self.mode = mode or "+".join(h.name for h in hubs)
-        self.epoch = epoch if epoch is not None else new_epoch()
+        epoch = epoch if epoch is not None else new_epoch()
         self.fleet = Fleet(
             model_id,
-            self.epoch,
+            epoch,
             mode=self.mode,
             strategy=strategy,
             transports=[h.name for h in hubs],
@@ -175,61 +235,49 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         )
         self.chunk_bytes = int(chunk_bytes)
         self.checksums = checksums
-        self._flattener = Flattener(strategy, pack_threshold=pack_threshold, wire_dtype=wire_dtype)
         self.wire_dtype = wire_dtype
         self.delta = delta
-        self._tracker: DeltaTracker | None = None
-        #: What the latest send sent as deltas (status()["delta"]).
-        self._last_delta: dict[str, Any] | None = None
-        self._layout: StreamLayout | None = None
-        self._ring = Ring(self.chunk_bytes)
-        #: How long chunks usually take to be let go of (seconds, a moving average).
-        self._release_time = 0.01
-        self._last_stall = -STALL_MEMORY
-        self._model_tensors = ModelTensors(strategy)
-        self._snapshot: Copy | None = None
-        self._snapshot_lock = threading.Lock()
-        #: The model's tensors in a hub's shared memory (share_params), and why not.
-        self._shared: SharedParams | None = None
-        self._share_problem: str | None = None
+        #: Called (on a pump's thread) when a worker needs the latest version and none
+        #: is kept: True if it is on its way all the same (the worker is told so, and
+        #: waits for it), False if the worker waits for the next send. A relay that keeps
+        #: no snapshot sets it, to fetch the version from its upstream again.
+        self.on_unserved: Callable[[], bool] | None = None
+        self._stats = SendStats()
+        clock = StallClock()  # one for every hub: a stopped peer is known to all
+        self._runners = [
+            HubRunner(_Pumps(self), h, i, stats=self._stats, clock=clock, name=model_id)
+            for i, h in enumerate(hubs)
+        ]
+        self._versions = VersionStore(
+            self._runners,
+            Stamp(model_id, epoch, checksums),
+            strategy=strategy,
+            chunk_bytes=self.chunk_bytes,
+            stats=self._stats,
+            retain_snapshot=self.retain_snapshot,
+            share_params=share_params,
+            wire_dtype=wire_dtype,
+            pack_threshold=pack_threshold,
+        )
         self._metadata: Metadata | None = None  # the latest version's
+        #: ``_cond`` guards the fleet, the pending send and the forwarded version.
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
         self._pending: Pending | None = None
-        #: A relay's version in progress (see _forward_begin), and its send.
+        #: A relay's version in progress (see begin_forward), and its send.
         self._forwarding: Forwarding | None = None
         self._async_pending = False
+        self._closed = False
+        self._pump_error: BaseException | None = None
         self._started = time.monotonic()
         self._last_expiry = self._started
         self._last_error_log = float("-inf")
-        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        #: Every send's latency, counted in LATENCY_BUCKETS (cumulative: Prometheus's
-        #: histogram), with their sum.
-        self._latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self._latency_sum = 0.0
-        self._totals = {
-            "versions_sent": 0,
-            "bytes_sent": 0,
-            "chunks_sent": 0,
-            "stalls": 0,
-            "params_moved": 0,
-            "repairs_sent": 0,
-            "repair_bytes": 0,
-            "repairs_skipped": 0,
-            "timeouts": 0,
-            "deltas_sent": 0,
-            "message_errors": 0,
-            "status_deferred": 0,
-            "status_dropped": 0,
-        }
-        self._cond = threading.Condition()
-        self._send_lock = threading.Lock()
-        self._closed = False
-        self._pump_error: BaseException | None = None
-        self._runners = [HubRunner(self, h, i) for i, h in enumerate(hubs)]
         for h in hubs:
             if isinstance(h, ZeroCopy):
                 h.zero_copy_from(MIN_CHUNK_BYTES)  # chunks go from the sender's own memory
         for runner in self._runners:
-            runner.start()
+            # One hub: the sending thread reads the acks (see _await_acks).
+            runner.start(wake_for_acks=len(self._runners) > 1)
         if model is not None:
             self.publish()
 
@@ -252,10 +300,15 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         return self.fleet.version
 
     @property
+    def epoch(self) -> int:
+        """This sender's life, which every chunk carries (a relay's: its upstream's)."""
+        return self._versions.stamp.epoch
+
+    @property
     def published_changed(self) -> bool:
         """Whether version 0, published without a copy (``retain_snapshot=False``), was
         found changed in place as a worker was served: it can no longer be sent."""
-        snapshot = self._snapshot
+        snapshot = self._versions.snapshot
         return self.version == 0 and snapshot is not None and snapshot.changed
 
     @property
@@ -354,17 +407,24 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
             self._check_open()
             if self.fleet.version > 0:
                 raise RuntimeError("publish() is for the weights before the first send()")
+            versions = self._versions
             if self.retain_snapshot:
-                copy = self._copy_of(weights, 0)
+                copy = versions.copy_of(weights, 0, model=self.model)
                 if self.delta:
-                    self._record(copy)
+                    versions.record(copy)
                 copy.write_through(copy.count - 1)  # the weights may change once this returns
             else:
-                copy = self._rendezvous(weights)
-            with self._snapshot_lock:
-                self._snapshot = copy  # kept until the first send
+                copy = versions.rendezvous(weights, self.model)
+            versions.serve(copy)  # kept until the first send
             with self._cond:
                 self.fleet.published = True
+
+    def free_worker_id(self) -> int:
+        """The lowest worker id that no session holds and no hub reserves (a pipe's or
+        an actor's index): what a worker that asks for an id gets."""
+        reserved = {r.index: reserved_workers(r.hub) for r in self._runners}
+        with self._cond:
+            return self.fleet.free_worker_id(reserved)
 
     # --- the send path ---------------------------------------------------------------
 
@@ -384,11 +444,14 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
             version = self.fleet.version + 1
         # Without a snapshot, a synchronous send streams through the ring: it reads the
         # caller's tensors until it returns, and nothing model-sized is made.
-        copy = self._copy_of(weights, version, whole=whole or self.retain_snapshot)
+        versions = self._versions
+        copy = versions.copy_of(
+            weights, version, model=self.model, whole=whole or self.retain_snapshot
+        )
         copy.metadata = metadata
         self._metadata = metadata
         if self.delta:
-            self._record(copy)
+            versions.record(copy)
         with self._cond:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
             pending = self._pending = Pending(send, copy)
@@ -401,8 +464,12 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
         deltas: dict[int, tuple[int, int]] = {}  # base -> (workers, bytes each)
         for runner in self._runners:
             if self.delta:
-                transfers = self._delta_transfers(
-                    copy, runner, holdings.get(runner.index, []), worker_ids is None
+                transfers = versions.delta_transfers(
+                    copy,
+                    holdings.get(runner.index, []),
+                    worker_ids is None,
+                    fans_out=runner.hub.fans_out,
+                    lending=runner.lending(),
                 )
             elif worker_ids is None:
                 transfers = [Transfer(copy, None)]
@@ -417,26 +484,57 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
                 if transfer.spans is not None:
                     n, _ = deltas.get(transfer.base, (0, 0))
                     deltas[transfer.base] = (n + transfer.workers, transfer.nbytes)
-        patched = sum(n for n, _ in deltas.values())
-        unpatched = max(0, len(send.targets) - patched)
-        self._totals["versions_sent"] += 1
-        # Bytes each targeted worker is sent (at least one copy's worth when none is).
-        self._totals["bytes_sent"] += sum(n * size for n, size in deltas.values()) + (
-            copy.nbytes * (unpatched if unpatched or patched else 1)
+        self._stats.version_sent(
+            version, copy.nbytes, len(send.targets), deltas if self.delta else None
         )
-        if self.delta:
-            self._totals["deltas_sent"] += 1 if deltas else 0
-            self._last_delta = {
-                "version": version,
-                "bases": [
-                    {"base": b, "workers": n, "bytes": size}
-                    for b, (n, size) in sorted(deltas.items())
-                ],
-                "whole_to": unpatched,
-            }
         return pending
 
-    # --- workers behind relays -------------------------------------------------------
+    def _finish(self, pending: Pending) -> None:
+        send = pending.send
+        self._await_acks(send)
+        # Whoever the transfers reached, the version is whole in the sender's memory
+        # before send() returns (the caller may change its weights then); a ring copy
+        # stops reading them, and its streams still under way stop.
+        copy = pending.copy
+        copy.write_through(copy.count - 1)
+        if copy.data is None or copy.live:
+            copy.end()
+            for runner in self._runners:
+                runner.drop_unreadable()
+        if copy.live:
+            with self._cond:
+                reading = self.fleet.may_still_read(copy.version, copy.reached)
+            if reading and self.model is not None:
+                # The caller may change its tensors once this returns: they move to
+                # another block, and whoever reads this one reads one whole version.
+                self._versions.share(self.model)
+        with self._cond:
+            if self._pending is pending:
+                self._pending = None
+            missing = send.missing
+            rejected = dict(send.rejected)
+        if self._pump_error is not None:
+            raise TransportError(
+                f"the sender's transport failed: {self._pump_error}"
+            ) from self._pump_error
+        if missing:
+            self._stats.add("timeouts")
+            with self._cond:
+                transports = {w: self.fleet.transport_of(w) for w in missing}
+            raise SyncTimeout(
+                self._timeout_message(send, missing),
+                missing_workers=missing,
+                version=send.version,
+                transports=transports,
+            )
+        if rejected:
+            details = "; ".join(f"worker {w}: {r}" for w, r in sorted(rejected.items()))
+            raise WeightsRejected(
+                f"version {send.version} was rejected by {len(rejected)} worker(s): {details}",
+                rejections=rejected,
+                version=send.version,
+            )
+        self._stats.synced(time.monotonic() - send.started)
 
     def _peers_of(self, workers: Iterable[int]) -> dict[int, list[PeerId]]:
         """Per hub, the peers of ``workers`` that have one (holding the condition)."""
@@ -466,13 +564,453 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
                 out.append(Transfer(t.copy, [p], t.spans, t.base, each, targets=routes[p]))
         return out
 
-    # --- the pumps ------------------------------------------------------------------
+    # --- waiting for acks ------------------------------------------------------------
+
+    def _await_acks(self, pending: Send) -> None:
+        if len(self._runners) == 1:
+            # One hub: read the acks on this thread rather than be woken by the pump,
+            # which saves two thread switches per send.
+            runner = self._runners[0]
+            idle = False  # whether the last wait brought nothing
+            while not pending.done and not self._closed:
+                remaining = pending.deadline - time.monotonic()
+                # Asking the transport who is lost costs; an ack that just came says
+                # enough for now. (Its hub knows the lost at once; we look a tick later.)
+                if remaining <= 0 or (idle and self._missing_are_lost(pending)):
+                    return
+                with runner.holding():
+                    streaming = runner.advance()
+                    wait = pump.WINDOW_WAIT if streaming else pump.PUMP_TICK
+                    incoming = runner.hub.recv_frames(min(remaining, wait))
+                    idle = incoming is None and not streaming
+                    while incoming is not None:
+                        self._handle(incoming, runner)
+                        if pending.done:
+                            return
+                        incoming = runner.hub.recv_frames(0)
+                    self._answer_askers(runner)  # the pump is not reading this hub
+            return
+        with self._cond:
+            while not pending.done and not self._closed and self._pump_error is None:
+                remaining = pending.deadline - time.monotonic()
+                if remaining <= 0 or self._missing_are_lost(pending):
+                    break
+                self._cond.wait(min(remaining, pump.PUMP_TICK))
+
+    def _lost(self, workers: Iterable[int]) -> set[int]:
+        """Those of ``workers`` known to be gone: they said goodbye, or their transport
+        knows they are gone for good."""
+        lost = {r.index: lost_peers(r.hub) for r in self._runners}
+        with self._cond:
+            return self.fleet.gone(workers, lost)
+
+    def _missing_are_lost(self, pending: Send) -> bool:
+        """True when every worker still missing is known to be gone: waiting on is futile."""
+        missing = pending.missing
+        return bool(missing) and self._lost(missing) == missing
+
+    def _timeout_message(self, send: Send, missing: set[int]) -> str:
+        gone = self._lost(missing)
+        with self._cond:
+            lines = self.fleet.describe(sorted(missing), time.monotonic())
+            left = {w for w in gone if self.fleet.workers[w].left is not None}
+        parts = [
+            lines[w]
+            + (
+                " (it said goodbye: its receiver closed)"
+                if w in left
+                else " (its transport says it is gone)"
+                if w in gone
+                else ""
+            )
+            for w in sorted(missing)
+        ]
+        waited = "" if gone == missing else f" within {self.timeout:g}s"
+        return (
+            f"{len(missing)} worker(s) did not ack version {send.version} of "
+            f"{self.model_id!r}{waited}: " + "; ".join(parts)
+        )
+
+    # --- for a relay: versions it forwards rather than copies ------------------------
+
+    def begin_forward(
+        self, chunk: Chunk, targets: Iterable[int] | None = None
+    ) -> tuple[Forwarded, bool]:
+        """Start sending on a version this sender did not copy (a relay's, from its
+        upstream), from its first ``chunk``: to every worker as its chunks come, or to
+        ``chunk.targets``, or (``targets``) to those that lack the version held, fetched
+        again. Returns the forwarded version, to give :meth:`forward_chunk` each chunk,
+        and whether it restarts the forward of that version (streamed again upstream).
+
+        A chunk of another epoch makes it this sender's: its workers follow the
+        upstream's life, and the snapshot of the life before is served to nobody."""
+        again = targets is not None
+        wanted = chunk.targets if targets is None else tuple(targets)
+        copy = Forwarded(chunk)
+        with self._cond:
+            if chunk.epoch != self.epoch:
+                self._versions.new_life(chunk.epoch)
+            now, old = time.monotonic(), self._forwarding
+            send = None if again else self.fleet.restart_forward(chunk.version, chunk.epoch, now)
+            restart = send is not None and old is not None
+            if send is None or old is None:
+                send = self.fleet.begin_forward(
+                    chunk.version, chunk.epoch, now, self.timeout, wanted, again=again
+                )
+                to = None if wanted is None else send.targets
+            else:
+                # Anew from its first chunk, never spliced onto the stream it replaces
+                # (ended): the way that one went, fanned out (on the same path, after
+                # its chunks), or to those its send still waits for.
+                to = None if old.copy.reached is None else frozenset(send.missing)
+            peers = {} if to is None else self._peers_of(to)
+            self._forwarding = Forwarding(send, copy)
+            self._metadata = chunk.metadata
+        for runner in self._runners:
+            if to is None:
+                runner.begin(Transfer(copy, None))
+            elif peers.get(runner.index):
+                # Only to the workers (and relays) it is for: they filter it further.
+                runner.begin(Transfer(copy, peers[runner.index]))
+        if restart:
+            self._stats.add("bytes_sent", copy.nbytes * max(1, len(send.targets)))
+        else:
+            self._stats.version_sent(copy.version, copy.nbytes, len(send.targets), None)
+        return copy, restart
+
+    def forward_chunk(self, copy: Forwarded, index: int, frames: list[Any]) -> None:
+        """Chunk ``index`` of a forwarded version came, as ``frames``: send it on now
+        (cut-through)."""
+        copy.add(index, frames)
+        for runner in self._runners:
+            runner.send_more()
+
+    def abort_forward(self, copy: Forwarded) -> None:
+        """The forwarded version's stream broke (or the relay closes): nothing more of it
+        will come, and what is left of it is sent to nobody."""
+        copy.end()
+
+    def forward_settled(self, version: int, epoch: int) -> bool:
+        """Whether every worker an ack upstream of ``version`` (of the upstream's
+        ``epoch``) waits for holds it: those it was forwarded to (its targets, when it
+        came with some), else every live one."""
+        with self._cond:
+            forwarding = self._forwarding
+            forward = None if forwarding is None else forwarding.send
+            return self.fleet.settled(version, epoch, forward, time.monotonic())
+
+    def forward_refusals(self, version: int, relay: int | None) -> str:
+        """Why workers refused ``version`` (the version forwarded), in one line, each
+        named, for relay ``relay``'s ack upstream; empty when none did."""
+        with self._cond:
+            forwarding = self._forwarding
+            forward = None if forwarding is None else forwarding.send
+            return self.fleet.refusals(version, forward, relay)
+
+    def lacking(self, version: int) -> tuple[int, ...]:
+        """Workers not gone that do not hold ``version`` of this epoch whole."""
+        with self._cond:
+            return self.fleet.lacking(version)
+
+    def below(self, limit: int) -> dict[str, int]:
+        """Its workers not gone and the version each holds, with those behind its own
+        relays, at most ``limit`` (what a relay's heartbeats say upstream)."""
+        with self._cond:
+            return self.fleet.below(limit)
+
+    @property
+    def snapshot(self) -> Copy | None:
+        """The copy late joiners and repairs are served from now (None: none is kept)."""
+        return self._versions.snapshot
+
+    def serve_whole(
+        self, version: int, layout: StreamLayout, data: np.ndarray, metadata: Metadata | None
+    ) -> Copy | None:
+        """Serve ``version``, whole in ``data`` (laid out as ``layout``, held by the
+        caller, and not to be changed while it is served), to late joiners and repairs
+        from now on, even while a newer version is forwarded; returns the copy served
+        until now (see :meth:`still_read`)."""
+        return self._versions.serve(self._versions.whole(version, layout, data, metadata))
+
+    def still_read(self, copy: Copy) -> bool:
+        """Whether a transfer still streams ``copy`` or a transport holds its memory: its
+        buffer may be written again only once neither does."""
+        return self._versions.still_read(copy)
+
+    # --- what the pumps do with workers' messages ------------------------------------
+
+    def _pump_failed(self, exc: BaseException) -> None:
+        if not self._closed:
+            log.exception("zmqsync sender pump stopped", exc_info=exc)
+            self._pump_error = exc
+            with self._cond:
+                self._cond.notify_all()
+
+    def _refuse(self, runner: HubRunner, peer: PeerId | None, code: str, reason: str) -> None:
+        with self._cond:
+            self.fleet.reject(reason)
+        # Counted in status; not a warning each, or a flood of junk would flood the log.
+        log.debug("rejected a message: %s", reason)
+        if peer is not None:
+            runner.hub.send_frames(
+                encode(ErrorMessage(self.model_id, code, reason[:500])), to=[peer]
+            )
+
+    def _handle(self, incoming: Incoming, runner: HubRunner) -> None:
+        """One message from a hub: refuse what is never accepted unread, let the fleet
+        core decide the rest, and carry out its effects.
+
+        No message ends the pump (or the send that reads it): an error while handling
+        one is counted (``message_errors``) and logged, and the next message is read.
+        """
+        try:
+            self._handle_message(incoming, runner)
+        except Exception as exc:
+            self._stats.add("message_errors")
+            with self._cond:
+                self.fleet.reject(f"handling a message failed: {type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            if now - self._last_error_log >= ERROR_LOG_INTERVAL:
+                self._last_error_log = now
+                log.exception("zmqsync sender: handling a message failed; going on")
+
+    def _handle_message(self, incoming: Incoming, runner: HubRunner) -> None:
+        frames, peer = incoming.frames, incoming.peer
+        kind = peek_kind(frames[0]) if frames else None
+        if peer is None and kind is not Kind.ACK:
+            # The ack channel carries acks only, from nobody in particular: no reply.
+            with self._cond:
+                self.fleet.counters["forged"] += 1
+            what = kind.name if kind is not None else "a non-zmqsync"
+            self._refuse(runner, None, "", f"{what} message on the ack channel, dropped unread")
+            return
+        if kind is not None and kind not in ACCEPTED and kind is not Kind.STATUS_REQUEST:
+            self._refuse(runner, peer, "unexpected", f"{kind.name} message at a sender, unread")
+            return
+        try:
+            message = decode(frames)
+        except FrameError as exc:
+            self._refuse(runner, peer, "malformed", f"malformed message: {exc}")
+            return
+        if isinstance(message, StatusRequest):
+            if peer is not None:
+                self._status_asked(runner, peer)
+            return
+        reserved = (
+            {r.index: reserved_workers(r.hub) for r in self._runners}
+            if isinstance(message, Hello)
+            else None
+        )
+        with self._cond:
+            effects = self.fleet.handle(
+                message,
+                Origin(runner.index, peer),
+                time.monotonic(),
+                reserved,
+                credential=incoming.credential,
+            )
+            if self._pending is not None:
+                self._cond.notify_all()
+        self._carry_out(effects, runner)
+
+    def _status_asked(self, runner: HubRunner, peer: PeerId) -> None:
+        """Answer a status request now, or, while a send waits for acks, with the next
+        report (see STATUS_INTERVAL)."""
+        waiting = runner.status_askers
+        if peer not in waiting:
+            if len(waiting) >= STATUS_WAITING:
+                self._stats.add("status_dropped")
+                return
+            waiting.append(peer)
+        if not self._answer_askers(runner):
+            self._stats.add("status_deferred")
+
+    def _answer_askers(self, runner: HubRunner) -> bool:
+        """Send the hub's waiting askers one report, unless a send waits for acks and
+        one went out less than STATUS_INTERVAL ago; True if none wait any more."""
+        if not runner.status_askers:
+            return True
+        now = time.monotonic()
+        if self._send_waiting() and now - runner.status_at < STATUS_INTERVAL:
+            return False
+        askers = list(runner.status_askers)
+        runner.status_askers.clear()
+        runner.status_at = now
+        reply = encode(StatusReply(self.model_id, self.version, self.epoch, self.status()))
+        for peer in askers:
+            runner.hub.send_frames(reply, to=[peer])
+        return True
+
+    def _send_waiting(self) -> bool:
+        """Whether a send waits for acks now (until they came, or its deadline)."""
+        pending = self._pending
+        if pending is None:
+            return False
+        send = pending.send
+        return not send.done and time.monotonic() < send.deadline
+
+    def _latest(self) -> Copy | None:
+        """The latest version's stream, or None if the sender keeps none (a relay
+        serves the latest it holds whole)."""
+        version = self.fleet.version
+        pending = self._pending
+        return self._versions.latest(
+            version,
+            None if pending is None else pending.copy,
+            held=self._forwarding is not None,
+        )
+
+    def _carry_out(self, effects: Iterable[Any], runner: HubRunner) -> None:
+        """Do what the fleet core decided, on this runner's hub (which this thread
+        holds); effects for other hubs wait for their own pump."""
+        for effect in effects:
+            hub_index = effect.hub if isinstance(effect, FanOut) else effect.origin.hub
+            if hub_index != runner.index:
+                self._runners[hub_index].later.append(effect)
+                continue
+            hub = runner.hub
+            if isinstance(effect, Reply):
+                if effect.origin.peer is not None:
+                    hub.send_frames(encode(effect.message), to=[effect.origin.peer])
+            elif isinstance(effect, SendLatest):
+                if effect.origin.peer is None:
+                    continue
+                if runner.forwarding_to(effect.origin.peer):
+                    # A relay's next version is still streaming to it: what it lacks is
+                    # on its way (what it asks for once it is all sent, it lost).
+                    self._stats.add("repairs_skipped")
+                    continue
+                latest = self._latest()
+                if latest is None:
+                    self._unserved(effect, hub)
+                elif runner.repair(latest, effect.origin.peer):
+                    self._stats.add("repairs_sent")
+                    self._stats.add("repair_bytes", latest.nbytes)
+                else:
+                    self._stats.add("repairs_skipped")
+            elif isinstance(effect, FanOut):
+                hub.send_frames(encode(effect.message))
+            elif (
+                isinstance(effect, Admit)
+                and effect.origin.peer is not None
+                and isinstance(hub, AdmitsPeers)
+            ):
+                hub.peer_joined(effect.origin.peer)
+            elif (
+                isinstance(effect, Forget)
+                and effect.origin.peer is not None
+                and isinstance(hub, ForgetsPeers)
+            ):
+                hub.peer_left(effect.origin.peer)
+
+    def _unserved(self, effect: SendLatest, hub: HubTransport) -> None:
+        """A worker needs the latest version and the sender keeps none: it is told so,
+        and gets the next version. Told it is on its way instead (so that its
+        connect() waits for it) when ``on_unserved`` says it is, or when version 0
+        changed in place since it was published (it waits for the first send)."""
+        assert effect.origin.peer is not None
+        message = effect.otherwise
+        on_unserved = self.on_unserved
+        if isinstance(message, UpToDate) and (
+            (on_unserved is not None and on_unserved()) or self.version == 0
+        ):
+            message = dataclasses.replace(message, in_flight=True)
+        hub.send_frames(encode(message), to=[effect.origin.peer])
+
+    def _housekeeping(self, runner: HubRunner) -> None:
+        """Between messages (the pump, holding ``runner``'s baton): expire quiet
+        sessions once a heartbeat, and carry out effects meant for this hub."""
+        now = time.monotonic()
+        if now - self._last_expiry >= self.heartbeat:
+            self._last_expiry = now
+            with self._cond:
+                effects = self.fleet.expire(now)
+            self._carry_out(effects, runner)
+        while runner.later:
+            self._carry_out([runner.later.popleft()], runner)
+        self._answer_askers(runner)
+
+    # --- status ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The sync state as a JSON-ready dict (what ``zmqsync status`` shows): the
+        fields of :meth:`report`, as ``report().as_dict()``."""
+        return self.report().as_dict()
+
+    def report(self) -> SenderStatus:
+        """The sync state as a :class:`~zmqsync.SenderStatus`: version, uptime,
+        per-worker state, totals.
+
+        At most :data:`~zmqsync.fleet.STATUS_ROWS` worker rows (the furthest behind
+        first); ``workers_total`` counts them all.
+        """
+        now = time.monotonic()
+        with self._cond:
+            workers, counts = self.fleet.status_rows(now)
+            fleet_counters = dict(self.fleet.counters)
+            reasons = list(self.fleet.reasons)
+        totals = self._stats.report(
+            fleet_counters, reasons, sum_counters(counters(r.hub) for r in self._runners)
+        )
+        share_problem = self._versions.share_problem
+        return SenderStatus(
+            model_id=self.model_id,
+            version=self.version,
+            epoch=self.epoch,
+            mode=self.mode,
+            endpoint=self.endpoint,
+            strategy=self.strategy,
+            num_workers=self.num_workers,
+            metadata=self._metadata,
+            wire_dtype=None if self.wire_dtype is None else dtype_name(self.wire_dtype),
+            delta=self._stats.last_delta if self.delta else None,
+            share_params=(
+                None
+                if not self.share_params
+                else "unavailable: " + share_problem
+                if share_problem
+                else "on"
+            ),
+            uptime_s=now - self._started,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            workers_total=counts["workers_total"],
+            workers_live=counts["workers_live"],
+            workers_shown=counts["workers_shown"],
+            workers=workers,
+            totals=totals,
+        )
+
+    def connected_workers(self) -> frozenset[int]:
+        """Ids of the workers that said hello and have not left (never cut short, unlike
+        :meth:`status`'s rows)."""
+        with self._cond:
+            return frozenset(w for w, s in self.fleet.workers.items() if s.left is None)
+
+    def worker_versions(self) -> dict[int, int]:
+        """The newest version each worker acked in this sender's epoch, by worker id
+        (0: none yet): every connected worker that has not left, and every expected
+        worker ``0..num_workers-1`` (0 if it never connected or left).
+
+        A worker whose transport knows it is gone (a broken pipe, a dead Ray actor)
+        counts as left. Unlike :meth:`status`, never cut short: one entry per worker.
+        """
+        lost = {r.index: lost_peers(r.hub) for r in self._runners}
+        with self._cond:
+            return self.fleet.acked_versions(lost)
+
+    def current_workers(self) -> frozenset[int]:
+        """Ids of the workers known to hold the latest version (what ``connect()`` and
+        every later send gave them); before anything is published, every connected one."""
+        lost = {r.index: lost_peers(r.hub) for r in self._runners}
+        with self._cond:
+            return self.fleet.current(lost)
+
+    # --- lifecycle -------------------------------------------------------------------
 
     def _holding_baton(self, hub: int = 0) -> Any:
         """Hold hub ``hub``'s baton: its transport may be used by this thread meanwhile."""
         return self._runners[hub].holding()
-
-    # --- status & lifecycle ----------------------------------------------------------
 
     @property
     def closed(self) -> bool:
@@ -493,5 +1031,5 @@ class WeightSender(Copying, Waiting, Handling, Reporting):
             runner.stop()
         for runner in self._runners:
             runner.hub.close()
-        self._snapshot = None
+        self._versions.serve(None)
         self._pending = None

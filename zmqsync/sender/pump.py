@@ -1,5 +1,6 @@
-"""One hub and the pump thread that serves it: who holds the hub (the baton), and the
-window of chunks each transfer may have in the transport at once."""
+"""One hub and the pump thread that serves it: who holds the hub (the baton), the
+window of chunks each transfer may have in the transport at once, and how long a
+stopped peer may hold a chunk (the stall clock)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,25 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, Protocol
 
 import numpy as np
 
+from zmqsync.sender.stats import SendStats
 from zmqsync.sender.transfers import Copy, Forwarded, Transfer
-from zmqsync.transport.base import HubTransport, Lends, PeerId, Stream, Waitable
+from zmqsync.transport.base import HubTransport, Incoming, Lends, PeerId, Stream, Waitable
 from zmqsync.transport.wakeup import Wakeup
-
-if TYPE_CHECKING:
-    from zmqsync.sender.core import WeightSender
 
 __all__ = [
     "MAX_REPAIRS",
     "PUMP_TICK",
+    "STALL_MEMORY",
     "WINDOW",
     "WINDOW_WAIT",
     "HubRunner",
     "InFlight",
+    "PumpHost",
+    "StallClock",
     "sum_counters",
 ]
 
@@ -48,6 +50,18 @@ MAX_REPAIRS: Final = 8
 READING_GRACE: Final = 0.25
 #: How long a transfer blocked on its window waits for transports before looking again.
 WINDOW_WAIT: Final = 0.0005
+#: A chunk held this long (seconds), and far longer than chunks usually take, counts as
+#: held by a stopped peer: the window goes on without it. The peer's transport queue then
+#: fills, its later chunks are dropped and its stream breaks; it is repaired once back.
+STALL_MIN: Final = 0.25
+STALL_MAX: Final = 10.0
+#: How many times the usual release time a chunk may take before it counts as stalled.
+STALL_FACTOR: Final = 8.0
+#: For this long after a stall, a stopped peer is known to be about: chunks it pins are
+#: waited for only a little (its transport queue fills within a few windows, and each
+#: would otherwise cost the whole fleet a full stall limit).
+STALL_MEMORY: Final = 5.0
+STALL_KNOWN: Final = 0.02
 
 
 def sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
@@ -56,6 +70,52 @@ def sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
         for k, v in c.items():
             total[k] = total.get(k, 0) + v
     return total
+
+
+class StallClock:
+    """How long chunks usually take to be let go of, and when one last stalled: how
+    long a chunk may be held before its holder counts as stopped. The pumps of one
+    sender share one, so that what one hub learns of a stopped peer holds for all."""
+
+    __slots__ = ("last_stall", "release_time")
+
+    def __init__(self) -> None:
+        #: How long chunks usually take to be let go of (seconds, a moving average).
+        self.release_time = 0.01
+        #: When a chunk last stalled (time.monotonic()).
+        self.last_stall = -STALL_MEMORY
+
+    def released_after(self, seconds: float) -> None:
+        """A chunk was let go of ``seconds`` after it was sent (an upper bound)."""
+        self.release_time += 0.2 * (seconds - self.release_time)
+
+    def limit(self, now: float) -> float:
+        """How long a chunk may be held, at ``now``, before its holder counts as stopped."""
+        limit = min(STALL_MAX, max(STALL_MIN, STALL_FACTOR * self.release_time))
+        if now - self.last_stall < STALL_MEMORY:
+            return min(limit, max(STALL_KNOWN, 2 * self.release_time))
+        return limit
+
+    def stalled(self, now: float) -> None:
+        """A chunk was held past the limit at ``now``: a stopped peer is about."""
+        self.last_stall = now
+
+
+class PumpHost(Protocol):
+    """What a pump needs from the sender it serves, called on the pump's thread holding
+    the runner's baton (but :meth:`forwarded_version`, from any thread)."""
+
+    def housekeeping(self, runner: HubRunner) -> None:
+        """Between messages: timers, and what is to be done on this runner's hub."""
+
+    def handle(self, incoming: Incoming, runner: HubRunner) -> None:
+        """One message that came through this runner's hub. Never raises."""
+
+    def pump_failed(self, exc: BaseException) -> None:
+        """The pump stopped on ``exc`` (its thread ends)."""
+
+    def forwarded_version(self) -> int | None:
+        """The version of a stream the host forwards (a relay), if any."""
 
 
 class InFlight(NamedTuple):
@@ -84,10 +144,22 @@ class HubRunner:
     with the baton held; a sending thread then wakes it (``hub.wake()``) and it lets go.
     """
 
-    def __init__(self, sender: WeightSender, hub: HubTransport, index: int) -> None:
-        self.sender = sender
+    def __init__(
+        self,
+        host: PumpHost,
+        hub: HubTransport,
+        index: int,
+        *,
+        stats: SendStats,
+        clock: StallClock | None = None,
+        name: str = "",
+    ) -> None:
+        self._host = host
         self.hub = hub
         self.index = index
+        #: Where chunks sent and stalls are counted.
+        self._stats = stats
+        self.clock = StallClock() if clock is None else clock
         #: The hub's abilities this runner uses, if it has them.
         self._waitable = hub if isinstance(hub, Waitable) else None
         self._lends = hub if isinstance(hub, Lends) else None
@@ -102,7 +174,7 @@ class HubRunner:
         #: Effects of the fleet core meant for this hub, decided on another hub's thread.
         self.later: deque[Any] = deque()
         #: Peers that asked for status while a send waited for acks, and when this hub
-        #: last sent a report (see Handling).
+        #: last sent a report (the sender answers them; see its STATUS_INTERVAL).
         self.status_askers: deque[PeerId] = deque()
         self.status_at = float("-inf")
         #: Versions streaming to this hub (the baton holder advances them), oldest first,
@@ -114,12 +186,13 @@ class HubRunner:
         self.inflight: deque[InFlight] = deque()
         self._window_full = False  # whether the last advance() stopped at a full window
         self._thread = threading.Thread(
-            target=self._run, name=f"zmqsync-sender-{sender.model_id}-{hub.name}", daemon=True
+            target=self._run, name=f"zmqsync-sender-{name}-{hub.name}", daemon=True
         )
 
-    def start(self) -> None:
-        # One hub: the sending thread reads the acks (see WeightSender._await_acks).
-        self._acks = len(self.sender._runners) > 1
+    def start(self, *, wake_for_acks: bool = True) -> None:
+        """Start the pump; ``wake_for_acks``: False when the sending thread reads the acks
+        itself (one hub), so that the pump does not wake for them."""
+        self._acks = wake_for_acks
         if self._waitable is not None:
             self._pokes = Wakeup()
             self._waiting = True
@@ -135,6 +208,23 @@ class HubRunner:
             streaming = self.advance()
         if streaming and self._waiting:
             self._poke()  # the pump streams the rest if this thread does not
+
+    def send_more(self) -> None:
+        """Send what the window allows now (taking the baton); the pump streams the rest."""
+        with self.holding():
+            streaming = self.advance()
+        if streaming and self._waiting:
+            self._poke()
+
+    def streams(self, copy: Copy | Forwarded) -> bool:
+        """Whether a transfer streams ``copy`` to this hub (taking the baton)."""
+        with self.holding():
+            return any(t.copy is copy for t in self.transfers)
+
+    def drop_unreadable(self) -> None:
+        """Stop the transfers whose copy can no longer be read (taking the baton)."""
+        with self.holding():
+            self.transfers = deque(t for t in self.transfers if t.copy.readable)
 
     def lending(self) -> bool:
         """Whether the hub lends memory its peers read in place, now."""
@@ -174,12 +264,12 @@ class HubRunner:
             for t in self.transfers
         ):
             return True
-        forwarding = self.sender._forwarding
-        if forwarding is None:
+        forwarded = self._host.forwarded_version()
+        if forwarded is None:
             return False
         now = time.monotonic()
         return any(
-            version == forwarding.copy.version
+            version == forwarded
             and (to is None or peer in to)
             and now - finished < max(finished - started, READING_GRACE)
             for version, to, started, finished in self.done
@@ -188,7 +278,7 @@ class HubRunner:
     def advance(self) -> bool:
         """Send the chunks the window allows (holding the baton); True while some
         transfer has chunks left to send."""
-        sender = self.sender
+        clock, totals = self.clock, self._stats.totals
         inflight = self.inflight
         now = time.monotonic()
         while self.transfers:
@@ -196,15 +286,15 @@ class HubRunner:
                 sent_at = inflight.popleft().sent_at
                 if self._window_full:
                     # Watched closely (the window was full): how long chunks take to go.
-                    sender._released_after(now - sent_at)
+                    clock.released_after(now - sent_at)
             self._window_full = False
             if len(inflight) >= WINDOW:
-                if now - inflight[0].sent_at <= sender._stall_limit():
+                if now - inflight[0].sent_at <= clock.limit(now):
                     self._window_full = True
                     return True
                 inflight.popleft()  # held by a stopped peer: go on without it
-                sender._totals["stalls"] += 1
-                sender._last_stall = now
+                totals["stalls"] += 1
+                clock.stalled(now)
                 continue
             transfer = self.transfers[0]
             if not transfer.copy.readable:
@@ -223,7 +313,7 @@ class HubRunner:
             now = time.monotonic()
             inflight.append(InFlight(now, refs))
             transfer.next += 1
-            sender._totals["chunks_sent"] += 1
+            totals["chunks_sent"] += 1
             if transfer.sent:
                 self.transfers.popleft()
                 if transfer.spans is None:  # a delta brings the version to some only
@@ -278,17 +368,17 @@ class HubRunner:
                 with self._baton:
                     if self._stopping:
                         break
-                    self.sender._housekeeping(self)
+                    self._host.housekeeping(self)
                     streaming = self.advance()
                     incoming = self.hub.recv_frames(WINDOW_WAIT if streaming else PUMP_TICK)
                     while incoming is not None:
-                        self.sender._handle(incoming, self)
+                        self._host.handle(incoming, self)
                         if self._wanted:
                             break
                         incoming = self.hub.recv_frames(0)
         except BaseException as exc:
             if not self._stopping:
-                self.sender._pump_failed(exc)
+                self._host.pump_failed(exc)
 
     def _run_waiting(self) -> None:
         """The pump of a hub with descriptors: wait holding nothing, then read it all."""
@@ -309,12 +399,12 @@ class HubRunner:
             with self._baton:
                 if self._stopping:
                     break
-                self.sender._housekeeping(self)
+                self._host.housekeeping(self)
                 self.advance()
                 look = False
                 incoming = self.hub.recv_frames(0)
                 while incoming is not None:
-                    self.sender._handle(incoming, self)
+                    self._host.handle(incoming, self)
                     if self._wanted:
                         look = True  # let the sender have it; read the rest after
                         break

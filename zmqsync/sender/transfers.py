@@ -11,7 +11,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -23,9 +23,6 @@ from zmqsync.tensors.flatten import Flat
 from zmqsync.transport.base import PeerId
 from zmqsync.vocabulary import Metadata
 
-if TYPE_CHECKING:
-    from zmqsync.sender.state import SenderState
-
 __all__ = [
     "Copy",
     "Forwarded",
@@ -33,6 +30,7 @@ __all__ = [
     "Lent",
     "Pending",
     "Ring",
+    "Stamp",
     "Transfer",
     "ViewLease",
     "stream_checksums",
@@ -166,6 +164,16 @@ class Ring:
         return sum(slot.nbytes for slot, _ in self._slots)
 
 
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """What every chunk of a copy carries besides its bytes and version: the model, the
+    sender's life (epoch), and whether each chunk carries a CRC-32 of its bytes."""
+
+    model_id: str
+    epoch: int
+    checksums: bool
+
+
 class Copy:
     """One version's byte stream, as every transport sends it.
 
@@ -185,7 +193,7 @@ class Copy:
 
     def __init__(
         self,
-        sender: SenderState,
+        stamp: Stamp,
         version: int,
         layout: StreamLayout,
         data: np.ndarray | None,
@@ -213,9 +221,9 @@ class Copy:
         self.expected: list[int] | None = None
         #: Whether a chunk differed from ``expected``: the weights changed in place.
         self.changed = False
-        self._model_id = sender.model_id
-        self._epoch = sender.epoch
-        self._checksums = sender.checksums
+        self._model_id = stamp.model_id
+        self._epoch = stamp.epoch
+        self._checksums = stamp.checksums
         self._flat: Flat | None = flat
         self._sources = layout.sources(flat) if flat is not None else None
         self._written = 0 if flat is not None else layout.count

@@ -1,0 +1,394 @@
+"""The copies a sender streams from: the version's stream in memory it owns, in a ring
+of chunk buffers, or in shared memory its workers read (share_params); the snapshot of
+the latest version; and, with ``delta``, which blocks each version changed."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from zmqsync.chunking.delta import DELTA_BLOCK, DeltaTracker
+from zmqsync.chunking.layout import StreamLayout
+from zmqsync.protocol import Buffer
+from zmqsync.sender.stats import SendStats
+from zmqsync.sender.transfers import Copy, Forwarded, Ring, Stamp, Transfer, stream_checksums
+from zmqsync.tensors.extract import KeyPath, extract
+from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD, Flat, Flattener
+from zmqsync.tensors.model_tensors import ModelTensors
+from zmqsync.tensors.shared_params import SharedParams, why_not_shared
+from zmqsync.transport.base import PeerId
+
+__all__ = ["Outlet", "VersionStore"]
+
+log = logging.getLogger("zmqsync.sender")
+
+
+class Outlet(Protocol):
+    """What the store needs of each hub a sender streams through (its pump's runner)."""
+
+    def holding(self) -> AbstractContextManager[None]:
+        """Hold the hub: no pump writes a chunk to it meanwhile."""
+
+    def lending(self) -> bool:
+        """Whether the hub lends memory its peers read in place, now."""
+
+    def lend(self, nbytes: int) -> Any:
+        """``nbytes`` of memory the hub lends (None: none to lend)."""
+
+    def streams(self, copy: Copy | Forwarded) -> bool:
+        """Whether a transfer streams ``copy`` to the hub now."""
+
+
+class VersionStore:
+    """The copies one sender streams its versions from, and the snapshot it serves.
+
+    It owns the stream's layout, the ring of chunk buffers, the snapshot (guarded by its
+    own lock: a pump reads it to serve a late joiner while a send replaces it), the
+    model's tensors in shared memory (``share_params``) and the delta tracker
+    (``delta``). ``outlets`` are the hubs it streams through, in order.
+
+    Args:
+        stamp: what every chunk carries (model, epoch, checksums); see :meth:`new_life`.
+        strategy, pack_threshold, wire_dtype: how weights are flattened.
+        chunk_bytes: the most bytes one chunk carries.
+        retain_snapshot: keep the latest version whole once sent.
+        share_params: send the model's own tensors from shared memory a hub lends.
+        stats: where moves of the model's tensors are counted (``params_moved``).
+    """
+
+    def __init__(
+        self,
+        outlets: Sequence[Outlet],
+        stamp: Stamp,
+        *,
+        strategy: str,
+        chunk_bytes: int,
+        stats: SendStats,
+        retain_snapshot: bool = True,
+        share_params: bool = False,
+        wire_dtype: torch.dtype | None = None,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+    ) -> None:
+        self.stamp = stamp
+        self.strategy = strategy
+        self.chunk_bytes = chunk_bytes
+        self.retain_snapshot = retain_snapshot
+        self.share_params = share_params
+        self.wire_dtype = wire_dtype
+        self._outlets = outlets
+        self._stats = stats
+        self._flattener = Flattener(strategy, pack_threshold=pack_threshold, wire_dtype=wire_dtype)
+        self._model_tensors = ModelTensors(strategy)
+        #: The layout of the latest stream, reused while the weights fit it.
+        self.layout: StreamLayout | None = None
+        #: The chunk buffers sends without a snapshot stream through.
+        self.ring = Ring(chunk_bytes)
+        self._snapshot: Copy | None = None
+        self._snapshot_lock = threading.Lock()
+        self._tracker: DeltaTracker | None = None
+        #: The model's tensors in a hub's shared memory (share_params), and why not.
+        self._shared: SharedParams | None = None
+        self.share_problem: str | None = None
+
+    @property
+    def snapshot(self) -> Copy | None:
+        """The copy late joiners and repairs are served from (None: none is kept)."""
+        return self._snapshot
+
+    def serve(self, copy: Copy | None) -> Copy | None:
+        """Serve ``copy`` to late joiners and repairs from now on (None: nothing);
+        returns the copy served until now."""
+        with self._snapshot_lock:
+            old, self._snapshot = self._snapshot, copy
+        return old
+
+    def new_life(self, epoch: int) -> None:
+        """Copies carry ``epoch`` from now on; the snapshot of the life before is served
+        to nobody."""
+        self.stamp = Stamp(self.stamp.model_id, epoch, self.stamp.checksums)
+        self.serve(None)
+
+    def latest(self, version: int, pending: Copy | None, held: bool = False) -> Copy | None:
+        """What serves ``version`` (the latest) to a worker that lacks it: the snapshot
+        or ``pending`` (the copy a send streams), if still readable; None if neither.
+        ``held``: serve the snapshot whatever its version (a relay serves the latest it
+        holds whole while it forwards the next)."""
+        with self._snapshot_lock:
+            snapshot = self._snapshot
+            if (
+                snapshot is not None
+                and snapshot.readable  # not version 0 read from weights changed since
+                and (held or snapshot.version == version)
+            ):
+                return snapshot
+            if pending is not None and pending.version == version and pending.readable:
+                return pending
+        return None
+
+    def whole(
+        self,
+        version: int,
+        layout: StreamLayout,
+        data: np.ndarray,
+        metadata: Any = None,
+    ) -> Copy:
+        """A copy of a stream held whole elsewhere (``data``, laid out as ``layout``):
+        nothing is written into it."""
+        return Copy(self.stamp, version, layout, data, None, metadata=metadata)
+
+    # --- making copies -----------------------------------------------------------------
+
+    def copy_of(self, weights: Any, version: int, *, model: Any, whole: bool = True) -> Copy:
+        """``weights`` (``None``: ``model``'s), to be copied chunk by chunk as it is
+        sent: into memory the sender owns (``whole``), or through the ring."""
+        source = model if weights is None else weights
+        tensors = (
+            self._model_tensors.get(source)
+            if source is not None
+            else extract(None, self.strategy)  # raises: says what to pass
+        )
+        if not whole and self.share_params and version > 0:
+            # (Version 0 is served through the ring: publishing moves no tensor.)
+            if source is model:
+                live = self._live_copy(tensors, version, model)
+                if live is not None:
+                    return live
+            else:
+                self.share_problem = "send() was given weights that are not the model's"
+        # Tensors on a GPU stay there: each chunk is copied to the host as it is written.
+        flat = self._flattener.flatten(tensors, stage=False)
+        if self.layout is None or not self.layout.fits(flat, self.chunk_bytes):
+            self.layout = StreamLayout(flat, self.chunk_bytes)
+        shared = self._lender()
+        if not whole:
+            self._drop_snapshot()  # none is kept: let the last one go
+            if shared is not None and len(self._outlets) == 1:
+                # Chunks written into blocks the hub lends, which workers copy out
+                # while the next is written; the hub's pool bounds them.
+                ring = Ring(self.chunk_bytes, alloc=shared.lend)
+            else:
+                ring = self.ring
+            return Copy(self.stamp, version, self.layout, None, flat, ring=ring)
+        if shared is not None:
+            # A hub whose workers read shared memory in place: the stream, written once
+            # into memory it lent, IS the transfer (workers copy chunk i out while the
+            # next one is written).
+            with shared.holding():
+                return self._own(version, flat, self.layout, alloc=shared.lend)
+        return self._own(version, flat, self.layout)
+
+    def rendezvous(self, weights: Any, model: Any) -> Copy:
+        """Version 0 without a snapshot (``publish()`` with ``retain_snapshot=False``):
+        read from ``weights`` (``None``: ``model``'s) chunk by chunk through the ring
+        whenever a worker is served, as a send reads them, and checked against each
+        chunk's checksum taken now (one read of the weights, nothing model-sized kept).
+        Weights changed in place since can no longer be sent as version 0: see
+        :class:`Copy`'s ``expected``."""
+        copy = self.copy_of(weights, 0, model=model, whole=False)
+        if copy.ring is self.ring:
+            # A ring of its own, let go of with the copy at the first send: the sends'
+            # ring is sized then (over ipc, say, the hub's blocks serve as theirs).
+            copy.ring = Ring(self.chunk_bytes)
+        sources = copy.sources
+        assert sources is not None
+        copy.expected = stream_checksums(copy.layout, sources)
+        return copy
+
+    def still_read(self, copy: Copy) -> bool:
+        """Whether a transfer still streams ``copy`` or a transport holds its memory: its
+        buffer may be written again only once neither does."""
+        if any(outlet.streams(copy) for outlet in self._outlets):
+            return True
+        return not copy.lease.released  # after: a transfer that ended lent its last chunk
+
+    def _drop_snapshot(self) -> Copy | None:
+        """Keep no snapshot any more; return the one kept. One read from the weights
+        (the published version 0 without a snapshot) is ended, holding every hub: no
+        pump is writing a chunk from it meanwhile."""
+        old = self.serve(None)
+        if old is not None and old.data is None:
+            with contextlib.ExitStack() as held:
+                for outlet in self._outlets:
+                    held.enter_context(outlet.holding())
+                old.end()
+            return None
+        return old
+
+    def _own(
+        self,
+        version: int,
+        flat: Flat,
+        layout: StreamLayout,
+        alloc: Callable[[int], Any] | None = None,
+    ) -> Copy:
+        """Memory the sender owns for ``flat``'s stream (``alloc``: memory a hub lends)."""
+        old = self._drop_snapshot()  # at most one kept copy at a time
+        # The previous stream's memory is reused once no transport reads it any more
+        # (fresh memory costs a page fault per page); else it is left to whoever still
+        # holds it, and freed when they let go.
+        data = None
+        previous = old.version if old is not None and old.layout is layout else None
+        if alloc is not None:
+            data = alloc(layout.total)
+        elif (
+            old is not None
+            and old.data is not None
+            and not old.lent_by_hub
+            and len(old.data) == layout.total
+            and old.lease.released
+        ):
+            data = old.data
+        old = None
+        lent = data is not None and alloc is not None
+        holds = None
+        if data is None:
+            data = np.empty(layout.total, dtype=np.uint8)
+        elif alloc is None:
+            holds = previous  # the previous snapshot's memory: its bytes, whole
+        owned = Copy(self.stamp, version, layout, data, flat, lent_by_hub=lent)
+        owned.holds = holds
+        if self.retain_snapshot or version == 0:
+            self.serve(owned)
+        return owned
+
+    # --- share_params ------------------------------------------------------------------
+
+    def _live_copy(self, tensors: dict[KeyPath, Any], version: int, model: Any) -> Copy | None:
+        """The version as the model's own tensors in shared memory (``share_params``),
+        moved there first if need be; None if they cannot live there."""
+        shared = self._shared
+        if shared is None or not shared.holds(tensors):
+            shared = self.share(model, tensors)
+            if shared is None:
+                return None
+        self._drop_snapshot()  # the published version 0, if still kept
+        return Copy(
+            self.stamp, version, shared.layout, shared.data, None, lent_by_hub=True, live=True
+        )
+
+    def share(self, model: Any, tensors: dict[KeyPath, Any] | None = None) -> SharedParams | None:
+        """Move ``model``'s tensors (``tensors``: as extracted) into a block the hub lends
+        (out of the one they are in, if any); None, and the reason kept in
+        ``share_problem``, if they cannot move."""
+        if tensors is None:
+            tensors = self._model_tensors.get(model)
+        outlet = self._lender()
+        owners = self._model_tensors.owners(model)
+        old, self._shared = self._shared, None
+        why = (
+            "wire_dtype casts every version: the tensors are not the wire bytes"
+            if self.wire_dtype is not None
+            else "no single hub lends shared memory (workers on another host?)"
+            if outlet is None or len(self._outlets) != 1
+            else why_not_shared(tensors, owners)
+        )
+        if why is None:
+            assert outlet is not None and owners is not None
+            flat = self._flattener.flatten(tensors)
+            if self.layout is None or not self.layout.fits(flat, self.chunk_bytes):
+                self.layout = StreamLayout(flat, self.chunk_bytes)
+            with outlet.holding():
+                data = outlet.lend(self.layout.total)
+            if data is None:
+                why = "the hub has no shared-memory block free"
+            else:
+                self._shared = SharedParams(tensors, owners, flat, self.layout, data)
+                self._stats.add("params_moved")
+        if old is not None:
+            old.release(owners or [], private=self._shared is None)
+        if why is not None and why != self.share_problem:
+            log.warning("share_params: sends copy the model's tensors (%s)", why)
+        self.share_problem = why
+        return self._shared
+
+    def _lender(self) -> Outlet | None:
+        """The first hub that lends shared memory to send from, if any."""
+        for outlet in self._outlets:
+            if outlet.lending():
+                return outlet
+        return None
+
+    # --- delta ---------------------------------------------------------------------------
+
+    def record(self, copy: Copy) -> None:
+        """Write a version whole and digest it (``delta``): which blocks it changed.
+
+        The digests read the caller's tensors where they are plain CPU bytes; then only
+        the chunks that changed are written into the previous snapshot's memory, when
+        the copy took it over. Otherwise (casts, a GPU) the stream is written whole
+        first and its bytes digested."""
+        assert copy.data is not None
+        tracker = self._tracker
+        if tracker is None or tracker.layout is not copy.layout:
+            # Blocks no larger than a chunk: a delta never moves more than a chunk for
+            # a change of one byte.
+            tracker = self._tracker = DeltaTracker(copy.layout, min(DELTA_BLOCK, self.chunk_bytes))
+        layout, sources, latest = copy.layout, copy.sources, tracker.latest
+        if sources is not None and layout.stretches(sources, 0, layout.total) is not None:
+
+            def read(lo: int, hi: int) -> list[Buffer]:
+                parts = layout.stretches(sources, lo, hi)
+                assert parts is not None  # every source is plain bytes
+                return parts
+
+            tracker.record(copy.version, read)
+            if copy.holds is not None and copy.holds == latest:
+                copy.write_chunks(tracker.chunks_changed(copy.version))
+            else:
+                copy.write_through(copy.count - 1)
+            return
+        copy.write_through(copy.count - 1)
+        data = memoryview(copy.data.data)
+        tracker.record(copy.version, lambda lo, hi: (data[lo:hi],))
+
+    def delta_transfers(
+        self,
+        copy: Copy,
+        holdings: list[tuple[PeerId, int | None]],
+        fan_out: bool,
+        *,
+        fans_out: bool,
+        lending: bool,
+    ) -> list[Transfer]:
+        """How ``copy`` goes to one hub's targeted peers (``holdings``: each with the
+        version it holds whole, if any) with ``delta``: deltas where they can be
+        applied, the whole version to the rest (``fan_out``: also to peers that are not
+        targeted, as a send to every worker does). ``fans_out``: the hub's one stream
+        reaches every peer; ``lending``: its peers read the lent memory in place."""
+        tracker = self._tracker
+        assert tracker is not None
+        known = [(peer, base) for peer, base in holdings if base is not None]
+        if not known:
+            return [Transfer(copy, None if fan_out else [p for p, _ in holdings])]
+        if fans_out or lending:
+            # One stream reaches every peer: one delta, against the oldest version held.
+            groups = {min(base for _, base in known): [peer for peer, _ in known]}
+        else:
+            groups = {}
+            for peer, base in known:
+                groups.setdefault(base, []).append(peer)
+        whole = [peer for peer, base in holdings if base is None]
+        deltas = []
+        for base, peers in sorted(groups.items()):
+            spans = tracker.spans(base, self.chunk_bytes)
+            if spans is None:
+                whole += peers
+            else:
+                deltas.append((base, peers, spans))
+        if fan_out and not whole and len(deltas) == 1 and fans_out:
+            base, peers, spans = deltas[0]
+            return [Transfer(copy, None, spans, base, len(peers))]
+        # Addressed, so that no worker is sent two streams of one version at once.
+        transfers = [
+            Transfer(copy, peers, spans, base, len(peers)) for base, peers, spans in deltas
+        ]
+        if whole:
+            transfers.append(Transfer(copy, whole))
+        return transfers
