@@ -1,11 +1,10 @@
 """The shape of the code: no import cycles in the library, its command line or its
-benchmarks, type-only imports included; and the relay reaches into no other object's
-private members."""
+benchmarks, type-only imports included; and the relay and the parts of the sender and
+the receiver reach into no other object's private members."""
 
 from __future__ import annotations
 
 import ast
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,65 +14,18 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Packages checked, as (folder, the name it is imported as).
 PACKAGES = (("zmqsync", "zmqsync"), ("cli", "zmqsync_cli"), ("benchmarks", "benchmarks"))
 
-#: Imports known to close a cycle, as (importer, imported): left out of the graph, each
-#: with why it is still here. Emptied as each is removed; an entry that no longer
-#: matches an import fails the test, so the list cannot outlive its edges.
-KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    # The pump names its host's class for typing (under TYPE_CHECKING), which closes a
-    # circle through the sender's core. The sender's reshaping (its pump names what it
-    # needs from its host in a Protocol of its own) removes this import.
-    ("zmqsync.sender.pump", "zmqsync.sender.core"): "the pump imports WeightSender",
-    # A transfer's Copy is built from the whole SenderState (named for typing), which
-    # names the pump and the transfers back: circles of two and three files. The
-    # sender's reshaping builds a Copy from what it needs (model id, epoch, checksums).
-    ("zmqsync.sender.transfers", "zmqsync.sender.state"): "a Copy takes the SenderState",
-}
-
-#: Where relay.py reaches into another object's underscore-prefixed members today, as
-#: "object.member" (as the source spells it) -> how many times. The relay's reshaping
-#: (a receiver and a sender held through public hooks) empties it; a reach not listed,
-#: or more of one, fails the test, and so does an entry the relay no longer makes.
-KNOWN_RELAY_REACHES: Counter[str] = Counter(
-    {
-        # Into the receiver it extends, or holds upstream.
-        "receiver._ack": 1,
-        "receiver._io_lock": 2,
-        "receiver._process": 1,
-        "receiver._schema": 3,
-        "receiver._send_snapshot_request": 1,
-        "receiver._staging": 1,
-        "self.receiver._staging": 1,
-        # Into the sender it extends, or holds downstream, and its pumps.
-        "runner._poke": 1,
-        "runner._waiting": 1,
-        "self.sender._cond": 4,
-        "self.sender._forward": 1,
-        "self.sender._forward_begin": 2,
-        "self.sender._forwarding": 2,
-        "self.sender._serve": 1,
-        "self.sender._snapshot": 1,
-        "self.sender._still_read": 1,
-        # The relay's own parts, into the relay that holds them.
-        "self._relay._abort": 1,
-        "self._relay._before_version": 1,
-        "self._relay._begin": 1,
-        "self._relay._below": 1,
-        "self._relay._completed": 1,
-        "self._relay._forward": 1,
-        "self._relay._owed": 1,
-        "self._relay._refetching": 1,
-        "self._relay._refusals": 1,
-        "self._relay._settled": 1,
-        "self._relay._wants_latest": 1,
-        # The private methods of the classes it subclasses, past its own overrides.
-        "super()._ack": 1,
-        "super()._complete": 1,
-        "super()._on_broken": 1,
-        "super()._on_piece": 1,
-        "super()._on_start": 1,
-        "super()._patchable": 1,
-        "super()._unserved": 1,
-    }
+#: The relay, and the parts the sender and the receiver are composed of: each uses the
+#: others through their public methods and hooks only.
+PARTS = (
+    "relay.py",
+    "sender/pump.py",
+    "sender/stats.py",
+    "sender/transfers.py",
+    "sender/versions.py",
+    "receiver/applying.py",
+    "receiver/observer.py",
+    "receiver/rejections.py",
+    "receiver/session.py",
 )
 
 
@@ -148,10 +100,6 @@ def test_no_import_cycles_type_only_imports_included() -> None:
     mods = _modules()
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     assert len(mods) > 100, sorted(mods)  # the walk found the packages
-    stale = [edge for edge in KNOWN_CYCLE_EDGES if edge[1] not in graph.get(edge[0], set())]
-    assert not stale, f"no longer imported: remove from KNOWN_CYCLE_EDGES: {stale}"
-    for importer, imported in KNOWN_CYCLE_EDGES:
-        graph[importer].discard(imported)
     cycles = _cycles(graph)
     assert not cycles, "import cycles (each import closes one):\n" + "\n".join(
         " -> ".join(c) for c in cycles
@@ -194,20 +142,16 @@ def _private_reaches(tree: ast.AST) -> dict[str, list[int]]:
 
 
 @pytest.mark.timeout(60)
-def test_the_relay_reaches_into_no_other_objects_private_members() -> None:
-    reaches = _private_reaches(ast.parse((ROOT / "zmqsync" / "relay.py").read_text()))
-    new = {
-        reach: lines
-        for reach, lines in sorted(reaches.items())
-        if len(lines) > KNOWN_RELAY_REACHES[reach]
-    }
-    assert not new, (
-        "relay.py reaches into another object's private members (use a public method or "
+@pytest.mark.parametrize("part", PARTS)
+def test_the_relay_and_each_part_reach_into_no_other_objects_private_members(
+    part: str,
+) -> None:
+    reaches = _private_reaches(ast.parse((ROOT / "zmqsync" / part).read_text()))
+    assert not reaches, (
+        f"{part} reaches into another object's private members (use a public method or "
         "hook of that object instead):\n"
-        + "\n".join(f"  {reach} on lines {lines}" for reach, lines in new.items())
+        + "\n".join(f"  {reach} on lines {lines}" for reach, lines in sorted(reaches.items()))
     )
-    stale = sorted(set(KNOWN_RELAY_REACHES) - set(reaches))
-    assert not stale, f"relay.py no longer does these: remove from KNOWN_RELAY_REACHES: {stale}"
 
 
 @pytest.mark.timeout(60)

@@ -52,52 +52,184 @@ IDLE_POLL: Final = 0.05
 REFETCH_INTERVAL: Final = 1.0
 
 
-class _Upstream(ReceiverObserver):
-    """What the relay does as its receiver takes each version: stage it apart from the
+class _Forwarder(ReceiverObserver):
+    """What a relay does as its receiver takes each version: stage it apart from the
     snapshot served, forward each chunk as it comes, serve it once whole, and ack it
-    upstream once its workers hold it."""
+    upstream once its workers hold it; without a snapshot, fetch the latest again when a
+    worker needs it. It owns that state, and uses its receiver and sender through their
+    public calls (it is the receiver's observer, and the sender's ``on_unserved``)."""
 
-    def __init__(self, relay: Relay) -> None:
-        self._relay = relay
+    def __init__(
+        self,
+        receiver: WeightReceiver,
+        sender: WeightSender,
+        *,
+        chunk_bytes: int,
+        retain_snapshot: bool,
+    ) -> None:
+        self.receiver = receiver
+        self.sender = sender
+        self.chunk_bytes = chunk_bytes
+        self.retain_snapshot = retain_snapshot
+        #: An applied ack is owed upstream, until every worker below holds the version.
+        self.owed = False
+        self.stats = {
+            "versions_forwarded": 0,
+            "chunks_forwarded": 0,
+            "aborted": 0,
+            "refetches": 0,
+        }
+        #: The version being forwarded, if any.
+        self._copy: Forwarded | None = None
+        #: The snapshot served before the latest: its buffer stages the next version.
+        self._spare: Copy | None = None
+        #: The layout of the stream the relay holds, reused while the schema is the same.
+        self._layout: StreamLayout | None = None
+        #: Some worker needs the latest version, which it does not keep (set by its
+        #: sender's pump, read by the relay's loop).
+        self._wants_latest = False
+        #: It asked upstream for the latest version again (when), and says it is torn
+        #: until the version comes or REFETCH_INTERVAL passes.
+        self._refetching = False
+        self._refetched_at = -REFETCH_INTERVAL
+
+    # --- the relay's loop --------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Send the ack owed upstream once every worker below holds its version."""
+        if self.owed and self._settled(self.receiver.version):
+            self.owed = False
+            self.receiver.send_ack()
+
+    def unserved(self) -> bool:
+        """Without a snapshot (its sender's pump): a worker needs the latest version. On
+        its way: the relay fetches it (a worker that connects waits for it)."""
+        self._wants_latest = True
+        return True
+
+    def refetch(self) -> None:
+        """Without a snapshot: ask upstream for the latest version again if a worker
+        needs it (once per REFETCH_INTERVAL, for all of them)."""
+        now = time.monotonic()
+        if self._refetching and now - self._refetched_at >= REFETCH_INTERVAL:
+            self._refetching = False  # unanswered: the next need asks again
+        if not self._wants_latest or self._refetching:
+            return
+        self._wants_latest = False
+        self._refetching = True
+        self._refetched_at = now
+        self.stats["refetches"] += 1
+        self.receiver.request_latest()
+
+    def stop(self) -> None:
+        """The relay closes: the version under way goes no further."""
+        if self._copy is not None:
+            self.sender.abort_forward(self._copy)
+            self._copy = None
+
+    # --- the receiver's observer, on the relay loop's thread ---------------------------
 
     def version_starting(self, chunk: Chunk) -> None:
-        self._relay._before_version(chunk)
+        """A version starts: stage it apart from the buffer served, which a late joiner or
+        a repair may read until the version is whole (what is served as v is v's bytes),
+        in the buffer of the snapshot before once nothing reads it (two buffers in all)."""
+        snapshot, staging = self.sender.snapshot, self.receiver.staging
+        if snapshot is None or not staging.nbytes or snapshot.data is not staging.array:
+            return  # what staging holds is served to nobody
+        spare, self._spare = self._spare, None
+        free = spare.data if spare is not None and not self.sender.still_read(spare) else None
+        # A delta patches the version held: it goes on from a copy of its bytes.
+        staging.hand_over(free, keep=chunk.base is not None)
 
     def version_started(self, chunk: Chunk) -> None:
         # If it raises, the receiver drops the version: without its first chunk, the
         # version is asked for again (never staged without being forwarded).
-        self._relay._begin(chunk)
+        self.stop()
+        receiver = self.receiver
+        if (chunk.version, chunk.epoch) == (receiver.version, receiver.epoch):
+            # The version it holds, fetched again: for its workers that lack it.
+            lacking = self.sender.lacking(chunk.version)
+            if lacking:
+                self._copy, _ = self.sender.begin_forward(chunk, targets=lacking)
+            return
+        # A newer version, or (restart) the one it forwards, streamed again upstream.
+        self._copy, restart = self.sender.begin_forward(chunk)
+        if not restart:
+            self.owed = False  # a newer version supersedes the one owed
+            self.stats["versions_forwarded"] += 1
 
     def chunk_arrived(self, chunk: Chunk) -> None:
-        self._relay._forward(chunk)  # before the receiver stages it: cut-through
+        # Before the receiver stages it: cut-through.
+        copy = self._copy
+        if copy is None:
+            return
+        schema_bytes = None
+        if chunk.first:
+            schema_bytes = self._layout_of(chunk).schema_bytes
+        self.sender.forward_chunk(copy, chunk.index, encode(chunk, schema_bytes=schema_bytes))
+        self.stats["chunks_forwarded"] += 1
 
     def version_completed(self, chunk: Chunk, schema: WeightsSchema) -> None:
-        self._relay._completed(schema)
+        """The version (laid out as ``schema``) is whole in the staging buffer: serve it
+        to late joiners."""
+        self._refetching = False
+        receiver = self.receiver
+        if not self.retain_snapshot:
+            self._copy = None
+            return
+        layout = self._layout
+        if layout is None or layout.schema is not schema:
+            layout = self._layout = StreamLayout.received(schema, self.chunk_bytes)
+        data = receiver.staging.array
+        old = self.sender.serve_whole(receiver.version, layout, data, receiver.metadata)
+        if old is not None and old.data is not data:
+            self._spare = old  # nothing stages into it while it may be served
+        self._copy = None
 
     def version_broken(self, broken: Broken) -> None:
-        self._relay._abort()
+        if self._copy is not None:
+            self.stop()
+            self.stats["aborted"] += 1
 
     def review_ack(self, ack: PendingAck) -> PendingAck | None:
-        relay = self._relay
         if ack.applied:
-            version = relay.receiver.version
-            if not relay._settled(version):
-                relay._owed = True  # acked once every worker below holds it
+            version = self.receiver.version
+            if not self._settled(version):
+                self.owed = True  # acked once every worker below holds it
                 return None
-            refused = relay._refusals(version)
+            # Its workers' refusals go up as its own: the learner's send then raises
+            # WeightsRejected naming them, as for workers of its own.
+            refused = self.sender.forward_refusals(version, self.receiver.worker_idx)
             if refused:
-                # Its workers' refusals go up as its own: the learner's send then raises
-                # WeightsRejected naming them, as for workers of its own.
                 return dataclasses.replace(ack, applied=False, reason=refused)
         return ack
 
     def below(self) -> dict[str, Any]:
-        return self._relay._below()
+        """Its workers and the version each holds, and those behind its own relays (so
+        that a send upstream may target any of them)."""
+        return self.sender.below(MAX_BELOW)
 
     def wants_resend(self) -> bool:
         # While it fetches the latest version again, it says it holds none whole: the
-        # upstream then sends it (see Relay._refetch).
-        return self._relay._refetching
+        # upstream then sends it (see refetch).
+        return self._refetching
+
+    # --- its own -------------------------------------------------------------------------
+
+    def _settled(self, version: int) -> bool:
+        """Whether every worker an ack upstream waits for holds ``version``: those it
+        was forwarded to (its targets, when it came with some), else every live one."""
+        return self.sender.forward_settled(version, self.receiver.epoch)
+
+    def _layout_of(self, chunk: Chunk) -> StreamLayout:
+        layout = self._layout
+        if layout is None or layout.schema is not chunk.schema:
+            assert chunk.schema is not None
+            layout = StreamLayout.received(chunk.schema, self.chunk_bytes)
+            if layout.layout != chunk.layout:
+                raise SchemaMismatchError("the schema does not encode to its own digest")
+            self._layout = layout
+        return layout
 
 
 class Relay(ClosesOnExit):
@@ -140,16 +272,10 @@ class Relay(ClosesOnExit):
         self.model_id = model_id
         self.chunk_bytes = chunk_bytes
         self.retain_snapshot = retain_snapshot
-        #: Some worker needs the latest version, which it does not keep (set by its
-        #: sender's pump, read by its loop).
-        self._wants_latest = False
-        #: It asked upstream for the latest version again (when), and says it is torn
-        #: until the version comes or REFETCH_INTERVAL passes.
-        self._refetching = False
-        self._refetched_at = -REFETCH_INTERVAL
         # Its two halves move the same model the same way.
         model: dict[str, Any] = {"model_id": model_id, "strategy": strategy, "timeout": timeout}
-        # The relay keeps the snapshot (or none), not its sender: see _completed.
+        # The relay keeps the snapshot (or none), not its sender: see
+        # _Forwarder.version_completed.
         self.sender = WeightSender(
             hub,
             retain_snapshot=False,
@@ -158,8 +284,6 @@ class Relay(ClosesOnExit):
             chunk_bytes=chunk_bytes,
             **model,
         )
-        if not retain_snapshot:
-            self.sender.on_unserved = self._unserved
         # Its receiver applies versions to nothing but its staging buffer (or keeps
         # nothing), and tells the relay of each chunk as it comes.
         self.receiver = WeightReceiver(
@@ -171,23 +295,16 @@ class Relay(ClosesOnExit):
             timeout=timeout,
             failover=failover,
         )
-        self.receiver.add_observer(_Upstream(self))
-        #: The version being forwarded, if any.
-        self._copy: Forwarded | None = None
-        #: The snapshot served before the latest: its buffer stages the next version.
-        self._spare: Copy | None = None
-        #: The layout of the stream the relay holds, reused while the schema is the same.
-        self._layout: StreamLayout | None = None
-        #: An applied ack is owed upstream, until every worker below holds the version.
-        self._owed = False
+        self._forwarder = _Forwarder(
+            self.receiver, self.sender, chunk_bytes=chunk_bytes, retain_snapshot=retain_snapshot
+        )
+        self.receiver.add_observer(self._forwarder)
+        if not retain_snapshot:
+            self.sender.on_unserved = self._forwarder.unserved
+        #: What it forwarded: versions, chunks, aborted versions, refetches.
+        self.stats = self._forwarder.stats
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.stats = {
-            "versions_forwarded": 0,
-            "chunks_forwarded": 0,
-            "aborted": 0,
-            "refetches": 0,
-        }
 
     @classmethod
     def over_zmq(
@@ -267,7 +384,7 @@ class Relay(ClosesOnExit):
                 worker=receiver.worker_idx,
                 version=receiver.version,
                 epoch=receiver.epoch,
-                ack_owed=self._owed,
+                ack_owed=self._forwarder.owed,
                 receiver=dict(receiver.stats),
             ),
             relay=RelayCounts(**self.stats),
@@ -278,134 +395,21 @@ class Relay(ClosesOnExit):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
-        if self._copy is not None:
-            self.sender.abort_forward(self._copy)
+        self._forwarder.stop()
         self.receiver.close()
         self.sender.close()
 
     # --- the loop --------------------------------------------------------------------
 
     def _run(self) -> None:
-        receiver = self.receiver
+        receiver, forwarder = self.receiver, self._forwarder
         while not self._stop.is_set():
             try:
-                receiver.poll(ACK_POLL if self._owed else IDLE_POLL)
-                if self._owed and self._settled(receiver.version):
-                    self._owed = False
-                    receiver.send_ack()
-                self._refetch()
+                receiver.poll(ACK_POLL if forwarder.owed else IDLE_POLL)
+                forwarder.settle()
+                forwarder.refetch()
             except Exception:
                 if self._stop.is_set() or receiver.closed:
                     return
                 log.exception("relay %s: its loop failed; going on", self.model_id)
                 time.sleep(IDLE_POLL)
-
-    def _unserved(self) -> bool:
-        """Without a snapshot (its sender's pump): a worker needs the latest version. On
-        its way: the relay fetches it (a worker that connects waits for it)."""
-        self._wants_latest = True
-        return True
-
-    def _refetch(self) -> None:
-        """Without a snapshot: ask upstream for the latest version again if a worker
-        needs it (once per REFETCH_INTERVAL, for all of them)."""
-        now = time.monotonic()
-        if self._refetching and now - self._refetched_at >= REFETCH_INTERVAL:
-            self._refetching = False  # unanswered: the next need asks again
-        if not self._wants_latest or self._refetching:
-            return
-        self._wants_latest = False
-        self._refetching = True
-        self._refetched_at = now
-        self.stats["refetches"] += 1
-        self.receiver.request_latest()
-
-    # --- called by its receiver, on the loop's thread ---------------------------------
-
-    def _before_version(self, chunk: Chunk) -> None:
-        """A version starts: stage it apart from the buffer served, which a late joiner or
-        a repair may read until the version is whole (what is served as v is v's bytes),
-        in the buffer of the snapshot before once nothing reads it (two buffers in all)."""
-        snapshot, staging = self.sender.snapshot, self.receiver.staging
-        if snapshot is None or not staging.nbytes or snapshot.data is not staging.array:
-            return  # what staging holds is served to nobody
-        spare, self._spare = self._spare, None
-        free = spare.data if spare is not None and not self.sender.still_read(spare) else None
-        # A delta patches the version held: it goes on from a copy of its bytes.
-        staging.hand_over(free, keep=chunk.base is not None)
-
-    def _begin(self, chunk: Chunk) -> None:
-        if self._copy is not None:
-            self.sender.abort_forward(self._copy)
-            self._copy = None
-        receiver = self.receiver
-        if (chunk.version, chunk.epoch) == (receiver.version, receiver.epoch):
-            # The version it holds, fetched again: for its workers that lack it.
-            lacking = self.sender.lacking(chunk.version)
-            if lacking:
-                self._copy, _ = self.sender.begin_forward(chunk, targets=lacking)
-            return
-        # A newer version, or (restart) the one it forwards, streamed again upstream.
-        self._copy, restart = self.sender.begin_forward(chunk)
-        if not restart:
-            self._owed = False  # a newer version supersedes the one owed
-            self.stats["versions_forwarded"] += 1
-
-    def _forward(self, chunk: Chunk) -> None:
-        copy = self._copy
-        if copy is None:
-            return
-        schema_bytes = None
-        if chunk.first:
-            layout = self._layout_of(chunk)
-            schema_bytes = layout.schema_bytes
-        self.sender.forward_chunk(copy, chunk.index, encode(chunk, schema_bytes=schema_bytes))
-        self.stats["chunks_forwarded"] += 1
-
-    def _layout_of(self, chunk: Chunk) -> StreamLayout:
-        layout = self._layout
-        if layout is None or layout.schema is not chunk.schema:
-            assert chunk.schema is not None
-            layout = StreamLayout.received(chunk.schema, self.chunk_bytes)
-            if layout.layout != chunk.layout:
-                raise SchemaMismatchError("the schema does not encode to its own digest")
-            self._layout = layout
-        return layout
-
-    def _completed(self, schema: WeightsSchema) -> None:
-        """The version (laid out as ``schema``) is whole in the staging buffer: serve it
-        to late joiners."""
-        self._refetching = False
-        receiver = self.receiver
-        if not self.retain_snapshot:
-            self._copy = None
-            return
-        layout = self._layout
-        if layout is None or layout.schema is not schema:
-            layout = self._layout = StreamLayout.received(schema, self.chunk_bytes)
-        data = receiver.staging.array
-        old = self.sender.serve_whole(receiver.version, layout, data, receiver.metadata)
-        if old is not None and old.data is not data:
-            self._spare = old  # nothing stages into it while it may be served
-        self._copy = None
-
-    def _abort(self) -> None:
-        if self._copy is not None:
-            self.sender.abort_forward(self._copy)
-            self._copy = None
-            self.stats["aborted"] += 1
-
-    def _settled(self, version: int) -> bool:
-        """Whether every worker an ack upstream waits for holds ``version``: those it
-        was forwarded to (its targets, when it came with some), else every live one."""
-        return self.sender.forward_settled(version, self.receiver.epoch)
-
-    def _refusals(self, version: int) -> str:
-        """Why workers below refused ``version`` (the version it forwards), in one line,
-        each named; empty when none did."""
-        return self.sender.forward_refusals(version, self.receiver.worker_idx)
-
-    def _below(self) -> dict[str, Any]:
-        """Its workers and the version each holds, and those behind its own relays (so
-        that a send upstream may target any of them)."""
-        return self.sender.below(MAX_BELOW)
