@@ -26,6 +26,7 @@ PARTS = (
     "receiver/observer.py",
     "receiver/rejections.py",
     "receiver/session.py",
+    "receiver/stats.py",
 )
 
 

@@ -34,29 +34,13 @@ from zmqsync.receiver.applying import Applier, Keep
 from zmqsync.receiver.observer import Observers
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import FAILOVER_MIN_SECONDS, UpstreamSession
+from zmqsync.receiver.stats import new_stats
 from zmqsync.tensors.version_messages import version_messages
 from zmqsync.testing import memory_fleet
 from zmqsync.transport.base import HubTransport, SpokeTransport
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _stats() -> dict[str, Any]:
-    return {
-        "received_bytes": 0,
-        "applied": 0,
-        "duplicates": 0,
-        "stale": 0,
-        "rejected_frames": 0,
-        "last_apply_s": 0.0,
-        "chunks": 0,
-        "broken_streams": 0,
-        "torn": 0,
-        "deltas": 0,
-        "deltas_skipped": 0,
-        "failovers": 0,
-    }
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
@@ -138,7 +122,7 @@ def _applier(
     host, watcher = ApplyHostFake(), watcher or Watcher()
     observers = Observers()
     observers.add(watcher)
-    stats = _stats()
+    stats = new_stats()
     applier = Applier(
         host,
         model_id="policy",
@@ -304,7 +288,7 @@ def _session(
     host, watcher = host or SessionHostFake(), watcher or Watcher()
     observers = Observers()
     observers.add(watcher)
-    stats = _stats()
+    stats = new_stats()
     session = UpstreamSession(
         host,
         spoke,

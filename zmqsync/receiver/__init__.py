@@ -3,8 +3,9 @@ whole or not at all, and acks them.
 
 :mod:`.core` is the receiver and its loop, holding two parts: :mod:`.session` its
 conversation with the sender (hellos, heartbeats, acks, failover) and :mod:`.applying` a
-version's chunks into the model; :mod:`.observer` what it tells those who watch it take
-versions (a relay); :mod:`.lock` the lock a forward pass holds.
+version's chunks into the model, which share its counts (:mod:`.stats`) and the
+messages it refused (:mod:`.rejections`); :mod:`.observer` what it tells those who watch
+it take versions (a relay); :mod:`.lock` the lock a forward pass holds.
 """
 
 from zmqsync.receiver.applying import APPLY_MODES, KEEPS, STAGED_MAX_BYTES, Keep

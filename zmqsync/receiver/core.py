@@ -34,6 +34,7 @@ from zmqsync.receiver.lock import WeightsLock
 from zmqsync.receiver.observer import Observers, PendingAck, ReceiverObserver
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import UpstreamSession
+from zmqsync.receiver.stats import new_stats
 from zmqsync.transport.base import SpokeTransport, has_input
 from zmqsync.vocabulary import Metadata, Strategy
 
@@ -109,20 +110,7 @@ class WeightReceiver:
             raise ValueError("keep= is for a receiver without a model or sink")
         self.model_id = model_id
         self.timeout = timeout
-        self.stats: dict[str, Any] = {
-            "received_bytes": 0,
-            "applied": 0,
-            "duplicates": 0,
-            "stale": 0,
-            "rejected_frames": 0,
-            "last_apply_s": 0.0,
-            "chunks": 0,
-            "broken_streams": 0,
-            "torn": 0,
-            "deltas": 0,
-            "deltas_skipped": 0,
-            "failovers": 0,
-        }
+        self.stats: dict[str, Any] = new_stats()
         self._rejections = Rejections(self.stats)
         #: The reasons of the last messages it refused, latest last.
         self.rejections: deque[str] = self._rejections.recent
