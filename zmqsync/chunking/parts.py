@@ -1,0 +1,306 @@
+"""A version made of parts (a sharded learner's ranks, each sending its own boxes of the
+global tensors), gathered into one whole stream, without torch.
+
+:func:`assemble` checks once per set of part layouts that the parts make whole tensors
+(one dtype and global shape per tensor, boxes that tile it exactly) and lays the whole
+version out as a plain stream; :class:`PartGather` follows one stream per part and,
+once every part of a version is in, writes their boxes into that stream's buffer and
+hands it on as one whole chunk, which a receiver applies as any version.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from zmqsync.chunking.layout import STREAM_ALIGN
+from zmqsync.chunking.staging import Staging
+from zmqsync.errors import FrameError
+from zmqsync.protocol import DTYPE_ITEMSIZE, Chunk, TensorEntry, WeightsSchema, encode_schema
+from zmqsync.protocol.codec import layout_digest
+from zmqsync.protocol.stream import Apply, Broken, ChunkStream, Start
+
+__all__ = ["Assembly", "GatherEvent", "Held", "Lost", "PartGather", "Refused", "Whole", "assemble"]
+
+#: Part layouts whose assembly a gather remembers (one per set of layouts seen lately).
+_ASSEMBLIES: Final = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """One part entry's box, written into the whole stream."""
+
+    source: int  # where its bytes start in the part's stream
+    nbytes: int
+    shape: tuple[int, ...]  # the box's
+    offsets: tuple[int, ...]
+    whole: tuple[int, ...]  # the global tensor's shape
+    target: int  # where the global tensor starts in the whole stream
+    itemsize: int
+
+
+@dataclass(frozen=True, slots=True)
+class Assembly:
+    """How ``parts`` (one schema per part, in part order) make one whole version:
+    ``schema``, a plain layout of the whole tensors, and per part the boxes to copy."""
+
+    parts: tuple[WeightsSchema, ...]
+    schema: WeightsSchema
+    schema_bytes: bytes
+    layout: bytes
+    total: int
+    copies: tuple[tuple[_Copy, ...], ...] = field(repr=False)
+
+    def scatter(self, part: int, source: np.ndarray, out: np.ndarray) -> None:
+        """Write part ``part``'s stream (``source``, its bytes) into ``out``, the whole
+        stream, each box at its strided place in its global tensor."""
+        for c in self.copies[part]:
+            if not c.nbytes:
+                continue
+            size = math.prod(c.whole) * c.itemsize
+            dest = out[c.target : c.target + size].reshape(*c.whole, c.itemsize)
+            box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape, strict=True))
+            src = source[c.source : c.source + c.nbytes].reshape(*c.shape, c.itemsize)
+            np.copyto(dest[box], src)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // STREAM_ALIGN) * STREAM_ALIGN
+
+
+def assemble(parts: Sequence[WeightsSchema]) -> Assembly:
+    """The assembly of ``parts`` (part ``i`` at index ``i``), or :class:`FrameError`
+    saying why they do not make one whole version."""
+    if not parts:
+        raise FrameError("a version of no parts")
+    strategy = parts[0].strategy
+    tensors: dict[tuple[str, ...], tuple[str, str, tuple[int, ...]]] = {}
+    boxes: dict[tuple[str, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for i, schema in enumerate(parts):
+        if (schema.part, schema.parts) != (i, len(parts)) or schema.strategy != strategy:
+            raise FrameError(
+                f"part {schema.part} of {schema.parts} ({schema.strategy}) does not belong "
+                f"at {i} of {len(parts)} ({strategy})"
+            )
+        for e in schema.entries:
+            whole = e.box.shape if e.box is not None else e.shape
+            offsets = e.box.offsets if e.box is not None else (0,) * len(e.shape)
+            kind = (e.dtype, e.wire, whole)
+            if tensors.setdefault(e.key, kind) != kind:
+                raise FrameError(
+                    f"tensor {e.dotted_key!r} is {kind} in part {i} but {tensors[e.key]} before"
+                )
+            boxes.setdefault(e.key, []).append((e.shape, offsets))
+    for key, held in boxes.items():
+        _check_tiling(".".join(key), tensors[key][2], held)
+    entries, pos, where = [], 0, {}
+    for key, (dtype, wire, whole) in tensors.items():
+        itemsize = DTYPE_ITEMSIZE[wire or dtype]
+        nbytes = math.prod(whole) * itemsize
+        pos = _aligned(pos)
+        entries.append(TensorEntry(key, dtype, whole, 0, pos, nbytes, wire))
+        where[key] = pos
+        pos += nbytes
+    schema = WeightsSchema(strategy, tuple(entries))
+    schema_bytes = encode_schema(schema)
+    total = max((e.offset + e.nbytes for e in entries if e.nbytes), default=0)
+    copies = tuple(
+        tuple(
+            _Copy(
+                e.offset,
+                e.nbytes,
+                e.shape,
+                e.box.offsets if e.box is not None else (0,) * len(e.shape),
+                tensors[e.key][2],
+                where[e.key],
+                DTYPE_ITEMSIZE[e.wire or e.dtype],
+            )
+            for e in part.entries
+        )
+        for part in parts
+    )
+    return Assembly(tuple(parts), schema, schema_bytes, layout_digest(schema_bytes), total, copies)
+
+
+def _check_tiling(
+    name: str,
+    whole: tuple[int, ...],
+    held: list[tuple[tuple[int, ...], tuple[int, ...]]],
+) -> None:
+    """Refuse boxes that overlap, or leave some of the global tensor out."""
+    if sum(math.prod(shape) for shape, _ in held) != math.prod(whole):
+        raise FrameError(f"tensor {name!r}: its parts' boxes do not cover its shape {whole}")
+    boxes = [(shape, offsets) for shape, offsets in held if math.prod(shape)]
+    for (sa, oa), (sb, ob) in itertools.combinations(boxes, 2):
+        if all(
+            a0 < b0 + nb and b0 < a0 + na for a0, na, b0, nb in zip(oa, sa, ob, sb, strict=True)
+        ):
+            raise FrameError(f"tensor {name!r}: two parts' boxes overlap")
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """Every part of a version came: ``chunk`` is the whole version, as one chunk."""
+
+    chunk: Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Part ``part`` is of a version the receiver holds already: ack it to that part."""
+
+    part: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The parts of ``version`` do not make a whole version: refuse it, for ``reason``."""
+
+    epoch: int
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """Part ``part``'s stream broke (or never started): ask that part for it again."""
+
+    part: int
+    reason: str
+
+
+GatherEvent = Whole | Held | Refused | Lost
+
+
+class PartGather:
+    """The version a receiver gathers from ``parts`` streams, one per part (sans-IO).
+
+    Each part's chunks are followed by a :class:`ChunkStream` of its own and land in a
+    buffer of their own; when the last part of a version is in, the parts' boxes are
+    written into the whole stream's buffer, which is given on as one whole chunk. A part
+    of a newer version drops the parts of an older one gathered so far; parts of two
+    versions are never mixed.
+    """
+
+    def __init__(self, parts: int, gap: float) -> None:
+        self.parts = parts
+        self._streams = [ChunkStream(gap) for _ in range(parts)]
+        self._staging = [Staging() for _ in range(parts)]
+        self._schemas: list[WeightsSchema | None] = [None] * parts
+        self._layouts = [b""] * parts
+        self._done = [False] * parts
+        self._first: Chunk | None = None  # part 0's first chunk: its metadata
+        #: (epoch, version) gathered now, or None.
+        self.current: tuple[int, int] | None = None
+        self._whole = Staging()
+        self._assemblies: dict[tuple[bytes, ...], Assembly] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether some part of a version is in and the version is not complete."""
+        return self.current is not None
+
+    def feed(
+        self, part: int, chunk: Chunk, now: float, held: tuple[int, int], whole: bool = False
+    ) -> list[GatherEvent]:
+        """What to do with ``chunk``, from part ``part``'s stream. ``held``: the
+        receiver's (epoch, version); ``whole``: it takes a version it holds (a repair)."""
+        events: list[GatherEvent] = []
+        wanted = True
+        if chunk.first:
+            key = (chunk.epoch, chunk.version)
+            schema = chunk.schema
+            if schema is None or (schema.part, schema.parts) != (part, self.parts):
+                got = "?" if schema is None else f"{schema.part} of {schema.parts}"
+                raise FrameError(f"part {got} came on the stream of part {part} of {self.parts}")
+            if chunk.base is not None:
+                wanted = False  # no deltas of parts yet: the whole one is asked for
+                events.append(Lost(part, "a delta of a part"))
+            elif key[0] == held[0] and key[1] <= held[1] and not (whole and key[1] == held[1]):
+                wanted = False
+                events.append(Held(part))
+            elif self.current is not None and key[0] == self.current[0] and key < self.current:
+                wanted = False  # older than the version gathered
+            elif key != self.current:
+                self._reset(key, events)
+        stream = self._streams[part]
+        for event in stream.feed(chunk, now, wanted):
+            if isinstance(event, Start):
+                self._schemas[part] = event.schema
+                self._layouts[part] = chunk.layout
+                self._done[part] = False
+                self._staging[part].start(chunk.total)
+                if part == 0:
+                    self._first = chunk
+            elif isinstance(event, Apply):
+                self._staging[part].write(event.chunk.offset, event.chunk.payload)
+                if event.chunk.last:
+                    self._done[part] = True
+                    events.extend(self._complete())
+            elif isinstance(event, Broken) and (event.epoch, event.version) == self.current:
+                events.append(Lost(part, event.reason))
+        return events
+
+    def expire(self, now: float) -> list[GatherEvent]:
+        """The parts whose next chunk is overdue: lost."""
+        out: list[GatherEvent] = []
+        for part, stream in enumerate(self._streams):
+            broken = stream.expire(now)
+            if broken is not None and (broken.epoch, broken.version) == self.current:
+                out.append(Lost(part, broken.reason))
+        return out
+
+    def _reset(self, key: tuple[int, int], events: list[GatherEvent]) -> None:
+        """Gather ``key`` from now on: the parts of another version are let go."""
+        for stream in self._streams:
+            stream.abandon(f"version {key[1]} (epoch {key[0]:#x}) began")
+        self._done = [False] * self.parts
+        self._schemas = [None] * self.parts
+        self._first = None
+        self.current = key
+
+    def _complete(self) -> list[GatherEvent]:
+        if not all(self._done):
+            return []
+        assert self.current is not None
+        epoch, version = self.current
+        self.current = None
+        schemas = [s for s in self._schemas if s is not None]
+        key = tuple(self._layouts)
+        assembly = self._assemblies.get(key)
+        if assembly is None:
+            try:
+                assembly = assemble(schemas)
+            except FrameError as exc:
+                return [Refused(epoch, version, str(exc))]
+            if len(self._assemblies) >= _ASSEMBLIES:
+                self._assemblies.pop(next(iter(self._assemblies)))
+            self._assemblies[key] = assembly
+        self._whole.start(assembly.total)
+        out = self._whole.array
+        for part in range(self.parts):
+            assembly.scatter(part, self._staging[part].array, out)
+        first = self._first
+        assert first is not None
+        return [
+            Whole(
+                Chunk(
+                    first.model_id,
+                    version,
+                    epoch,
+                    0,
+                    1,
+                    0,
+                    assembly.total,
+                    assembly.layout,
+                    out.data,
+                    assembly.schema,
+                    metadata=first.metadata,
+                )
+            )
+        ]
