@@ -182,7 +182,13 @@ class Applier:
         self._ack_due = None
         self.stats["received_bytes"] += len(chunk.payload)
         self.stats["chunks"] += 1
-        wanted = self._wanted(chunk) if chunk.first else True
+        if chunk.first and chunk.schema is not None and chunk.schema.parts != 1:
+            # A part of a sharded learner's version, not gathered with the others (the
+            # receiver gathers them): never applied on its own.
+            self.stats["stale"] += 1
+            wanted = False
+        else:
+            wanted = self._wanted(chunk) if chunk.first else True
         for event in self._stream.feed(chunk, time.monotonic(), wanted):
             if isinstance(event, Start):
                 self._on_start(event)
