@@ -226,6 +226,8 @@ class PartGather:
                 events.append(Held(part))
             elif self.current is not None and key[0] == self.current[0] and key < self.current:
                 wanted = False  # older than the version gathered
+            elif key == self.current and self._done[part]:
+                wanted = False  # sent again (a repair): the part is in already
             elif key != self.current:
                 self._reset(key, events)
         stream = self._streams[part]
