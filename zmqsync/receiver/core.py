@@ -50,9 +50,12 @@ RETIRED_EPOCHS: Final = 16
 #: seconds, doubling up to RETRY_INTERVAL (a new subscription takes a few ms to be live).
 FIRST_RETRY: Final = 0.005
 RETRY_INTERVAL: Final = 0.2
-#: A worker of a sharded learner waits on rank 0's spoke this long at a time, and
-#: looks at the other ranks' spokes in between.
+#: A worker of a sharded learner waits on rank 0's spoke this long at a time while a
+#: version is under way, and looks at the other ranks' spokes in between; idle, the
+#: wait doubles up to RANK_POLL_IDLE (a version's first part wakes it at once if it
+#: comes from rank 0, at most that much later if from another rank).
 RANK_POLL: Final = 0.002
+RANK_POLL_IDLE: Final = 0.02
 #: Messages read from one rank's spoke before the next rank's is looked at.
 RANK_DRAIN: Final = 64
 
@@ -519,6 +522,7 @@ class WeightReceiver:
         """:meth:`_process` for a sharded learner's worker: every rank's spoke read in
         turn, rank 0's waited on a little at a time."""
         deadline = time.monotonic() + timeout
+        wait = RANK_POLL
         while True:
             now = time.monotonic()
             for session in ranks.sessions:
@@ -536,9 +540,11 @@ class WeightReceiver:
             remaining = deadline - time.monotonic()
             if (handled and not ranks.gather.active) or remaining <= 0:
                 return
-            frames = ranks.sessions[0].spoke.recv_frames(min(remaining, RANK_POLL))
+            frames = ranks.sessions[0].spoke.recv_frames(min(remaining, wait))
             if frames is not None:
                 self._on_rank_message(ranks, 0, frames)
+            idle = frames is None and not handled and not ranks.gather.active
+            wait = min(2 * wait, RANK_POLL_IDLE) if idle else RANK_POLL
 
     def _on_rank_message(self, ranks: RankSessions, index: int, frames: list[Any]) -> None:
         session = ranks.sessions[index]

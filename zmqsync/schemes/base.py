@@ -29,7 +29,7 @@ from zmqsync.schemes.options import check_sender_options, model_from_context, re
 from zmqsync.schemes.sharded import check_options, rank_setup
 from zmqsync.schemes.weights import WeightStrategy, apply_to_model
 from zmqsync.sender import WeightSender
-from zmqsync.tensors.dtensor import is_sharded
+from zmqsync.tensors.dtensor import distributed, is_sharded
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.transport import resolve
 from zmqsync.transport.base import HubTransport, SpokeTransport
@@ -196,7 +196,9 @@ class WeightSyncScheme:
         self._num_workers = num_workers
         group = kwargs.pop("group", None)
         sharded = group is not None or (
-            self._model is not None and is_sharded(ModelTensors(self.strategy).get(self._model))
+            self._model is not None
+            and distributed()
+            and is_sharded(ModelTensors(self.strategy).get(self._model))
         )
         options = {**self.sender_options, **kwargs}
         if sharded:

@@ -7,7 +7,7 @@ integer tensor (``broadcast``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -15,10 +15,10 @@ from zmqsync.protocol import MAX_TEXT_CHARS
 from zmqsync.sender.core import new_epoch
 from zmqsync.tensors.dtensor import LocalPart
 
-__all__ = ["RankSetup", "rank_setup"]
+__all__ = ["UNSUPPORTED", "RankSetup", "check_options", "rank_setup"]
 
 #: Sender options a sharded learner does not support yet, and why.
-UNSUPPORTED = {
+UNSUPPORTED: Final = {
     "delta": "each rank would digest its own part",
     "share_params": "a rank's part is not its module's tensors laid out whole",
     "wire_dtype": "casts of parts are not assembled yet",

@@ -16,15 +16,21 @@ import torch
 from zmqsync.protocol import Box
 from zmqsync.tensors.extract import KeyPath
 
-__all__ = ["LocalPart", "is_sharded"]
+__all__ = ["LocalPart", "distributed", "is_sharded"]
 
 
 def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
+    if not distributed():
         return None
     from torch.distributed.tensor import DTensor
 
     return DTensor
+
+
+def distributed() -> bool:
+    """Whether torch.distributed is initialised here: DTensors cannot exist otherwise
+    (asked first, so that a plain learner never imports DTensor's modules)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def is_sharded(tensors: Mapping[KeyPath, torch.Tensor]) -> bool:
