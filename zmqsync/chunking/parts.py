@@ -3,13 +3,14 @@ global tensors), gathered into one whole stream, without torch.
 
 :func:`assemble` checks once per set of part layouts that the parts make whole tensors
 (one dtype and global shape per tensor, boxes that tile it exactly) and lays the whole
-version out as a plain stream; :class:`PartGather` follows one stream per part and,
-once every part of a version is in, writes their boxes into that stream's buffer and
-hands it on as one whole chunk, which a receiver applies as any version.
+version out as a plain stream; :class:`PartGather` follows one stream per part, writes
+each chunk's box bytes at their strided places in that stream's buffer, and once every
+part is in hands it on as one whole chunk, which a receiver applies as any version.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -21,7 +22,14 @@ import numpy as np
 from zmqsync.chunking.layout import STREAM_ALIGN
 from zmqsync.chunking.staging import Staging
 from zmqsync.errors import FrameError
-from zmqsync.protocol import DTYPE_ITEMSIZE, Chunk, TensorEntry, WeightsSchema, encode_schema
+from zmqsync.protocol import (
+    DTYPE_ITEMSIZE,
+    Buffer,
+    Chunk,
+    TensorEntry,
+    WeightsSchema,
+    encode_schema,
+)
 from zmqsync.protocol.codec import layout_digest
 from zmqsync.protocol.stream import Apply, Broken, ChunkStream, Start
 
@@ -47,7 +55,8 @@ class _Copy:
 @dataclass(frozen=True, slots=True)
 class Assembly:
     """How ``parts`` (one schema per part, in part order) make one whole version:
-    ``schema``, a plain layout of the whole tensors, and per part the boxes to copy."""
+    ``schema``, a plain layout of the whole tensors, and per part the boxes to copy
+    (sorted by where they start in the part's stream)."""
 
     parts: tuple[WeightsSchema, ...]
     schema: WeightsSchema
@@ -55,18 +64,50 @@ class Assembly:
     layout: bytes
     total: int
     copies: tuple[tuple[_Copy, ...], ...] = field(repr=False)
+    starts: tuple[tuple[int, ...], ...] = field(repr=False)
 
-    def scatter(self, part: int, source: np.ndarray, out: np.ndarray) -> None:
-        """Write part ``part``'s stream (``source``, its bytes) into ``out``, the whole
-        stream, each box at its strided place in its global tensor."""
-        for c in self.copies[part]:
-            if not c.nbytes:
+    def write(self, part: int, offset: int, payload: Buffer, out: np.ndarray) -> None:
+        """Write bytes ``[offset, offset + len(payload))`` of part ``part``'s stream into
+        ``out``, the whole stream: each box's bytes at their strided place in its global
+        tensor (a box may begin or end in the middle of ``payload``, or span it)."""
+        data = np.frombuffer(payload, dtype=np.uint8)
+        end = offset + len(data)
+        copies, starts = self.copies[part], self.starts[part]
+        i = max(0, bisect.bisect_right(starts, offset) - 1)
+        while i < len(copies) and copies[i].source < end:
+            c = copies[i]
+            i += 1
+            lo, hi = max(c.source, offset), min(c.source + c.nbytes, end)
+            if lo >= hi:
                 continue
             size = math.prod(c.whole) * c.itemsize
-            dest = out[c.target : c.target + size].reshape(*c.whole, c.itemsize)
+            whole = out[c.target : c.target + size].reshape(*c.whole, c.itemsize)
             box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape, strict=True))
-            src = source[c.source : c.source + c.nbytes].reshape(*c.shape, c.itemsize)
-            np.copyto(dest[box], src)
+            _write_range(whole[box], data[lo - offset : hi - offset], lo - c.source, hi - c.source)
+
+
+def _write_range(dest: np.ndarray, src: np.ndarray, lo: int, hi: int) -> None:
+    """Elements ``[lo, hi)`` of ``dest`` in C order (a strided view) from ``src``: a
+    partial row at each end, recursively, and the whole rows between in one copy."""
+    if dest.ndim == 1:
+        dest[lo:hi] = src
+        return
+    row = math.prod(dest.shape[1:])
+    first, head = divmod(lo, row)
+    last, tail = divmod(hi, row)
+    if first == last:
+        _write_range(dest[first], src, head, tail)
+        return
+    pos = 0
+    if head:
+        _write_range(dest[first], src[: row - head], head, row)
+        pos, first = row - head, first + 1
+    if last > first:
+        n = (last - first) * row
+        dest[first:last] = src[pos : pos + n].reshape(dest[first:last].shape)
+        pos += n
+    if tail:
+        _write_range(dest[last], src[pos:], 0, tail)
 
 
 def _aligned(n: int) -> int:
@@ -110,21 +151,34 @@ def assemble(parts: Sequence[WeightsSchema]) -> Assembly:
     schema_bytes = encode_schema(schema)
     total = max((e.offset + e.nbytes for e in entries if e.nbytes), default=0)
     copies = tuple(
-        tuple(
-            _Copy(
-                e.offset,
-                e.nbytes,
-                e.shape,
-                e.box.offsets if e.box is not None else (0,) * len(e.shape),
-                tensors[e.key][2],
-                where[e.key],
-                DTYPE_ITEMSIZE[e.wire or e.dtype],
-            )
-            for e in part.entries
+        sorted(
+            (
+                _Copy(
+                    e.offset,
+                    e.nbytes,
+                    e.shape,
+                    e.box.offsets if e.box is not None else (0,) * len(e.shape),
+                    tensors[e.key][2],
+                    where[e.key],
+                    DTYPE_ITEMSIZE[e.wire or e.dtype],
+                )
+                for e in part.entries
+                if e.nbytes
+            ),
+            key=lambda c: c.source,
         )
         for part in parts
     )
-    return Assembly(tuple(parts), schema, schema_bytes, layout_digest(schema_bytes), total, copies)
+    starts = tuple(tuple(c.source for c in part) for part in copies)
+    return Assembly(
+        tuple(parts),
+        schema,
+        schema_bytes,
+        layout_digest(schema_bytes),
+        total,
+        tuple(tuple(c) for c in copies),
+        starts,
+    )
 
 
 def _check_tiling(
@@ -180,23 +234,26 @@ GatherEvent = Whole | Held | Refused | Lost
 class PartGather:
     """The version a receiver gathers from ``parts`` streams, one per part (sans-IO).
 
-    Each part's chunks are followed by a :class:`ChunkStream` of its own and land in a
-    buffer of their own; when the last part of a version is in, the parts' boxes are
-    written into the whole stream's buffer, which is given on as one whole chunk. A part
-    of a newer version drops the parts of an older one gathered so far; parts of two
-    versions are never mixed.
+    Each part's chunks are followed by a :class:`ChunkStream` of its own. Once every
+    part's first chunk came (each carries its part's schema), the whole version's layout
+    is known and each chunk's boxes are written straight into the whole stream's buffer;
+    what came before that waits in a buffer of its part. When the last part is in, the
+    whole stream is given on as one chunk. A part of a newer version drops the parts of
+    an older one gathered so far; parts of two versions are never given on together.
     """
 
     def __init__(self, parts: int, gap: float) -> None:
         self.parts = parts
         self._streams = [ChunkStream(gap) for _ in range(parts)]
-        self._staging = [Staging() for _ in range(parts)]
+        self._early = [Staging() for _ in range(parts)]  # chunks before the layout
+        self._received = [0] * parts  # bytes of each part in its early buffer
         self._schemas: list[WeightsSchema | None] = [None] * parts
         self._layouts = [b""] * parts
         self._done = [False] * parts
         self._first: Chunk | None = None  # part 0's first chunk: its metadata
         #: (epoch, version) gathered now, or None.
         self.current: tuple[int, int] | None = None
+        self._assembly: Assembly | None = None  # the current version's, once known
         self._whole = Staging()
         self._assemblies: dict[tuple[bytes, ...], Assembly] = {}
 
@@ -228,20 +285,25 @@ class PartGather:
                 wanted = False  # older than the version gathered
             elif key == self.current and self._done[part]:
                 wanted = False  # sent again (a repair): the part is in already
-            elif key != self.current:
-                self._reset(key, events)
+            elif key != self.current or (
+                self._assembly is not None and chunk.layout != self._layouts[part]
+            ):
+                self._reset(key)
         stream = self._streams[part]
         for event in stream.feed(chunk, now, wanted):
             if isinstance(event, Start):
-                self._schemas[part] = event.schema
-                self._layouts[part] = chunk.layout
-                self._done[part] = False
-                self._staging[part].start(chunk.total)
-                if part == 0:
-                    self._first = chunk
-            elif isinstance(event, Apply):
-                self._staging[part].write(event.chunk.offset, event.chunk.payload)
-                if event.chunk.last:
+                self._started(part, event.chunk, event.schema, events)
+            elif isinstance(event, Apply) and self.current is not None:
+                c = event.chunk
+                if self._assembly is not None:
+                    self._assembly.write(part, c.offset, c.payload, self._whole.array)
+                else:
+                    early = self._early[part]
+                    if not self._received[part]:
+                        early.start(c.total)
+                    early.write(c.offset, c.payload)
+                    self._received[part] = c.offset + len(c.payload)
+                if c.last:
                     self._done[part] = True
                     events.extend(self._complete())
             elif isinstance(event, Broken) and (event.epoch, event.version) == self.current:
@@ -257,36 +319,67 @@ class PartGather:
                 out.append(Lost(part, broken.reason))
         return out
 
-    def _reset(self, key: tuple[int, int], events: list[GatherEvent]) -> None:
+    def _reset(self, key: tuple[int, int]) -> None:
         """Gather ``key`` from now on: the parts of another version are let go."""
         for stream in self._streams:
             stream.abandon(f"version {key[1]} (epoch {key[0]:#x}) began")
         self._done = [False] * self.parts
         self._schemas = [None] * self.parts
+        self._layouts = [b""] * self.parts
+        self._received = [0] * self.parts
+        for early in self._early:
+            early.release()
         self._first = None
+        self._assembly = None
         self.current = key
 
-    def _complete(self) -> list[GatherEvent]:
-        if not all(self._done):
-            return []
+    def _started(
+        self, part: int, chunk: Chunk, schema: WeightsSchema, events: list[GatherEvent]
+    ) -> None:
+        """Part ``part`` of the current version begins (anew, if it broke before)."""
+        self._schemas[part] = schema
+        self._layouts[part] = chunk.layout
+        self._done[part] = False
+        self._received[part] = 0
+        if part == 0:
+            self._first = chunk
+        if self._assembly is None and all(s is not None for s in self._schemas):
+            self._lay_out(events)
+
+    def _lay_out(self, events: list[GatherEvent]) -> None:
+        """Every part's schema came: lay the whole version out, and write what came of
+        each part so far into it."""
         assert self.current is not None
-        epoch, version = self.current
-        self.current = None
-        schemas = [s for s in self._schemas if s is not None]
         key = tuple(self._layouts)
         assembly = self._assemblies.get(key)
         if assembly is None:
             try:
-                assembly = assemble(schemas)
+                assembly = assemble([s for s in self._schemas if s is not None])
             except FrameError as exc:
-                return [Refused(epoch, version, str(exc))]
+                epoch, version = self.current
+                for stream in self._streams:
+                    stream.abandon("refused")
+                self._reset(self.current)
+                self.current = None
+                events.append(Refused(epoch, version, str(exc)))
+                return
             if len(self._assemblies) >= _ASSEMBLIES:
                 self._assemblies.pop(next(iter(self._assemblies)))
             self._assemblies[key] = assembly
+        self._assembly = assembly
         self._whole.start(assembly.total)
-        out = self._whole.array
-        for part in range(self.parts):
-            assembly.scatter(part, self._staging[part].array, out)
+        for part, early in enumerate(self._early):
+            if self._received[part]:
+                assembly.write(part, 0, early.array[: self._received[part]].data, self._whole.array)
+            early.release()
+
+    def _complete(self) -> list[GatherEvent]:
+        if not all(self._done) or self._assembly is None:
+            return []
+        assert self.current is not None
+        epoch, version = self.current
+        assembly = self._assembly
+        self.current, self._assembly = None, None
         first = self._first
         assert first is not None
         return [
@@ -300,7 +393,7 @@ class PartGather:
                     0,
                     assembly.total,
                     assembly.layout,
-                    out.data,
+                    self._whole.array.data,
                     assembly.schema,
                     metadata=first.metadata,
                 )
