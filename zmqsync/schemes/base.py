@@ -200,10 +200,10 @@ class WeightSyncScheme:
             and distributed()
             and is_sharded(ModelTensors(self.strategy).get(self._model))
         )
-        options = {**self.sender_options, **kwargs}
         if sharded:
-            check_options(options)
-        hub = self._open_hub(context, kwargs)
+            check_options({**self.sender_options, **kwargs})
+        hub = self._open_hub(context, kwargs)  # takes what only the hub needs (pipes=)
+        options = {**self.sender_options, **kwargs}
         try:
             if sharded:
                 setup = rank_setup(hub.endpoint, group)
