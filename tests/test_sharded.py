@@ -533,6 +533,47 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(sink: bool) -> Non
             s.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_part_alone_is_never_applied() -> None:
+    """A rank whose Welcome names no other ranks (or a receiver that cannot reach them):
+    its part never reaches the model, and connect() says why it did not catch up."""
+    import torch
+
+    from zmqsync import SyncTimeout, WeightReceiver, WeightSender, ZMQSyncError
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    learner = {"w": torch.ones(4, 3)}
+    names = ["memory://alone-0", "memory://alone-1"]
+    sender = WeightSender(
+        MemoryHub(names[0]),
+        model=learner,
+        strategy="state_dict",
+        part=_RowsPart(0, 2),  # type: ignore[arg-type]
+    )
+    named = WeightSender(
+        MemoryHub(names[1]),
+        model=learner,
+        strategy="state_dict",
+        part=_RowsPart(0, 2),  # type: ignore[arg-type]
+        ranks=names,
+    )
+    model = {"w": torch.zeros(4, 3)}
+    plain = WeightReceiver(MemorySpoke(names[0]), model=model, strategy="state_dict")
+    unreachable = WeightReceiver(MemorySpoke(names[1]), model=model, strategy="state_dict")
+    try:
+        with pytest.raises(SyncTimeout):
+            plain.connect(timeout=1.0)
+        assert plain.version == 0 and plain.stats["stale"] > 0
+        assert not model["w"].any()
+        with pytest.raises(ZMQSyncError, match="sharded over 2 ranks"):
+            unreachable.connect(timeout=5.0)
+    finally:
+        plain.close()
+        unreachable.close()
+        sender.close()
+        named.close()
+
+
 # --- an FSDP2 learner over gloo, in spawned processes ----------------------------------
 
 
