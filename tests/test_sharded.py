@@ -47,6 +47,7 @@ def _boxed(key: str, shape: tuple[int, ...], whole: tuple[int, ...], at: tuple[i
     return TensorEntry((key,), "float32", shape, 0, 0, 4 * math.prod(shape), "", Box(whole, at))
 
 
+@pytest.mark.timeout(30)
 def test_a_plain_schema_is_encoded_as_before() -> None:
     entry = TensorEntry(("w",), "float32", (2,), 0, 0, 8)
     assert encode_schema(WeightsSchema("state_dict", (entry,))) == (
@@ -56,6 +57,7 @@ def test_a_plain_schema_is_encoded_as_before() -> None:
     assert b"ranks" not in encode(welcome)[1]
 
 
+@pytest.mark.timeout(30)
 def test_a_part_round_trips_and_its_digest_differs_per_part() -> None:
     entry = _boxed("w", (2, 3), (5, 3), (3, 0))
     first = WeightsSchema("state_dict", (entry,), 1, 2)
@@ -66,6 +68,7 @@ def test_a_part_round_trips_and_its_digest_differs_per_part() -> None:
     assert layout_digest(encode_schema(first)) != layout_digest(encode_schema(other))
 
 
+@pytest.mark.timeout(30)
 def test_a_welcome_names_the_ranks() -> None:
     welcome = Welcome("p", 1, 2, mode="m", strategy="s", ranks=("ipc:///a", "ipc:///b"))
     assert decode(encode(welcome)) == welcome
@@ -80,6 +83,7 @@ def _schema_json(entries: list[Any], part: Any = None) -> bytes:
     return json.dumps(doc).encode()
 
 
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("entry", "part"),
     [
@@ -118,6 +122,7 @@ def boxes(draw: Any) -> tuple[list[int], list[int], list[int]]:
     return whole, offsets, shape
 
 
+@pytest.mark.timeout(30)
 @settings(max_examples=200)
 @given(boxes(), st.integers(0, 3), st.lists(st.integers(-3, 6), max_size=3))
 def test_boxes_decode_within_their_global_tensor_or_raise(
@@ -150,6 +155,7 @@ json_values = st.recursive(
 )
 
 
+@pytest.mark.timeout(30)
 @settings(max_examples=300)
 @given(json_values, json_values)
 def test_any_part_or_box_decodes_as_announced_or_raises(part: Any, box: Any) -> None:
@@ -243,6 +249,7 @@ def test_parts_gather_into_the_whole_version(cuts: int) -> None:
         np.testing.assert_array_equal(got[key], t)
 
 
+@pytest.mark.timeout(30)
 @settings(max_examples=200)
 @given(st.data())
 def test_a_box_written_in_pieces_lands_where_it_belongs(data: Any) -> None:
@@ -355,6 +362,7 @@ def test_a_stalled_part_is_lost() -> None:
     assert gather.expire(5.0) == []  # told once
 
 
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "edit",
     ["overlap", "gap", "dtype", "global shape", "scalar twice"],
