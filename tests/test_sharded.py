@@ -450,8 +450,10 @@ def _send_all(senders: list[Any], worker_ids: Any = None) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sink", [False, True])
-def test_ranks_as_senders_and_workers_that_gather_their_parts(sink: bool) -> None:
+@pytest.mark.parametrize("second", ["in place", "staged", "sink", "weights"])
+def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> None:
+    """Worker 0 applies in place (one whole chunk: ``"auto"``); worker 1 as ``second``
+    says: staged, a sink, or without a model (its weights kept)."""
     import torch
 
     from zmqsync import WeightReceiver, WeightSender, checksum
@@ -459,7 +461,7 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(sink: bool) -> Non
 
     torch.manual_seed(0)
     learner = {"w": torch.randn(5, 3), "v": torch.randn(3, 2, 2), "b": torch.randn(4)}
-    names = [f"memory://sharded-{sink}-{r}" for r in range(3)]
+    names = [f"memory://sharded-{second}-{r}" for r in range(3)]
     senders = [
         WeightSender(
             MemoryHub(names[r]),
@@ -482,8 +484,9 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(sink: bool) -> Non
     receivers = [
         WeightReceiver(
             MemorySpoke(names[0]),
-            model=None if sink and i == 1 else models[i],
-            sink=keep if sink and i == 1 else None,
+            model=models[i] if i == 0 or second in ("in place", "staged") else None,
+            sink=keep if i == 1 and second == "sink" else None,
+            apply_mode="staged" if i == 1 and second == "staged" else "auto",
             strategy="state_dict",
             worker_idx=i,
             timeout=20,
@@ -491,6 +494,14 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(sink: bool) -> Non
         )
         for i in range(2)
     ]
+
+    def second_holds() -> Any:
+        if second == "sink":
+            return got
+        if second == "weights":
+            return receivers[1].weights
+        return models[1]
+
     try:
         for r in receivers:
             r.connect()
@@ -504,10 +515,7 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(sink: bool) -> Non
             assert all(s.version == version for s in senders)
             assert all(r.version == version for r in receivers)
             assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
-            if sink:
-                assert checksum(got, "state_dict") == checksum(learner, "state_dict")
-            else:
-                assert checksum(models[1], "state_dict") == checksum(learner, "state_dict")
+            assert checksum(second_holds(), "state_dict") == checksum(learner, "state_dict")
         # Each rank sent its own part only: together, no more than the whole model (and
         # its alignment) per worker and version.
         whole = sum(t.nbytes for t in learner.values())
@@ -537,6 +545,55 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(sink: bool) -> Non
     finally:
         for r in receivers:
             r.close()
+        for s in senders:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_without_snapshots_stream_their_parts_from_the_weights() -> None:
+    """retain_snapshot=False: each rank reads its part from its tensors as it streams
+    (version 0 at connect, then each send), nothing model-sized kept."""
+    import torch
+
+    from zmqsync import WeightReceiver, WeightSender, checksum
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    learner = {"w": torch.randn(6, 4), "b": torch.randn(3)}
+    names = ["memory://unkept-0", "memory://unkept-1"]
+    senders = [
+        WeightSender(
+            MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            num_workers=1,
+            timeout=20,
+            epoch=5,
+            retain_snapshot=False,
+            part=_RowsPart(r, 2),  # type: ignore[arg-type]
+            ranks=names,
+        )
+        for r in range(2)
+    ]
+    model = {k: torch.zeros_like(t) for k, t in learner.items()}
+    receiver = WeightReceiver(
+        MemorySpoke(names[0]),
+        model=model,
+        strategy="state_dict",
+        timeout=20,
+        connect_rank=MemorySpoke,
+    )
+    try:
+        receiver.connect()
+        assert checksum(model, "state_dict") == checksum(learner, "state_dict")
+        assert all(s.snapshot is None or s.snapshot.data is None for s in senders)
+        receiver.start()
+        with torch.no_grad():
+            learner["w"].mul_(2.0)
+        _send_all(senders)
+        assert receiver.version == 1
+        assert checksum(model, "state_dict") == checksum(learner, "state_dict")
+    finally:
+        receiver.close()
         for s in senders:
             s.close()
 
