@@ -394,6 +394,38 @@ def test_parts_that_do_not_tile_are_refused(edit: str) -> None:
     assert isinstance(refused, Refused)
 
 
+class _FakeMesh:
+    def __init__(self, coordinate: list[int] | None) -> None:
+        self.coordinate = coordinate
+
+    def get_coordinate(self) -> list[int] | None:
+        return self.coordinate
+
+
+class _FakeDTensor:
+    """What a rank's part reads of a DTensor before its shard: its mesh and placements."""
+
+    def __init__(self, placements: list[Any], coordinate: list[int] | None) -> None:
+        self.device_mesh = _FakeMesh(coordinate)
+        self.placements = placements
+        self.shape = (4, 4)
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_sends_a_replica_only_at_coordinate_0_and_refuses_what_is_no_box() -> None:
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from zmqsync.tensors.dtensor import _local_box
+
+    assert _local_box(_FakeDTensor([Replicate()], [1])) is None  # rank 0 sends it
+    assert _local_box(_FakeDTensor([Replicate()], None)) is None  # not in its mesh
+    with pytest.raises(ValueError, match="Partial"):
+        _local_box(_FakeDTensor([Partial()], [0]))
+    with pytest.raises(ValueError, match="cannot be sent as boxes"):
+        _local_box(_FakeDTensor([_StridedShard(0, split_factor=2)], [0]))
+
+
 # --- ranks as senders and a worker gathering them, in one process (fakes) --------------
 
 

@@ -79,7 +79,7 @@ class LocalPart:
 def _local_box(t: Any) -> tuple[torch.Tensor, Box | None] | None:
     """A DTensor's local shard and its box (None: it is the whole tensor), or None if
     another rank sends it (this one is not the first holding its replica, or holds none)."""
-    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh, placements = t.device_mesh, t.placements
@@ -91,6 +91,13 @@ def _local_box(t: Any) -> tuple[torch.Tensor, Box | None] | None:
             raise ValueError(
                 "a DTensor with a Partial placement holds no values of its own: reduce it "
                 "(redistribute to Shard or Replicate) before sending"
+            )
+        # A strided shard (FSDP2 over tensor parallel on one dim) is not one box of
+        # the global tensor but several; some torch versions make it a Shard.
+        if "Strided" in type(placement).__name__ or not isinstance(placement, Shard | Replicate):
+            raise ValueError(
+                f"a DTensor placed as {placement} cannot be sent as boxes yet: Shard(d) and "
+                "Replicate() only (redistribute it first)"
             )
         if isinstance(placement, Replicate) and coordinate[dim] != 0:
             return None  # the replica at coordinate 0 sends it
