@@ -67,10 +67,20 @@ def _gathered_checksum(net: nn.Module) -> str:
     return zmqsync.checksum(full, "state_dict")
 
 
-def run_rank(rank: int, world: int, port: int, endpoint: str, conn: Any, mode: str) -> None:
-    """Rank ``rank`` of an FSDP2 learner of ``world`` ranks, a sender of its own part.
-    Commands: ``"connect"``, ``"send"`` (a new version), ``"stop"``; each answered with
-    the gathered model's checksum."""
+def run_rank(
+    rank: int,
+    world: int,
+    port: int,
+    endpoint: str,
+    conn: Any,
+    mode: str,
+    sender: bool = True,
+    connect_timeout: float = 120.0,
+) -> None:
+    """Rank ``rank`` of an FSDP2 learner of ``world`` ranks, a sender of its own part
+    (unless not ``sender``: it then only waits to be stopped). Commands: ``"connect"``,
+    ``"send"`` (a new version), ``"stop"``; each answered with the gathered model's
+    checksum."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -78,7 +88,13 @@ def run_rank(rank: int, world: int, port: int, endpoint: str, conn: Any, mode: s
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         net = _sharded_net(world)
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint, timeout=30)
+        if not sender:
+            conn.send(("ready", 0))
+            conn.recv()
+            return
+        scheme = zmqsync.ZMQWeightSyncScheme(
+            "state_dict", mode=mode, endpoint=endpoint, timeout=30, connect_timeout=connect_timeout
+        )
         scheme.init_on_sender("policy", model=net, num_workers=3)
         conn.send(("ready", scheme.get_sender().epoch))
         version = 0

@@ -749,6 +749,38 @@ def _learner_and_workers(tmp_path: Any, ranks: int, mode: str, versions: int) ->
     until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_whose_peers_never_join_raises_in_time(tmp_path: Any) -> None:
+    """Rank 1 never calls init_on_sender: rank 0's raises within its connect_timeout,
+    not the process group's half hour."""
+    from _sharded import run_rank
+    from conftest import free_port
+
+    port = free_port()
+    procs, conns = [], []
+    try:
+        for r in range(2):
+            parent, child = SPAWN.Pipe()
+            args = (r, 2, port, f"ipc://{tmp_path}/rank{r}", child, "pubsub", r == 0, 2.0)
+            proc = SPAWN.Process(target=run_rank, args=args, daemon=True)
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+        assert _answer(conns[1], "ready")[0] == "ready"
+        with pytest.raises(AssertionError, match="called init_on_sender within 2s"):
+            _answer(conns[0], "ready", timeout=60)
+    finally:
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["pubsub", "router"])
 def test_fsdp2_learner_of_two_ranks_and_three_plain_workers(tmp_path: Any, mode: str) -> None:

@@ -206,7 +206,7 @@ class WeightSyncScheme:
         options = {**self.sender_options, **kwargs}
         try:
             if sharded:
-                setup = rank_setup(hub.endpoint, group)
+                setup = rank_setup(hub.endpoint, group, self.connect_timeout)
                 options.update(part=setup.part, epoch=setup.epoch, ranks=setup.ranks)
             self._sender = WeightSender(
                 hub,

@@ -7,10 +7,12 @@ integer tensor (``broadcast``).
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Final
 
 import torch
 
+from zmqsync.errors import SyncTimeout
 from zmqsync.protocol import MAX_TEXT_CHARS
 from zmqsync.sender.core import new_epoch
 from zmqsync.tensors.dtensor import LocalPart
@@ -41,9 +43,11 @@ def check_options(options: dict[str, Any]) -> None:
             raise ValueError(f"{name}= is not supported by a sharded learner yet ({why})")
 
 
-def rank_setup(endpoint: str, group: Any = None) -> RankSetup:
+def rank_setup(endpoint: str, group: Any = None, timeout: float = 120.0) -> RankSetup:
     """Called by every rank of ``group`` (None: the default group) once its hub is bound
-    at ``endpoint``: a collective call, as FSDP's ``state_dict`` is."""
+    at ``endpoint``: a collective call, as FSDP's ``state_dict`` is. Raises
+    :class:`SyncTimeout` if the other ranks do not all call it within ``timeout``
+    seconds (the process group's own timeout may be half an hour)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -58,12 +62,23 @@ def rank_setup(endpoint: str, group: Any = None) -> RankSetup:
     mine = torch.zeros(MAX_TEXT_CHARS + 1, dtype=torch.uint8, device=device)
     mine[0 : len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     everyone = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(everyone, mine, group=group)
+    _wait(dist.all_gather(everyone, mine, group=group, async_op=True), timeout, rank, size)
     ranks = [t.cpu().numpy().tobytes().rstrip(b"\0").decode() for t in everyone]
     epoch = torch.tensor([new_epoch() if rank == 0 else 0], dtype=torch.int64, device=device)
     first = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast(epoch, src=first, group=group)
+    _wait(dist.broadcast(epoch, src=first, group=group, async_op=True), timeout, rank, size)
     return RankSetup(LocalPart(rank, size), int(epoch.item()), ranks)
+
+
+def _wait(work: Any, timeout: float, rank: int, size: int) -> None:
+    """Wait for a collective at most ``timeout`` seconds."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise SyncTimeout(
+            f"rank {rank} of {size}: not every rank of the learner called init_on_sender "
+            f"within {timeout:g}s ({str(exc)[:200]})"
+        ) from exc
 
 
 def _device(group: Any) -> torch.device:
