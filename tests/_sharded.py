@@ -119,7 +119,9 @@ def run_rank(
             dist.destroy_process_group()
 
 
-def run_plain_worker(endpoint: str, worker_idx: int, conn: Any, mode: str) -> None:
+def run_plain_worker(
+    endpoint: str, worker_idx: int, conn: Any, mode: str, apply_mode: str = "auto"
+) -> None:
     """A worker with a plain, unsharded module, given rank 0's endpoint alone. Answers
     ``"state"`` with ``(version, checksum)``."""
     scheme = None
@@ -127,7 +129,9 @@ def run_plain_worker(endpoint: str, worker_idx: int, conn: Any, mode: str) -> No
         torch.manual_seed(1000 + worker_idx)  # not the learner's values
         model = Net()
         scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
-        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        scheme.init_on_receiver(
+            model_id="policy", model=model, worker_idx=worker_idx, apply_mode=apply_mode
+        )
         scheme.connect(timeout=60)
         scheme.start_receiver_thread()
         conn.send("ready")

@@ -17,7 +17,16 @@ from _faults import until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zmqsync.chunking.parts import Held, Lost, PartGather, Refused, Whole, assemble
+from zmqsync.chunking.parts import (
+    Held,
+    Lost,
+    PartGather,
+    Placed,
+    Refused,
+    Torn,
+    Whole,
+    assemble,
+)
 from zmqsync.errors import FrameError
 from zmqsync.protocol import (
     MAX_PARTS,
@@ -312,6 +321,55 @@ def test_parts_in_chunks_gather_into_the_whole_version(chunk: int) -> None:
         np.testing.assert_array_equal(_gathered(whole.chunk)[key], t)
 
 
+def _placed_gather(out: dict[str, np.ndarray]) -> PartGather:
+    """A gather that writes in place, into ``out`` (what a model's tensors would be)."""
+
+    def place(assembly: Any) -> list[np.ndarray]:
+        return [
+            out[e.key[0]].reshape(-1).view(np.uint8).reshape(*e.shape, 4)
+            for e in assembly.schema.entries
+        ]
+
+    return PartGather(2, gap=1.0, place=place)
+
+
+@pytest.mark.timeout(30)
+def test_parts_written_in_place_land_in_the_tensors_as_they_come() -> None:
+    tensors = _tensors(21)
+    out = {k: np.zeros_like(t) for k, t in tensors.items()}
+    schemas = _parts(tensors, 2)
+    gather = _placed_gather(out)
+    events: list[Any] = []
+    for p in (1, 0):
+        events += gather.feed(p, _first_chunk(schemas[p], _stream(schemas[p], tensors)), 0, (0, 0))
+    (placed,) = events
+    assert isinstance(placed, Placed) and placed.chunk.version == 1 and not placed.chunk.payload
+    for key, t in tensors.items():
+        np.testing.assert_array_equal(out[key], t)
+
+
+@pytest.mark.timeout(30)
+def test_a_version_written_in_place_that_breaks_off_is_torn_and_dropped() -> None:
+    tensors = _tensors(22)
+    schemas = _parts(tensors, 2)
+    gather = _placed_gather({k: np.zeros_like(t) for k, t in tensors.items()})
+    stream = _stream(schemas[1], tensors)
+    layout = layout_digest(encode_schema(schemas[1]))
+    head = Chunk("p", 1, 7, 0, 2, 0, len(stream), layout, stream[:8], schemas[1])
+    assert gather.feed(1, head, 0.0, (0, 0)) == []
+    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 0.0, (0, 0)) == []
+    (torn,) = gather.expire(5.0)  # part 1's next chunk never came
+    assert isinstance(torn, Torn) and (torn.epoch, torn.version) == (7, 1)
+    assert not gather.active and gather.expire(10.0) == []
+    # A newer version while one is written in place: the older is torn.
+    assert gather.feed(1, head, 20.0, (0, 0)) == []
+    assert (
+        gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 20.0, (0, 0)) == []
+    )
+    newer = _first_chunk(schemas[0], _stream(schemas[0], tensors), version=2)
+    assert [type(e) for e in gather.feed(0, newer, 20.0, (0, 0))] == [Torn]
+
+
 @pytest.mark.timeout(30)
 def test_a_newer_part_drops_the_older_version_and_parts_never_mix() -> None:
     old, new = _tensors(1), _tensors(2)
@@ -482,10 +540,11 @@ def _send_all(senders: list[Any], worker_ids: Any = None) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("second", ["in place", "staged", "sink", "weights"])
+@pytest.mark.parametrize("second", ["in place", "streamed in place", "staged", "sink", "weights"])
 def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> None:
     """Worker 0 applies in place (one whole chunk: ``"auto"``); worker 1 as ``second``
-    says: staged, a sink, or without a model (its weights kept)."""
+    says: each box written into its model as it comes (``"in_place"``), staged, a sink,
+    or without a model (its weights kept)."""
     import torch
 
     from zmqsync import WeightReceiver, WeightSender, checksum
@@ -516,9 +575,11 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> No
     receivers = [
         WeightReceiver(
             MemorySpoke(names[0]),
-            model=models[i] if i == 0 or second in ("in place", "staged") else None,
+            model=models[i] if i == 0 or "place" in second or second == "staged" else None,
             sink=keep if i == 1 and second == "sink" else None,
-            apply_mode="staged" if i == 1 and second == "staged" else "auto",
+            apply_mode={"staged": "staged", "streamed in place": "in_place"}.get(second, "auto")
+            if i == 1
+            else "auto",
             strategy="state_dict",
             worker_idx=i,
             timeout=20,
@@ -548,6 +609,8 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> No
             assert all(r.version == version for r in receivers)
             assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
             assert checksum(second_holds(), "state_dict") == checksum(learner, "state_dict")
+            # Streamed in place, no version was gathered in a buffer and fed whole.
+            assert (receivers[1].stats["chunks"] == 0) == (second == "streamed in place")
         # Each rank sent its own part only: together, no more than the whole model (and
         # its alignment) per worker and version.
         whole = sum(t.nbytes for t in learner.values())
@@ -712,7 +775,10 @@ def _learner_and_workers(tmp_path: Any, ranks: int, mode: str, versions: int) ->
         for w in range(3):
             parent, child = SPAWN.Pipe()
             proc = SPAWN.Process(
-                target=run_plain_worker, args=(endpoints[0], w, child, mode), daemon=True
+                target=run_plain_worker,
+                # Worker 2 writes each box into its model as it comes.
+                args=(endpoints[0], w, child, mode, "in_place" if w == 2 else "auto"),
+                daemon=True,
             )
             proc.start()
             child.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -33,7 +33,19 @@ from zmqsync.protocol import (
 from zmqsync.protocol.codec import layout_digest
 from zmqsync.protocol.stream import Apply, Broken, ChunkStream, Start
 
-__all__ = ["Assembly", "GatherEvent", "Held", "Lost", "PartGather", "Refused", "Whole", "assemble"]
+__all__ = [
+    "Assembly",
+    "GatherEvent",
+    "Held",
+    "Lost",
+    "PartGather",
+    "Place",
+    "Placed",
+    "Refused",
+    "Torn",
+    "Whole",
+    "assemble",
+]
 
 #: Part layouts whose assembly a gather remembers (one per set of layouts seen lately).
 _ASSEMBLIES: Final = 4
@@ -48,7 +60,7 @@ class _Copy:
     shape: tuple[int, ...]  # the box's
     offsets: tuple[int, ...]
     whole: tuple[int, ...]  # the global tensor's shape
-    target: int  # where the global tensor starts in the whole stream
+    index: int  # the global tensor's, among the whole version's entries
     itemsize: int
 
 
@@ -66,10 +78,19 @@ class Assembly:
     copies: tuple[tuple[_Copy, ...], ...] = field(repr=False)
     starts: tuple[tuple[int, ...], ...] = field(repr=False)
 
-    def write(self, part: int, offset: int, payload: Buffer, out: np.ndarray) -> None:
+    def views(self, out: np.ndarray) -> list[np.ndarray]:
+        """Each global tensor's bytes in ``out``, the whole stream, shaped as the tensor
+        with one more dimension for its elements' bytes: what :meth:`write` writes."""
+        return [
+            out[e.offset : e.offset + e.nbytes].reshape(*e.shape, DTYPE_ITEMSIZE[e.wire or e.dtype])
+            for e in self.schema.entries
+        ]
+
+    def write(self, part: int, offset: int, payload: Buffer, tensors: Sequence[np.ndarray]) -> None:
         """Write bytes ``[offset, offset + len(payload))`` of part ``part``'s stream into
-        ``out``, the whole stream: each box's bytes at their strided place in its global
-        tensor (a box may begin or end in the middle of ``payload``, or span it)."""
+        ``tensors`` (the global tensors' bytes, as :meth:`views` shapes them): each box's
+        bytes at their strided place (a box may begin or end in the middle of
+        ``payload``, or span it)."""
         data = np.frombuffer(payload, dtype=np.uint8)
         end = offset + len(data)
         copies, starts = self.copies[part], self.starts[part]
@@ -80,10 +101,9 @@ class Assembly:
             lo, hi = max(c.source, offset), min(c.source + c.nbytes, end)
             if lo >= hi:
                 continue
-            size = math.prod(c.whole) * c.itemsize
-            whole = out[c.target : c.target + size].reshape(*c.whole, c.itemsize)
             box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape, strict=True))
-            _write_range(whole[box], data[lo - offset : hi - offset], lo - c.source, hi - c.source)
+            dest = tensors[c.index][box]
+            _write_range(dest, data[lo - offset : hi - offset], lo - c.source, hi - c.source)
 
 
 def _write_range(dest: np.ndarray, src: np.ndarray, lo: int, hi: int) -> None:
@@ -139,13 +159,15 @@ def assemble(parts: Sequence[WeightsSchema]) -> Assembly:
             boxes.setdefault(e.key, []).append((e.shape, offsets))
     for key, held in boxes.items():
         _check_tiling(".".join(key), tensors[key][2], held)
-    entries, pos, where = [], 0, {}
+    entries: list[TensorEntry] = []
+    where: dict[tuple[str, ...], int] = {}  # each tensor's index among the entries
+    pos = 0
     for key, (dtype, wire, whole) in tensors.items():
         itemsize = DTYPE_ITEMSIZE[wire or dtype]
         nbytes = math.prod(whole) * itemsize
         pos = _aligned(pos)
+        where[key] = len(entries)
         entries.append(TensorEntry(key, dtype, whole, 0, pos, nbytes, wire))
-        where[key] = pos
         pos += nbytes
     schema = WeightsSchema(strategy, tuple(entries))
     schema_bytes = encode_schema(schema)
@@ -228,7 +250,29 @@ class Lost:
     reason: str
 
 
-GatherEvent = Whole | Held | Refused | Lost
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Every part of a version was written in place (see :class:`PartGather`'s
+    ``place``): ``chunk`` names it (its whole layout and schema; no bytes)."""
+
+    chunk: Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Torn:
+    """A version written in place will not complete (a part broke, a newer version
+    began): the tensors hold parts of two versions. Ask every part for it again."""
+
+    epoch: int
+    version: int
+    reason: str
+
+
+GatherEvent = Whole | Held | Refused | Lost | Placed | Torn
+
+#: Where a version's global tensors are written, given its assembly: their bytes (as
+#: :meth:`Assembly.views` shapes them), or None for the gather's own buffer.
+Place = Callable[[Assembly], Sequence[np.ndarray] | None]
 
 
 class PartGather:
@@ -240,10 +284,19 @@ class PartGather:
     what came before that waits in a buffer of its part. When the last part is in, the
     whole stream is given on as one chunk. A part of a newer version drops the parts of
     an older one gathered so far; parts of two versions are never given on together.
+
+    ``place``: asked once a version's layout is known where to write its tensors; it
+    may give the model's own (the version is then written in place, and ends
+    :class:`Placed`, or :class:`Torn` if it breaks off: it is then dropped whole).
     """
 
-    def __init__(self, parts: int, gap: float) -> None:
+    def __init__(self, parts: int, gap: float, place: Place | None = None) -> None:
         self.parts = parts
+        self._place = place
+        #: Where the current version's tensors are written, once its layout is known;
+        #: whether they are someone else's (in place).
+        self._targets: Sequence[np.ndarray] = ()
+        self._in_place = False
         self._streams = [ChunkStream(gap) for _ in range(parts)]
         self._early = [Staging() for _ in range(parts)]  # chunks before the layout
         self._received = [0] * parts  # bytes of each part in its early buffer
@@ -288,6 +341,8 @@ class PartGather:
             elif key != self.current or (
                 self._assembly is not None and chunk.layout != self._layouts[part]
             ):
+                if self._in_place and self.current is not None:
+                    events.append(Torn(*self.current, f"version {key[1]} began"))
                 self._reset(key)
         stream = self._streams[part]
         for event in stream.feed(chunk, now, wanted):
@@ -296,7 +351,7 @@ class PartGather:
             elif isinstance(event, Apply) and self.current is not None:
                 c = event.chunk
                 if self._assembly is not None:
-                    self._assembly.write(part, c.offset, c.payload, self._whole.array)
+                    self._assembly.write(part, c.offset, c.payload, self._targets)
                 else:
                     early = self._early[part]
                     if not self._received[part]:
@@ -307,8 +362,20 @@ class PartGather:
                     self._done[part] = True
                     events.extend(self._complete())
             elif isinstance(event, Broken) and (event.epoch, event.version) == self.current:
-                events.append(Lost(part, event.reason))
+                events.append(self._lost(part, event.reason))
         return events
+
+    def _lost(self, part: int, reason: str) -> GatherEvent:
+        """Part ``part`` of the current version broke off: asked for again, or, written
+        in place, the whole version is dropped and the tensors are torn."""
+        if not self._in_place or self.current is None:
+            return Lost(part, reason)
+        epoch, version = self.current
+        for stream in self._streams:
+            stream.abandon(reason)
+        self._reset(self.current)
+        self.current = None
+        return Torn(epoch, version, f"part {part}: {reason}")
 
     def expire(self, now: float) -> list[GatherEvent]:
         """The parts whose next chunk is overdue: lost."""
@@ -316,7 +383,7 @@ class PartGather:
         for part, stream in enumerate(self._streams):
             broken = stream.expire(now)
             if broken is not None and (broken.epoch, broken.version) == self.current:
-                out.append(Lost(part, broken.reason))
+                out.append(self._lost(part, broken.reason))
         return out
 
     def _reset(self, key: tuple[int, int]) -> None:
@@ -331,6 +398,7 @@ class PartGather:
             early.release()
         self._first = None
         self._assembly = None
+        self._targets, self._in_place = (), False
         self.current = key
 
     def _started(
@@ -367,10 +435,15 @@ class PartGather:
                 self._assemblies.pop(next(iter(self._assemblies)))
             self._assemblies[key] = assembly
         self._assembly = assembly
-        self._whole.start(assembly.total)
+        targets = None if self._place is None else self._place(assembly)
+        self._in_place = targets is not None
+        if targets is None:
+            self._whole.start(assembly.total)
+            targets = assembly.views(self._whole.array)
+        self._targets = targets
         for part, early in enumerate(self._early):
             if self._received[part]:
-                assembly.write(part, 0, early.array[: self._received[part]].data, self._whole.array)
+                assembly.write(part, 0, early.array[: self._received[part]].data, targets)
             early.release()
 
     def _complete(self) -> list[GatherEvent]:
@@ -378,24 +451,23 @@ class PartGather:
             return []
         assert self.current is not None
         epoch, version = self.current
-        assembly = self._assembly
+        assembly, in_place = self._assembly, self._in_place
         self.current, self._assembly = None, None
+        self._targets, self._in_place = (), False
         first = self._first
         assert first is not None
-        return [
-            Whole(
-                Chunk(
-                    first.model_id,
-                    version,
-                    epoch,
-                    0,
-                    1,
-                    0,
-                    assembly.total,
-                    assembly.layout,
-                    self._whole.array.data,
-                    assembly.schema,
-                    metadata=first.metadata,
-                )
-            )
-        ]
+        payload = b"" if in_place else self._whole.array.data
+        chunk = Chunk(
+            first.model_id,
+            version,
+            epoch,
+            0,
+            1,
+            0,
+            0 if in_place else assembly.total,
+            assembly.layout,
+            payload,
+            assembly.schema,
+            metadata=first.metadata,
+        )
+        return [Placed(chunk) if in_place else Whole(chunk)]

@@ -19,7 +19,16 @@ from typing import Any, Final
 
 import torch
 
-from zmqsync.chunking.parts import GatherEvent, Held, Lost, Refused, Whole
+from zmqsync.chunking.parts import (
+    Assembly,
+    GatherEvent,
+    Held,
+    Lost,
+    Placed,
+    Refused,
+    Torn,
+    Whole,
+)
 from zmqsync.chunking.staging import Staging
 from zmqsync.errors import (
     FrameError,
@@ -512,11 +521,17 @@ class WeightReceiver:
             endpoints,
             self._connect_rank,
             gap=self._applier.gap,
+            place=self._place_parts,
             stats=self.stats,
             rejections=self._rejections,
             observer=self._observers,
         )
         return True
+
+    def _place_parts(self, assembly: Assembly) -> Any:
+        """Where a version's parts are written as they come: the model's tensors when
+        the apply machinery takes it in place, else the gather's buffer (None)."""
+        return self._applier.place_parts(assembly.schema, assembly.total)
 
     def _process_ranks(self, ranks: RankSessions, timeout: float) -> None:
         """:meth:`_process` for a sharded learner's worker: every rank's spoke read in
@@ -571,12 +586,20 @@ class WeightReceiver:
 
     def _on_gathered(self, ranks: RankSessions, event: GatherEvent) -> None:
         """Carry out what the gather of the parts calls for."""
-        if isinstance(event, Whole):
-            ack = self._on_chunk(event.chunk)  # the whole version, as one chunk
+        if isinstance(event, Whole | Placed):
+            if isinstance(event, Whole):
+                ack = self._on_chunk(event.chunk)  # the whole version, as one chunk
+            else:
+                ack = self._applier.parts_placed(event.chunk)  # written in place
+                self._upstream.sender_epoch = self._applier.epoch
             if ack is not None:
                 for session in ranks.sessions:
                     session.ack(ack)
                     session.caught_up = session.caught_up or ack.applied
+        elif isinstance(event, Torn):
+            self._applier.parts_torn(event.version, event.reason)
+            for session in ranks.sessions:
+                session.ask_again(whole=True)  # each rank's latest part repairs it
         elif isinstance(event, Held):
             self.stats["duplicates"] += 1
             session = ranks.sessions[event.part]

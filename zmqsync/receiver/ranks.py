@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from zmqsync.chunking.parts import PartGather
+from zmqsync.chunking.parts import PartGather, Place
 from zmqsync.receiver.observer import ReceiverObserver
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import SessionHost, UpstreamSession
@@ -42,6 +42,7 @@ class RankSessions:
         connect_rank: Callable[[str], SpokeTransport],
         *,
         gap: float,
+        place: Place | None = None,
         stats: dict[str, Any],
         rejections: Rejections,
         observer: ReceiverObserver,
@@ -66,7 +67,7 @@ class RankSessions:
         except BaseException:
             self.close()
             raise
-        self.gather = PartGather(len(self.endpoints), gap)
+        self.gather = PartGather(len(self.endpoints), gap, place)
 
     @property
     def others(self) -> list[UpstreamSession]:
