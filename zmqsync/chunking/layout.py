@@ -108,12 +108,15 @@ class StreamLayout:
             bases.append(pos)
             pos = _aligned(pos + n)
         entries = tuple(
-            TensorEntry(e.key, e.dtype, e.shape, 0, bases[e.buffer] + e.offset, e.nbytes, e.wire)
+            TensorEntry(
+                e.key, e.dtype, e.shape, 0, bases[e.buffer] + e.offset, e.nbytes, e.wire, e.box
+            )
             for e in flat.schema.entries
         )
         self.total = max((e.offset + e.nbytes for e in entries if e.nbytes), default=0)
         self.bases = bases
-        self.schema = WeightsSchema(flat.schema.strategy, entries)
+        source = flat.schema
+        self.schema = WeightsSchema(source.strategy, entries, source.part, source.parts)
         self.schema_bytes = encode_schema(self.schema)
         self.layout = layout_digest(self.schema_bytes)
         self.count = max(1, -(-self.total // chunk_bytes))

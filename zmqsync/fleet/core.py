@@ -66,6 +66,8 @@ class Fleet(FleetSends):
         model_id, epoch, mode, strategy: what Welcomes and replies say.
         transports: each hub's name, by hub index (shown in status).
         announced: each hub's extra addresses for its Welcome (data and ack endpoints).
+        ranks: a sharded learner's ranks' endpoints, which its Welcome names (each rank
+            sends its part of every version; a worker opens a session with each).
         num_workers: the fleet's size, or None for "whoever connected".
         heartbeat: the workers' heartbeat interval (liveness and expiry count in it).
         repair_after: the least time between two sends of the latest version to one worker.
@@ -85,8 +87,10 @@ class Fleet(FleetSends):
         heartbeat: float = 1.0,
         repair_after: float = 1.0,
         max_sessions: int = MAX_SESSIONS,
+        ranks: Sequence[str] = (),
     ) -> None:
         self.model_id = model_id
+        self.ranks = tuple(ranks)
         self.epoch = epoch
         self.mode = mode
         self.strategy = strategy
@@ -320,6 +324,7 @@ class Fleet(FleetSends):
                 worker=s.worker,
                 session=s.secret,
                 attempt=s.attempt,
+                ranks=self.ranks,
             ),
         )
         return [Admit(s.origin), welcome]

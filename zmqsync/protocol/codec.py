@@ -23,6 +23,7 @@ from zmqsync.protocol.limits import (
     MAX_BELOW,
     MAX_BODY_BYTES,
     MAX_MODEL_ID_BYTES,
+    MAX_PARTS,
     MAX_TEXT_CHARS,
     SESSION_CHARS,
 )
@@ -54,6 +55,9 @@ _JSON_KINDS: Final[dict[Kind, type]] = {
 }
 #: Header fields, which travel in the struct rather than in the JSON body.
 _HEADER_FIELDS: Final = frozenset({"model_id", "version", "epoch"})
+#: Fields added since a message was first sent, left out of its body while empty: the
+#: message is then the very bytes it was before them.
+_OMITTED_IF_EMPTY: Final = frozenset({"ranks"})
 _JSON_DECODER: Final = json.JSONDecoder()
 
 
@@ -71,6 +75,9 @@ def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffe
     else:
         cls: type = type(message)  # mypy takes a plain type for hashable, not a union
         fields = {name: getattr(message, name) for name, _, _ in _body_fields(cls)}
+        for name in _OMITTED_IF_EMPTY & fields.keys():
+            if not fields[name]:
+                del fields[name]
         body = COMPACT_JSON.encode(fields).encode()
     head = pack_header(message.kind, message.model_id, message.version, message.epoch, 0, NO_DIGEST)
     return [head, body]
@@ -246,6 +253,13 @@ def _check_field(cls: type, name: str, expected: str, value: Any) -> Any:
         ok = type(value) is str and len(value) <= MAX_TEXT_CHARS
     elif expected == "dict[str, int]":  # worker id -> version (a relay's claims)
         ok = _worker_versions(value)
+    elif expected == "tuple[str, ...]":  # endpoints (a sharded learner's ranks)
+        ok = (
+            type(value) is list
+            and len(value) <= MAX_PARTS
+            and all(type(v) is str and 0 < len(v) <= MAX_TEXT_CHARS for v in value)
+        )
+        value = tuple(value) if ok else value
     else:  # dict[str, Any]: the status document
         ok = type(value) is dict
     if not ok:

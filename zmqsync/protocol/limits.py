@@ -16,6 +16,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_MODEL_ID_BYTES",
     "MAX_NDIM",
+    "MAX_PARTS",
     "MAX_SCHEMA_BYTES",
     "MAX_TARGETS",
     "MAX_TENSORS",
@@ -50,6 +51,9 @@ MAX_CHUNKS: Final = 1 << 24
 MAX_CHUNK_BYTES: Final = 1 << 30
 #: One version's bytes, all chunks together.
 MAX_VERSION_BYTES: Final = 1 << 44
+#: Parts one version may be made of (the ranks of a sharded learner): a worker keeps a
+#: session and a stream per part.
+MAX_PARTS: Final = 1024
 #: torch supports at most 64 dimensions; real weights have fewer than 8.
 MAX_NDIM: Final = 64
 #: One tensor's bytes; guards the shape product from overflowing into nonsense.

@@ -15,6 +15,7 @@ from typing import Any, Final, TypeAlias
 __all__ = [
     "AUTO_WORKER",
     "Ack",
+    "Box",
     "Buffer",
     "Chunk",
     "ErrorMessage",
@@ -61,11 +62,23 @@ class Kind(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Box:
+    """Where an entry's tensor lies in a larger one (a shard of a sharded learner's
+    tensor): the larger tensor's ``shape``, and the index at which the entry starts in
+    each dimension (the entry's own shape is its extent)."""
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """Where one tensor's bytes are: ``buffers[buffer][offset : offset + nbytes]``.
 
     ``wire``: the dtype its bytes travel in, when the sender cast it (``wire_dtype``);
     ``nbytes`` counts those. ``dtype`` is always the tensor's own.
+    ``box``: in a part of a version (see :class:`WeightsSchema`), the global tensor this
+    entry is a box of; None: the entry is the whole tensor.
     """
 
     key: tuple[str, ...]
@@ -75,6 +88,7 @@ class TensorEntry:
     offset: int
     nbytes: int
     wire: str = ""
+    box: Box | None = None
 
     @property
     def dotted_key(self) -> str:
@@ -83,10 +97,17 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class WeightsSchema:
-    """The layout of a weights message: strategy and one entry per tensor."""
+    """The layout of a weights message: strategy and one entry per tensor.
+
+    A sharded learner's version is the union of ``parts`` parts, one per rank: this
+    schema lays out part ``part`` (its entries may be boxes of the global tensors). A
+    plain version is part 0 of 1.
+    """
 
     strategy: str
     entries: tuple[TensorEntry, ...]
+    part: int = 0
+    parts: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +233,9 @@ class Welcome(_Header):
     worker: int = 0  # the id of the worker welcomed (assigned, if it asked for one)
     session: str = ""
     attempt: str = ""
+    #: A sharded learner's ranks, each sending its part of every version: their
+    #: endpoints, rank 0's first (empty: one sender sends whole versions).
+    ranks: tuple[str, ...] = ()
 
     kind = Kind.WELCOME
 

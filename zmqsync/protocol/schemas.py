@@ -17,13 +17,14 @@ from zmqsync.protocol.limits import (
     DTYPE_ITEMSIZE,
     FLOAT_DTYPES,
     MAX_NDIM,
+    MAX_PARTS,
     MAX_SCHEMA_BYTES,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
     MAX_TEXT_CHARS,
     WIRE_DTYPES,
 )
-from zmqsync.protocol.messages import TensorEntry, WeightsSchema
+from zmqsync.protocol.messages import Box, TensorEntry, WeightsSchema
 from zmqsync.protocol.wire import digest
 from zmqsync.vocabulary import STRATEGIES
 
@@ -37,15 +38,22 @@ SCHEMA_CACHE_BYTES: Final = 32 * 1024 * 1024
 
 
 def encode_schema(schema: WeightsSchema) -> bytes:
-    """The canonical JSON of a schema (what the first chunk of a version carries)."""
-    doc = {
+    """The canonical JSON of a schema (what the first chunk of a version carries).
+
+    A part of a version (``parts`` > 1) says which one (``"part": [part, parts]``), and
+    its boxes follow each entry's wire dtype (``""`` if none); a plain version's JSON has
+    neither."""
+    doc: dict[str, Any] = {
         "strategy": schema.strategy,
         "tensors": [
             [list(e.key), e.dtype, list(e.shape), e.buffer, e.offset, e.nbytes]
-            + ([e.wire] if e.wire else [])
+            + ([e.wire] if e.wire or e.box else [])
+            + ([[list(e.box.shape), list(e.box.offsets)]] if e.box else [])
             for e in schema.entries
         ],
     }
+    if schema.parts != 1:
+        doc["part"] = [schema.part, schema.parts]
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -161,9 +169,10 @@ def _check_apart(entries: Sequence[TensorEntry]) -> None:
 
 def _parse_schema(body: bytes) -> WeightsSchema:
     doc = json.loads(body)
-    if not isinstance(doc, dict) or set(doc) != {"strategy", "tensors"}:
-        raise FrameError("schema must be an object with 'strategy' and 'tensors'")
+    if not isinstance(doc, dict) or set(doc) - {"part"} != {"strategy", "tensors"}:
+        raise FrameError("schema must be an object with 'strategy', 'tensors' (and 'part')")
     strategy, tensors = doc["strategy"], doc["tensors"]
+    part, parts = _parse_part(doc.get("part"))
     if strategy not in STRATEGIES:
         raise FrameError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
@@ -171,21 +180,41 @@ def _parse_schema(body: bytes) -> WeightsSchema:
     entries = []
     seen: set[tuple[str, ...]] = set()
     for raw in tensors:
-        entry = _parse_entry(raw)
+        entry = _parse_entry(raw, parts > 1)
         if entry.key in seen:
             raise FrameError(f"tensor {entry.dotted_key!r} appears twice in the schema")
         seen.add(entry.key)
         entries.append(entry)
-    return WeightsSchema(strategy, tuple(entries))
+    return WeightsSchema(strategy, tuple(entries), part, parts)
 
 
-def _parse_entry(raw: Any) -> TensorEntry:
-    if not (isinstance(raw, list) and len(raw) in (6, 7)):
+def _parse_part(raw: Any) -> tuple[int, int]:
+    """``(part, parts)`` from a schema's ``"part"`` (absent: a plain version, 0 of 1)."""
+    if raw is None:
+        return 0, 1
+    if not (
+        isinstance(raw, list)
+        and len(raw) == 2
+        and all(type(v) is int for v in raw)
+        and 0 <= raw[0] < raw[1] <= MAX_PARTS
+        and raw[1] > 1
+    ):
         raise FrameError(
-            f"schema entry must be [key, dtype, shape, buffer, offset, nbytes(, wire)]: {raw!r:.80}"
+            f"schema 'part' must be [part, parts] with 0 <= part < parts, 1 < parts <= "
+            f"{MAX_PARTS}: {raw!r:.80}"
+        )
+    return raw[0], raw[1]
+
+
+def _parse_entry(raw: Any, boxed: bool = False) -> TensorEntry:
+    """One entry; ``boxed``: it is in a part of a version, and may be a box."""
+    if not (isinstance(raw, list) and len(raw) in ((6, 7, 8) if boxed else (6, 7))):
+        raise FrameError(
+            "schema entry must be [key, dtype, shape, buffer, offset, nbytes(, wire"
+            f"{'(, box)' if boxed else ''})]: {raw!r:.80}"
         )
     key, dtype, shape, buffer, offset, nbytes = raw[:6]
-    wire = raw[6] if len(raw) == 7 else ""
+    wire = raw[6] if len(raw) >= 7 else ""
     if not (
         isinstance(key, list)
         and 0 < len(key) <= MAX_NDIM
@@ -196,7 +225,9 @@ def _parse_entry(raw: Any) -> TensorEntry:
         raise FrameError(f"tensor {'.'.join(key)!r} has unknown dtype {dtype!r:.40}")
     if not (isinstance(shape, list) and len(shape) <= MAX_NDIM):
         raise FrameError(f"tensor {'.'.join(key)!r} has an invalid shape {shape!r:.80}")
-    if wire and not (wire in WIRE_DTYPES and dtype in FLOAT_DTYPES and wire != dtype):
+    if type(wire) is not str or (
+        wire and not (wire in WIRE_DTYPES and dtype in FLOAT_DTYPES and wire != dtype)
+    ):
         raise FrameError(
             f"tensor {'.'.join(key)!r}: {dtype} cannot travel as {wire!r:.40} "
             f"(a floating dtype may travel as one of {WIRE_DTYPES})"
@@ -219,7 +250,30 @@ def _parse_entry(raw: Any) -> TensorEntry:
         )
     if wire and offset % itemsize:
         raise FrameError(f"tensor {'.'.join(key)!r}: {wire} bytes at a misaligned offset")
-    return TensorEntry(tuple(key), dtype, tuple(shape), buffer, offset, nbytes, wire)
+    box = _parse_box(".".join(key), raw[7], shape, itemsize) if len(raw) == 8 else None
+    return TensorEntry(tuple(key), dtype, tuple(shape), buffer, offset, nbytes, wire, box)
+
+
+def _parse_box(name: str, raw: Any, shape: list[int], itemsize: int) -> Box:
+    """An entry's box: ``[global shape, offsets]``, each of the entry's rank, the entry
+    inside the global tensor, and the global tensor no larger than one may be."""
+    if not (isinstance(raw, list) and len(raw) == 2 and all(isinstance(v, list) for v in raw)):
+        raise FrameError(f"tensor {name!r}: a box is [global shape, offsets]: {raw!r:.80}")
+    whole, offsets = raw
+    if len(whole) != len(shape) or len(offsets) != len(shape):
+        raise FrameError(f"tensor {name!r}: its box has another rank than its shape {shape}")
+    if _shape_bytes(whole, itemsize) is None:
+        raise FrameError(
+            f"tensor {name!r}: its box's global shape {whole!r:.80} is invalid (negative, or "
+            f"more than {MAX_TENSOR_BYTES} bytes)"
+        )
+    for d, o, n in zip(whole, offsets, shape, strict=True):
+        if type(o) is not int or not 0 <= o <= d - n:
+            raise FrameError(
+                f"tensor {name!r}: a box of shape {shape} at offsets {offsets!r:.80} does not "
+                f"fit in the global shape {whole}"
+            )
+    return Box(tuple(whole), tuple(offsets))
 
 
 def _shape_bytes(shape: list[Any], itemsize: int) -> int | None:

@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final, Literal, Protocol
 
+import numpy as np
+
 from zmqsync.chunking.staging import Staging
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Buffer, Chunk, WeightsSchema
@@ -29,9 +31,11 @@ from zmqsync.receiver.observer import PendingAck, ReceiverObserver
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.tensors.apply import ApplyPlan, materialize
 from zmqsync.tensors.extract import as_weights_object
+from zmqsync.tensors.fit import check_fits
 from zmqsync.tensors.in_place import InPlace
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.sink_feed import SinkFeed
+from zmqsync.tensors.views import byte_view
 from zmqsync.transport.base import Borrows, SpokeTransport
 from zmqsync.vocabulary import Metadata
 
@@ -182,7 +186,13 @@ class Applier:
         self._ack_due = None
         self.stats["received_bytes"] += len(chunk.payload)
         self.stats["chunks"] += 1
-        wanted = self._wanted(chunk) if chunk.first else True
+        if chunk.first and chunk.schema is not None and chunk.schema.parts != 1:
+            # A part of a sharded learner's version, not gathered with the others (the
+            # receiver gathers them): never applied on its own.
+            self.stats["stale"] += 1
+            wanted = False
+        else:
+            wanted = self._wanted(chunk) if chunk.first else True
         for event in self._stream.feed(chunk, time.monotonic(), wanted):
             if isinstance(event, Start):
                 self._on_start(event)
@@ -211,11 +221,69 @@ class Applier:
 
     def close(self) -> None:
         """The receiver closes: half a version in the model leaves it torn for good."""
-        if self._writing == "in_place":
+        if self._writing in ("in_place", "parts"):
             self._writing = ""
             with self.lock.raw:
                 self.lock.tear(self.version + 1, "the receiver closed mid-version")
                 self.lock.end_write()
+
+    # --- a sharded learner's versions, written in place as their parts come --------
+
+    def place_parts(self, schema: WeightsSchema, total: int) -> list[np.ndarray] | None:
+        """Where the parts of a sharded learner's version (laid out whole as ``schema``,
+        ``total`` bytes) are written as they come: the model's own tensors (their bytes,
+        shaped as each tensor with its elements' bytes last), the model then being
+        written in place until :meth:`parts_placed` or :meth:`parts_torn`; or None, to
+        have them gathered in a buffer and fed whole. In place when the mode says so
+        (``"in_place"``, or ``"auto"`` above :data:`STAGED_MAX_BYTES`) and every tensor
+        can take its bytes where it stands: on the CPU, contiguous, not cast."""
+        if self.model is None or self.sink is not None or self._writing:
+            return None
+        mode = self.apply_mode
+        if not (mode == "in_place" or (mode == "auto" and total > STAGED_MAX_BYTES)):
+            return None
+        if any(e.wire for e in schema.entries):
+            return None
+        target = self._model_tensors.get(self.model)
+        try:
+            check_fits(schema, target, self.strategy)
+        except SchemaMismatchError:
+            return None  # refused once it comes whole, saying why
+        views = []
+        for e in schema.entries:
+            t = target[e.key]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                return None
+            views.append(byte_view(t.detach()).numpy().reshape(*e.shape, t.element_size()))
+        self._started_at = time.monotonic()
+        self.lock.begin_write()  # until every part is in (or one breaks off)
+        self._writing = "parts"
+        return views
+
+    def parts_placed(self, chunk: Chunk) -> PendingAck:
+        """Every part of the version ``chunk`` names (its whole schema, no bytes) was
+        written in place: it is the model's now. Returns its ack."""
+        assert self._writing == "parts" and chunk.schema is not None
+        self._schema = chunk.schema
+        self._incoming_metadata = chunk.metadata
+        self._wire_of = (chunk.schema, None)
+        self._delta_spans = None
+        self._fills_staging = False
+        self._staging_holds = None
+        self._complete(chunk)
+        return PendingAck(applied=True)
+
+    def parts_torn(self, version: int, reason: str) -> None:
+        """The version written in place broke off: the model is torn until a whole
+        version repairs it."""
+        if self._writing != "parts":
+            return
+        self._writing = ""
+        self.stats["broken_streams"] += 1
+        with self.lock.raw:
+            self.lock.tear(version, reason)
+            self.lock.end_write()  # forward passes now refuse: the model is torn
+        self.stats["torn"] += 1
 
     def _wanted(self, chunk: Chunk) -> bool:
         """Whether to receive the version ``chunk`` starts (counts what it is not)."""
@@ -390,6 +458,8 @@ class Applier:
                 assert self._in_place is not None
                 self._in_place.finish()
                 self.lock.end_write()
+            elif writing == "parts":
+                self.lock.end_write()  # every box went to its tensor as it came
             elif writing == "sink":
                 pass  # every tensor went to the sink as its chunk came
             elif self.model is not None and self._delta_spans is not None:

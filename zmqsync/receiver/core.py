@@ -19,6 +19,16 @@ from typing import Any, Final
 
 import torch
 
+from zmqsync.chunking.parts import (
+    Assembly,
+    GatherEvent,
+    Held,
+    Lost,
+    Placed,
+    Refused,
+    Torn,
+    Whole,
+)
 from zmqsync.chunking.staging import Staging
 from zmqsync.errors import (
     FrameError,
@@ -32,6 +42,7 @@ from zmqsync.protocol.stream import DEFAULT_GAP
 from zmqsync.receiver.applying import APPLY_MODES, KEEPS, Applier, Keep
 from zmqsync.receiver.lock import WeightsLock
 from zmqsync.receiver.observer import Observers, PendingAck, ReceiverObserver
+from zmqsync.receiver.ranks import RankSessions
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import UpstreamSession
 from zmqsync.receiver.stats import new_stats
@@ -48,6 +59,14 @@ RETIRED_EPOCHS: Final = 16
 #: seconds, doubling up to RETRY_INTERVAL (a new subscription takes a few ms to be live).
 FIRST_RETRY: Final = 0.005
 RETRY_INTERVAL: Final = 0.2
+#: A worker of a sharded learner waits on rank 0's spoke this long at a time while a
+#: version is under way, and looks at the other ranks' spokes in between; idle, the
+#: wait doubles up to RANK_POLL_IDLE (a version's first part wakes it at once if it
+#: comes from rank 0, at most that much later if from another rank).
+RANK_POLL: Final = 0.002
+RANK_POLL_IDLE: Final = 0.02
+#: Messages read from one rank's spoke before the next rank's is looked at.
+RANK_DRAIN: Final = 64
 
 
 class WeightReceiver:
@@ -83,6 +102,9 @@ class WeightReceiver:
             (:attr:`weights`), ``"bytes"`` (only its stream's bytes, in :attr:`staging`:
             a relay's snapshot) or ``"nothing"`` (its chunks only pass by the observers;
             a delta goes by whenever its base is the version held).
+        connect_rank: makes a spoke to another endpoint: a sharded learner's rank that
+            its rank 0's Welcome names (a scheme passes it). Without it, a worker
+            follows a learner of one rank only.
     """
 
     def __init__(
@@ -99,6 +121,7 @@ class WeightReceiver:
         sink: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
         failover: Sequence[Callable[[], SpokeTransport]] = (),
         keep: Keep = "weights",
+        connect_rank: Callable[[str], SpokeTransport] | None = None,
     ) -> None:
         if apply_mode not in APPLY_MODES:
             raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
@@ -141,6 +164,9 @@ class WeightReceiver:
             rejections=self._rejections,
             observer=self._observers,
         )
+        self._connect_rank = connect_rank
+        #: A sharded learner's ranks, once rank 0's Welcome named them.
+        self._ranks: RankSessions | None = None
         #: The refusal pending when connect() began: it stands unless a version fits.
         self._stale_mismatch: tuple[int, SchemaMismatchError] | None = None
         self._thread: threading.Thread | None = None
@@ -292,19 +318,34 @@ class WeightReceiver:
             f"no sender answered at {endpoint} within {timeout:g}s: is the learner running "
             "and the endpoint right?",
         )
+        self._open_ranks()
+        ranks = self._ranks
+        if ranks is not None:
+            for other in ranks.others:
+                if not other.welcomed:
+                    other.new_attempt()
+            endpoint = ", ".join(ranks.endpoints)
+            self._wait(
+                deadline,
+                ranks.welcomed,
+                ranks.say_hello,
+                f"not every rank of the learner ({endpoint}) answered within {timeout:g}s",
+            )
+            ranks.start_probes()
         upstream.start_probe()
         self._wait(
             deadline,
-            lambda: upstream.probe_ok,
-            upstream.send_probe,
+            lambda: upstream.probe_ok if ranks is None else ranks.probed(),
+            upstream.send_probe if ranks is None else ranks.send_probes,
             f"the sender at {endpoint} answered but its fan-out never reached this worker "
             f"within {timeout:g}s (blocked data port?)",
         )
-        upstream.caught_up = False
+        for session in [upstream] if ranks is None else ranks.sessions:
+            session.caught_up = False
         self._wait(
             deadline,
-            lambda: upstream.caught_up,
-            upstream.request_snapshot,
+            lambda: upstream.caught_up if ranks is None else ranks.caught_up(),
+            upstream.request_snapshot if ranks is None else ranks.request_snapshots,
             f"the sender at {endpoint} did not send its latest version within {timeout:g}s",
         )
         if applier.mismatch is not None:
@@ -411,7 +452,10 @@ class WeightReceiver:
         skips straight to the latest.
         """
         with self._upstream.io_lock:
-            self._process_locked(timeout)
+            if self._ranks is not None:
+                self._process_ranks(self._ranks, timeout)
+            else:
+                self._process_locked(timeout)
 
     def _process_locked(self, timeout: float) -> None:
         upstream, applier = self._upstream, self._applier
@@ -429,6 +473,8 @@ class WeightReceiver:
                     ack = self._on_chunk(message)
                 elif message is not None:
                     upstream.on_control(message)
+                    if upstream.ranks and self._open_ranks():
+                        return  # a sharded learner's: its parts are gathered from now on
                 # Let go of the frames before acking: a transport that lends its memory
                 # (shared blocks) may reuse it by the time the sender sees the ack.
                 frames = message = None
@@ -455,6 +501,118 @@ class WeightReceiver:
                 frames = spoke.recv_frames(0)  # anything more? asking first spares a read
             if frames is None:
                 return
+
+    # --- a sharded learner: a session per rank, its parts gathered -------------------
+
+    def _open_ranks(self) -> bool:
+        """Open a session with each rank that rank 0's Welcome named, unless opened
+        already or there is one rank only; True if it opened them now."""
+        endpoints = self._upstream.ranks
+        if self._ranks is not None or len(endpoints) < 2:
+            return False
+        if self._connect_rank is None:
+            raise ZMQSyncError(
+                f"the learner is sharded over {len(endpoints)} ranks, and this receiver "
+                "cannot reach them: build it with connect_rank= (a scheme does)"
+            )
+        self._ranks = RankSessions(
+            self,
+            self._upstream,
+            endpoints,
+            self._connect_rank,
+            gap=self._applier.gap,
+            place=self._place_parts,
+            stats=self.stats,
+            rejections=self._rejections,
+            observer=self._observers,
+        )
+        return True
+
+    def _place_parts(self, assembly: Assembly) -> Any:
+        """Where a version's parts are written as they come: the model's tensors when
+        the apply machinery takes it in place, else the gather's buffer (None)."""
+        return self._applier.place_parts(assembly.schema, assembly.total)
+
+    def _process_ranks(self, ranks: RankSessions, timeout: float) -> None:
+        """:meth:`_process` for a sharded learner's worker: every rank's spoke read in
+        turn, rank 0's waited on a little at a time."""
+        deadline = time.monotonic() + timeout
+        wait = RANK_POLL
+        while True:
+            now = time.monotonic()
+            for session in ranks.sessions:
+                session.beat(now)
+            handled = False
+            for index, session in enumerate(ranks.sessions):
+                for _ in range(RANK_DRAIN):
+                    frames = session.spoke.recv_frames(0)
+                    if frames is None:
+                        break
+                    handled = True
+                    self._on_rank_message(ranks, index, frames)
+            for event in ranks.gather.expire(time.monotonic()):
+                self._on_gathered(ranks, event)
+            remaining = deadline - time.monotonic()
+            if (handled and not ranks.gather.active) or remaining <= 0:
+                return
+            frames = ranks.sessions[0].spoke.recv_frames(min(remaining, wait))
+            if frames is not None:
+                self._on_rank_message(ranks, 0, frames)
+            idle = frames is None and not handled and not ranks.gather.active
+            wait = min(2 * wait, RANK_POLL_IDLE) if idle else RANK_POLL
+
+    def _on_rank_message(self, ranks: RankSessions, index: int, frames: list[Any]) -> None:
+        session = ranks.sessions[index]
+        session.heard(time.monotonic())
+        message = self._decode(frames)
+        del frames
+        if isinstance(message, Chunk):
+            try:
+                events = ranks.gather.feed(
+                    index,
+                    message,
+                    time.monotonic(),
+                    (self.epoch, self.version),
+                    self._applier.needs_whole(),
+                )
+            except FrameError as exc:
+                self._rejections.add(self.worker_idx, f"rank {index}: {exc}")
+                return
+            del message  # its bytes are in the gather's buffers now
+            for event in events:
+                self._on_gathered(ranks, event)
+        elif message is not None:
+            session.on_control(message)
+
+    def _on_gathered(self, ranks: RankSessions, event: GatherEvent) -> None:
+        """Carry out what the gather of the parts calls for."""
+        if isinstance(event, Whole | Placed):
+            if isinstance(event, Whole):
+                ack = self._on_chunk(event.chunk)  # the whole version, as one chunk
+            else:
+                ack = self._applier.parts_placed(event.chunk)  # written in place
+                self._upstream.sender_epoch = self._applier.epoch
+            if ack is not None:
+                for session in ranks.sessions:
+                    session.ack(ack)
+                    session.caught_up = session.caught_up or ack.applied
+        elif isinstance(event, Torn):
+            self._applier.parts_torn(event.version, event.reason)
+            for session in ranks.sessions:
+                session.ask_again(whole=True)  # each rank's latest part repairs it
+        elif isinstance(event, Held):
+            self.stats["duplicates"] += 1
+            session = ranks.sessions[event.part]
+            session.ack(PendingAck(applied=True))
+            session.caught_up = True
+        elif isinstance(event, Refused):
+            self._rejections.add(self.worker_idx, f"version {event.version}: {event.reason}")
+            refusal = PendingAck(False, event.reason, event.version, event.epoch)
+            for session in ranks.sessions:
+                session.ack(refusal)
+        elif isinstance(event, Lost):
+            self.stats["broken_streams"] += 1
+            ranks.sessions[event.part].ask_again(whole=True)
 
     def _on_chunk(self, chunk: Chunk) -> PendingAck | None:
         applier = self._applier
@@ -519,5 +677,7 @@ class WeightReceiver:
         self.stop()
         self._closed = True
         self._applier.close()  # half a version in the model leaves it torn for good
+        if self._ranks is not None:
+            self._ranks.close()
         self._upstream.say_goodbye()
         self._upstream.spoke.close()

@@ -116,6 +116,8 @@ class UpstreamSession:
         self._unsent_refusal: PendingAck | None = None
         self._pid = os.getpid()
         self._host_name = socket.gethostname()
+        #: A sharded learner's ranks' endpoints, as its last Welcome named them.
+        self.ranks: tuple[str, ...] = ()
 
     @property
     def attempt(self) -> str:
@@ -279,6 +281,7 @@ class UpstreamSession:
                 )
             self.heartbeat = message.heartbeat_seconds
             self.sender_epoch = message.epoch
+            self.ranks = message.ranks
             self.welcomed = True
         elif isinstance(message, protocol.Probe):
             if message.worker == self.worker_idx and message.nonce == self._probe_nonce:

@@ -26,8 +26,11 @@ from tensordict import TensorDictBase
 from zmqsync.errors import SyncTimeout
 from zmqsync.receiver import WeightReceiver
 from zmqsync.schemes.options import check_sender_options, model_from_context, receiver_options
+from zmqsync.schemes.sharded import check_options, rank_setup
 from zmqsync.schemes.weights import WeightStrategy, apply_to_model
 from zmqsync.sender import WeightSender
+from zmqsync.tensors.dtensor import distributed, is_sharded
+from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.transport import resolve
 from zmqsync.transport.base import HubTransport, SpokeTransport
 from zmqsync.vocabulary import Metadata, Strategy, WorkerIds, as_strategy
@@ -177,16 +180,34 @@ class WeightSyncScheme:
             model_id: which model (``"policy"``).
             context: optional object providing ``get_model(model_id)`` (or an attribute
                 named ``model_id``) and ``num_workers``.
-            **kwargs: ``model=``, ``num_workers=``, and any :class:`WeightSender` option.
+            **kwargs: ``model=``, ``num_workers=``, and any :class:`WeightSender` option;
+                ``group=``: the process group of a sharded learner (default: the
+                default group, when the model's tensors are DTensors).
+
+        A model whose tensors are DTensors (FSDP2's ``fully_shard``, tensor parallel) is
+        a sharded learner's: every rank of its process group calls this, each with the
+        ``endpoint`` it binds, and becomes the sender of its own part of every version
+        (see :mod:`zmqsync.schemes.sharded`); workers are given rank 0's endpoint.
         """
         if self._sender is not None:
             raise RuntimeError("init_on_sender() was already called on this scheme")
         self._take_model(model_id, context, kwargs)
         num_workers = kwargs.pop("num_workers", getattr(context, "num_workers", None))
         self._num_workers = num_workers
-        hub = self._open_hub(context, kwargs)
+        group = kwargs.pop("group", None)
+        sharded = group is not None or (
+            self._model is not None
+            and distributed()
+            and is_sharded(ModelTensors(self.strategy).get(self._model))
+        )
+        if sharded:
+            check_options({**self.sender_options, **kwargs})
+        hub = self._open_hub(context, kwargs)  # takes what only the hub needs (pipes=)
         options = {**self.sender_options, **kwargs}
         try:
+            if sharded:
+                setup = rank_setup(hub.endpoint, group, self.connect_timeout)
+                options.update(part=setup.part, epoch=setup.epoch, ranks=setup.ranks)
             self._sender = WeightSender(
                 hub,
                 num_workers=num_workers,
@@ -344,7 +365,14 @@ class WeightSyncScheme:
                 )
                 for e in [*failover, self.endpoint]
             ]
-        spoke = self.create_transport(role="spoke", **self._spoke_options())
+        spoke_options = self._spoke_options()
+
+        def connect_rank(endpoint: str) -> SpokeTransport:
+            # A sharded learner's other ranks, which rank 0's Welcome names.
+            return self.create_transport(role="spoke", endpoint=endpoint, **spoke_options)  # type: ignore[return-value]
+
+        options["connect_rank"] = connect_rank
+        spoke = self.create_transport(role="spoke", **spoke_options)
         try:
             self._receiver = WeightReceiver(
                 spoke,  # type: ignore[arg-type]

@@ -21,7 +21,18 @@ __all__ = [
 #: What a scheme passes to :class:`~zmqsync.WeightSender` itself; the rest of the
 #: sender's keyword arguments are the options a scheme accepts (``**sender_options``).
 _SET_BY_SCHEME: Final = frozenset(
-    {"self", "hub", "model_id", "model", "strategy", "num_workers", "timeout", "mode"}
+    {
+        "self",
+        "hub",
+        "model_id",
+        "model",
+        "strategy",
+        "num_workers",
+        "timeout",
+        "mode",
+        "part",
+        "ranks",
+    }
 )
 SENDER_OPTIONS: Final = (
     frozenset(inspect.signature(WeightSender.__init__).parameters) - _SET_BY_SCHEME

@@ -49,6 +49,7 @@ from zmqsync.sender.stats import SendStats
 from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Pending, Stamp, Transfer
 from zmqsync.sender.versions import VersionStore
 from zmqsync.status_types import SenderStatus
+from zmqsync.tensors.dtensor import LocalPart
 from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD
 from zmqsync.tensors.views import dtype_name
 from zmqsync.transport.base import (
@@ -168,6 +169,12 @@ class WeightSender:
             before its first chunk goes (to digest it); it needs ``retain_snapshot``
             and no ``share_params``, and assumes workers do not change the weights they
             were sent. With ``wire_dtype``, the wire bytes are digested.
+        part: a sharded learner's rank (a scheme makes it for a model of DTensors): each
+            version streams this rank's part only, its local boxes of the global tensors.
+            Every rank sends each version (``send()`` is a collective call), with the
+            same ``epoch``.
+        ranks: every rank's endpoint, rank 0's first, which this sender's Welcome names:
+            a worker opens a session with each, and gathers a version's parts.
     """
 
     def __init__(
@@ -190,6 +197,8 @@ class WeightSender:
         share_params: bool = False,
         wire_dtype: torch.dtype | None = None,
         delta: bool = False,
+        part: LocalPart | None = None,
+        ranks: Sequence[str] = (),
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds; got {timeout}")
@@ -232,6 +241,7 @@ class WeightSender:
             num_workers=num_workers,
             heartbeat=heartbeat,
             repair_after=repair_after,
+            ranks=ranks,
         )
         self.chunk_bytes = int(chunk_bytes)
         self.checksums = checksums
@@ -258,6 +268,7 @@ class WeightSender:
             share_params=share_params,
             wire_dtype=wire_dtype,
             pack_threshold=pack_threshold,
+            part=part,
         )
         self._metadata: Metadata | None = None  # the latest version's
         #: ``_cond`` guards the fleet, the pending send and the forwarded version.

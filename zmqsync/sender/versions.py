@@ -19,6 +19,7 @@ from zmqsync.chunking.layout import StreamLayout
 from zmqsync.protocol import Buffer
 from zmqsync.sender.stats import SendStats
 from zmqsync.sender.transfers import Copy, Forwarded, Ring, Stamp, Transfer, stream_checksums
+from zmqsync.tensors.dtensor import LocalPart
 from zmqsync.tensors.extract import KeyPath, extract
 from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD, Flat, Flattener
 from zmqsync.tensors.model_tensors import ModelTensors
@@ -60,6 +61,7 @@ class VersionStore:
         chunk_bytes: the most bytes one chunk carries.
         retain_snapshot: keep the latest version whole once sent.
         share_params: send the model's own tensors from shared memory a hub lends.
+        part: a sharded learner's rank: it streams its own part of each version only.
         stats: where moves of the model's tensors are counted (``params_moved``).
     """
 
@@ -75,6 +77,7 @@ class VersionStore:
         share_params: bool = False,
         wire_dtype: torch.dtype | None = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        part: LocalPart | None = None,
     ) -> None:
         self.stamp = stamp
         self.strategy = strategy
@@ -85,6 +88,9 @@ class VersionStore:
         self._outlets = outlets
         self._stats = stats
         self._flattener = Flattener(strategy, pack_threshold=pack_threshold, wire_dtype=wire_dtype)
+        self._part = part
+        if part is not None:
+            self._flattener.part = (part.part, part.parts)
         self._model_tensors = ModelTensors(strategy)
         #: The layout of the latest stream, reused while the weights fit it.
         self.layout: StreamLayout | None = None
@@ -154,6 +160,9 @@ class VersionStore:
             if source is not None
             else extract(None, self.strategy)  # raises: says what to pass
         )
+        if self._part is not None:
+            tensors = self._part.local(tensors)  # this rank's boxes only
+            self._flattener.boxes = self._part.boxes
         if not whole and self.share_params and version > 0:
             # (Version 0 is served through the ring: publishing moves no tensor.)
             if source is model:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from zmqsync.chunking.layout import Sources, StreamLayout
-from zmqsync.protocol import WIRE_DTYPES, Buffer, TensorEntry, WeightsSchema, encode_schema
+from zmqsync.protocol import WIRE_DTYPES, Box, Buffer, TensorEntry, WeightsSchema, encode_schema
 from zmqsync.tensors.casts import WireCast
 from zmqsync.tensors.device_reader import DeviceReader
 from zmqsync.tensors.extract import KeyPath, check_strategy
@@ -126,6 +126,10 @@ class Flattener:
         self._pack_casts: list[tuple[int, list[torch.Tensor], torch.dtype]] = []
         self.strategy = strategy
         self.pack_threshold = pack_threshold
+        #: A sharded learner's rank: the part it sends, of how many, and the box of the
+        #: global tensor that each of its tensors is (none: the whole tensor).
+        self.part = (0, 1)
+        self.boxes: Mapping[KeyPath, Box] = {}
         self._layout_key: tuple[Any, ...] | None = None
         self._schema: WeightsSchema | None = None
         self._schema_bytes = b""
@@ -241,6 +245,8 @@ class Flattener:
         layout_key = (
             tuple((p, t.dtype, t.shape) for p, t in big),
             tuple((p, t.dtype, t.shape) for group in small.values() for p, t in group),
+            self.part,
+            self.boxes,
         )
         if layout_key != self._layout_key:
             self._schema = self._layout(big, small)
@@ -380,6 +386,7 @@ class Flattener:
                 offset,
                 self._wire_nbytes(t),
                 "" if wire is None else dtype_name(wire),
+                self.boxes.get(p),
             )
 
         entries = [entry(p, t, i, 0) for i, (p, t) in enumerate(big)]
@@ -389,4 +396,4 @@ class Flattener:
             for p, t in group:
                 entries.append(entry(p, t, len(big), offset))
                 offset += self._wire_nbytes(t)
-        return WeightsSchema(self.strategy, tuple(entries))
+        return WeightsSchema(self.strategy, tuple(entries), *self.part)

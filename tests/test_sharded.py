@@ -1,0 +1,858 @@
+"""Sharded learners: parts of a version on the wire, gathered by workers into whole
+versions; and an FSDP2 learner over gloo whose every rank sends its own shard."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import multiprocessing as mp
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from _faults import until
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zmqsync.chunking.parts import (
+    Held,
+    Lost,
+    PartGather,
+    Placed,
+    Refused,
+    Torn,
+    Whole,
+    assemble,
+)
+from zmqsync.errors import FrameError
+from zmqsync.protocol import (
+    MAX_PARTS,
+    Box,
+    Chunk,
+    TensorEntry,
+    WeightsSchema,
+    Welcome,
+    decode,
+    encode,
+    encode_schema,
+    layout_digest,
+)
+
+SPAWN = mp.get_context("spawn")
+
+
+# --- parts on the wire ------------------------------------------------------------------
+
+
+def _first_chunk(schema: WeightsSchema, stream: bytes, version: int = 1, epoch: int = 7) -> Chunk:
+    layout = layout_digest(encode_schema(schema))
+    return Chunk("p", version, epoch, 0, 1, 0, len(stream), layout, stream, schema)
+
+
+def _boxed(key: str, shape: tuple[int, ...], whole: tuple[int, ...], at: tuple[int, ...]) -> Any:
+    return TensorEntry((key,), "float32", shape, 0, 0, 4 * math.prod(shape), "", Box(whole, at))
+
+
+@pytest.mark.timeout(30)
+def test_a_plain_schema_is_encoded_as_before() -> None:
+    entry = TensorEntry(("w",), "float32", (2,), 0, 0, 8)
+    assert encode_schema(WeightsSchema("state_dict", (entry,))) == (
+        b'{"strategy":"state_dict","tensors":[[["w"],"float32",[2],0,0,8]]}'
+    )
+    welcome = Welcome("p", 1, 2, mode="m", strategy="state_dict")
+    assert b"ranks" not in encode(welcome)[1]
+
+
+@pytest.mark.timeout(30)
+def test_a_part_round_trips_and_its_digest_differs_per_part() -> None:
+    entry = _boxed("w", (2, 3), (5, 3), (3, 0))
+    first = WeightsSchema("state_dict", (entry,), 1, 2)
+    other = dataclasses.replace(first, part=0)
+    chunk = _first_chunk(first, bytes(24))
+    decoded = decode(encode(chunk))
+    assert isinstance(decoded, Chunk) and decoded.schema == first
+    assert layout_digest(encode_schema(first)) != layout_digest(encode_schema(other))
+
+
+@pytest.mark.timeout(30)
+def test_a_welcome_names_the_ranks() -> None:
+    welcome = Welcome("p", 1, 2, mode="m", strategy="s", ranks=("ipc:///a", "ipc:///b"))
+    assert decode(encode(welcome)) == welcome
+
+
+def _schema_json(entries: list[Any], part: Any = None) -> bytes:
+    import json
+
+    doc: dict[str, Any] = {"strategy": "state_dict", "tensors": entries}
+    if part is not None:
+        doc["part"] = part
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("entry", "part"),
+    [
+        ([["w"], "float32", [2, 3], 0, 0, 24, "", [[5, 3], [4, 0]]], [0, 2]),  # past the end
+        ([["w"], "float32", [2, 3], 0, 0, 24, "", [[5], [0]]], [0, 2]),  # another rank
+        ([["w"], "float32", [2, 3], 0, 0, 24, "", [[5, 3], [0]]], [0, 2]),
+        ([["w"], "float32", [2, 3], 0, 0, 24, "", [[5, 3], [-1, 0]]], [0, 2]),
+        ([["w"], "float32", [2, 3], 0, 0, 24, "", [[1 << 40, 3], [0, 0]]], [0, 2]),  # huge
+        ([["w"], "float32", [2, 3], 0, 0, 24, "", [[5, 3], [0, 0.5]]], [0, 2]),
+        ([["w"], "float32", [2, 3], 0, 0, 24, "", [[5, 3]]], [0, 2]),
+        ([["w"], "float32", [2, 3], 0, 0, 24, "", [[5, 3], [0, 0]]], None),  # a box, no part
+        ([["w"], "float32", [2, 3], 0, 0, 24, 0, [[5, 3], [0, 0]]], [0, 2]),  # wire not str
+        ([["w"], "float32", [2, 3], 0, 0, 24], [2, 2]),
+        ([["w"], "float32", [2, 3], 0, 0, 24], [0, 1]),  # one part says nothing
+        ([["w"], "float32", [2, 3], 0, 0, 24], [0, MAX_PARTS + 1]),
+        ([["w"], "float32", [2, 3], 0, 0, 24], [True, 2]),
+        ([["w"], "float32", [2, 3], 0, 0, 24], "0/2"),
+    ],
+)
+def test_a_bad_box_or_part_is_refused(entry: list[Any], part: Any) -> None:
+    from zmqsync.protocol.schemas import decode_schema
+
+    body = _schema_json([entry], part)
+    with pytest.raises(FrameError):
+        decode_schema(body, layout_digest(body), 24)
+
+
+dims = st.integers(0, 4)
+
+
+@st.composite
+def boxes(draw: Any) -> tuple[list[int], list[int], list[int]]:
+    whole = draw(st.lists(dims, min_size=0, max_size=3))
+    offsets = [draw(st.integers(0, d)) for d in whole]
+    shape = [draw(st.integers(0, d - o)) for d, o in zip(whole, offsets, strict=True)]
+    return whole, offsets, shape
+
+
+@pytest.mark.timeout(30)
+@settings(max_examples=200)
+@given(boxes(), st.integers(0, 3), st.lists(st.integers(-3, 6), max_size=3))
+def test_boxes_decode_within_their_global_tensor_or_raise(
+    box: tuple[list[int], list[int], list[int]], part: int, noise: list[int]
+) -> None:
+    from zmqsync.protocol.schemas import decode_schema
+
+    whole, offsets, shape = box
+    for i, n in enumerate(noise):  # hostile edits: offsets moved, shapes grown
+        if whole:
+            offsets[i % len(whole)] += n
+    nbytes = 4 * math.prod(shape)
+    body = _schema_json(
+        [[["w"], "float32", shape, 0, 0, nbytes, "", [whole, offsets]]], [part % 2, 2]
+    )
+    try:
+        schema = decode_schema(body, layout_digest(body), nbytes)
+    except FrameError:
+        return
+    (e,) = schema.entries
+    assert e.box is not None and len(e.box.shape) == len(e.shape) == len(e.box.offsets)
+    for d, o, n in zip(e.box.shape, e.box.offsets, e.shape, strict=True):
+        assert o >= 0 and o + n <= d
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 1 << 41) | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@pytest.mark.timeout(30)
+@settings(max_examples=300)
+@given(json_values, json_values)
+def test_any_part_or_box_decodes_as_announced_or_raises(part: Any, box: Any) -> None:
+    """Whatever a peer puts in ``part`` and in an entry's box: a schema, or FrameError."""
+    from zmqsync.protocol.schemas import decode_schema
+
+    body = _schema_json([[["w"], "float32", [2, 3], 0, 0, 24, "", box]], part)
+    try:
+        schema = decode_schema(body, layout_digest(body), 24)
+    except FrameError:
+        return
+    assert 0 <= schema.part < schema.parts <= MAX_PARTS and schema.parts > 1
+    (e,) = schema.entries
+    assert e.box is not None
+    assert all(
+        o >= 0 and o + n <= d for d, o, n in zip(e.box.shape, e.box.offsets, e.shape, strict=True)
+    )
+
+
+# --- gathering parts (fakes: the parts as a learner's ranks would cut them) ---------------
+
+
+def _parts(global_tensors: dict[str, np.ndarray], cuts: int) -> list[WeightsSchema]:
+    """Each tensor cut into ``cuts`` boxes along its last dimension (uneven, some empty),
+    ``"s"`` whole in part 0: the schemas and streams ranks would send."""
+    out = []
+    for p in range(cuts):
+        entries, pos = [], 0
+        for key, t in global_tensors.items():
+            if key == "s":
+                if p:
+                    continue
+                entries.append(TensorEntry((key,), "float32", t.shape, 0, pos, t.nbytes))
+                pos += t.nbytes
+                continue
+            n = t.shape[-1]
+            lo, hi = p * n // cuts, (p + 1) * n // cuts
+            shape = (*t.shape[:-1], hi - lo)
+            at = (0,) * (t.ndim - 1) + (lo,)
+            nbytes = 4 * math.prod(shape)
+            entries.append(
+                TensorEntry((key,), "float32", shape, 0, pos, nbytes, "", Box(t.shape, at))
+            )
+            pos += nbytes
+        out.append(WeightsSchema("state_dict", tuple(entries), p, cuts))
+    return out
+
+
+def _stream(schema: WeightsSchema, tensors: dict[str, np.ndarray]) -> bytes:
+    out = b""
+    for e in schema.entries:
+        t = tensors[e.key[0]]
+        if e.box is not None:
+            t = t[tuple(slice(o, o + n) for o, n in zip(e.box.offsets, e.shape, strict=True))]
+        out += np.ascontiguousarray(t).tobytes()
+    return out
+
+
+def _tensors(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.standard_normal((7,)).astype(np.float32),
+        "s": rng.standard_normal(()).astype(np.float32),
+    }
+
+
+def _gathered(chunk: Chunk) -> dict[str, np.ndarray]:
+    assert chunk.schema is not None
+    data = np.frombuffer(chunk.payload, dtype=np.uint8)
+    return {
+        e.key[0]: data[e.offset : e.offset + e.nbytes].view(np.float32).reshape(e.shape)
+        for e in chunk.schema.entries
+    }
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cuts", [2, 3, 4, 9])
+def test_parts_gather_into_the_whole_version(cuts: int) -> None:
+    tensors = _tensors(cuts)
+    schemas = _parts(tensors, cuts)
+    gather = PartGather(cuts, gap=10.0)
+    events: list[Any] = []
+    for p in reversed(range(cuts)):  # in any order
+        events += gather.feed(p, _first_chunk(schemas[p], _stream(schemas[p], tensors)), 0, (0, 0))
+    (whole,) = events
+    assert isinstance(whole, Whole) and whole.chunk.count == 1
+    assert whole.chunk.schema is not None and whole.chunk.schema.parts == 1
+    got = _gathered(whole.chunk)
+    for key, t in tensors.items():
+        np.testing.assert_array_equal(got[key], t)
+
+
+@pytest.mark.timeout(30)
+@settings(max_examples=200)
+@given(st.data())
+def test_a_box_written_in_pieces_lands_where_it_belongs(data: Any) -> None:
+    """A box's bytes cut anywhere (mid-element too) land at their strided place."""
+    from zmqsync.chunking.parts import _write_range
+
+    whole = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    offsets = [data.draw(st.integers(0, d - 1)) for d in whole]
+    shape = [data.draw(st.integers(1, d - o)) for d, o in zip(whole, offsets, strict=True)]
+    itemsize = data.draw(st.sampled_from([1, 2, 4]))
+    box = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
+    src = np.arange(math.prod(shape) * itemsize, dtype=np.uint64).astype(np.uint8) + 1
+    out = np.zeros((*whole, itemsize), dtype=np.uint8)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(src)), max_size=5)))
+    for lo, hi in itertools.pairwise([0, *cuts, len(src)]):
+        if lo < hi:
+            _write_range(out[box], src[lo:hi], lo, hi)
+    expected = np.zeros_like(out)
+    expected[box] = src.reshape(*shape, itemsize)
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_parts_in_chunks_gather_into_the_whole_version(chunk: int) -> None:
+    """Parts cut into small chunks, interleaved: boxes written as their bytes come."""
+    tensors = _tensors(11)
+    schemas = _parts(tensors, 3)
+    pieces = []
+    for schema in schemas:
+        stream = _stream(schema, tensors)
+        layout = layout_digest(encode_schema(schema))
+        count = max(1, -(-len(stream) // chunk))
+        pieces.append(
+            [
+                Chunk(
+                    "p",
+                    1,
+                    7,
+                    i,
+                    count,
+                    i * chunk,
+                    len(stream),
+                    layout,
+                    stream[i * chunk : (i + 1) * chunk],
+                    schema if i == 0 else None,
+                )
+                for i in range(count)
+            ]
+        )
+    gather = PartGather(3, gap=10.0)
+    events: list[Any] = []
+    for row in itertools.zip_longest(*pieces):
+        for p, c in enumerate(row):
+            if c is not None:
+                events += gather.feed(p, c, 0, (0, 0))
+    (whole,) = events
+    assert isinstance(whole, Whole)
+    for key, t in tensors.items():
+        np.testing.assert_array_equal(_gathered(whole.chunk)[key], t)
+
+
+def _placed_gather(out: dict[str, np.ndarray]) -> PartGather:
+    """A gather that writes in place, into ``out`` (what a model's tensors would be)."""
+
+    def place(assembly: Any) -> list[np.ndarray]:
+        return [
+            out[e.key[0]].reshape(-1).view(np.uint8).reshape(*e.shape, 4)
+            for e in assembly.schema.entries
+        ]
+
+    return PartGather(2, gap=1.0, place=place)
+
+
+@pytest.mark.timeout(30)
+def test_parts_written_in_place_land_in_the_tensors_as_they_come() -> None:
+    tensors = _tensors(21)
+    out = {k: np.zeros_like(t) for k, t in tensors.items()}
+    schemas = _parts(tensors, 2)
+    gather = _placed_gather(out)
+    events: list[Any] = []
+    for p in (1, 0):
+        events += gather.feed(p, _first_chunk(schemas[p], _stream(schemas[p], tensors)), 0, (0, 0))
+    (placed,) = events
+    assert isinstance(placed, Placed) and placed.chunk.version == 1 and not placed.chunk.payload
+    for key, t in tensors.items():
+        np.testing.assert_array_equal(out[key], t)
+
+
+@pytest.mark.timeout(30)
+def test_a_version_written_in_place_that_breaks_off_is_torn_and_dropped() -> None:
+    tensors = _tensors(22)
+    schemas = _parts(tensors, 2)
+    gather = _placed_gather({k: np.zeros_like(t) for k, t in tensors.items()})
+    stream = _stream(schemas[1], tensors)
+    layout = layout_digest(encode_schema(schemas[1]))
+    head = Chunk("p", 1, 7, 0, 2, 0, len(stream), layout, stream[:8], schemas[1])
+    assert gather.feed(1, head, 0.0, (0, 0)) == []
+    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 0.0, (0, 0)) == []
+    (torn,) = gather.expire(5.0)  # part 1's next chunk never came
+    assert isinstance(torn, Torn) and (torn.epoch, torn.version) == (7, 1)
+    assert not gather.active and gather.expire(10.0) == []
+    # A newer version while one is written in place: the older is torn.
+    assert gather.feed(1, head, 20.0, (0, 0)) == []
+    assert (
+        gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 20.0, (0, 0)) == []
+    )
+    newer = _first_chunk(schemas[0], _stream(schemas[0], tensors), version=2)
+    assert [type(e) for e in gather.feed(0, newer, 20.0, (0, 0))] == [Torn]
+
+
+@pytest.mark.timeout(30)
+def test_a_newer_part_drops_the_older_version_and_parts_never_mix() -> None:
+    old, new = _tensors(1), _tensors(2)
+    schemas = _parts(old, 2)
+    gather = PartGather(2, gap=10.0)
+    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], old), 1), 0, (0, 0)) == []
+    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], new), 2), 0, (0, 0)) == []
+    # Part 1 of version 1 is older than the version gathered: dropped.
+    assert gather.feed(1, _first_chunk(schemas[1], _stream(schemas[1], old), 1), 0, (0, 0)) == []
+    # Part 0 of version 2 sent again (a repair) while part 1 is awaited: kept once.
+    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], old), 2), 0, (0, 0)) == []
+    (whole,) = gather.feed(1, _first_chunk(schemas[1], _stream(schemas[1], new), 2), 0, (0, 0))
+    assert isinstance(whole, Whole) and whole.chunk.version == 2
+    for key, t in new.items():
+        np.testing.assert_array_equal(_gathered(whole.chunk)[key], t)
+
+
+@pytest.mark.timeout(30)
+def test_a_part_of_a_version_held_is_acked_to_its_rank() -> None:
+    tensors = _tensors(3)
+    schemas = _parts(tensors, 2)
+    gather = PartGather(2, gap=10.0)
+    chunk = _first_chunk(schemas[1], _stream(schemas[1], tensors), version=3)
+    assert gather.feed(1, chunk, 0, (7, 3)) == [Held(1)]
+    assert gather.feed(1, chunk, 0, (7, 3), whole=True) == []  # a repair: taken
+
+
+@pytest.mark.timeout(30)
+def test_a_part_on_another_ranks_stream_is_refused() -> None:
+    tensors = _tensors(4)
+    schemas = _parts(tensors, 2)
+    gather = PartGather(2, gap=10.0)
+    with pytest.raises(FrameError):
+        gather.feed(0, _first_chunk(schemas[1], _stream(schemas[1], tensors)), 0, (0, 0))
+
+
+@pytest.mark.timeout(30)
+def test_a_stalled_part_is_lost() -> None:
+    tensors = _tensors(5)
+    (schema, _) = _parts(tensors, 2)
+    stream = _stream(schema, tensors)
+    layout = layout_digest(encode_schema(schema))
+    head = Chunk("p", 1, 7, 0, 2, 0, len(stream), layout, stream[:4], schema)
+    gather = PartGather(2, gap=1.0)
+    assert gather.feed(0, head, 0.0, (0, 0)) == []
+    (lost,) = gather.expire(5.0)
+    assert isinstance(lost, Lost) and lost.part == 0
+    assert gather.expire(5.0) == []  # told once
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "edit",
+    ["overlap", "gap", "dtype", "global shape", "scalar twice"],
+)
+def test_parts_that_do_not_tile_are_refused(edit: str) -> None:
+    tensors = _tensors(6)
+    schemas = _parts(tensors, 2)
+    first = list(schemas[1].entries)
+    e = first[0]
+    assert e.box is not None
+    if edit == "overlap":
+        first[0] = dataclasses.replace(e, box=Box(e.box.shape, (0, e.box.offsets[1] - 1)))
+    elif edit == "gap":
+        first[0] = dataclasses.replace(e, box=Box(e.box.shape, (0, e.box.offsets[1] + 1)))
+        first[0] = dataclasses.replace(first[0], shape=(3, e.shape[1] - 1))
+    elif edit == "dtype":
+        first[0] = dataclasses.replace(e, dtype="int32")
+    elif edit == "global shape":
+        first[0] = dataclasses.replace(e, box=Box((3, 6), e.box.offsets))
+    else:
+        first.append(TensorEntry(("s",), "float32", (), 0, 1024, 4))
+    with pytest.raises(FrameError):
+        assemble([schemas[0], dataclasses.replace(schemas[1], entries=tuple(first))])
+    gather = PartGather(2, gap=10.0)
+    bad = dataclasses.replace(schemas[1], entries=tuple(first))
+    end = max(x.offset + x.nbytes for x in bad.entries)
+    gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 0, (0, 0))
+    (refused,) = gather.feed(1, _first_chunk(bad, bytes(end)), 0, (0, 0))
+    assert isinstance(refused, Refused)
+
+
+class _FakeMesh:
+    def __init__(self, coordinate: list[int] | None) -> None:
+        self.coordinate = coordinate
+
+    def get_coordinate(self) -> list[int] | None:
+        return self.coordinate
+
+
+class _FakeDTensor:
+    """What a rank's part reads of a DTensor before its shard: its mesh and placements."""
+
+    def __init__(self, placements: list[Any], coordinate: list[int] | None) -> None:
+        self.device_mesh = _FakeMesh(coordinate)
+        self.placements = placements
+        self.shape = (4, 4)
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_sends_a_replica_only_at_coordinate_0_and_refuses_what_is_no_box() -> None:
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from zmqsync.tensors.dtensor import _local_box
+
+    assert _local_box(_FakeDTensor([Replicate()], [1])) is None  # rank 0 sends it
+    assert _local_box(_FakeDTensor([Replicate()], None)) is None  # not in its mesh
+    with pytest.raises(ValueError, match="Partial"):
+        _local_box(_FakeDTensor([Partial()], [0]))
+    with pytest.raises(ValueError, match="cannot be sent as boxes"):
+        _local_box(_FakeDTensor([_StridedShard(0, split_factor=2)], [0]))
+
+
+# --- ranks as senders and a worker gathering them, in one process (fakes) --------------
+
+
+class _RowsPart:
+    """A fake rank's part (as :class:`~zmqsync.tensors.dtensor.LocalPart` gives it): rows
+    ``[p*n//M, (p+1)*n//M)`` of each tensor of two or more dimensions, the others whole
+    from part 0."""
+
+    def __init__(self, part: int, parts: int) -> None:
+        from zmqsync.tensors.dtensor import LocalPart
+
+        self._inner = LocalPart(part, parts)
+        self.part, self.parts = part, parts
+        self.boxes: dict[Any, Box] = {}
+        self._source: Any = None
+        self._local: dict[Any, Any] = {}
+
+    def local(self, tensors: Any) -> Any:
+        if tensors is self._source:
+            return self._local
+        local, boxes = {}, {}
+        for key, t in tensors.items():
+            if t.dim() < 2:
+                if self.part == 0:
+                    local[key] = t
+                continue
+            n = t.shape[0]
+            lo, hi = self.part * n // self.parts, (self.part + 1) * n // self.parts
+            local[key] = t[lo:hi]
+            boxes[key] = Box(tuple(t.shape), (lo,) + (0,) * (t.dim() - 1))
+        self._source, self._local, self.boxes = tensors, local, boxes
+        return local
+
+
+def _send(sender: Any, errors: list[BaseException], worker_ids: Any = None) -> None:
+    """One rank's collective send (the ranks' sends of one step run at once)."""
+    try:
+        sender.send(worker_ids=worker_ids)
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def _send_all(senders: list[Any], worker_ids: Any = None) -> None:
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=_send, args=(s, errors, worker_ids), name=f"rank-{i}")
+        for i, s in enumerate(senders)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("second", ["in place", "streamed in place", "staged", "sink", "weights"])
+def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> None:
+    """Worker 0 applies in place (one whole chunk: ``"auto"``); worker 1 as ``second``
+    says: each box written into its model as it comes (``"in_place"``), staged, a sink,
+    or without a model (its weights kept)."""
+    import torch
+
+    from zmqsync import WeightReceiver, WeightSender, checksum
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    torch.manual_seed(0)
+    learner = {"w": torch.randn(5, 3), "v": torch.randn(3, 2, 2), "b": torch.randn(4)}
+    names = [f"memory://sharded-{second}-{r}" for r in range(3)]
+    senders = [
+        WeightSender(
+            MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            num_workers=2,
+            timeout=20,
+            epoch=99,
+            part=_RowsPart(r, 3),  # type: ignore[arg-type]
+            ranks=names,
+        )
+        for r in range(3)
+    ]
+    got: dict[str, Any] = {}
+
+    def keep(tensors: list[tuple[str, Any]]) -> None:
+        got.update({k: t.clone() for k, t in tensors})
+
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    receivers = [
+        WeightReceiver(
+            MemorySpoke(names[0]),
+            model=models[i] if i == 0 or "place" in second or second == "staged" else None,
+            sink=keep if i == 1 and second == "sink" else None,
+            apply_mode={"staged": "staged", "streamed in place": "in_place"}.get(second, "auto")
+            if i == 1
+            else "auto",
+            strategy="state_dict",
+            worker_idx=i,
+            timeout=20,
+            connect_rank=MemorySpoke,
+        )
+        for i in range(2)
+    ]
+
+    def second_holds() -> Any:
+        if second == "sink":
+            return got
+        if second == "weights":
+            return receivers[1].weights
+        return models[1]
+
+    try:
+        for r in receivers:
+            r.connect()
+            assert r.version == 0 and r.epoch == 99
+            r.start()
+        for version in (1, 2):
+            with torch.no_grad():
+                for t in learner.values():
+                    t.add_(1.0)
+            _send_all(senders)
+            assert all(s.version == version for s in senders)
+            assert all(r.version == version for r in receivers)
+            assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
+            assert checksum(second_holds(), "state_dict") == checksum(learner, "state_dict")
+            # Streamed in place, no version was gathered in a buffer and fed whole.
+            assert (receivers[1].stats["chunks"] == 0) == (second == "streamed in place")
+        # Each rank sent its own part only: together, no more than the whole model (and
+        # its alignment) per worker and version.
+        whole = sum(t.nbytes for t in learner.values())
+        sent = sum(s.status()["totals"]["bytes_sent"] for s in senders)
+        assert sent <= 3 * 2 * (whole + 3 * 64)
+        # A late joiner gets every rank's part of the latest version from its snapshot.
+        late = {k: torch.zeros_like(t) for k, t in learner.items()}
+        receivers.append(
+            WeightReceiver(
+                MemorySpoke(names[0]),
+                model=late,
+                strategy="state_dict",
+                worker_idx=2,
+                timeout=20,
+                connect_rank=MemorySpoke,
+            )
+        )
+        receivers[-1].connect()
+        assert receivers[-1].version == 2
+        assert checksum(late, "state_dict") == checksum(learner, "state_dict")
+        # worker_ids: every rank sends version 3 to worker 0 alone.
+        with torch.no_grad():
+            learner["w"].add_(1.0)
+        _send_all(senders, worker_ids=[0])
+        assert [r.version for r in receivers] == [3, 2, 2]
+        assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
+    finally:
+        for r in receivers:
+            r.close()
+        for s in senders:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_without_snapshots_stream_their_parts_from_the_weights() -> None:
+    """retain_snapshot=False: each rank reads its part from its tensors as it streams
+    (version 0 at connect, then each send), nothing model-sized kept."""
+    import torch
+
+    from zmqsync import WeightReceiver, WeightSender, checksum
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    learner = {"w": torch.randn(6, 4), "b": torch.randn(3)}
+    names = ["memory://unkept-0", "memory://unkept-1"]
+    senders = [
+        WeightSender(
+            MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            num_workers=1,
+            timeout=20,
+            epoch=5,
+            retain_snapshot=False,
+            part=_RowsPart(r, 2),  # type: ignore[arg-type]
+            ranks=names,
+        )
+        for r in range(2)
+    ]
+    model = {k: torch.zeros_like(t) for k, t in learner.items()}
+    receiver = WeightReceiver(
+        MemorySpoke(names[0]),
+        model=model,
+        strategy="state_dict",
+        timeout=20,
+        connect_rank=MemorySpoke,
+    )
+    try:
+        receiver.connect()
+        assert checksum(model, "state_dict") == checksum(learner, "state_dict")
+        assert all(s.snapshot is None or s.snapshot.data is None for s in senders)
+        receiver.start()
+        with torch.no_grad():
+            learner["w"].mul_(2.0)
+        _send_all(senders)
+        assert receiver.version == 1
+        assert checksum(model, "state_dict") == checksum(learner, "state_dict")
+    finally:
+        receiver.close()
+        for s in senders:
+            s.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_part_alone_is_never_applied() -> None:
+    """A rank whose Welcome names no other ranks (or a receiver that cannot reach them):
+    its part never reaches the model, and connect() says why it did not catch up."""
+    import torch
+
+    from zmqsync import SyncTimeout, WeightReceiver, WeightSender, ZMQSyncError
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    learner = {"w": torch.ones(4, 3)}
+    names = ["memory://alone-0", "memory://alone-1"]
+    sender = WeightSender(
+        MemoryHub(names[0]),
+        model=learner,
+        strategy="state_dict",
+        part=_RowsPart(0, 2),  # type: ignore[arg-type]
+    )
+    named = WeightSender(
+        MemoryHub(names[1]),
+        model=learner,
+        strategy="state_dict",
+        part=_RowsPart(0, 2),  # type: ignore[arg-type]
+        ranks=names,
+    )
+    model = {"w": torch.zeros(4, 3)}
+    plain = WeightReceiver(MemorySpoke(names[0]), model=model, strategy="state_dict")
+    unreachable = WeightReceiver(MemorySpoke(names[1]), model=model, strategy="state_dict")
+    try:
+        with pytest.raises(SyncTimeout):
+            plain.connect(timeout=1.0)
+        assert plain.version == 0 and plain.stats["stale"] > 0
+        assert not model["w"].any()
+        with pytest.raises(ZMQSyncError, match="sharded over 2 ranks"):
+            unreachable.connect(timeout=5.0)
+    finally:
+        plain.close()
+        unreachable.close()
+        sender.close()
+        named.close()
+
+
+# --- an FSDP2 learner over gloo, in spawned processes ----------------------------------
+
+
+def _ask(conn: Any, command: str, timeout: float = 90.0) -> Any:
+    conn.send(command)
+    return _answer(conn, command, timeout)
+
+
+def _answer(conn: Any, what: str, timeout: float = 90.0) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no answer to {what!r} in {timeout}s")
+    reply = conn.recv()
+    if isinstance(reply, tuple) and reply and reply[0] == "error":
+        raise AssertionError(f"a process failed: {reply[1]}")
+    return reply
+
+
+def _learner_and_workers(tmp_path: Any, ranks: int, mode: str, versions: int) -> None:
+    from _sharded import run_plain_worker, run_rank
+    from conftest import free_port
+
+    port = free_port()
+    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(ranks)]
+    procs: list[Any] = []
+    learners: list[Any] = []
+    workers: list[Any] = []
+    try:
+        for r in range(ranks):
+            parent, child = SPAWN.Pipe()
+            proc = SPAWN.Process(
+                target=run_rank, args=(r, ranks, port, endpoints[r], child, mode), daemon=True
+            )
+            proc.start()
+            child.close()
+            procs.append(proc)
+            learners.append(parent)
+        epochs = {_answer(c, "ready")[1] for c in learners}
+        assert len(epochs) == 1  # the ranks agreed on rank 0's epoch
+        for w in range(3):
+            parent, child = SPAWN.Pipe()
+            proc = SPAWN.Process(
+                target=run_plain_worker,
+                # Worker 2 writes each box into its model as it comes.
+                args=(endpoints[0], w, child, mode, "in_place" if w == 2 else "auto"),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            procs.append(proc)
+            workers.append(parent)
+        for c in learners:
+            c.send("connect")
+        answers = [_answer(c, "connect") for c in learners]
+        for c in workers:
+            assert _answer(c, "ready") == "ready"
+        expected = answers[0][2]
+        assert all(a[2] == expected for a in answers)  # the gathered model, on every rank
+        for c in workers:
+            assert _ask(c, "state") == (0, expected)
+        for version in range(1, versions + 1):
+            for c in learners:
+                c.send("send")  # collective: every rank sends its part of this version
+            answers = [_answer(c, "send") for c in learners]
+            assert {a[1] for a in answers} == {version}
+            expected = answers[0][2]
+            # send() returned on every rank: every worker acked, holding the whole version.
+            for c in workers:
+                assert _ask(c, "state") == (version, expected)
+    finally:
+        for c in [*workers, *learners]:
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for proc in procs:
+            proc.join(10)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_peers_never_join_raises_in_time(tmp_path: Any) -> None:
+    """Rank 1 never calls init_on_sender: rank 0's raises within its connect_timeout,
+    not the process group's half hour."""
+    from _sharded import run_rank
+    from conftest import free_port
+
+    port = free_port()
+    procs, conns = [], []
+    try:
+        for r in range(2):
+            parent, child = SPAWN.Pipe()
+            args = (r, 2, port, f"ipc://{tmp_path}/rank{r}", child, "pubsub", r == 0, 2.0)
+            proc = SPAWN.Process(target=run_rank, args=args, daemon=True)
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+        assert _answer(conns[1], "ready")[0] == "ready"
+        with pytest.raises(AssertionError, match="called init_on_sender within 2s"):
+            _answer(conns[0], "ready", timeout=60)
+    finally:
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_fsdp2_learner_of_two_ranks_and_three_plain_workers(tmp_path: Any, mode: str) -> None:
+    _learner_and_workers(tmp_path, 2, mode, versions=3)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_learner_of_four_ranks(tmp_path: Any) -> None:
+    _learner_and_workers(tmp_path, 4, "pubsub", versions=2)
