@@ -333,3 +333,28 @@ def test_a_relay_restarts_the_forward_of_a_version_streamed_again() -> None:
     assert core.settled(3, upstream, send, 2.0) is False
     core.handle(Ack("policy", 3, upstream, 1, True, session=secrets[1]), Origin(0, b"q"), 2.5)
     assert core.settled(3, upstream, send, 3.0) is True
+
+
+def test_a_ranks_fleet_keeps_which_parts_each_worker_waits_for() -> None:
+    """A sharded learner's rank hears from each worker's heartbeats which parts of the
+    version under way it still lacks; it names them for that version only, and a later
+    heartbeat (the version whole, or another under way) replaces what it said."""
+    core = Fleet("policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"])
+    secrets = {}
+    for w, peer in ((0, b"p"), (1, b"q"), (2, b"r")):
+        _admit, welcome = core.handle(Hello("policy", 0, 0, w, attempt="a"), Origin(0, peer), 0.0)
+        secrets[w] = welcome.message.session  # type: ignore[union-attr]
+
+    def beat(w: int, peer: bytes, gathering: int, waiting: tuple[int, ...]) -> None:
+        request = SnapshotRequest(
+            "policy", 1, 1, w, secrets[w], gathering=gathering, waiting=waiting
+        )
+        core.handle(request, Origin(0, peer), 2.0)
+
+    beat(0, b"p", 2, (1, 3))
+    beat(1, b"q", 2, (3,))
+    beat(2, b"r", 1, (2,))  # an older version's: not this send's
+    assert core.waiting_for([0, 1, 2, 9], 2) == {0: (1, 3), 1: (3,)}
+    beat(0, b"p", 0, ())  # it gathers nothing now
+    assert core.waiting_for([0, 1, 2], 2) == {1: (3,)}
+    assert core.waiting_for([0, 1, 2], 3) == {}

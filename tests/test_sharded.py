@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import math
 import multiprocessing as mp
 import threading
@@ -83,9 +84,31 @@ def test_a_welcome_names_the_ranks() -> None:
     assert decode(encode(welcome)) == welcome
 
 
-def _schema_json(entries: list[Any], part: Any = None) -> bytes:
-    import json
+@pytest.mark.timeout(30)
+def test_a_heartbeat_says_which_parts_it_waits_for_and_a_plain_one_is_unchanged() -> None:
+    from zmqsync.protocol import SnapshotRequest
 
+    plain = SnapshotRequest("p", 1, 2, 3, "s")
+    assert b"gathering" not in bytes(encode(plain)[1])  # the bytes of an unsharded worker
+    waiting = SnapshotRequest("p", 1, 2, 3, "s", gathering=4, waiting=(0, 2))
+    assert decode(encode(waiting)) == waiting
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "waiting", [[1, 1], [2, 1], [-1], [1024], [True], ["1"], [1.0], list(range(1025)), {}]
+)
+def test_a_heartbeats_waiting_parts_are_checked_strictly(waiting: Any) -> None:
+    from zmqsync.protocol import SnapshotRequest
+
+    head, body = encode(SnapshotRequest("p", 1, 2, 3, "s", gathering=4, waiting=(0,)))
+    bad = bytes(body).replace(b'"waiting":[0]', b'"waiting":' + json.dumps(waiting).encode())
+    assert bad != bytes(body)
+    with pytest.raises(FrameError, match="waiting"):
+        decode([head, bad])
+
+
+def _schema_json(entries: list[Any], part: Any = None) -> bytes:
     doc: dict[str, Any] = {"strategy": "state_dict", "tensors": entries}
     if part is not None:
         doc["part"] = part

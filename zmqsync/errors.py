@@ -82,7 +82,9 @@ class SyncTimeout(ZMQSyncError, TimeoutError):
     """Targeted workers did not acknowledge a version before the timeout.
 
     ``missing_workers`` lists their ids (sorted); ``version`` is the version that was
-    being sent. The sender stays usable after this error.
+    being sent. For a rank of a sharded learner, ``missing_ranks`` lists the ranks
+    whose parts of that version those workers still wait for (sorted; empty when they
+    said none, or the learner has one rank). The sender stays usable after this error.
     """
 
     def __init__(
@@ -92,11 +94,13 @@ class SyncTimeout(ZMQSyncError, TimeoutError):
         missing_workers: Iterable[int] = (),
         version: int | None = None,
         transports: Mapping[int, str] | None = None,
+        missing_ranks: Iterable[int] = (),
     ) -> None:
         super().__init__(message)
         self.missing_workers = sorted(missing_workers)
         self.version = version
         self.transports = dict(transports or {})
+        self.missing_ranks = sorted(missing_ranks)
 
 
 class TornWeights(ZMQSyncError, TimeoutError):

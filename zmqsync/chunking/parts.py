@@ -315,6 +315,12 @@ class PartGather:
         """Whether some part of a version is in and the version is not complete."""
         return self.current is not None
 
+    def waiting(self) -> tuple[int, tuple[int, ...]]:
+        """The version gathered now (0: none) and the parts of it not in yet."""
+        if self.current is None:
+            return 0, ()
+        return self.current[1], tuple(p for p, done in enumerate(self._done) if not done)
+
     def feed(
         self, part: int, chunk: Chunk, now: float, held: tuple[int, int], whole: bool = False
     ) -> list[GatherEvent]:

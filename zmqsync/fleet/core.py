@@ -393,6 +393,7 @@ class Fleet(FleetSends):
         # those workers); one that is joining gets the latest version.
         meant = fresh or max(s.target_version, self.broadcast_version) >= self.version
         s.torn = request.torn
+        s.waiting = (request.gathering, request.waiting)
         if request.below or s.below:
             self._claim(s, parse_below(request.below), now)
         if request.epoch == self.epoch:

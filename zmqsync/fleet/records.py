@@ -122,6 +122,9 @@ class Session:
     #: For a relay: the workers behind it and the version each holds (its heartbeats),
     #: where its claim stands (see Fleet._claim).
     below: dict[int, int] = field(default_factory=dict)
+    #: For a rank of a sharded learner: the version whose parts the worker gathers and
+    #: the parts (ranks) of it it still waits for, as its last heartbeat said.
+    waiting: tuple[int, tuple[int, ...]] = (0, ())
     #: Whether it may claim workers below it: its hub authenticated nobody, or
     #: authenticated it as a relay.
     may_relay: bool = True

@@ -181,6 +181,17 @@ class FleetViews:
             and (not self.published or (s.epoch == self.epoch and s.version >= self.version))
         )
 
+    def waiting_for(self, workers: Iterable[int], version: int) -> dict[int, tuple[int, ...]]:
+        """For a sharded learner's rank: the parts (ranks) of ``version`` each of
+        ``workers`` still waits for, as its last heartbeat said (those that said
+        nothing of ``version`` are left out)."""
+        out = {}
+        for w in workers:
+            s = self.workers.get(w)
+            if s is not None and s.waiting[0] == version and s.waiting[1]:
+                out[w] = s.waiting[1]
+        return out
+
     def describe(self, workers: Iterable[int], now: float) -> dict[int, str]:
         """A line per worker for error messages: where it is and what it holds."""
         out = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import struct
@@ -57,7 +58,7 @@ _JSON_KINDS: Final[dict[Kind, type]] = {
 _HEADER_FIELDS: Final = frozenset({"model_id", "version", "epoch"})
 #: Fields added since a message was first sent, left out of its body while empty: the
 #: message is then the very bytes it was before them.
-_OMITTED_IF_EMPTY: Final = frozenset({"ranks"})
+_OMITTED_IF_EMPTY: Final = frozenset({"ranks", "gathering", "waiting"})
 _JSON_DECODER: Final = json.JSONDecoder()
 
 
@@ -258,6 +259,14 @@ def _check_field(cls: type, name: str, expected: str, value: Any) -> Any:
             type(value) is list
             and len(value) <= MAX_PARTS
             and all(type(v) is str and 0 < len(v) <= MAX_TEXT_CHARS for v in value)
+        )
+        value = tuple(value) if ok else value
+    elif expected == "tuple[int, ...]":  # parts (of a sharded learner's version)
+        ok = (
+            type(value) is list
+            and len(value) <= MAX_PARTS
+            and all(type(v) is int and 0 <= v < MAX_PARTS for v in value)
+            and all(a < b for a, b in itertools.pairwise(value))
         )
         value = tuple(value) if ok else value
     else:  # dict[str, Any]: the status document

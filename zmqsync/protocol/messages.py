@@ -256,6 +256,12 @@ class SnapshotRequest(_Header):
     #: late ack waits for. Checked as strictly as the header: ids of ASCII digits within
     #: the wire's integer range, versions too.
     below: dict[str, int] = field(default_factory=dict)
+    #: To a rank of a sharded learner: the version whose parts the worker is gathering
+    #: (0: none) and the parts of it it still waits for (ascending, each below
+    #: :data:`~zmqsync.protocol.limits.MAX_PARTS`), so that a rank whose send waits can
+    #: say which ranks the workers wait for. Left out of the bytes when empty.
+    gathering: int = 0
+    waiting: tuple[int, ...] = ()
 
     kind = Kind.SNAPSHOT_REQUEST
 

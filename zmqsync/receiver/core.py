@@ -540,6 +540,7 @@ class WeightReceiver:
         wait = RANK_POLL
         while True:
             now = time.monotonic()
+            ranks.tell_waiting()
             for session in ranks.sessions:
                 session.beat(now)
             handled = False

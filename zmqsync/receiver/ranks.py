@@ -83,6 +83,13 @@ class RankSessions:
     def caught_up(self) -> bool:
         return all(s.caught_up for s in self.sessions)
 
+    def tell_waiting(self) -> None:
+        """Let every session's next heartbeat say which parts of the version under way
+        are still missing: a rank whose send waits then knows which ranks to name."""
+        waiting = self.gather.waiting()
+        for s in self.sessions:
+            s.waiting = waiting
+
     def say_hello(self) -> None:
         """Say hello to the ranks that have not welcomed this worker yet."""
         for s in self.others:

@@ -107,6 +107,10 @@ class UpstreamSession:
         self._probe_nonce = ""
         #: Whether the last probe came back (see :meth:`start_probe`).
         self.probe_ok = False
+        #: For a rank of a sharded learner: the version whose parts are being gathered
+        #: and the parts of it still missing, which each heartbeat tells (see
+        #: :class:`~zmqsync.receiver.ranks.RankSessions`).
+        self.waiting: tuple[int, tuple[int, ...]] = (0, ())
         #: One attempt to connect (its repeated Hellos), and the secret of its Welcome.
         self._attempt = ""
         self._session = ""
@@ -218,6 +222,8 @@ class UpstreamSession:
                 torn=self._host.torn,
                 whole=whole,
                 below=self._observer.below(),
+                gathering=self.waiting[0],
+                waiting=self.waiting[1],
             )
         )
 

@@ -532,11 +532,14 @@ class WeightSender:
             self._stats.add("timeouts")
             with self._cond:
                 transports = {w: self.fleet.transport_of(w) for w in missing}
+                waiting = self.fleet.waiting_for(missing, send.version)
+            ranks = sorted({r for parts in waiting.values() for r in parts})
             raise SyncTimeout(
-                self._timeout_message(send, missing),
+                self._timeout_message(send, missing) + self._ranks_message(waiting),
                 missing_workers=missing,
                 version=send.version,
                 transports=transports,
+                missing_ranks=ranks,
             )
         if rejected:
             details = "; ".join(f"worker {w}: {r}" for w, r in sorted(rejected.items()))
@@ -619,6 +622,26 @@ class WeightSender:
         """True when every worker still missing is known to be gone: waiting on is futile."""
         missing = pending.missing
         return bool(missing) and self._lost(missing) == missing
+
+    @staticmethod
+    def _ranks_message(waiting: dict[int, tuple[int, ...]]) -> str:
+        """For a sharded learner's rank: the ranks whose parts the workers still wait
+        for (a rank that died, stopped or is late), and who waits for each."""
+        if not waiting:
+            return ""
+        by_rank: dict[int, list[int]] = {}
+        for w, parts in sorted(waiting.items()):
+            for r in parts:
+                by_rank.setdefault(r, []).append(w)
+        said = "; ".join(
+            f"rank {r} (worker(s) {', '.join(map(str, ws))})" for r, ws in sorted(by_rank.items())
+        )
+        ranks = ", ".join(map(str, sorted(by_rank)))
+        return (
+            f". The workers lack the part(s) of missing rank(s) {ranks}: "
+            f"{said}; no worker applies the version without them. Check that every rank is "
+            "alive and called send() for this version"
+        )
 
     def _timeout_message(self, send: Send, missing: set[int]) -> str:
         gone = self._lost(missing)
