@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import traceback
 from typing import Any
 
@@ -76,11 +77,15 @@ def run_rank(
     mode: str,
     sender: bool = True,
     connect_timeout: float = 120.0,
+    timeout: float = 30.0,
 ) -> None:
     """Rank ``rank`` of an FSDP2 learner of ``world`` ranks, a sender of its own part
     (unless not ``sender``: it then only waits to be stopped). Commands: ``"connect"``,
     ``"send"`` (a new version), ``"stop"``; each answered with the gathered model's
-    checksum."""
+    checksum. For the fault tests, a version in two steps: ``"bump"`` (a collective:
+    the new version's weights, answered with its gathered checksum) and ``"push"`` (its
+    send, no collective: answered ``("push", version, "")``, or ``("timeout", version,
+    missing workers, missing ranks, message, seconds waited)``)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -93,7 +98,11 @@ def run_rank(
             conn.recv()
             return
         scheme = zmqsync.ZMQWeightSyncScheme(
-            "state_dict", mode=mode, endpoint=endpoint, timeout=30, connect_timeout=connect_timeout
+            "state_dict",
+            mode=mode,
+            endpoint=endpoint,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
         )
         scheme.init_on_sender("policy", model=net, num_workers=3)
         conn.send(("ready", scheme.get_sender().epoch))
@@ -104,6 +113,20 @@ def run_rank(
                 break
             if command == "connect":
                 scheme.connect(timeout=60)
+            elif command == "bump":
+                version += 1
+                _bump(net, rank, version)
+            elif command == "push":
+                started = time.monotonic()
+                try:
+                    scheme.send()
+                except zmqsync.SyncTimeout as exc:
+                    waited = time.monotonic() - started
+                    reply = (exc.missing_workers, exc.missing_ranks, str(exc), waited)
+                    conn.send(("timeout", version, *reply))
+                else:
+                    conn.send(("push", version, ""))
+                continue
             elif command == "send":
                 version += 1
                 _bump(net, rank, version)

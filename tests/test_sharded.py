@@ -879,3 +879,144 @@ def test_fsdp2_learner_of_two_ranks_and_three_plain_workers(tmp_path: Any, mode:
 @pytest.mark.timeout(300)
 def test_fsdp2_learner_of_four_ranks(tmp_path: Any) -> None:
     _learner_and_workers(tmp_path, 4, "pubsub", versions=2)
+
+
+# --- one version across ranks: a rank that dies or stops ------------------------------
+
+#: What a rank's send() waits in the fault tests before it raises.
+_FAULT_TIMEOUT = 4.0
+
+
+def _spawn(procs: list[Any], target: Any, *args: Any) -> Any:
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=target, args=(*args[:-1], child, *args[-1]), daemon=True)
+    proc.start()
+    child.close()
+    procs.append(proc)
+    return parent
+
+
+def _start_learner(procs: list[Any], endpoints: list[str], mode: str) -> list[Any]:
+    """The ranks of a new learner job (a new process group, a new epoch)."""
+    from _sharded import run_rank
+    from conftest import free_port
+
+    port = free_port()
+    world = len(endpoints)
+    conns = [
+        _spawn(procs, run_rank, r, world, port, endpoints[r], (mode, True, 120.0, _FAULT_TIMEOUT))
+        for r in range(world)
+    ]
+    for c in conns:
+        _answer(c, "ready")
+    return conns
+
+
+def _whole_states(workers: list[Any], known: dict[int, str], last: dict[int, int]) -> None:
+    """Every worker holds a whole version (the checksum of the gathered model of that
+    version), never older than what it held before."""
+    for w, c in enumerate(workers):
+        version, digest = _ask(c, "state")
+        assert known.get(version) == digest, f"worker {w} holds a version never gathered"
+        assert version >= last.get(w, 0), f"worker {w} went back to version {version}"
+        last[w] = version
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
+    tmp_path: Any, fault: str
+) -> None:
+    """Rank 1 of 2 is killed (or stopped) while version 2 is on its way: rank 0's send()
+    raises within its timeout, naming rank 1 and the workers; no worker applies the
+    partial version. Back (SIGCONT), or the job restarted, the next send repairs all."""
+    import os
+    import signal
+    import time
+
+    from _faults import stop
+    from _sharded import run_plain_worker
+
+    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
+    procs: list[Any] = []
+    learners: list[Any] = []
+    workers: list[Any] = []
+    try:
+        learners = _start_learner(procs, endpoints, "pubsub")
+        rank1 = procs[1]
+        workers = [_spawn(procs, run_plain_worker, endpoints[0], w, ("pubsub",)) for w in range(3)]
+        for c in learners:
+            c.send("connect")
+        known = {0: _answer(learners[0], "connect")[2]}
+        _answer(learners[1], "connect")
+        for c in workers:
+            assert _answer(c, "ready") == "ready"
+        last: dict[int, int] = {}
+        for c in learners:
+            c.send("send")
+        known[1] = _answer(learners[0], "send")[2]
+        _answer(learners[1], "send")
+        _whole_states(workers, known, last)
+        assert last == {0: 1, 1: 1, 2: 1}
+        for c in learners:
+            c.send("bump")  # version 2's weights, on both ranks (a collective)
+        known[2] = _answer(learners[0], "bump")[2]
+        _answer(learners[1], "bump")
+
+        if fault == "SIGKILL":
+            os.kill(rank1.pid, signal.SIGKILL)
+            rank1.join(10)
+        else:
+            stop(rank1.pid)
+        started = time.monotonic()
+        reply = _ask(learners[0], "push")
+        assert time.monotonic() - started < _FAULT_TIMEOUT + 10
+        kind, version, missing_workers, missing_ranks, message, waited = reply
+        assert (kind, version) == ("timeout", 2), reply
+        assert waited < _FAULT_TIMEOUT + 2
+        assert missing_workers == [0, 1, 2] and missing_ranks == [1], message
+        assert "missing rank(s) 1" in message and "worker 0" in message, message
+        _whole_states(workers, known, last)  # the partial version 2 applied nowhere
+        assert last == {0: 1, 1: 1, 2: 1}
+
+        if fault == "SIGSTOP":
+            os.kill(rank1.pid, signal.SIGCONT)
+            # Back, it sends its part of version 2: every worker gathers it whole.
+            assert _ask(learners[1], "push")[:2] == ("push", 2)
+            for w, c in enumerate(workers):
+                until(lambda c=c: _ask(c, "state")[0] == 2, 30, f"worker {w} holds version 2")
+            _whole_states(workers, known, last)
+            for c in learners:
+                c.send("send")  # the next version goes as ever, on every rank
+            known[3] = _answer(learners[0], "send")[2]
+            assert _answer(learners[1], "send")[:2] == ("send", 3)
+            _whole_states(workers, known, last)
+            assert last == {0: 3, 1: 3, 2: 3}
+        else:
+            # The job restarts: every rank anew (a new epoch), its version 1 sent whole.
+            learners[0].send("stop")
+            procs[0].join(30)
+            learners = _start_learner(procs, endpoints, "pubsub")
+            for c in learners:
+                c.send("connect")
+            for c in learners:
+                _answer(c, "connect")
+            for c in learners:
+                c.send("send")
+            restarted = _answer(learners[0], "send")[2]
+            assert _answer(learners[1], "send")[:2] == ("send", 1)
+            for c in workers:
+                assert _ask(c, "state") == (1, restarted)
+    finally:
+        for c in [*workers, *learners]:
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for proc in procs:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(proc.pid, signal.SIGCONT)
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
