@@ -924,12 +924,14 @@ def _whole_states(workers: list[Any], known: dict[int, str], last: dict[int, int
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("dead", [1, 0])
 def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
-    tmp_path: Any, fault: str
+    tmp_path: Any, fault: str, dead: int
 ) -> None:
-    """Rank 1 of 2 is killed (or stopped) while version 2 is on its way: rank 0's send()
-    raises within its timeout, naming rank 1 and the workers; no worker applies the
-    partial version. Back (SIGCONT), or the job restarted, the next send repairs all."""
+    """Rank ``dead`` of 2 is killed (or stopped) while version 2 is on its way: the
+    other's send() raises within its timeout, naming the dead rank and the workers; no
+    worker applies the partial version. Back (SIGCONT), or the job restarted, the next
+    send repairs all. Rank 0 is the one the workers were given, and may die too."""
     import os
     import signal
     import time
@@ -943,7 +945,7 @@ def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
     workers: list[Any] = []
     try:
         learners = _start_learner(procs, endpoints, "pubsub")
-        rank1 = procs[1]
+        victim, alive = procs[dead], 1 - dead
         workers = [_spawn(procs, run_plain_worker, endpoints[0], w, ("pubsub",)) for w in range(3)]
         for c in learners:
             c.send("connect")
@@ -964,25 +966,25 @@ def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
         _answer(learners[1], "bump")
 
         if fault == "SIGKILL":
-            os.kill(rank1.pid, signal.SIGKILL)
-            rank1.join(10)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(10)
         else:
-            stop(rank1.pid)
+            stop(victim.pid)
         started = time.monotonic()
-        reply = _ask(learners[0], "push")
+        reply = _ask(learners[alive], "push")
         assert time.monotonic() - started < _FAULT_TIMEOUT + 10
         kind, version, missing_workers, missing_ranks, message, waited = reply
         assert (kind, version) == ("timeout", 2), reply
         assert waited < _FAULT_TIMEOUT + 2
-        assert missing_workers == [0, 1, 2] and missing_ranks == [1], message
-        assert "missing rank(s) 1" in message and "worker 0" in message, message
+        assert missing_workers == [0, 1, 2] and missing_ranks == [dead], message
+        assert f"missing rank(s) {dead}" in message and "worker 0" in message, message
         _whole_states(workers, known, last)  # the partial version 2 applied nowhere
         assert last == {0: 1, 1: 1, 2: 1}
 
         if fault == "SIGSTOP":
-            os.kill(rank1.pid, signal.SIGCONT)
+            os.kill(victim.pid, signal.SIGCONT)
             # Back, it sends its part of version 2: every worker gathers it whole.
-            assert _ask(learners[1], "push")[:2] == ("push", 2)
+            assert _ask(learners[dead], "push")[:2] == ("push", 2)
             for w, c in enumerate(workers):
                 until(lambda c=c: _ask(c, "state")[0] == 2, 30, f"worker {w} holds version 2")
             _whole_states(workers, known, last)
@@ -994,8 +996,8 @@ def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
             assert last == {0: 3, 1: 3, 2: 3}
         else:
             # The job restarts: every rank anew (a new epoch), its version 1 sent whole.
-            learners[0].send("stop")
-            procs[0].join(30)
+            learners[alive].send("stop")
+            procs[alive].join(30)
             learners = _start_learner(procs, endpoints, "pubsub")
             for c in learners:
                 c.send("connect")
