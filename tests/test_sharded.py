@@ -757,6 +757,88 @@ def test_a_part_alone_is_never_applied() -> None:
         named.close()
 
 
+@pytest.mark.timeout(60)
+def test_the_ranks_that_sent_raise_naming_the_rank_that_did_not() -> None:
+    """Rank 1 of 3 does not send version 2: ranks 0 and 2 raise within their timeout,
+    naming rank 1 (``missing_ranks``) and every worker; no worker applies the partial
+    version. Rank 1's late send completes version 2 everywhere; version 3 goes as ever."""
+    import time
+
+    import torch
+
+    from zmqsync import SyncTimeout, WeightReceiver, WeightSender, checksum
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    torch.manual_seed(0)
+    learner = {"w": torch.randn(5, 3), "b": torch.randn(4)}
+    names = [f"memory://ranks-missing-{r}" for r in range(3)]
+    senders = [
+        WeightSender(
+            MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            num_workers=2,
+            timeout=3,
+            epoch=7,  # the ranks agree on one (a scheme makes them)
+            part=_RowsPart(r, 3),  # type: ignore[arg-type]
+            ranks=names,
+        )
+        for r in range(3)
+    ]
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    receivers = [
+        WeightReceiver(
+            MemorySpoke(names[0]),
+            model=models[i],
+            strategy="state_dict",
+            worker_idx=i,
+            timeout=20,
+            connect_rank=MemorySpoke,
+        )
+        for i in range(2)
+    ]
+    try:
+        for r in receivers:
+            r.connect()
+            r.start()
+        with torch.no_grad():
+            learner["w"].add_(1.0)
+        _send_all(senders)
+        first = checksum(learner, "state_dict")
+        with torch.no_grad():
+            learner["w"].add_(1.0)
+        errors: list[BaseException] = []
+        started = time.monotonic()
+        sending = [threading.Thread(target=_send, args=(senders[i], errors)) for i in (0, 2)]
+        for t in sending:
+            t.start()
+        for t in sending:
+            t.join(30)
+        assert time.monotonic() - started < 3 + 5
+        assert len(errors) == 2 and all(isinstance(e, SyncTimeout) for e in errors), errors
+        for e in errors:
+            assert isinstance(e, SyncTimeout)
+            assert e.missing_workers == [0, 1] and e.missing_ranks == [1], e
+            assert e.version == 2 and "missing rank(s) 1" in str(e), e
+        for r, model in zip(receivers, models, strict=True):
+            assert r.version == 1 and checksum(model, "state_dict") == first
+        senders[1].send()  # late: the version is whole now, on every worker
+        for r, model in zip(receivers, models, strict=True):
+            assert r.version == 2
+            assert checksum(model, "state_dict") == checksum(learner, "state_dict")
+        with torch.no_grad():
+            learner["b"].add_(1.0)
+        _send_all(senders)
+        for r, model in zip(receivers, models, strict=True):
+            assert r.version == 3
+            assert checksum(model, "state_dict") == checksum(learner, "state_dict")
+    finally:
+        for r in receivers:
+            r.close()
+        for sender in senders:
+            sender.close()
+
+
 # --- an FSDP2 learner over gloo, in spawned processes ----------------------------------
 
 
