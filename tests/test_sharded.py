@@ -1028,7 +1028,12 @@ def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
     try:
         learners = _start_learner(procs, endpoints, "pubsub")
         victim, alive = procs[dead], 1 - dead
-        workers = [_spawn(procs, run_plain_worker, endpoints[0], w, ("pubsub",)) for w in range(3)]
+        # Worker 2 writes each box into its model as it comes: still nothing of a
+        # version whose parts are not all in.
+        workers = [
+            _spawn(procs, run_plain_worker, endpoints[0], w, ("pubsub", mode))
+            for w, mode in enumerate(["auto", "auto", "in_place"])
+        ]
         for c in learners:
             c.send("connect")
         known = {0: _answer(learners[0], "connect")[2]}
