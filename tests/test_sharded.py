@@ -444,6 +444,29 @@ def test_a_stalled_part_is_lost() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_gather_says_which_parts_it_still_waits_for() -> None:
+    """What a worker's heartbeats tell each rank: the version under way and the parts
+    not in yet, a part that broke off mid-stream included; nothing once it is whole."""
+    tensors = _tensors(5)
+    schemas = _parts(tensors, 2)
+    gather = PartGather(2, gap=1.0)
+    assert gather.waiting() == (0, ())
+    streams = [_stream(schema, tensors) for schema in schemas]
+    layouts = [layout_digest(encode_schema(schema)) for schema in schemas]
+    head = Chunk("p", 1, 7, 0, 2, 0, len(streams[1]), layouts[1], streams[1][:4], schemas[1])
+    gather.feed(1, head, 0.0, (0, 0))
+    assert gather.waiting() == (1, (0, 1))
+    whole = Chunk("p", 1, 7, 0, 1, 0, len(streams[0]), layouts[0], streams[0], schemas[0])
+    gather.feed(0, whole, 0.0, (0, 0))
+    assert gather.waiting() == (1, (1,))
+    (lost,) = gather.expire(5.0)  # part 1 broke off mid-stream: still waited for
+    assert isinstance(lost, Lost) and gather.waiting() == (1, (1,))
+    again = Chunk("p", 1, 7, 0, 1, 0, len(streams[1]), layouts[1], streams[1], schemas[1])
+    (done,) = gather.feed(1, again, 6.0, (0, 0))
+    assert isinstance(done, Whole) and gather.waiting() == (0, ())
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "edit",
     ["overlap", "gap", "dtype", "global shape", "scalar twice"],
