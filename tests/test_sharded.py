@@ -41,6 +41,7 @@ from zmqsync.protocol import (
     encode_schema,
     layout_digest,
 )
+from zmqsync.transport.memory import MemoryHub
 
 SPAWN = mp.get_context("spawn")
 
@@ -854,6 +855,111 @@ def test_the_ranks_that_sent_raise_naming_the_rank_that_did_not() -> None:
         _send_all(senders)
         for r, model in zip(receivers, models, strict=True):
             assert r.version == 3
+            assert checksum(model, "state_dict") == checksum(learner, "state_dict")
+    finally:
+        for r in receivers:
+            r.close()
+        for sender in senders:
+            sender.close()
+
+
+class _DyingHub(MemoryHub):
+    """A memory hub that, once ``die(after)`` is called, lets ``after`` more messages
+    out and then nothing at all: a rank that dies in the middle of its part's stream
+    (what it is sent still comes in, as to a socket whose process is gone). ``revive``
+    brings it back."""
+
+    left: int | None = None
+
+    def die(self, after: int) -> None:
+        self.left = after
+
+    def revive(self) -> None:
+        self.left = None
+
+    def send_frames(self, frames: Any, **kwargs: Any) -> None:
+        if self.left is not None:
+            if self.left <= 0:
+                return
+            self.left -= 1
+        super().send_frames(frames, **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_dies_mid_stream_is_named_and_its_next_send_repairs_all() -> None:
+    """Rank 1 of 3 dies after the first chunk of its part of version 2: every rank's
+    send raises naming rank 1; no worker applies version 2 (the one that writes in
+    place is torn, and says so). Back, the ranks' version 3 repairs every worker."""
+    import torch
+
+    from zmqsync import SyncTimeout, WeightReceiver, WeightSender, checksum
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    torch.manual_seed(0)
+    # Each rank's part of ``w`` is three chunks of the smallest size.
+    learner = {"w": torch.randn(3 * 96, 512), "b": torch.randn(4)}
+    names = [f"memory://ranks-dying-{r}" for r in range(3)]
+    dying = _DyingHub(names[1])
+    senders = [
+        WeightSender(
+            dying if r == 1 else MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            num_workers=2,
+            timeout=3,
+            epoch=7,
+            chunk_bytes=64 * 1024,
+            part=_RowsPart(r, 3),  # type: ignore[arg-type]
+            ranks=names,
+        )
+        for r in range(3)
+    ]
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    receivers = [
+        WeightReceiver(
+            MemorySpoke(names[0]),
+            model=models[i],
+            strategy="state_dict",
+            worker_idx=i,
+            timeout=20,
+            apply_mode="in_place" if i else "staged",
+            chunk_timeout=1.0,  # a part broken off is given up on before send() raises
+            connect_rank=MemorySpoke,
+        )
+        for i in range(2)
+    ]
+    try:
+        for r in receivers:
+            r.connect()
+            r.start()
+        with torch.no_grad():
+            learner["w"].add_(1.0)
+        _send_all(senders)
+        first = checksum(learner, "state_dict")
+        with torch.no_grad():
+            learner["w"].add_(1.0)
+        dying.die(after=2)  # to each of 2 workers, the first chunk of its part
+        errors: list[BaseException] = []
+        sending = [threading.Thread(target=_send, args=(s, errors)) for s in senders]
+        for t in sending:
+            t.start()
+        for t in sending:
+            t.join(30)
+        assert len(errors) == 3 and all(isinstance(e, SyncTimeout) for e in errors), errors
+        for e in errors:
+            assert isinstance(e, SyncTimeout)
+            assert e.missing_workers == [0, 1] and e.missing_ranks == [1], e
+        # The staged worker holds version 1 whole; the one writing in place gave up on
+        # version 2 and says it is torn (no forward pass runs on it: its lock was held
+        # while the parts came) until a whole version repairs it.
+        assert receivers[0].version == 1 and checksum(models[0], "state_dict") == first
+        assert receivers[1].version == 1 and receivers[1].torn
+        dying.revive()
+        with torch.no_grad():
+            learner["b"].add_(1.0)
+        _send_all(senders)
+        for r, model in zip(receivers, models, strict=True):
+            assert r.version == 3 and not r.torn
             assert checksum(model, "state_dict") == checksum(learner, "state_dict")
     finally:
         for r in receivers:
