@@ -6,6 +6,13 @@ global tensors), gathered into one whole stream, without torch.
 version out as a plain stream; :class:`PartGather` follows one stream per part, writes
 each chunk's box bytes at their strided places in that stream's buffer, and once every
 part is in hands it on as one whole chunk, which a receiver applies as any version.
+
+A part may come as a delta (a rank's ``delta=True``: the stretches of its own stream that
+changed since a version the worker holds; a rank whose part did not change sends one
+empty chunk). The gather takes it only where the whole version it last gave on is still
+what the receiver holds, in its buffer or in the model's tensors: the stretches are kept
+aside until every part is in, then patched over that version, so that the patched
+version is given on whole or not at all.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ __all__ = [
     "Place",
     "Placed",
     "Refused",
+    "Skipped",
     "Torn",
     "Whole",
     "assemble",
@@ -221,9 +229,11 @@ def _check_tiling(
 
 @dataclass(frozen=True, slots=True)
 class Whole:
-    """Every part of a version came: ``chunk`` is the whole version, as one chunk."""
+    """Every part of a version came: ``chunk`` is the whole version, as one chunk
+    (``delta``: some parts came as deltas, patched over the version held)."""
 
     chunk: Chunk
+    delta: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +266,17 @@ class Placed:
     ``place``): ``chunk`` names it (its whole layout and schema; no bytes)."""
 
     chunk: Chunk
+    delta: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """Part ``part`` came as a delta this worker cannot apply (it does not hold the
+    version the delta patches, whole, where the gather can patch it): ask that part for
+    the whole of it."""
+
+    part: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,11 +289,59 @@ class Torn:
     reason: str
 
 
-GatherEvent = Whole | Held | Refused | Lost | Placed | Torn
+GatherEvent = Whole | Held | Refused | Lost | Placed | Torn | Skipped
 
 #: Where a version's global tensors are written, given its assembly: their bytes (as
 #: :meth:`Assembly.views` shapes them), or None for the gather's own buffer.
 Place = Callable[[Assembly], Sequence[np.ndarray] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """The whole version a gather gave on last, which a delta may be patched over: in
+    the gather's buffer (``buffered``), or written in place in the model's tensors."""
+
+    key: tuple[int, int]  # (epoch, version)
+    layouts: tuple[bytes, ...]  # its parts' layouts
+    buffered: bool
+
+
+class _Patches:
+    """The stretches of each delta part of the version gathered, kept aside until every
+    part is in and then patched over the version held all at once: a delta that breaks
+    off leaves that version as it was. Bounded by the parts' streams (the codec keeps
+    each chunk within its stream's total, and a delta's stretches come in order)."""
+
+    def __init__(self, parts: int) -> None:
+        #: Per part: its stretches so far, or None if it is not (yet) a delta.
+        self._spans: list[list[tuple[int, bytes]] | None] = [None] * parts
+
+    def start(self, part: int, delta: bool) -> None:
+        """Part ``part`` begins (anew): as a delta, or whole."""
+        self._spans[part] = [] if delta else None
+
+    def is_delta(self, part: int) -> bool:
+        return self._spans[part] is not None
+
+    def any(self) -> bool:
+        """Whether some part of the version came as a delta."""
+        return any(s is not None for s in self._spans)
+
+    def add(self, part: int, offset: int, payload: Buffer) -> None:
+        """Keep a copy of a delta chunk's bytes (the transport may reuse its memory)."""
+        spans = self._spans[part]
+        assert spans is not None
+        if len(payload):
+            spans.append((offset, bytes(payload)))
+
+    def write(self, assembly: Assembly, targets: Sequence[np.ndarray]) -> None:
+        """Patch every delta part's stretches into ``targets`` (the version held)."""
+        for part, spans in enumerate(self._spans):
+            for offset, payload in spans or ():
+                assembly.write(part, offset, payload, targets)
+
+    def clear(self) -> None:
+        self._spans = [None] * len(self._spans)
 
 
 class PartGather:
@@ -288,6 +357,11 @@ class PartGather:
     ``place``: asked once a version's layout is known where to write its tensors; it
     may give the model's own (the version is then written in place, and ends
     :class:`Placed`, or :class:`Torn` if it breaks off: it is then dropped whole).
+
+    A part that comes as a delta is taken only if the version it patches is the one the
+    receiver holds and the gather gave on last (still whole in its buffer, or in the
+    model's tensors); else it is :class:`Skipped` (asked for whole). Its stretches are
+    patched in once every part is in (see :class:`_Patches`).
     """
 
     def __init__(self, parts: int, gap: float, place: Place | None = None) -> None:
@@ -309,6 +383,13 @@ class PartGather:
         self._assembly: Assembly | None = None  # the current version's, once known
         self._whole = Staging()
         self._assemblies: dict[tuple[bytes, ...], Assembly] = {}
+        #: The version a delta may be patched over, if any (see :class:`_Kept`); whether
+        #: the version gathered now is laid out over it in the buffer.
+        self._kept: _Kept | None = None
+        self._over_kept = False
+        self._patches = _Patches(parts)
+        #: Which parts wrote whole bytes into the targets in the version gathered now.
+        self._wrote = [False] * parts
 
     @property
     def active(self) -> bool:
@@ -334,16 +415,16 @@ class PartGather:
             if schema is None or (schema.part, schema.parts) != (part, self.parts):
                 got = "?" if schema is None else f"{schema.part} of {schema.parts}"
                 raise FrameError(f"part {got} came on the stream of part {part} of {self.parts}")
-            if chunk.base is not None:
-                wanted = False  # no deltas of parts yet: the whole one is asked for
-                events.append(Lost(part, "a delta of a part"))
-            elif key[0] == held[0] and key[1] <= held[1] and not (whole and key[1] == held[1]):
+            if key[0] == held[0] and key[1] <= held[1] and not (whole and key[1] == held[1]):
                 wanted = False
                 events.append(Held(part))
             elif self.current is not None and key[0] == self.current[0] and key < self.current:
                 wanted = False  # older than the version gathered
             elif key == self.current and self._done[part]:
                 wanted = False  # sent again (a repair): the part is in already
+            elif chunk.base is not None and (why := self._unpatchable(part, chunk, held, whole)):
+                wanted = False  # never a wrong version: the whole part is asked for
+                events.append(Skipped(part, why))
             elif key != self.current or (
                 self._assembly is not None and chunk.layout != self._layouts[part]
             ):
@@ -356,7 +437,10 @@ class PartGather:
                 self._started(part, event.chunk, event.schema, events)
             elif isinstance(event, Apply) and self.current is not None:
                 c = event.chunk
-                if self._assembly is not None:
+                if self._patches.is_delta(part):
+                    self._patches.add(part, c.offset, c.payload)
+                elif self._assembly is not None:
+                    self._wrote[part] = True
                     self._assembly.write(part, c.offset, c.payload, self._targets)
                 else:
                     early = self._early[part]
@@ -370,6 +454,33 @@ class PartGather:
             elif isinstance(event, Broken) and (event.epoch, event.version) == self.current:
                 events.append(self._lost(part, event.reason))
         return events
+
+    def _unpatchable(
+        self, part: int, chunk: Chunk, held: tuple[int, int], whole: bool
+    ) -> str:
+        """Why the delta part ``chunk`` starts cannot be patched over the version held
+        ("" if it can)."""
+        assert chunk.base is not None
+        kept = self._kept
+        if whole:
+            return "this worker takes whole versions only now (its model is torn)"
+        if chunk.epoch != held[0] or not chunk.base <= held[1] < chunk.version:
+            return f"it is against version {chunk.base}; this worker holds {held[1]}"
+        if kept is None or kept.key != held:
+            return "the version held is not whole where the parts are gathered"
+        if chunk.layout != kept.layouts[part]:
+            return "its layout is not the one of the version held"
+        if (chunk.epoch, chunk.version) == self.current and (
+            self._wrote[part] or (self._assembly is not None and not self._patching)
+        ):
+            return "the version is being gathered whole"
+        return ""
+
+    @property
+    def _patching(self) -> bool:
+        """Whether the version laid out now is over the version held (its targets hold
+        it, where no whole part wrote): a delta part can be patched into them."""
+        return self._in_place or self._over_kept
 
     def _lost(self, part: int, reason: str) -> GatherEvent:
         """Part ``part`` of the current version broke off: asked for again, or, written
@@ -402,9 +513,13 @@ class PartGather:
         self._received = [0] * self.parts
         for early in self._early:
             early.release()
+        if self._over_kept and any(self._wrote):
+            self._kept = None  # the buffer holds parts of two versions now
         self._first = None
         self._assembly = None
-        self._targets, self._in_place = (), False
+        self._targets, self._in_place, self._over_kept = (), False, False
+        self._patches.clear()
+        self._wrote = [False] * self.parts
         self.current = key
 
     def _started(
@@ -415,6 +530,7 @@ class PartGather:
         self._layouts[part] = chunk.layout
         self._done[part] = False
         self._received[part] = 0
+        self._patches.start(part, chunk.base is not None)
         if part == 0:
             self._first = chunk
         if self._assembly is None and all(s is not None for s in self._schemas):
@@ -444,11 +560,28 @@ class PartGather:
         targets = None if self._place is None else self._place(assembly)
         self._in_place = targets is not None
         if targets is None:
-            self._whole.start(assembly.total)
+            kept = self._kept
+            self._over_kept = kept is not None and kept.buffered and kept.layouts == key
+            if not self._over_kept:
+                self._kept = None  # written over from here
+                self._whole.start(assembly.total)
             targets = assembly.views(self._whole.array)
+        elif self._kept is not None and self._kept.buffered:
+            self._kept = None  # the model's tensors are the targets: not the buffer
         self._targets = targets
+        if self._patches.any() and not self._patching:
+            # The version a delta patches is nowhere to be patched: every part again,
+            # whole (never a wrong version).
+            for stream in self._streams:
+                stream.abandon("refused")
+            self._reset(self.current)
+            self.current = None
+            why = "the version held is not where the parts are gathered"
+            events.extend(Skipped(p, why) for p in range(self.parts))
+            return
         for part, early in enumerate(self._early):
             if self._received[part]:
+                self._wrote[part] = True
                 assembly.write(part, 0, early.array[: self._received[part]].data, targets)
             early.release()
 
@@ -458,8 +591,13 @@ class PartGather:
         assert self.current is not None
         epoch, version = self.current
         assembly, in_place = self._assembly, self._in_place
+        delta = self._patches.any()
+        self._patches.write(assembly, self._targets)
+        self._patches.clear()
         self.current, self._assembly = None, None
-        self._targets, self._in_place = (), False
+        self._targets, self._in_place, self._over_kept = (), False, False
+        self._wrote = [False] * self.parts
+        self._kept = _Kept((epoch, version), tuple(self._layouts), not in_place)
         first = self._first
         assert first is not None
         payload = b"" if in_place else self._whole.array.data
@@ -476,4 +614,4 @@ class PartGather:
             assembly.schema,
             metadata=first.metadata,
         )
-        return [Placed(chunk) if in_place else Whole(chunk)]
+        return [Placed(chunk, delta) if in_place else Whole(chunk, delta)]

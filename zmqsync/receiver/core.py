@@ -26,6 +26,7 @@ from zmqsync.chunking.parts import (
     Lost,
     Placed,
     Refused,
+    Skipped,
     Torn,
     Whole,
 )
@@ -594,6 +595,8 @@ class WeightReceiver:
                 ack = self._applier.parts_placed(event.chunk)  # written in place
                 self._upstream.sender_epoch = self._applier.epoch
             if ack is not None:
+                if ack.applied and event.delta:
+                    self.stats["deltas"] += 1
                 for session in ranks.sessions:
                     session.ack(ack)
                     session.caught_up = session.caught_up or ack.applied
@@ -613,6 +616,11 @@ class WeightReceiver:
                 session.ack(refusal)
         elif isinstance(event, Lost):
             self.stats["broken_streams"] += 1
+            ranks.sessions[event.part].ask_again(whole=True)
+        elif isinstance(event, Skipped):
+            self.stats["deltas_skipped"] += 1
+            log.info("worker %s: delta of part %s skipped: %s", self.worker_idx, event.part,
+                     event.reason)
             ranks.sessions[event.part].ask_again(whole=True)
 
     def _on_chunk(self, chunk: Chunk) -> PendingAck | None:

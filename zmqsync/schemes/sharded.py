@@ -19,11 +19,14 @@ from zmqsync.tensors.dtensor import LocalPart
 
 __all__ = ["UNSUPPORTED", "RankSetup", "check_options", "rank_setup"]
 
-#: Sender options a sharded learner does not support yet, and why.
+#: Sender options a sharded learner does not support, and why. (``delta=True`` and
+#: ``wire_dtype=`` work: each rank digests and casts its own part.)
 UNSUPPORTED: Final = {
-    "delta": "each rank would digest its own part",
-    "share_params": "a rank's part is not its module's tensors laid out whole",
-    "wire_dtype": "casts of parts are not assembled yet",
+    "share_params": (
+        "a rank's part is boxes of its local shards, not its module's tensors laid out "
+        "whole in one block that workers on its host could copy from; each rank already "
+        "sends only its own 1/M of the model"
+    ),
 }
 
 
@@ -37,10 +40,10 @@ class RankSetup:
 
 
 def check_options(options: dict[str, Any]) -> None:
-    """Refuse the sender options a sharded learner does not support yet."""
+    """Refuse the sender options a sharded learner does not support."""
     for name, why in UNSUPPORTED.items():
         if options.get(name):
-            raise ValueError(f"{name}= is not supported by a sharded learner yet ({why})")
+            raise ValueError(f"{name}= is not supported by a sharded learner ({why})")
 
 
 def rank_setup(endpoint: str, group: Any = None, timeout: float = 120.0) -> RankSetup:
