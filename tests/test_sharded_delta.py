@@ -1,0 +1,346 @@
+"""A sharded learner with ``delta=True``, ``wire_dtype=`` and metadata: each rank digests
+and casts its own part, and workers gather the parts (deltas patched over the version
+they hold, an unchanged rank's part one empty chunk) into one whole version.
+
+The in-process tests run every rank as a :class:`WeightSender` over its own memory hub
+(``_RowsPart``: rank ``p`` of ``M`` holds rows ``[p*n//M, (p+1)*n//M)`` of each matrix);
+the last one is an FSDP2 learner of two ranks in spawned processes over gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _faults import until
+from test_sharded import _RowsPart, _send_all
+
+from zmqsync import WeightReceiver, WeightSender, checksum
+from zmqsync.chunking.parts import Held, Lost, PartGather, Placed, Skipped, Whole
+from zmqsync.protocol import Box, Chunk, TensorEntry, WeightsSchema, encode_schema, layout_digest
+from zmqsync.schemes.sharded import check_options
+from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+SPAWN = mp.get_context("spawn")
+#: Chunks (and so digest blocks) of 64 KiB: a change of one row moves one block.
+CHUNK = 64 * 1024
+
+
+def _learner() -> dict[str, torch.Tensor]:
+    """``w``: 64 rows of 16 KiB (each rank's half: 8 blocks); ``v``: 32 rows of 8 KiB;
+    ``b``: a vector part 0 sends whole."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(64, 4096, generator=g),
+        "v": torch.randn(32, 2048, generator=g),
+        "b": torch.randn(100, generator=g),
+    }
+
+
+def _senders(model: Any, names: list[str], workers: int, **options: Any) -> list[WeightSender]:
+    return [
+        WeightSender(
+            MemoryHub(names[r]),
+            model=model,
+            strategy="state_dict",
+            num_workers=workers,
+            timeout=20,
+            epoch=41,
+            chunk_bytes=CHUNK,
+            part=_RowsPart(r, len(names)),  # type: ignore[arg-type]
+            ranks=names,
+            **options,
+        )
+        for r in range(len(names))
+    ]
+
+
+def _receiver(name: str, worker: int, **options: Any) -> WeightReceiver:
+    return WeightReceiver(
+        MemorySpoke(name),
+        strategy="state_dict",
+        worker_idx=worker,
+        timeout=20,
+        connect_rank=MemorySpoke,
+        **options,
+    )
+
+
+def _sent(senders: list[WeightSender]) -> list[int]:
+    """Every rank's bytes sent so far (its chunks' payloads, to every worker)."""
+    return [int(s.status()["totals"]["bytes_sent"]) for s in senders]
+
+
+def _close(receivers: list[WeightReceiver], senders: list[WeightSender]) -> None:
+    for r in receivers:
+        r.close()
+    for s in senders:
+        s.close()
+
+
+# --- delta=True: what each rank sends, and what each worker ends with -------------------
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_sends_only_the_changed_blocks_of_its_own_part() -> None:
+    """Five workers (in place as parts come, staged, ``"auto"``, a sink, no model): a
+    version that changes one row of rank 1's part moves one block from rank 1 and
+    nothing from rank 0 (its one empty chunk completes the version), and every worker
+    ends with the learner's weights, having applied it as a delta."""
+    learner = _learner()
+    names = ["memory://sd-bytes-0", "memory://sd-bytes-1"]
+    senders = _senders(learner, names, 5, delta=True)
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(3)]
+    got: dict[str, torch.Tensor] = {}
+
+    def keep(tensors: list[tuple[str, Any]]) -> None:
+        got.update({k: t.clone() for k, t in tensors})
+
+    receivers = [
+        _receiver(names[0], 0, model=models[0], apply_mode="in_place"),
+        _receiver(names[0], 1, model=models[1], apply_mode="staged"),
+        _receiver(names[0], 2, model=models[2]),
+        _receiver(names[0], 3, sink=keep),
+        _receiver(names[0], 4),  # no model: its weights kept
+    ]
+    holds = [*models, got, None]
+    workers = len(receivers)
+    # Each rank's part: its rows of w and v (rank 0: and b).
+    part = [
+        (32 * 4096 + 16 * 2048) * 4 + (100 * 4 if r == 0 else 0) for r in range(len(names))
+    ]
+    try:
+        for r in receivers:
+            r.connect(timeout=30)
+            r.start()
+        with torch.no_grad():
+            for t in learner.values():
+                t.add_(1.0)  # every block changed: each rank sends its part whole
+        before = _sent(senders)
+        _send_all(senders)
+        after = _sent(senders)
+        assert [a - b for a, b in zip(after, before, strict=True)] == [workers * n for n in part]
+        steps: list[tuple[str, int, int]] = [("w", 40, 1), ("w", 3, 0), ("v", 20, 1)]
+        for version, (key, row, owner) in enumerate(steps, start=2):
+            with torch.no_grad():
+                learner[key][row, 5:9].add_(0.25)  # one row of one rank's part
+            before = _sent(senders)
+            _send_all(senders)
+            moved = [a - b for a, b in zip(_sent(senders), before, strict=True)]
+            # The owner moved the one block that row lies in, to each worker: a tenth of
+            # its part; the other rank moved nothing.
+            assert moved[owner] == workers * CHUNK, moved
+            assert moved[1 - owner] == 0, moved
+            assert moved[owner] <= workers * part[owner] / 9
+            assert all(r.version == version for r in receivers)
+            expected = checksum(learner, "state_dict")
+            assert checksum(receivers[4].weights, "state_dict") == expected
+            for held in holds[:4]:
+                assert checksum(held, "state_dict") == expected
+        for r in receivers:
+            assert r.stats["deltas"] == len(steps)
+            assert r.stats["deltas_skipped"] == 0 and r.torn is False
+        status = senders[1].status()["delta"]
+        assert status["bases"] == [{"base": 3, "workers": workers, "bytes": CHUNK}]
+    finally:
+        _close(receivers, senders)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_behind_or_late_gets_what_it_lacks_and_ends_exact() -> None:
+    """Worker 1 misses version 2 (``worker_ids=[0]``): version 3 patches over the
+    version 1 it holds. A worker that joins late gets every rank's part whole from its
+    snapshot, then deltas like the others."""
+    learner = _learner()
+    names = ["memory://sd-late-0", "memory://sd-late-1", "memory://sd-late-2"]
+    senders = _senders(learner, names, 2, delta=True)
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(3)]
+    receivers = [
+        _receiver(names[0], 0, model=models[0]),
+        _receiver(names[0], 1, model=models[1], apply_mode="staged"),
+    ]
+    try:
+        for r in receivers:
+            r.connect(timeout=30)
+            r.start()
+        _send_all(senders)  # version 1: nothing changed, three empty parts
+        assert [r.stats["deltas"] for r in receivers] == [1, 1]
+        with torch.no_grad():
+            learner["w"][10].add_(1.0)
+        _send_all(senders, worker_ids=[0])
+        assert [r.version for r in receivers] == [2, 1]
+        with torch.no_grad():
+            learner["w"][50].add_(1.0)
+        before = _sent(senders)
+        _send_all(senders)
+        moved = [a - b for a, b in zip(_sent(senders), before, strict=True)]
+        # Row 10 (part 0, changed in version 2) goes to worker 1 alone, which lacks it;
+        # row 50 (part 2) to both; part 1 did not change. One block each time: a delta
+        # per base held, each against the worker's own version.
+        assert moved == [CHUNK, 0, 2 * CHUNK]
+        expected = checksum(learner, "state_dict")
+        assert [r.version for r in receivers] == [3, 3]
+        assert [checksum(m, "state_dict") for m in models[:2]] == [expected, expected]
+        late = _receiver(names[0], 2, model=models[2])
+        receivers.append(late)
+        late.connect(timeout=30)
+        assert late.version == 3 and checksum(models[2], "state_dict") == expected
+        assert late.stats["deltas"] == 0
+        late.start()
+        for s in senders:
+            s.num_workers = 3
+        with torch.no_grad():
+            learner["v"][1].add_(1.0)
+        _send_all(senders)
+        expected = checksum(learner, "state_dict")
+        assert all(r.version == 4 for r in receivers)
+        assert [checksum(m, "state_dict") for m in models] == [expected] * 3
+        assert late.stats["deltas"] == 1
+    finally:
+        _close(receivers, senders)
+
+
+# --- wire_dtype: each rank casts its own part -------------------------------------------
+
+
+def _mixed() -> dict[str, torch.Tensor]:
+    """Floats of three dtypes split by rows, integers and a vector sent whole."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w": torch.randn(256, 1024, generator=g) * 100,
+        "d": torch.randn(9, 700, generator=g, dtype=torch.float64),
+        "h": torch.randn(5, 300, generator=g).half(),
+        "ints": torch.randint(-1000, 1000, (7, 11), generator=g),
+        "b": torch.randn(333, generator=g),
+    }
+
+
+def _cast(model: dict[str, torch.Tensor], wire: torch.dtype) -> dict[str, torch.Tensor]:
+    """What a worker holds of ``model`` sent as ``wire``: each float cast and back."""
+    return {
+        k: v.to(wire).to(v.dtype) if v.is_floating_point() and v.dtype != wire else v.clone()
+        for k, v in model.items()
+    }
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delta", [False, True])
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_parts_cast_by_each_rank_land_exactly_as_cast_back(wire: torch.dtype, delta: bool) -> None:
+    """Each rank casts its own boxes to ``wire``; workers (in place, staged, a sink)
+    assemble the cast parts and cast them back to their own dtypes, exactly as a plain
+    learner's workers do; integers travel as they are, and the bytes moved are the
+    floats at the wire's size."""
+    learner = _mixed()
+    names = ["memory://sd-wire-0", "memory://sd-wire-1"]
+    senders = _senders(learner, names, 3, wire_dtype=wire, delta=delta)
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    got: dict[str, torch.Tensor] = {}
+
+    def keep(tensors: list[tuple[str, Any]]) -> None:
+        got.update({k: t.clone() for k, t in tensors})
+
+    receivers = [
+        _receiver(names[0], 0, model=models[0], apply_mode="in_place"),
+        _receiver(names[0], 1, model=models[1], apply_mode="staged"),
+        _receiver(names[0], 2, sink=keep),
+    ]
+    wire_bytes = sum(
+        v.numel() * wire.itemsize if v.is_floating_point() else v.nbytes for v in learner.values()
+    )
+    try:
+        for r in receivers:
+            r.connect(timeout=30)
+            r.start()
+        for m in models:
+            _same(m, _cast(learner, wire))  # version 0
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                if version == 3:
+                    learner["w"][200].add_(1.0)  # rank 1's rows only
+                else:
+                    for t in learner.values():
+                        t.add_(3)
+            before = _sent(senders)
+            _send_all(senders)
+            moved = sum(_sent(senders)) - sum(before)
+            if version < 3 or not delta:
+                # Every part whole, cast: the floats at the wire's size (and alignment).
+                assert 3 * wire_bytes <= moved <= 3 * (wire_bytes + 2 * 64 * len(learner))
+            else:
+                # One block of rank 1's cast part (of five), to each worker.
+                assert 3 * 1024 * wire.itemsize <= moved <= 3 * CHUNK
+            expected = _cast(learner, wire)
+            for r in receivers:
+                assert r.version == version
+                assert r.wire_dtype == str(wire).removeprefix("torch.")
+            for held in (*models, got):
+                _same(held, expected)
+        assert all(s.status()["wire_dtype"] == str(wire).removeprefix("torch.") for s in senders)
+        assert [r.stats["deltas"] for r in receivers] == [1 if delta else 0] * 3
+    finally:
+        _close(receivers, senders)
+
+
+# --- metadata -------------------------------------------------------------------------
+
+
+def _send_tagged(senders: list[WeightSender], step: int) -> None:
+    """One collective send, each rank tagging it with its own rank."""
+    errors: list[BaseException] = []
+
+    def send(rank: int) -> None:
+        try:
+            senders[rank].send(metadata={"step": step, "rank": rank})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in range(len(senders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+
+
+@pytest.mark.timeout(60)
+def test_a_sharded_versions_metadata_is_rank_0s() -> None:
+    """Every rank's send may carry metadata; a version's is rank 0's (the rank whose
+    first chunk the gather keeps), seen by workers and late joiners alike."""
+    learner = _learner()
+    names = ["memory://sd-meta-0", "memory://sd-meta-1"]
+    senders = _senders(learner, names, 1, delta=True)
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    receivers = [_receiver(names[0], 0, model=models[0])]
+    try:
+        receivers[0].connect(timeout=30)
+        receivers[0].start()
+        for step in (10, 20):
+            with torch.no_grad():
+                learner["w"][step + 30].add_(1.0)  # rank 1's part: rank 0's is empty
+            _send_tagged(senders, step)
+            assert receivers[0].metadata == {"step": step, "rank": 0}
+            assert senders[0].status()["metadata"] == {"step": step, "rank": 0}
+        _send_all(senders)  # untagged: no stale tag
+        assert receivers[0].version == 3 and receivers[0].metadata is None
+        _send_tagged(senders, 40)
+        late = _receiver(names[0], 1, model=models[1])
+        receivers.append(late)
+        late.connect(timeout=30)
+        assert late.version == 4 and late.metadata == {"step": 40, "rank": 0}
+        assert checksum(models[1], "state_dict") == checksum(learner, "state_dict")
+    finally:
+        _close(receivers, senders)
