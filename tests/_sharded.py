@@ -171,3 +171,135 @@ def run_plain_worker(
     finally:
         if scheme is not None:
             scheme.shutdown()
+
+
+# --- delta=True and wire_dtype= on a sharded learner ------------------------------------
+
+
+class WideNet(nn.Module):
+    """Large enough for deltas of 64 KiB blocks: ``a`` (257 rows of 4 KiB, uneven FSDP2
+    shards), ``wide`` sharded on dim 1 (4099 columns: uneven too), a replicated
+    ``shared`` and a buffer ``steps``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(1024, 257)
+        self.wide = nn.Parameter(torch.randn(16, 4099))
+        self.shared = nn.Parameter(torch.randn(64))
+        self.register_buffer("steps", torch.zeros(3))
+
+
+def _sharded_wide_net(world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # the same global values on every rank
+    net = WideNet()
+    fully_shard(net.a, mesh=mesh)
+    net.wide = nn.Parameter(distribute_tensor(net.wide.detach(), mesh, [Shard(1)]))
+    net.shared = nn.Parameter(distribute_tensor(net.shared.detach(), mesh, [Replicate()]))
+    return net
+
+
+def _cast_checksum(net: nn.Module, wire: torch.dtype | None) -> str:
+    """The whole model's checksum as workers hold it: gathered here (a collective call),
+    each float cast to ``wire`` and back, as the plain path defines it."""
+    from torch.distributed.tensor import DTensor
+
+    full = {}
+    for name, t in net.state_dict(keep_vars=True).items():
+        whole = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        if wire is not None and whole.is_floating_point():
+            whole = whole.to(wire).to(whole.dtype)
+        full[name] = whole
+    return zmqsync.checksum(full, "state_dict")
+
+
+def _touch(net: nn.Module, rank: int, version: int, who: int) -> None:
+    """Version ``version``: every value changes (``who`` < 0), or only one row of rank
+    ``who``'s shard of ``a.weight`` (the others change nothing)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if who >= 0:
+            if rank == who:
+                net.a.weight.to_local()[5].add_(float(version))
+            return
+        for t in net.state_dict(keep_vars=True).values():
+            (t.to_local() if isinstance(t, DTensor) else t).add_(float(version))
+
+
+def run_delta_rank(
+    rank: int, world: int, port: int, endpoint: str, conn: Any, mode: str, wire: str
+) -> None:
+    """Rank ``rank`` of an FSDP2 learner with ``delta=True`` and ``wire_dtype=wire``.
+    Commands: ``"connect"``; ``("send", who)`` (a version, see :func:`_touch`);
+    ``"stop"``. Each answered with ``(command, version, cast checksum, bytes sent)``."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    scheme = None
+    dtype = getattr(torch, wire)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        net = _sharded_wide_net(world)
+        scheme = zmqsync.ZMQWeightSyncScheme(
+            "state_dict", mode=mode, endpoint=endpoint, timeout=30, connect_timeout=120
+        )
+        scheme.init_on_sender(
+            "policy", model=net, num_workers=2, delta=True, wire_dtype=dtype, chunk_bytes=65536
+        )
+        conn.send(("ready", scheme.get_sender().epoch))
+        version = 0
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            if command == "connect":
+                scheme.connect(timeout=60)
+            else:
+                version += 1
+                _touch(net, rank, version, command[1])
+                scheme.send()
+            sent = scheme.get_sender().status()["totals"]["bytes_sent"]
+            conn.send(("done", version, _cast_checksum(net, dtype), sent))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_wide_worker(endpoint: str, worker_idx: int, conn: Any, mode: str, apply_mode: str) -> None:
+    """A worker with a plain :class:`WideNet`, given rank 0's endpoint alone. Answers
+    ``"state"`` with ``(version, checksum, deltas applied, wire dtype)``."""
+    scheme = None
+    try:
+        torch.manual_seed(1000 + worker_idx)  # not the learner's values
+        model = WideNet()
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
+        scheme.init_on_receiver(
+            model_id="policy", model=model, worker_idx=worker_idx, apply_mode=apply_mode
+        )
+        scheme.connect(timeout=60)
+        scheme.start_receiver_thread()
+        conn.send("ready")
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            receiver = scheme.get_receiver()
+            with scheme.lock:
+                state = (receiver.version, zmqsync.checksum(model, "state_dict"))
+            conn.send((*state, receiver.stats["deltas"], receiver.wire_dtype))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()

@@ -10,7 +10,6 @@ the last one is an FSDP2 learner of two ranks in spawned processes over gloo.
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing as mp
 import threading
 from typing import Any
@@ -19,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 from _faults import until
-from test_sharded import _RowsPart, _send_all
+from test_sharded import _first_chunk, _gathered, _parts, _RowsPart, _send_all, _stream, _tensors
 
 from zmqsync import WeightReceiver, WeightSender, checksum
 from zmqsync.chunking.parts import Held, Lost, PartGather, Placed, Skipped, Whole
-from zmqsync.protocol import Box, Chunk, TensorEntry, WeightsSchema, encode_schema, layout_digest
+from zmqsync.protocol import Chunk, WeightsSchema, encode_schema, layout_digest
 from zmqsync.schemes.sharded import check_options
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
@@ -112,9 +111,7 @@ def test_each_rank_sends_only_the_changed_blocks_of_its_own_part() -> None:
     holds = [*models, got, None]
     workers = len(receivers)
     # Each rank's part: its rows of w and v (rank 0: and b).
-    part = [
-        (32 * 4096 + 16 * 2048) * 4 + (100 * 4 if r == 0 else 0) for r in range(len(names))
-    ]
+    part = [(32 * 4096 + 16 * 2048) * 4 + (100 * 4 if r == 0 else 0) for r in range(len(names))]
     try:
         for r in receivers:
             r.connect(timeout=30)
@@ -344,3 +341,265 @@ def test_a_sharded_versions_metadata_is_rank_0s() -> None:
         assert checksum(models[1], "state_dict") == checksum(learner, "state_dict")
     finally:
         _close(receivers, senders)
+
+
+# --- the gather of delta parts, sans-IO -------------------------------------------------
+
+
+def _delta(
+    schema: WeightsSchema,
+    stream: bytes,
+    spans: list[tuple[int, int]],
+    version: int,
+    base: int,
+    epoch: int = 7,
+) -> list[Chunk]:
+    """A part's delta: stretches ``spans`` of its stream, a chunk each (one empty chunk
+    if none), as a rank's ``delta=True`` sends it."""
+    layout = layout_digest(encode_schema(schema))
+    spans = spans or [(0, 0)]
+    return [
+        Chunk(
+            "p",
+            version,
+            epoch,
+            i,
+            len(spans),
+            offset,
+            len(stream),
+            layout,
+            stream[offset : offset + n],
+            schema if i == 0 else None,
+            base=base,
+        )
+        for i, (offset, n) in enumerate(spans)
+    ]
+
+
+def _feed(gather: PartGather, part: int, chunks: list[Chunk], held: Any, **kw: Any) -> list[Any]:
+    events: list[Any] = []
+    for c in chunks:
+        events += gather.feed(part, c, 0.0, held, **kw)
+    return events
+
+
+def _gather_whole(
+    gather: PartGather, schemas: list[WeightsSchema], tensors: dict[str, np.ndarray]
+) -> list[Any]:
+    """Version 1 of epoch 7, every part whole, into ``gather``: its events."""
+    events: list[Any] = []
+    for p, schema in enumerate(schemas):
+        events += gather.feed(p, _first_chunk(schema, _stream(schema, tensors)), 0, (0, 0))
+    return events
+
+
+def _versions() -> list[dict[str, np.ndarray]]:
+    """Versions 1..4 of ``_tensors``' model, each changing a little of one part or two
+    (``a``'s columns 0-1 are part 0's, 2-4 part 1's; ``b``'s 0-2 part 0's; ``s`` part 0's)."""
+    v1 = _tensors(5)
+    v2 = {k: t.copy() for k, t in v1.items()}
+    v2["a"][1, 3] += 1  # part 1 only
+    v3 = {k: t.copy() for k, t in v2.items()}
+    v3["a"][0, 0] += 1  # part 0
+    v3["b"][6] += 1  # part 1
+    v4 = {k: t.copy() for k, t in v3.items()}
+    v4["a"][2, 4] += 1  # part 1
+    return [{}, v1, v2, v3, v4]
+
+
+def _part_deltas(
+    schemas: list[WeightsSchema], old: dict[str, np.ndarray], new: dict[str, np.ndarray]
+) -> list[tuple[bytes, list[tuple[int, int]]]]:
+    """Each part's stream of ``new`` and the 4-byte stretches that differ from ``old``."""
+    out = []
+    for schema in schemas:
+        before, after = _stream(schema, old), _stream(schema, new)
+        spans = [(i, 4) for i in range(0, len(after), 4) if before[i : i + 4] != after[i : i + 4]]
+        out.append((after, spans))
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_delta_parts_patch_the_version_gathered_last_whole_or_not_at_all() -> None:
+    """Version 2: part 0 unchanged (one empty chunk), part 1 one stretch. Version 3 has
+    part 1 break off after its first stretch: nothing is given on, and its delta sent
+    again completes it. Version 4 breaks off and version 5 (against 3) comes instead."""
+    versions = _versions()
+    schemas = _parts(versions[1], 2)
+    gather = PartGather(2, gap=1.0)
+    (whole,) = _gather_whole(gather, schemas, versions[1])
+    assert isinstance(whole, Whole) and not whole.delta
+    held = (7, 1)
+    parts = _part_deltas(schemas, versions[1], versions[2])
+    assert parts[0][1] == [] and len(parts[1][1]) == 1
+    assert _feed(gather, 0, _delta(schemas[0], *parts[0], version=2, base=1), held) == []
+    (whole,) = _feed(gather, 1, _delta(schemas[1], *parts[1], version=2, base=1), held)
+    assert isinstance(whole, Whole) and whole.delta and whole.chunk.version == 2
+    for key, t in _gathered(whole.chunk).items():
+        np.testing.assert_array_equal(t, versions[2][key])
+    held = (7, 2)
+    parts = _part_deltas(schemas, versions[2], versions[3])
+    assert all(len(spans) == 1 for _, spans in parts)
+    assert _feed(gather, 0, _delta(schemas[0], *parts[0], version=3, base=2), held) == []
+    # Part 1's stretch of b, then a made-up second one that never comes.
+    stream, spans = parts[1]
+    broken = _delta(schemas[1], stream, [*spans, (len(stream) - 4, 4)], version=3, base=2)
+    assert gather.feed(1, broken[0], 0.0, held) == []
+    (lost,) = gather.expire(5.0)
+    assert isinstance(lost, Lost) and lost.part == 1
+    (whole,) = _feed(gather, 1, _delta(schemas[1], *parts[1], version=3, base=2), held)
+    assert whole.delta and whole.chunk.version == 3
+    for key, t in _gathered(whole.chunk).items():
+        np.testing.assert_array_equal(t, versions[3][key])
+    held = (7, 3)
+    parts = _part_deltas(schemas, versions[3], versions[4])
+    assert _feed(gather, 0, _delta(schemas[0], *parts[0], version=4, base=3), held) == []
+    stream, spans = parts[1]
+    assert gather.feed(1, _delta(schemas[1], stream, [*spans, (0, 4)], 4, 3)[0], 0.0, held) == []
+    # Version 5 (version 4's weights) begins: version 4's patches are dropped unwritten.
+    assert _feed(gather, 1, _delta(schemas[1], *parts[1], version=5, base=3), held) == []
+    (whole,) = _feed(gather, 0, _delta(schemas[0], *parts[0], version=5, base=3), held)
+    assert whole.delta and whole.chunk.version == 5
+    for key, t in _gathered(whole.chunk).items():
+        np.testing.assert_array_equal(t, versions[4][key])
+
+
+@pytest.mark.timeout(30)
+def test_a_delta_part_the_gather_cannot_patch_is_skipped() -> None:
+    """Skipped (the whole part asked for), never applied: nothing gathered whole yet;
+    a delta against a version the receiver lacks, or of another epoch; a receiver that
+    wants whole versions (its model is torn); a layout other than the version held's;
+    a receiver that does not hold the version the gather gave on last."""
+    versions = _versions()
+    schemas = _parts(versions[1], 2)
+    part0 = _delta(schemas[0], _stream(schemas[0], versions[2]), [], version=2, base=1)
+    fresh = PartGather(2, gap=1.0)
+    (skipped,) = _feed(fresh, 0, part0, (7, 1))
+    assert isinstance(skipped, Skipped) and skipped.part == 0 and "not whole" in skipped.reason
+    gather = PartGather(2, gap=1.0)
+    _gather_whole(gather, schemas, versions[1])
+    (held,) = _feed(gather, 0, part0, (7, 2))
+    assert isinstance(held, Held)  # a delta of a version held: acked
+    cases = [
+        (_delta(schemas[0], b"\0" * 40, [], version=3, base=2), (7, 1), False, "against"),
+        (_delta(schemas[0], b"\0" * 40, [], version=3, base=1, epoch=8), (7, 1), False, "against"),
+        (part0, (7, 1), True, "torn"),
+        (part0, (7, 0), False, "against"),
+    ]
+    for chunks, at, whole, why in cases:
+        (skipped,) = _feed(gather, 0, chunks, at, whole=whole)
+        assert isinstance(skipped, Skipped) and why in skipped.reason
+    other = _parts({**versions[1], "a": np.zeros((3, 6), np.float32)}, 2)
+    (skipped,) = _feed(gather, 0, _delta(other[0], b"\0" * 48, [], 2, 1), (7, 1))
+    assert isinstance(skipped, Skipped) and "layout" in skipped.reason
+    # A receiver that refused version 1 (it still holds version 0): a delta against 0
+    # is not patched over the version 1 gathered.
+    (skipped,) = _feed(gather, 0, _delta(schemas[0], b"\0" * 40, [], 2, 0), (7, 0))
+    assert isinstance(skipped, Skipped) and "not whole" in skipped.reason
+    assert not gather.active
+
+
+@pytest.mark.timeout(30)
+def test_delta_parts_in_place_land_only_once_every_part_is_in() -> None:
+    """Written in place: whole parts land as they come, a delta's stretches only with
+    the last part, so that the model never holds half a delta."""
+    versions = _versions()
+    schemas = _parts(versions[1], 2)
+    out = {k: np.zeros_like(t) for k, t in versions[1].items()}
+
+    def place(assembly: Any) -> list[np.ndarray]:
+        return [
+            out[e.key[0]].reshape(-1).view(np.uint8).reshape(*e.shape, 4)
+            for e in assembly.schema.entries
+        ]
+
+    gather = PartGather(2, gap=1.0, place=place)
+    assert [type(e) for e in _gather_whole(gather, schemas, versions[1])] == [Placed]
+    held = (7, 1)  # version 3, against version 1: both parts changed
+    parts = _part_deltas(schemas, versions[1], versions[3])
+    assert _feed(gather, 0, _delta(schemas[0], *parts[0], version=3, base=1), held) == []
+    for key, t in out.items():
+        np.testing.assert_array_equal(t, versions[1][key])  # nothing of it landed yet
+    (placed,) = _feed(gather, 1, _delta(schemas[1], *parts[1], version=3, base=1), held)
+    assert isinstance(placed, Placed) and placed.delta
+    for key, t in out.items():
+        np.testing.assert_array_equal(t, versions[3][key])
+
+
+def test_share_params_stays_refused_and_says_why() -> None:
+    check_options({"delta": True, "wire_dtype": torch.bfloat16})  # supported
+    with pytest.raises(ValueError, match="share_params= is not supported by a sharded"):
+        check_options({"share_params": True})
+
+
+# --- an FSDP2 learner of two ranks over gloo, in spawned processes ---------------------
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_learner_with_delta_and_a_wire_dtype(tmp_path: Any) -> None:
+    """Two FSDP2 ranks with ``delta=True`` and ``wire_dtype=bfloat16`` and two plain
+    workers (one writes in place): each version ends on both workers with the gathered
+    model cast to bfloat16 and back; a version that changes one row of one rank's shard
+    moves one block from that rank and nothing from the other."""
+    from _sharded import run_delta_rank, run_wide_worker
+    from conftest import free_port
+    from test_sharded import _answer, _ask
+
+    port = free_port()
+    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
+    procs: list[Any] = []
+    learners: list[Any] = []
+    workers: list[Any] = []
+
+    def spawn(target: Any, *args: Any) -> Any:
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(target=target, args=(*args[:-1], child, *args[-1]), daemon=True)
+        proc.start()
+        child.close()
+        procs.append(proc)
+        return parent
+
+    try:
+        for r in range(2):
+            learners.append(spawn(run_delta_rank, r, 2, port, endpoints[r], ("router", "bfloat16")))
+        assert len({_answer(c, "ready")[1] for c in learners}) == 1
+        for w, apply_mode in enumerate(["auto", "in_place"]):
+            workers.append(spawn(run_wide_worker, endpoints[0], w, ("router", apply_mode)))
+        for c in learners:
+            c.send("connect")
+        answers = [_answer(c, "connect") for c in learners]
+        for c in workers:
+            assert _answer(c, "ready") == "ready"
+            assert _ask(c, "state")[:2] == (0, answers[0][2])
+        sent = [a[3] for a in answers]
+        # Version 1: every value changes (whole parts); then one row of rank 1's shard,
+        # then one of rank 0's.
+        for version, who in [(1, -1), (2, 1), (3, 0)]:
+            for c in learners:
+                c.send(("send", who))
+            answers = [_answer(c, "send") for c in learners]
+            assert {a[1] for a in answers} == {version}
+            assert answers[0][2] == answers[1][2]  # the gathered model, on every rank
+            moved = [a[3] - s for a, s in zip(answers, sent, strict=True)]
+            sent = [a[3] for a in answers]
+            if who >= 0:
+                # One row of 1024 bfloat16s: one 64 KiB block (two if it straddles
+                # blocks), to each of the two workers; the other rank sends nothing.
+                assert 0 < moved[who] <= 2 * 2 * CHUNK and moved[1 - who] == 0, moved
+            else:
+                assert all(m > 2 * 2 * CHUNK for m in moved), moved  # its part, whole
+            for c in workers:
+                state = _ask(c, "state")
+                assert state[:2] == (version, answers[0][2])
+                assert state[2] == version - 1 and state[3] == "bfloat16"
+    finally:
+        for c in [*workers, *learners]:
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for proc in procs:
+            proc.join(10)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")

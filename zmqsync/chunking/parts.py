@@ -455,9 +455,7 @@ class PartGather:
                 events.append(self._lost(part, event.reason))
         return events
 
-    def _unpatchable(
-        self, part: int, chunk: Chunk, held: tuple[int, int], whole: bool
-    ) -> str:
+    def _unpatchable(self, part: int, chunk: Chunk, held: tuple[int, int], whole: bool) -> str:
         """Why the delta part ``chunk`` starts cannot be patched over the version held
         ("" if it can)."""
         assert chunk.base is not None

@@ -619,8 +619,9 @@ class WeightReceiver:
             ranks.sessions[event.part].ask_again(whole=True)
         elif isinstance(event, Skipped):
             self.stats["deltas_skipped"] += 1
-            log.info("worker %s: delta of part %s skipped: %s", self.worker_idx, event.part,
-                     event.reason)
+            log.info(
+                "worker %s: delta of part %s skipped: %s", self.worker_idx, event.part, event.reason
+            )
             ranks.sessions[event.part].ask_again(whole=True)
 
     def _on_chunk(self, chunk: Chunk) -> PendingAck | None:
