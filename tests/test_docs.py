@@ -25,8 +25,11 @@ BUILD_TIMEOUT_S: Final = 240.0
 MARKDOWN: Final = (
     ROOT / "README.md",
     ROOT / "benchmarks" / "README.md",
-    *sorted(ROOT.glob("docs/*.md")),
+    *sorted(p for p in ROOT.glob("docs/*.md") if not p.name.startswith("_")),
 )
+#: docs/_*.md: fragments of a page still being written (the site leaves them out), whose
+#: links must resolve all the same
+FRAGMENTS: Final = tuple(sorted(ROOT.glob("docs/_*.md")))
 #: docs pages the README need not link: the site's home (the README's own sections) and
 #: the page that includes benchmarks/README.md (the README links that file itself)
 NOT_LINKED_FROM_README: Final = frozenset({"docs/index.md", "docs/benchmarks.md"})
@@ -102,7 +105,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
 
 def test_every_relative_link_leads_to_a_file_and_heading_that_exist() -> None:
     broken = []
-    for path in MARKDOWN:
+    for path in (*MARKDOWN, *FRAGMENTS):
         for link in _relative_links(path):
             target, _, anchor = link.partition("#")
             file = (path.parent / target).resolve() if target else path
