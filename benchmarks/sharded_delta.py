@@ -7,10 +7,10 @@ blocks only.
 biases), ``--workers`` plain workers in this process (unsharded modules, given rank 0's
 ``ipc://`` endpoint alone). Version 1 changes every element; each later version changes
 ``--share`` of the layers (whole layers, a different stretch each version), so every
-rank's part changes by about that share; it moves in blocks of 256 KiB (the chunk size). Each rank's bytes are its sender's own counter
-(``status()["totals"]["bytes_sent"]``, every worker's chunks' payloads); every worker's
-checksum is checked against the gathered model (cast as the wire dtype says) after every
-version.
+rank's part changes by about that share; it moves in blocks of 256 KiB (the chunk size).
+Each rank's bytes are its sender's own counter (``status()["totals"]["bytes_sent"]``,
+every worker's chunks' payloads); every worker's checksum is checked against the
+gathered model (cast as the wire dtype says) after every version.
 
 Run ``python -m benchmarks.sharded_delta --help``.
 """
@@ -65,7 +65,7 @@ def _checksum(net: nn.Module, wire: torch.dtype | None) -> str:
     return zmqsync.checksum(full, "state_dict")
 
 
-def _change(net: nn.Module, version: int, share: float) -> None:
+def _change(net: _Layers, version: int, share: float) -> None:
     """Every element (version 1), or ``share`` of the layers, a different run of them
     each version (each rank its own shard of them)."""
     from torch.distributed.tensor import DTensor
@@ -75,6 +75,7 @@ def _change(net: nn.Module, version: int, share: float) -> None:
         first = 0 if version == 1 else (version * count) % LAYERS
         for i in range(first, first + count):
             layer = net.layers[i % LAYERS]
+            assert isinstance(layer, nn.Linear)
             for t in (layer.weight, layer.bias):
                 (t.to_local() if isinstance(t, DTensor) else t).add_(0.5)
 

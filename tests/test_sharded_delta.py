@@ -501,13 +501,17 @@ def test_a_delta_part_the_gather_cannot_patch_is_skipped() -> None:
 
 @pytest.mark.timeout(30)
 def test_delta_parts_in_place_land_only_once_every_part_is_in() -> None:
-    """Written in place: whole parts land as they come, a delta's stretches only with
-    the last part, so that the model never holds half a delta."""
+    """Written in place: a version of deltas asks where to write (the receiver then
+    locks its model) only once its last part is in, and lands then, whole; one whose
+    part breaks off is never written, so the model is not torn, and the part is asked
+    for again. A part that comes whole lands as it comes."""
     versions = _versions()
     schemas = _parts(versions[1], 2)
     out = {k: np.zeros_like(t) for k, t in versions[1].items()}
+    asked: list[int] = []
 
     def place(assembly: Any) -> list[np.ndarray]:
+        asked.append(1)
         return [
             out[e.key[0]].reshape(-1).view(np.uint8).reshape(*e.shape, 4)
             for e in assembly.schema.entries
@@ -517,13 +521,29 @@ def test_delta_parts_in_place_land_only_once_every_part_is_in() -> None:
     assert [type(e) for e in _gather_whole(gather, schemas, versions[1])] == [Placed]
     held = (7, 1)  # version 3, against version 1: both parts changed
     parts = _part_deltas(schemas, versions[1], versions[3])
-    assert _feed(gather, 0, _delta(schemas[0], *parts[0], version=3, base=1), held) == []
+    deltas = [_delta(schemas[p], *parts[p], version=3, base=1) for p in (0, 1)]
+    # Part 1 breaks off after part 0 is in: nothing written, nothing torn.
+    assert _feed(gather, 0, deltas[0], held) == []
+    stream, spans = parts[1]
+    broken = _delta(schemas[1], stream, [*spans, (len(stream) - 4, 4)], version=3, base=1)
+    assert gather.feed(1, broken[0], 0.0, held) == [] and len(asked) == 1
+    (lost,) = gather.expire(5.0)
+    assert isinstance(lost, Lost) and lost.part == 1
     for key, t in out.items():
-        np.testing.assert_array_equal(t, versions[1][key])  # nothing of it landed yet
-    (placed,) = _feed(gather, 1, _delta(schemas[1], *parts[1], version=3, base=1), held)
-    assert isinstance(placed, Placed) and placed.delta
+        np.testing.assert_array_equal(t, versions[1][key])
+    (placed,) = _feed(gather, 1, deltas[1], held)
+    assert isinstance(placed, Placed) and placed.delta and len(asked) == 2
     for key, t in out.items():
         np.testing.assert_array_equal(t, versions[3][key])
+    # Version 4: part 1's delta, then part 0 whole (it lands as it comes, in place).
+    held = (7, 3)
+    parts = _part_deltas(schemas, versions[3], versions[4])
+    assert _feed(gather, 1, _delta(schemas[1], *parts[1], version=4, base=3), held) == []
+    whole0 = _first_chunk(schemas[0], _stream(schemas[0], versions[4]), version=4)
+    (placed,) = gather.feed(0, whole0, 0.0, held)
+    assert isinstance(placed, Placed) and placed.delta and len(asked) == 3
+    for key, t in out.items():
+        np.testing.assert_array_equal(t, versions[4][key])
 
 
 def test_share_params_stays_refused_and_says_why() -> None:

@@ -390,6 +390,9 @@ class PartGather:
         self._patches = _Patches(parts)
         #: Which parts wrote whole bytes into the targets in the version gathered now.
         self._wrote = [False] * parts
+        #: The version laid out now, all deltas so far: where it is written is asked
+        #: for once the last part is in (or a part comes whole).
+        self._targets_due = False
 
     @property
     def active(self) -> bool:
@@ -439,6 +442,8 @@ class PartGather:
                 c = event.chunk
                 if self._patches.is_delta(part):
                     self._patches.add(part, c.offset, c.payload)
+                elif self._targets_due and not self._resolve(events):
+                    break  # a whole part again, where the deltas cannot be patched
                 elif self._assembly is not None:
                     self._wrote[part] = True
                     self._assembly.write(part, c.offset, c.payload, self._targets)
@@ -477,8 +482,9 @@ class PartGather:
     @property
     def _patching(self) -> bool:
         """Whether the version laid out now is over the version held (its targets hold
-        it, where no whole part wrote): a delta part can be patched into them."""
-        return self._in_place or self._over_kept
+        it, where no whole part wrote, or are still to be asked for): a delta part can
+        be patched into them."""
+        return self._targets_due or self._in_place or self._over_kept
 
     def _lost(self, part: int, reason: str) -> GatherEvent:
         """Part ``part`` of the current version broke off: asked for again, or, written
@@ -516,6 +522,7 @@ class PartGather:
         self._first = None
         self._assembly = None
         self._targets, self._in_place, self._over_kept = (), False, False
+        self._targets_due = False
         self._patches.clear()
         self._wrote = [False] * self.parts
         self.current = key
@@ -555,6 +562,22 @@ class PartGather:
                 self._assemblies.pop(next(iter(self._assemblies)))
             self._assemblies[key] = assembly
         self._assembly = assembly
+        if all(self._patches.is_delta(p) for p in range(self.parts)):
+            # Only deltas so far: nothing is written before the last part is in, so the
+            # targets are asked for then (a model written in place stays whole, and
+            # unlocked, while the deltas come).
+            self._targets_due = True
+            return
+        self._resolve(events)
+
+    def _resolve(self, events: list[GatherEvent]) -> bool:
+        """Where the version laid out now is written (the model's tensors, if ``place``
+        gives them, else the gather's buffer, over the version kept there if it can),
+        and what came of each part so far written there. False if the version's deltas
+        cannot be patched there (every part is then asked for again, whole)."""
+        assembly, key = self._assembly, tuple(self._layouts)
+        assert assembly is not None and self.current is not None
+        self._targets_due = False
         targets = None if self._place is None else self._place(assembly)
         self._in_place = targets is not None
         if targets is None:
@@ -569,23 +592,28 @@ class PartGather:
         self._targets = targets
         if self._patches.any() and not self._patching:
             # The version a delta patches is nowhere to be patched: every part again,
-            # whole (never a wrong version).
+            # whole (never a wrong version). (``place`` gave no targets, so nothing
+            # holds the model's lock.)
             for stream in self._streams:
                 stream.abandon("refused")
             self._reset(self.current)
             self.current = None
             why = "the version held is not where the parts are gathered"
             events.extend(Skipped(p, why) for p in range(self.parts))
-            return
+            return False
         for part, early in enumerate(self._early):
             if self._received[part]:
                 self._wrote[part] = True
                 assembly.write(part, 0, early.array[: self._received[part]].data, targets)
             early.release()
+        return True
 
     def _complete(self) -> list[GatherEvent]:
         if not all(self._done) or self._assembly is None:
             return []
+        events: list[GatherEvent] = []
+        if self._targets_due and not self._resolve(events):
+            return events
         assert self.current is not None
         epoch, version = self.current
         assembly, in_place = self._assembly, self._in_place
