@@ -203,6 +203,79 @@ def test_a_worker_behind_or_late_gets_what_it_lacks_and_ends_exact() -> None:
         _close(receivers, senders)
 
 
+@pytest.mark.timeout(90)
+def test_a_rank_that_dies_mid_delta_leaves_every_worker_whole_and_the_next_send_repairs() -> None:
+    """Rank 1 dies after the first chunk of its delta of version 2: every rank's send
+    raises naming rank 1; no worker applies version 2, and none is torn (a version of
+    deltas is written only once every part is in, in place too). Back, version 3 comes
+    as deltas against version 1 and every worker ends exact."""
+    from test_sharded import _DyingHub, _send
+
+    from zmqsync import SyncTimeout
+
+    learner = _learner()
+    names = ["memory://sd-dying-0", "memory://sd-dying-1"]
+    dying = _DyingHub(names[1])
+    senders = [
+        WeightSender(
+            dying if r == 1 else MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            num_workers=2,
+            timeout=3,
+            epoch=43,
+            chunk_bytes=CHUNK,
+            delta=True,
+            part=_RowsPart(r, 2),  # type: ignore[arg-type]
+            ranks=names,
+        )
+        for r in range(2)
+    ]
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    receivers = [
+        # A part broken off is given up on before send() raises.
+        _receiver(names[0], i, model=models[i], apply_mode=mode, chunk_timeout=1.0)
+        for i, mode in enumerate(["staged", "in_place"])
+    ]
+    try:
+        for r in receivers:
+            r.connect(timeout=30)
+            r.start()
+        with torch.no_grad():
+            learner["w"][0].add_(1.0)
+        _send_all(senders)  # version 1: a delta of rank 0, an empty one of rank 1
+        first = checksum(learner, "state_dict")
+        with torch.no_grad():
+            for row in (33, 45, 60):  # three blocks apart in rank 1's part: three chunks
+                learner["w"][row].add_(1.0)
+        dying.die(after=1)
+        errors: list[BaseException] = []
+        sending = [threading.Thread(target=_send, args=(s, errors)) for s in senders]
+        for t in sending:
+            t.start()
+        for t in sending:
+            t.join(30)
+        assert len(errors) == 2 and all(isinstance(e, SyncTimeout) for e in errors), errors
+        for e in errors:
+            assert isinstance(e, SyncTimeout) and e.missing_ranks == [1], e
+        for r, model in zip(receivers, models, strict=True):
+            assert r.version == 1 and not r.torn
+            assert checksum(model, "state_dict") == first
+        dying.revive()
+        with torch.no_grad():
+            learner["b"].add_(1.0)  # rank 0's
+        before = _sent(senders)
+        _send_all(senders)
+        moved = [a - b for a, b in zip(_sent(senders), before, strict=True)]
+        # Rank 1: its three blocks again (against version 1), to each worker.
+        assert moved[1] == 2 * 3 * CHUNK and 0 < moved[0] <= 2 * CHUNK, moved
+        for r, model in zip(receivers, models, strict=True):
+            assert r.version == 3 and not r.torn and r.stats["deltas"] == 2
+            assert checksum(model, "state_dict") == checksum(learner, "state_dict")
+    finally:
+        _close(receivers, senders)
+
+
 # --- wire_dtype: each rank casts its own part -------------------------------------------
 
 
