@@ -629,11 +629,13 @@ def test_share_params_stays_refused_and_says_why() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_learner_with_delta_and_a_wire_dtype(tmp_path: Any) -> None:
+@pytest.mark.parametrize("mode", ["router", "pubsub"])
+def test_fsdp2_learner_with_delta_and_a_wire_dtype(tmp_path: Any, mode: str) -> None:
     """Two FSDP2 ranks with ``delta=True`` and ``wire_dtype=bfloat16`` and two plain
     workers (one writes in place): each version ends on both workers with the gathered
     model cast to bfloat16 and back; a version that changes one row of one rank's shard
-    moves one block from that rank and nothing from the other."""
+    moves one block from that rank and nothing from the other (over PUB/SUB, one
+    delta reaches both workers)."""
     from _sharded import run_delta_rank, run_wide_worker
     from conftest import free_port
     from test_sharded import _answer, _ask
@@ -654,10 +656,10 @@ def test_fsdp2_learner_with_delta_and_a_wire_dtype(tmp_path: Any) -> None:
 
     try:
         for r in range(2):
-            learners.append(spawn(run_delta_rank, r, 2, port, endpoints[r], ("router", "bfloat16")))
+            learners.append(spawn(run_delta_rank, r, 2, port, endpoints[r], (mode, "bfloat16")))
         assert len({_answer(c, "ready")[1] for c in learners}) == 1
         for w, apply_mode in enumerate(["auto", "in_place"]):
-            workers.append(spawn(run_wide_worker, endpoints[0], w, ("router", apply_mode)))
+            workers.append(spawn(run_wide_worker, endpoints[0], w, (mode, apply_mode)))
         for c in learners:
             c.send("connect")
         answers = [_answer(c, "connect") for c in learners]
