@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,25 @@ def _receiver(name: str, worker: int, **options: Any) -> WeightReceiver:
 def _sent(senders: list[WeightSender]) -> list[int]:
     """Every rank's bytes sent so far (its chunks' payloads, to every worker)."""
     return [int(s.status()["totals"]["bytes_sent"]) for s in senders]
+
+
+def _on_every_rank(senders: list[WeightSender], call: Callable[[int, WeightSender], Any]) -> None:
+    """``call(rank, sender)`` on every rank at once (a collective call), each in a thread
+    of its own; raises what any raised."""
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            call(rank, senders[rank])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(senders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
 
 
 def _close(receivers: list[WeightReceiver], senders: list[WeightSender]) -> None:
@@ -276,6 +296,38 @@ def test_a_rank_that_dies_mid_delta_leaves_every_worker_whole_and_the_next_send_
         _close(receivers, senders)
 
 
+@pytest.mark.timeout(60)
+def test_send_async_on_every_rank_with_delta() -> None:
+    """``send_async`` on every rank returns once its part is copied (the weights may
+    change then); ``wait_async`` on every rank completes the version, as a delta."""
+    learner = _learner()
+    names = ["memory://sd-async-0", "memory://sd-async-1"]
+    senders = _senders(learner, names, 1, delta=True)
+    model = {k: torch.zeros_like(t) for k, t in learner.items()}
+    receivers = [_receiver(names[0], 0, model=model)]
+    try:
+        receivers[0].connect(timeout=30)
+        receivers[0].start()
+        for step in (1, 2):
+            with torch.no_grad():
+                learner["w"][10 * step].add_(1.0)  # rank 0's part
+                learner["v"][16 + step].add_(1.0)  # rank 1's
+            expected = checksum(learner, "state_dict")
+            for s in senders:
+                s.send_async()
+            saved = learner["w"].clone()
+            with torch.no_grad():
+                learner["w"].add_(5.0)  # after the copies: not part of the version
+            _on_every_rank(senders, lambda rank, sender: sender.wait_async())
+            assert receivers[0].version == step
+            assert checksum(model, "state_dict") == expected
+            with torch.no_grad():
+                learner["w"].copy_(saved)
+        assert receivers[0].stats["deltas"] == 2
+    finally:
+        _close(receivers, senders)
+
+
 # --- wire_dtype: each rank casts its own part -------------------------------------------
 
 
@@ -370,20 +422,7 @@ def test_parts_cast_by_each_rank_land_exactly_as_cast_back(wire: torch.dtype, de
 
 def _send_tagged(senders: list[WeightSender], step: int) -> None:
     """One collective send, each rank tagging it with its own rank."""
-    errors: list[BaseException] = []
-
-    def send(rank: int) -> None:
-        try:
-            senders[rank].send(metadata={"step": step, "rank": rank})
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=send, args=(r,)) for r in range(len(senders))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    _on_every_rank(senders, lambda rank, s: s.send(metadata={"step": step, "rank": rank}))
 
 
 @pytest.mark.timeout(60)

@@ -172,7 +172,9 @@ class WeightSender:
         part: a sharded learner's rank (a scheme makes it for a model of DTensors): each
             version streams this rank's part only, its local boxes of the global tensors.
             Every rank sends each version (``send()`` is a collective call), with the
-            same ``epoch``.
+            same ``epoch``. With ``delta`` each rank digests its own part (one that did
+            not change sends one empty chunk); with ``wire_dtype`` each casts its own;
+            workers see rank 0's ``metadata``.
         ranks: every rank's endpoint, rank 0's first, which this sender's Welcome names:
             a worker opens a session with each, and gathers a version's parts.
     """
