@@ -656,6 +656,16 @@ def test_delta_parts_in_place_land_only_once_every_part_is_in() -> None:
     assert isinstance(placed, Placed) and placed.delta and len(asked) == 3
     for key, t in out.items():
         np.testing.assert_array_equal(t, versions[4][key])
+    # Version 5 written in place, part 0 in: a delta of version 6 (against 4, the
+    # version held) would be patched over a model version 5 half wrote: skipped.
+    whole0 = _first_chunk(schemas[0], _stream(schemas[0], versions[1]), version=5)
+    assert gather.feed(0, whole0, 0.0, (7, 4)) == [] and len(asked) == 3  # not laid out
+    whole1 = _stream(schemas[1], versions[1])
+    layout1 = layout_digest(encode_schema(schemas[1]))
+    head = Chunk("p", 5, 7, 0, 2, 0, len(whole1), layout1, whole1[:8], schemas[1])
+    assert gather.feed(1, head, 0.0, (7, 4)) == [] and len(asked) == 4  # written in place
+    (skipped,) = _feed(gather, 0, _delta(schemas[0], whole0.payload, [], 6, 4), (7, 4))
+    assert isinstance(skipped, Skipped) and "written over" in skipped.reason
 
 
 def test_share_params_stays_refused_and_says_why() -> None:

@@ -473,10 +473,13 @@ class PartGather:
             return "the version held is not whole where the parts are gathered"
         if chunk.layout != kept.layouts[part]:
             return "its layout is not the one of the version held"
-        if (chunk.epoch, chunk.version) == self.current and (
-            self._wrote[part] or (self._assembly is not None and not self._patching)
-        ):
-            return "the version is being gathered whole"
+        if (chunk.epoch, chunk.version) == self.current:
+            if self._wrote[part] or (self._assembly is not None and not self._patching):
+                return "the version is being gathered whole"
+        elif self._in_place or (self._over_kept and any(self._wrote)):
+            # The version under way has written over the version held (in the model:
+            # it would be torn), which the delta's other parts could not be patched on.
+            return "the version held is being written over"
         return ""
 
     @property
