@@ -10,6 +10,7 @@ the last one is an FSDP2 learner of two ranks in spawned processes over gloo.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import threading
 from collections.abc import Callable
@@ -19,10 +20,12 @@ import numpy as np
 import pytest
 import torch
 from _faults import until
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_sharded import _first_chunk, _gathered, _parts, _RowsPart, _send_all, _stream, _tensors
 
 from zmqsync import WeightReceiver, WeightSender, checksum
-from zmqsync.chunking.parts import Held, Lost, PartGather, Placed, Skipped, Whole
+from zmqsync.chunking.parts import Held, Lost, PartGather, Placed, Skipped, Torn, Whole
 from zmqsync.protocol import Chunk, WeightsSchema, encode_schema, layout_digest
 from zmqsync.schemes.sharded import check_options
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
@@ -666,6 +669,111 @@ def test_delta_parts_in_place_land_only_once_every_part_is_in() -> None:
     assert gather.feed(1, head, 0.0, (7, 4)) == [] and len(asked) == 4  # written in place
     (skipped,) = _feed(gather, 0, _delta(schemas[0], whole0.payload, [], 6, 4), (7, 4))
     assert isinstance(skipped, Skipped) and "written over" in skipped.reason
+
+
+def _runs(before: bytes, after: bytes) -> list[tuple[int, int]]:
+    """The 4-byte elements that differ, merged into runs: a delta's stretches."""
+    runs: list[tuple[int, int]] = []
+    for i in range(0, len(after), 4):
+        if before[i : i + 4] != after[i : i + 4]:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 4)
+            else:
+                runs.append((i, 4))
+    return runs
+
+
+class _Worker:
+    """A worker's side of the gather, simulated: what it holds, and every version
+    given on; a part lost or skipped is sent again whole, as the worker asks."""
+
+    def __init__(self, schemas: list[WeightsSchema], model: dict[str, np.ndarray] | None) -> None:
+        self.schemas = schemas
+        #: With a model, every version is written in place into its arrays.
+        self.model = model
+        self.gather = PartGather(len(schemas), gap=1.0, place=None if model is None else self.place)
+        self.held, self.held_streams = (0, 0), [b""] * len(schemas)
+        self.torn = False
+        self.now = 0.0
+        self.given_on: list[Whole | Placed] = []
+
+    def place(self, assembly: Any) -> list[np.ndarray]:
+        assert self.model is not None
+        return [
+            self.model[e.key[0]].reshape(-1).view(np.uint8).reshape(*e.shape, 4)
+            for e in assembly.schema.entries
+        ]
+
+    def send(self, p: int, how: str, broken: bool, version: int, streams: list[bytes]) -> None:
+        """Part ``p`` of ``version``: ``"whole"``, a ``"delta"`` against the version
+        held, or one of another learner life (``"foreign"``: it cannot be patched)."""
+        schema, stream = self.schemas[p], streams[p]
+        if how == "whole":
+            half = max(4, len(stream) // 2 // 4 * 4)
+            spans = [(0, half), (half, len(stream) - half)]
+            chunks = [
+                dataclasses.replace(c, base=None) for c in _delta(schema, stream, spans, version, 0)
+            ]
+        elif how == "delta":
+            runs = _runs(self.held_streams[p], stream)
+            chunks = _delta(schema, stream, runs, version, self.held[1])
+        else:
+            chunks = _delta(schema, stream, [(0, 4)], version, self.held[1], epoch=8)
+        if broken and len(chunks) > 1:
+            chunks = chunks[:-1]
+        events: list[Any] = []
+        for c in chunks:
+            events += self.gather.feed(p, c, self.now, self.held, whole=self.torn)
+        if broken and self.gather.active:
+            self.now += 5.0
+            events += self.gather.expire(self.now)
+        self.now += 0.01
+        for e in events:
+            if isinstance(e, Whole | Placed):
+                self.given_on.append(e)
+                self.torn = False
+            elif isinstance(e, Lost | Skipped):
+                self.send(e.part, "whole", False, version, streams)
+            elif isinstance(e, Torn):
+                self.torn = True  # every part again, whole
+                for q in range(len(self.schemas)):
+                    self.send(q, "whole", False, version, streams)
+            else:
+                assert isinstance(e, Held), e
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_any_mix_of_whole_and_delta_parts_gives_on_exact_versions_only(data: Any) -> None:
+    """Versions of random changes, each part sent whole or as a delta (against the
+    version held, or one of another learner life), in any order, some breaking off
+    before their last chunk and asked for again whole (every part, if the model written
+    in place was torn): each version is given on once, exact, in a buffer or in place."""
+    parts = data.draw(st.integers(2, 3), label="parts")
+    current = _tensors(9)
+    in_place = data.draw(st.booleans(), label="in place")
+    model = {k: np.zeros_like(t) for k, t in current.items()} if in_place else None
+    worker = _Worker(_parts(current, parts), model)
+    for version in range(1, 5):
+        new = {k: t.copy() for k, t in current.items()}
+        for key, t in new.items():
+            flat = t.reshape(-1)
+            picks = data.draw(st.sets(st.integers(0, flat.size - 1), max_size=3), label=key)
+            flat[sorted(picks)] += 1.0
+        streams = [_stream(schema, new) for schema in worker.schemas]
+        worker.given_on = []
+        for p in data.draw(st.permutations(range(parts)), label="order"):
+            how = data.draw(
+                st.sampled_from(["whole", "delta", "foreign"] if version > 1 else ["whole"])
+            )
+            worker.send(p, how, data.draw(st.booleans(), label="broken"), version, streams)
+        (done,) = worker.given_on
+        assert done.chunk.version == version and not worker.torn
+        got = _gathered(done.chunk) if model is None else model
+        for key, t in got.items():
+            np.testing.assert_array_equal(t, new[key])
+        worker.held, worker.held_streams, current = (7, version), streams, new
 
 
 def test_share_params_stays_refused_and_says_why() -> None:
