@@ -363,7 +363,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delta", [False, True])
-@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 def test_parts_cast_by_each_rank_land_exactly_as_cast_back(wire: torch.dtype, delta: bool) -> None:
     """Each rank casts its own boxes to ``wire``; workers (in place, staged, a sink)
     assemble the cast parts and cast them back to their own dtypes, exactly as a plain
