@@ -780,6 +780,19 @@ def test_share_params_stays_refused_and_says_why() -> None:
     check_options({"delta": True, "wire_dtype": torch.bfloat16})  # supported
     with pytest.raises(ValueError, match="share_params= is not supported by a sharded"):
         check_options({"share_params": True})
+    hub = MemoryHub("memory://sd-share")
+    try:
+        with pytest.raises(ValueError, match="share_params=True cannot serve a sharded"):
+            WeightSender(
+                hub,
+                model=_learner(),
+                strategy="state_dict",
+                share_params=True,
+                part=_RowsPart(0, 2),  # type: ignore[arg-type]
+                ranks=["memory://sd-share", "memory://sd-share-1"],
+            )
+    finally:
+        hub.close()
 
 
 # --- an FSDP2 learner of two ranks over gloo, in spawned processes ---------------------

@@ -215,6 +215,11 @@ class WeightSender:
             )
         if num_workers is not None and num_workers < 0:
             raise ValueError(f"num_workers must be >= 0; got {num_workers}")
+        if part is not None and share_params:
+            raise ValueError(
+                "share_params=True cannot serve a sharded learner's part: its boxes of "
+                "local shards are not the module's tensors laid out whole in one block"
+            )
         if delta and (share_params or not retain_snapshot):
             raise ValueError(
                 "delta=True needs retain_snapshot=True and no share_params: a worker "
