@@ -3,8 +3,10 @@ and casts its own part, and workers gather the parts (deltas patched over the ve
 they hold, an unchanged rank's part one empty chunk) into one whole version.
 
 The in-process tests run every rank as a :class:`WeightSender` over its own memory hub
-(``_RowsPart``: rank ``p`` of ``M`` holds rows ``[p*n//M, (p+1)*n//M)`` of each matrix);
-the last one is an FSDP2 learner of two ranks in spawned processes over gloo.
+(``_RowsPart``: rank ``p`` of ``M`` holds rows ``[p*n//M, (p+1)*n//M)`` of each matrix)
+and count each rank's bytes with its own counter; the gather's tests feed it chunks
+(sans-IO, hypothesis among them); the last ones run an FSDP2 learner of two ranks in
+spawned processes over gloo.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def _learner() -> dict[str, torch.Tensor]:
 
 
 def _senders(model: Any, names: list[str], workers: int, **options: Any) -> list[WeightSender]:
+    """One sender per rank (rank ``r`` binds ``names[r]``), of one learner life."""
     return [
         WeightSender(
             MemoryHub(names[r]),
@@ -65,6 +68,7 @@ def _senders(model: Any, names: list[str], workers: int, **options: Any) -> list
 
 
 def _receiver(name: str, worker: int, **options: Any) -> WeightReceiver:
+    """A worker given rank 0's endpoint alone, that reaches the other ranks itself."""
     return WeightReceiver(
         MemorySpoke(name),
         strategy="state_dict",
