@@ -184,6 +184,42 @@ def test_a_worker_closing_after_its_goodbye_is_no_broken_pipe(
             s.close()
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_process_that_returns_with_its_receiver_open_says_goodbye(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torchrl's collector workers return without closing their receiver: the process's
+    exit closes it, so its learner hears a goodbye and logs no broken pipe."""
+    import logging
+
+    from _workers import make_model, run_and_leave_open
+
+    from zmqsync import WeightSender
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    sender = WeightSender(
+        PipeHub([parent]), model=make_model(), strategy="state_dict", num_workers=1, timeout=30
+    )
+    worker = ctx.Process(target=run_and_leave_open, args=(child, 0), daemon=True)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="zmqsync"):
+            worker.start()
+            child.close()
+            worker.join(60)
+            assert worker.exitcode == 0
+            deadline = time.monotonic() + 10
+            while sender.status()["totals"]["goodbyes"] < 1:
+                assert time.monotonic() < deadline, "no goodbye from the exited worker"
+                time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not [m for m in said if "broke" in m], said
+    finally:
+        if worker.is_alive():
+            worker.kill()
+        sender.close()
+
+
 def test_bytes_that_are_not_ours_cost_only_that_pipe() -> None:
     """A worker writing garbage, or announcing a message over the hub's limit, loses its
     own pipe (counted, refused before anything is allocated); the others are served."""

@@ -11,8 +11,10 @@ drives them from its loop: the session with its upstream
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -172,6 +174,13 @@ class WeightReceiver:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        # A worker process that ends without closing its receiver (torchrl's collector
+        # workers simply return) still says goodbye as it exits, so that its learner
+        # does not take a normal shutdown for a crash. Weakly held: it keeps no
+        # receiver alive, and close() cancels it.
+        self._at_exit = multiprocessing.util.Finalize(
+            None, _close_at_exit, args=(weakref.ref(self),), exitpriority=10
+        )
 
     # --- what it holds: the apply machinery's -------------------------------------
 
@@ -675,6 +684,7 @@ class WeightReceiver:
         """Stop receiving and close the transport. Idempotent; never waits on a peer."""
         if self._closed:
             return
+        self._at_exit.cancel()
         self.stop()
         self._closed = True
         self._applier.close()  # half a version in the model leaves it torn for good
@@ -682,3 +692,13 @@ class WeightReceiver:
             self._ranks.close()
         self._upstream.say_goodbye()
         self._upstream.spoke.close()
+
+
+def _close_at_exit(receiver: weakref.ref[WeightReceiver]) -> None:
+    """Close a receiver still open as its process exits (its goodbye goes out)."""
+    alive = receiver()
+    if alive is not None:
+        try:
+            alive.close()
+        except Exception:  # exiting: nothing to be done about it but say so
+            log.debug("closing a receiver at exit failed", exc_info=True)
