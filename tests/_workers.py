@@ -144,7 +144,6 @@ def run_leaves(endpoints: list[str], ids: list[int], conn: Any, timeout: float) 
                 r.close()
 
 
-
 def run_and_leave_open(conn: Any, worker_idx: int) -> None:
     """A worker that connects over its pipe and returns with its receiver still open, as
     torchrl's collector workers do: its process then exits on its own."""
