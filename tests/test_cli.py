@@ -812,3 +812,182 @@ def test_the_status_table_shows_the_tree_under_a_relay_furthest_behind_first() -
     assert "└ 11" in lines[0] and "behind 1" in lines[0] and "via relay 0" in lines[0]
     assert "relay for 22, 1 behind" in text
     assert "└ +2" in lines[-1] and len(lines) == BELOW_ROWS + 1  # the rest are counted
+
+
+# --- a sharded learner's ranks ---------------------------------------------------------
+
+
+class _Rows:
+    """A rank's part of a dict of tensors (as a scheme's ``LocalPart`` gives it for
+    DTensors): rows ``[p*n//M, (p+1)*n//M)`` of each matrix, the vectors from part 0."""
+
+    def __init__(self, part: int, parts: int) -> None:
+        self.part, self.parts = part, parts
+        self.boxes: dict[Any, Any] = {}
+        self._source: Any = None
+        self._local: dict[Any, Any] = {}
+
+    def local(self, tensors: Any) -> Any:
+        from zmqsync.protocol import Box
+
+        if tensors is self._source:
+            return self._local
+        local, boxes = {}, {}
+        for key, t in tensors.items():
+            if t.dim() < 2:
+                if self.part == 0:
+                    local[key] = t
+                continue
+            n = t.shape[0]
+            lo, hi = self.part * n // self.parts, (self.part + 1) * n // self.parts
+            local[key], boxes[key] = t[lo:hi], Box(tuple(t.shape), (lo,) + (0,) * (t.dim() - 1))
+        self._source, self._local, self.boxes = tensors, local, boxes
+        return local
+
+
+class ShardedFleet:
+    """Three ranks of a learner, each a sender of its part over tcp on 127.0.0.1 (real
+    ROUTER sockets), and two workers given rank 0's endpoint alone."""
+
+    def __init__(self, ranks: int = 3, timeout: float = 20.0) -> None:
+        from zmqsync import WeightReceiver, WeightSender
+        from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
+
+        torch.manual_seed(0)
+        self.model = {"w": torch.randn(7, 3), "b": torch.randn(4)}
+        hubs = [RouterHub("tcp://127.0.0.1:*", insecure=True) for _ in range(ranks)]
+        self.endpoints = [str(h.endpoint) for h in hubs]
+        self.senders = [
+            WeightSender(
+                hub,
+                model=self.model,
+                strategy="state_dict",
+                num_workers=2,
+                timeout=timeout,
+                epoch=11,  # the ranks agree on one (a scheme makes them)
+                part=_Rows(r, ranks),  # type: ignore[arg-type]
+                ranks=self.endpoints,
+            )
+            for r, hub in enumerate(hubs)
+        ]
+        self.receivers = [
+            WeightReceiver(
+                RouterSpoke(self.endpoints[0]),
+                model={k: torch.zeros_like(t) for k, t in self.model.items()},
+                strategy="state_dict",
+                worker_idx=i,
+                timeout=20,
+                connect_rank=RouterSpoke,
+            )
+            for i in range(2)
+        ]
+        for r in self.receivers:
+            r.connect()
+            r.start()
+
+    def send(self, ranks: list[int] | None = None) -> list[BaseException]:
+        """A new version sent by ``ranks`` (default: all) at once; what they raised."""
+        with torch.no_grad():
+            self.model["w"].add_(1.0)
+        threads, errors = self.start_send(ranks)
+        for t in threads:
+            t.join(60)
+        return errors
+
+    def start_send(
+        self, ranks: list[int] | None = None
+    ) -> tuple[list[threading.Thread], list[BaseException]]:
+        errors: list[BaseException] = []
+
+        def one(sender: Any) -> None:
+            try:
+                sender.send()
+            except BaseException as exc:
+                errors.append(exc)
+
+        chosen = range(len(self.senders)) if ranks is None else ranks
+        threads = [threading.Thread(target=one, args=(self.senders[r],)) for r in chosen]
+        for t in threads:
+            t.start()
+        return threads, errors
+
+    def close(self) -> None:
+        for r in self.receivers:
+            r.close()
+        for s in self.senders:
+            s.close()
+
+
+@pytest.fixture
+def sharded() -> Iterator[ShardedFleet]:
+    f = ShardedFleet()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.mark.timeout(120)
+def test_status_of_a_rank_shows_a_row_per_rank(runner: CliRunner, sharded: ShardedFleet) -> None:
+    assert sharded.send() == [] and sharded.send() == []
+    own = sharded.senders[1].status()
+    assert own["rank"] == 1 and own["ranks"] == sharded.endpoints and own["waiting_ranks"] == {}
+    for asked in (0, 2):  # rank 0's endpoint, as users give it, or any other rank's
+        result = runner.invoke(app, ["status", sharded.endpoints[asked], "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        assert doc["rank"] == asked and doc["ranks"] == sharded.endpoints
+        rows = doc["rank_rows"]
+        assert [(r["rank"], r["endpoint"], r["answered"]) for r in rows] == [
+            (r, e, True) for r, e in enumerate(sharded.endpoints)
+        ]
+        assert [r["version"] for r in rows] == [2, 2, 2] and doc["rank_problems"] == {}
+        assert all(r["epoch"] == 11 and r["problem"] is None for r in rows)
+        # Each rank's bytes are its own part's: what its own status says it sent.
+        sent = [s.status()["totals"]["bytes_sent"] for s in sharded.senders]
+        assert [r["bytes_sent"] for r in rows] == sent and all(sent)
+    table = runner.invoke(app, ["status", sharded.endpoints[0]])
+    assert table.exit_code == 0, table.output
+    assert "all 3 ranks answer, at version 2" in table.stdout
+    assert all(e in table.stdout for e in sharded.endpoints)
+    assert "all 2 workers hold version 2" in table.stdout
+
+
+@pytest.mark.timeout(120)
+def test_status_names_the_rank_a_send_waits_for_and_one_not_answering(runner: CliRunner) -> None:
+    """Ranks 0 and 1 send version 2 and rank 2 does not: while they wait, rank 0's
+    status says the workers wait for rank 2's part, and rank 2 is a version behind; rank
+    2 closed, its row says it is not answering, within the status timeout."""
+    fleet = ShardedFleet(timeout=15.0)
+    try:
+        assert fleet.send() == []
+        with torch.no_grad():
+            fleet.model["w"].add_(1.0)
+        threads, errors = fleet.start_send([0, 1])
+        deadline = time.monotonic() + 12
+        while fleet.senders[0].status()["waiting_ranks"] != {"2": [0, 1]}:
+            assert time.monotonic() < deadline, fleet.senders[0].status()["waiting_ranks"]
+            time.sleep(0.05)
+        result = runner.invoke(app, ["status", fleet.endpoints[0], "--json"])
+        assert result.exit_code == 1, result.output
+        doc = json.loads(result.stdout)
+        assert doc["waiting_ranks"] == {"2": [0, 1]}
+        assert doc["rank_problems"] == {"2": "rank 2 sent version 1 of 2"}
+        table = runner.invoke(app, ["status", fleet.endpoints[0]])
+        assert "worker(s) 0, 1 wait for its part" in table.stdout, table.stdout
+        fleet.senders[2].close()  # its socket gone: nothing answers there
+        started = time.monotonic()
+        result = runner.invoke(app, ["status", fleet.endpoints[0], "--json", "--timeout", "4"])
+        assert time.monotonic() - started < 20  # bounded by the timeout, not by rank 2
+        assert result.exit_code == 1, result.output
+        rows = json.loads(result.stdout)["rank_rows"]
+        assert [r["answered"] for r in rows] == [True, True, False]
+        assert rows[2]["problem"].startswith("rank 2 is not answering: no zmqsync sender")
+        table = runner.invoke(app, ["status", fleet.endpoints[0], "--timeout", "4"])
+        assert "not answering" in table.stdout and "1 of 3 ranks need attention" in table.stdout
+        for t in threads:
+            t.join(60)
+        assert len(errors) == 2 and all(isinstance(e, SyncTimeout) for e in errors), errors
+        assert all(e.missing_ranks == [2] for e in errors)  # type: ignore[attr-defined]
+    finally:
+        fleet.close()
