@@ -891,3 +891,97 @@ def test_status_names_the_rank_a_send_waits_for_and_one_not_answering(runner: Cl
         assert all(e.missing_ranks == [2] for e in errors)  # type: ignore[attr-defined]
     finally:
         fleet.close()
+
+
+class _FakeRank:
+    """A ROUTER socket on 127.0.0.1 that answers each status request with ``frames``
+    (made from the request's own frames), or never (``frames`` None): a rank as hostile
+    or as broken as it likes."""
+
+    def __init__(self, frames: Any) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._frames = frames
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(50):
+                continue
+            peer, *_ = self._sock.recv_multipart()
+            if self._frames is not None:
+                self._sock.send_multipart([peer, *self._frames])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(linger=0)
+
+
+def _reply(**status: Any) -> list[bytes]:
+    from zmqsync.protocol import StatusReply, encode
+
+    doc = {"model_id": "policy", "epoch": 5, "version": 3, **status}
+    return [bytes(f) for f in encode(StatusReply("policy", 3, 5, doc))]
+
+
+@pytest.mark.timeout(60)
+def test_rank_rows_name_every_rank_that_is_silent_lies_or_is_of_another_job() -> None:
+    """Rank 0 names six ranks: rank 1 answers as rank 2, rank 2 is of another epoch,
+    rank 3 answers garbage, rank 4 never answers, rank 5 answers a reply past the
+    protocol's body limit (dropped unread), rank 6 names an address no client can
+    connect to. Every row says what is wrong, and one look takes about one timeout."""
+    from zmqsync.protocol.limits import MAX_BODY_BYTES
+    from zmqsync.tools.client import query_ranks, rank_problems
+
+    fakes = [
+        _FakeRank(_reply(rank=2, ranks=[])),
+        _FakeRank(_reply(rank=2, epoch=6, ranks=[])),
+        _FakeRank([b"not", b"zmqsync"]),
+        _FakeRank(None),
+        _FakeRank([_reply(rank=5)[0], bytes(MAX_BODY_BYTES + 1)]),
+    ]
+    try:
+        endpoints = ["tcp://127.0.0.1:1", *(f.endpoint for f in fakes), "tcp://127.0.0.1:*"]
+        asked = {"model_id": "policy", "epoch": 5, "version": 3, "rank": 0, "ranks": endpoints}
+        started = time.monotonic()
+        rows = query_ranks(asked, timeout=2.0)
+        assert time.monotonic() - started < 2.0 + 10  # one timeout for all, not one each
+    finally:
+        for fake in fakes:
+            fake.close()
+    assert [(row.rank, row.endpoint) for row in rows] == list(enumerate(endpoints))
+    assert [row.answered for row in rows] == [True, True, True, False, False, False, False]
+    problems = rank_problems(rows)
+    assert sorted(problems) == [1, 2, 3, 4, 5, 6]
+    assert problems[1] == "rank 1 answered as rank 2 of model 'policy'"
+    assert problems[2].startswith("rank 2 is of another epoch (6, not 5)")
+    assert "not a zmqsync sender" in problems[3]
+    assert "no zmqsync sender answered" in problems[4]
+    assert "no zmqsync sender answered" in problems[5]
+    assert "only a sender can bind" in problems[6]
+
+
+@pytest.mark.timeout(60)
+def test_rank_rows_ask_a_bounded_number_of_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmqsync.tools.status as status_module
+    from zmqsync.tools.client import query_ranks
+
+    monkeypatch.setattr(status_module, "STATUS_RANKS", 2)
+    fake = _FakeRank(_reply(rank=1))
+    try:
+        endpoints = ["tcp://127.0.0.1:1", fake.endpoint, _free_tcp_endpoint()]
+        asked = {"model_id": "policy", "epoch": 5, "version": 3, "rank": 0, "ranks": endpoints}
+        rows = query_ranks(asked, timeout=2.0)
+    finally:
+        fake.close()
+    assert [(row.answered, row.problem) for row in rows] == [
+        (True, None),
+        (True, None),
+        (False, "rank 2 was not asked"),
+    ]
+    assert query_ranks({"version": 3}) == []  # an unsharded sender has no ranks
