@@ -985,3 +985,14 @@ def test_rank_rows_ask_a_bounded_number_of_ranks(monkeypatch: pytest.MonkeyPatch
         (False, "rank 2 was not asked"),
     ]
     assert query_ranks({"version": 3}) == []  # an unsharded sender has no ranks
+
+
+@pytest.mark.timeout(120)
+def test_watch_shows_the_ranks_too(runner: CliRunner, sharded: ShardedFleet) -> None:
+    assert sharded.send() == []
+    result = runner.invoke(
+        app, ["watch", sharded.endpoints[0], "--count", "2", "--interval", "0.05"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("all 3 ranks answer, at version 1") == 2
+    assert result.stdout.count(sharded.endpoints[2]) == 2
