@@ -259,3 +259,25 @@ def test_a_malformed_rank_status_is_refused_saying_where(doc: Any, where: str) -
     with pytest.raises(FrameError) as caught:
         SenderStatus.from_dict(doc)
     assert str(caught.value).startswith(f"malformed status: {where}"), caught.value
+
+
+@pytest.mark.timeout(30)
+def test_a_ranks_sender_reports_its_rank_and_refuses_ranks_that_do_not_fit() -> None:
+    from zmqsync.tensors.dtensor import LocalPart
+    from zmqsync.transport.memory import MemoryHub
+
+    names = ["memory://status-rank-0", "memory://status-rank-1"]
+    sender = WeightSender(
+        MemoryHub(names[1]), strategy="state_dict", part=LocalPart(1, 2), ranks=names
+    )
+    try:
+        report = sender.report()
+    finally:
+        sender.close()
+    assert (report.rank, report.ranks, report.waiting_ranks) == (1, names, {})
+    hub = MemoryHub()
+    try:
+        with pytest.raises(ValueError, match="part 1 of 3 needs 3 ranks' endpoints; got 2"):
+            WeightSender(hub, strategy="state_dict", part=LocalPart(1, 3), ranks=names)
+    finally:
+        hub.close()

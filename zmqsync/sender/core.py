@@ -218,6 +218,11 @@ class WeightSender:
                 "delta=True needs retain_snapshot=True and no share_params: a worker "
                 "that cannot apply a delta is sent the whole version from the snapshot"
             )
+        if part is not None and ranks and len(ranks) != part.parts:
+            raise ValueError(
+                f"part {part.part} of {part.parts} needs {part.parts} ranks' endpoints; "
+                f"got {len(ranks)}"
+            )
         hubs = [hub] if isinstance(hub, HubTransport) else list(hub)
         if not hubs:
             raise ValueError("a sender needs at least one hub transport")
