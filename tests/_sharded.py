@@ -171,3 +171,99 @@ def run_plain_worker(
     finally:
         if scheme is not None:
             scheme.shutdown()
+
+
+def run_host_rank(
+    ns: str,
+    master: str,
+    rank: int,
+    world: int,
+    port: int,
+    options: dict[str, Any],
+    conn: Any,
+) -> None:
+    """Rank ``rank`` of an FSDP2 learner on a host of its own (network namespace
+    ``ns``): gloo's rendezvous at ``master:port`` (rank 0's host) and its collectives go
+    over the hosts' own links, and the rank binds ``options["endpoint"]`` on its host,
+    with ``options``' CURVE keys. Answers ``("ready", epoch)``; commands ``"connect"``
+    and ``"send"`` (a new version) are answered with the gathered model's checksum,
+    ``"status"`` with the rank's own ``status()``."""
+    import datetime
+
+    import torch.distributed as dist
+    from netns import enter_netns
+
+    scheme = None
+    try:
+        enter_netns(ns)  # before any socket: gloo's too
+        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        )
+        net = _sharded_net(world)
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", **options)
+        scheme.init_on_sender("policy", model=net, num_workers=2)
+        conn.send(("ready", scheme.get_sender().epoch))
+        version = 0
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            if command == "status":
+                conn.send(("status", scheme.get_sender().status()))
+                continue
+            if command == "connect":
+                scheme.connect(timeout=60)
+            elif command == "send":
+                version += 1
+                _bump(net, rank, version)
+                scheme.send()
+            conn.send((command, version, _gathered_checksum(net)))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_host_worker(
+    ns: str, endpoint: str, worker_idx: int, options: dict[str, Any], conn: Any
+) -> None:
+    """A worker with a plain module on a host of its own, given rank 0's endpoint alone
+    and ``options``' CURVE keys (and ``connect_timeout``). Answers ``("ready",
+    checksum)`` once connected, or ``("refused", message, checksum)`` if it could not
+    (keys the ranks do not accept); then ``"state"`` with ``(version, checksum,
+    received bytes)``."""
+    from netns import enter_netns
+
+    scheme = None
+    try:
+        enter_netns(ns)
+        torch.manual_seed(1000 + worker_idx)  # not the learner's values
+        model = Net()
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", endpoint=endpoint, **options)
+        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        receiver = scheme.get_receiver()
+        try:
+            scheme.connect()  # within options' connect_timeout
+        except zmqsync.ZMQSyncError as exc:
+            conn.send(("refused", str(exc), zmqsync.checksum(model, "state_dict")))
+        else:
+            scheme.start_receiver_thread()
+            conn.send(("ready", zmqsync.checksum(model, "state_dict")))
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            with scheme.lock:
+                got = int(receiver.stats.get("received_bytes", 0))
+                conn.send((receiver.version, zmqsync.checksum(model, "state_dict"), got))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()

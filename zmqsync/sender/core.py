@@ -48,7 +48,7 @@ from zmqsync.sender.pump import HubRunner, StallClock, sum_counters
 from zmqsync.sender.stats import SendStats
 from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Pending, Stamp, Transfer
 from zmqsync.sender.versions import VersionStore
-from zmqsync.status_types import SenderStatus
+from zmqsync.status_types import STATUS_ROWS, SenderStatus
 from zmqsync.tensors.dtensor import LocalPart
 from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD
 from zmqsync.tensors.views import dtype_name
@@ -218,6 +218,11 @@ class WeightSender:
                 "delta=True needs retain_snapshot=True and no share_params: a worker "
                 "that cannot apply a delta is sent the whole version from the snapshot"
             )
+        if part is not None and ranks and len(ranks) != part.parts:
+            raise ValueError(
+                f"part {part.part} of {part.parts} needs {part.parts} ranks' endpoints; "
+                f"got {len(ranks)}"
+            )
         hubs = [hub] if isinstance(hub, HubTransport) else list(hub)
         if not hubs:
             raise ValueError("a sender needs at least one hub transport")
@@ -258,6 +263,8 @@ class WeightSender:
             HubRunner(_Pumps(self), h, i, stats=self._stats, clock=clock, name=model_id)
             for i, h in enumerate(hubs)
         ]
+        #: A sharded learner's rank: (this rank, how many), for status().
+        self._rank = None if part is None else (part.part, part.parts)
         self._versions = VersionStore(
             self._runners,
             Stamp(model_id, epoch, checksums),
@@ -983,6 +990,7 @@ class WeightSender:
             workers, counts = self.fleet.status_rows(now)
             fleet_counters = dict(self.fleet.counters)
             reasons = list(self.fleet.reasons)
+            waiting = self._waiting_ranks()
         totals = self._stats.report(
             fleet_counters, reasons, sum_counters(counters(r.hub) for r in self._runners)
         )
@@ -1013,7 +1021,27 @@ class WeightSender:
             workers_shown=counts["workers_shown"],
             workers=workers,
             totals=totals,
+            rank=None if self._rank is None else self._rank[0],
+            ranks=None if self._rank is None else list(self.fleet.ranks),
+            waiting_ranks=waiting,
         )
+
+    def _waiting_ranks(self) -> dict[str, list[int]] | None:
+        """A rank's send under way: by rank, the workers that still wait for its part
+        (holding the condition); None for an unsharded sender."""
+        if self._rank is None:
+            return None
+        pending = self._pending
+        if pending is None:
+            return {}
+        send = pending.send
+        by_rank: dict[str, list[int]] = {}
+        for w, parts in sorted(self.fleet.waiting_for(send.missing, send.version).items()):
+            for r in parts:
+                waiters = by_rank.setdefault(str(r), [])
+                if len(waiters) < STATUS_ROWS:
+                    waiters.append(w)
+        return by_rank
 
     def connected_workers(self) -> frozenset[int]:
         """Ids of the workers that said hello and have not left (never cut short, unlike
