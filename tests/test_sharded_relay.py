@@ -1,0 +1,282 @@
+"""A relay in front of a sharded learner: it opens a session with every rank, gathers
+each version's parts, and serves its own workers whole versions; its acks, refusals and
+the workers it speaks for go to every rank.
+
+In-process ranks (``_RowsPart`` over memory hubs) for the protocol's cases, and an FSDP2
+learner of two ranks over gloo with a relay and its workers in processes of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _faults import until
+from test_sharded import _RowsPart
+
+from zmqsync import Relay, SyncTimeout, WeightReceiver, WeightSender, WeightsRejected, checksum
+from zmqsync.chunking.layout import STREAM_ALIGN
+from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+SPAWN = mp.get_context("spawn")
+#: The relay's own chunks: small, so that each gathered version goes on in several.
+RELAY_CHUNK = 1 << 16
+BEAT = 0.2
+
+
+def _learner() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(517, 129, generator=g),  # uneven rows over the ranks
+        "v": torch.randn(9, 4, 4, generator=g),
+        "b": torch.randn(7, generator=g),  # whole, from rank 0
+    }
+
+
+def _bump(learner: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t in learner.values():
+            t.add_(torch.randn_like(t))
+
+
+def _part_bytes(learner: dict[str, torch.Tensor], part: int, parts: int) -> int:
+    """The bytes of ``part``'s own boxes (as ``_RowsPart`` cuts them), unaligned."""
+    total = 0
+    for t in learner.values():
+        if t.dim() < 2:
+            total += t.nbytes if part == 0 else 0
+            continue
+        n = t.shape[0]
+        rows = (part + 1) * n // parts - part * n // parts
+        total += rows * math.prod(t.shape[1:]) * t.element_size()
+    return total
+
+
+def _sends(senders: list[WeightSender]) -> list[BaseException | None]:
+    """Every rank's send of one step, at once (a collective call): what each raised."""
+    errors: list[BaseException | None] = [None] * len(senders)
+
+    def send(i: int) -> None:
+        try:
+            senders[i].send()
+        except BaseException as exc:
+            errors[i] = exc
+
+    threads = [
+        threading.Thread(target=send, args=(i,), name=f"rank-{i}") for i in range(len(senders))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank's send() did not return"
+    return errors
+
+
+def _below_of(sender: WeightSender, relay: int) -> set[int]:
+    """The workers whose claim by ``relay`` stands, as ``sender``'s status shows them."""
+    for row in sender.status()["workers"]:
+        if row["worker"] == relay:
+            return {int(w) for w in row.get("below") or {}}
+    return set()
+
+
+def _bytes_sent(sender: WeightSender) -> int:
+    """What ``sender`` sent, versions and repairs (late joiners) together."""
+    totals = sender.status()["totals"]
+    return int(totals["bytes_sent"] + totals["repair_bytes"])
+
+
+@contextlib.contextmanager
+def _sharded(
+    name: str, ranks: int, learner: dict[str, torch.Tensor], **relay_options: Any
+) -> Iterator[tuple[list[WeightSender], Relay, str]]:
+    """``ranks`` in-process ranks of a sharded learner, and a relay (worker 9 of theirs)
+    connected to them all, serving at the endpoint given."""
+    names = [f"memory://{name}-rank{r}" for r in range(ranks)]
+    senders: list[WeightSender] = []
+    relay = None
+    try:
+        for r in range(ranks):
+            senders.append(
+                WeightSender(
+                    MemoryHub(names[r]),
+                    model=learner,
+                    strategy="state_dict",
+                    timeout=20,
+                    epoch=77,
+                    heartbeat=BEAT,
+                    part=_RowsPart(r, ranks),  # type: ignore[arg-type]
+                    ranks=names,
+                )
+            )
+        below = f"memory://{name}-relay"
+        relay = Relay(
+            MemorySpoke(names[0]),
+            MemoryHub(below),
+            strategy="state_dict",
+            worker_idx=9,
+            heartbeat=BEAT,
+            timeout=20,
+            chunk_bytes=RELAY_CHUNK,
+            connect_rank=MemorySpoke,
+            **relay_options,
+        )
+        relay.connect()
+        relay.start()
+        assert relay.receiver.ranks == tuple(names)
+        yield senders, relay, below
+    finally:
+        if relay is not None:
+            relay.close()
+        for s in senders:
+            s.close()
+
+
+def _leaf(endpoint: str, idx: int, model: Any = None, **kw: Any) -> WeightReceiver:
+    """A plain worker below the relay: no change from a worker of a plain learner."""
+    leaf = WeightReceiver(
+        MemorySpoke(endpoint), model=model, strategy="state_dict", worker_idx=idx, timeout=20, **kw
+    )
+    try:
+        leaf.connect()
+    except BaseException:
+        leaf.close()
+        raise
+    leaf.start()
+    return leaf
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("retain", [True, False], ids=["snapshot", "no-snapshot"])
+def test_a_relay_gathers_every_ranks_part_and_serves_whole_versions(retain: bool) -> None:
+    """Three ranks, a relay, two workers below it (one staged, one written in place):
+    every version whole with the learner's checksum; each rank sends its part once (one
+    relay); every rank knows the workers behind the relay; a late joiner below the relay
+    gets the latest whole version (from the relay's snapshot: no rank sends again; or,
+    without one, from each rank's part fetched again)."""
+    learner = _learner()
+    whole = sum(t.nbytes for t in learner.values())
+    ranks = 3
+    leaves: list[WeightReceiver] = []
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(3)]
+    name = f"relayed-{retain}"
+    with _sharded(name, ranks, learner, retain_snapshot=retain) as (senders, relay, below):
+        try:
+            leaves.append(_leaf(below, 0, models[0], apply_mode="staged"))
+            leaves.append(_leaf(below, 1, models[1], apply_mode="in_place"))
+            for s in senders:
+                until(lambda s=s: _below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
+            for version in (1, 2, 3):
+                _bump(learner)
+                before = [_bytes_sent(s) for s in senders]
+                forwarded = relay.stats["chunks_forwarded"]
+                assert _sends(senders) == [None] * ranks
+                # Returned on every rank: both workers hold the whole version.
+                assert [leaf.version for leaf in leaves] == [version] * 2
+                assert [checksum(m, "state_dict") for m in models[:2]] == (
+                    [checksum(learner, "state_dict")] * 2
+                )
+                # Each rank sent its own part once, to the relay alone.
+                for r, s in enumerate(senders):
+                    sent, part = _bytes_sent(s) - before[r], _part_bytes(learner, r, ranks)
+                    assert part <= sent <= part + len(learner) * STREAM_ALIGN, (r, sent, part)
+                # The relay sent it on in its own chunks (a chunk's size, not a model's).
+                assert relay.stats["chunks_forwarded"] - forwarded >= whole // RELAY_CHUNK
+            assert relay.stats["versions_forwarded"] >= 3
+            assert all(leaf.stats["chunks"] >= 3 * (whole // RELAY_CHUNK) for leaf in leaves)
+            before = [_bytes_sent(s) for s in senders]
+            leaves.append(_leaf(below, 2, models[2]))
+            assert leaves[2].version == 3
+            assert checksum(models[2], "state_dict") == checksum(learner, "state_dict")
+            after = [_bytes_sent(s) for s in senders]
+            if retain:
+                assert after == before  # served from the relay's snapshot
+            else:
+                assert relay.stats["refetches"] >= 1
+                assert all(a > b for a, b in zip(after, before, strict=True))
+            for s in senders:
+                until(lambda s=s: _below_of(s, 9) == {0, 1, 2}, 20, "the late joiner claimed")
+        finally:
+            for leaf in leaves:
+                leaf.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_below_the_relay_goes_up_to_every_rank() -> None:
+    """A sink behind the relay raises: every rank's send() raises WeightsRejected naming
+    that worker behind the relay and its reason; the next version goes through."""
+    learner = _learner()
+    fail = threading.Event()
+    got: dict[str, torch.Tensor] = {}
+
+    def sink(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if fail.is_set():
+            raise RuntimeError("engine out of KV-cache memory")
+        got.update((k, t.clone()) for k, t in tensors)
+
+    with _sharded("refused", 2, learner) as (senders, _relay, below):
+        leaf = _leaf(below, 4, sink=sink)
+        try:
+            for s in senders:
+                until(lambda s=s: _below_of(s, 9) == {4}, 20, "the relay claimed worker 4")
+            fail.set()
+            _bump(learner)
+            errors = _sends(senders)
+            for r, exc in enumerate(errors):
+                assert isinstance(exc, WeightsRejected), (r, exc)
+                message = str(exc)
+                assert "worker 4 (behind relay 9)" in message, (r, message)
+                assert "engine out of KV" in message, (r, message)
+            fail.clear()
+            _bump(learner)
+            assert _sends(senders) == [None, None]
+            assert checksum(got, "state_dict") == checksum(learner, "state_dict")
+        finally:
+            leaf.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_behind_the_relay_that_stops_is_named_by_every_ranks_timeout() -> None:
+    """The relay waits for its workers 0 and 1; worker 1 stops taking versions (its
+    process hung): every rank's send() raises SyncTimeout naming the relay and worker 1
+    behind it. Worker 0 holds the version; once worker 1 is back, the next send goes."""
+    learner = _learner()
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    with _sharded("stopped", 2, learner, num_workers=2) as (senders, _relay, below):
+        leaves = [_leaf(below, i, models[i]) for i in range(2)]
+        try:
+            for s in senders:
+                until(lambda s=s: _below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
+            _bump(learner)
+            assert _sends(senders) == [None, None]
+            leaves[1].stop()
+            for s in senders:
+                s.timeout = 3.0
+            _bump(learner)
+            errors = _sends(senders)
+            for r, exc in enumerate(errors):
+                assert isinstance(exc, SyncTimeout), (r, exc)
+                assert list(exc.missing_workers) == [9], (r, exc.missing_workers)
+                message = str(exc)
+                assert "a relay for 2 worker(s)" in message, (r, message)
+                assert "worker 1 holds 1" in message, (r, message)
+            assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
+            assert checksum(models[1], "state_dict") != checksum(learner, "state_dict")
+            for s in senders:
+                s.timeout = 20.0
+            leaves[1].start()
+            _bump(learner)
+            assert _sends(senders) == [None, None]
+            assert [checksum(m, "state_dict") for m in models] == (
+                [checksum(learner, "state_dict")] * 2
+            )
+        finally:
+            for leaf in leaves:
+                leaf.close()
