@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -280,3 +281,95 @@ def test_a_worker_behind_the_relay_that_stops_is_named_by_every_ranks_timeout() 
         finally:
             for leaf in leaves:
                 leaf.close()
+
+
+# --- an FSDP2 learner over gloo, a relay and its workers in processes of their own ------
+
+
+@pytest.mark.timeout(300)
+def test_an_fsdp2_learner_of_two_ranks_through_a_relay_process(tmp_path: Any) -> None:
+    """Two FSDP2 ranks over gloo (uneven shards, a ``Shard(1)`` tensor, a replica, a
+    buffer), the ``zmqsync relay`` command given rank 0's endpoint alone, and two plain
+    workers behind it (one writing in place): each rank's ``connect()`` waits for the
+    workers behind the relay, and each version's ``send()`` returns once both hold the
+    whole version, the gathered model's checksum."""
+    from _sharded import run_plain_worker, run_rank
+    from conftest import free_port
+    from test_cli_processes import Cli
+    from test_sharded import _answer, _ask
+
+    port = free_port()
+    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
+    procs: list[Any] = []
+    learners: list[Any] = []
+    workers: list[Any] = []
+    relay = None
+    try:
+        for r in range(2):
+            parent, child = SPAWN.Pipe()
+            # Each rank's connect() waits for the relay; its sends, for the workers
+            # behind it too (the relay acks once they hold the version).
+            args = (r, 2, port, endpoints[r], child, "pubsub", True, 120.0, 30.0, 1)
+            proc = SPAWN.Process(target=run_rank, args=args, daemon=True)
+            proc.start()
+            child.close()
+            procs.append(proc)
+            learners.append(parent)
+        for c in learners:
+            _answer(c, "ready")
+        relay = Cli(
+            [
+                "relay",
+                endpoints[0],
+                "--endpoint",
+                f"ipc://{tmp_path}/relay",
+                "--relay-idx",
+                "0",
+                "--strategy",
+                "state_dict",
+                "--timeout",
+                "120",
+            ],
+            cwd=tmp_path,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160"),
+        )
+        below = relay.expect(r"zmqsync relay: listening on (ipc://\S+) .* as worker 0", 150)[1]
+        for w in (1, 2):
+            parent, child = SPAWN.Pipe()
+            args = (below, w, child, "pubsub", "in_place" if w == 2 else "auto")
+            proc = SPAWN.Process(target=run_plain_worker, args=args, daemon=True)
+            proc.start()
+            child.close()
+            procs.append(proc)
+            workers.append(parent)
+        for c in learners:
+            c.send("connect")  # the rendez-vous: worker 0, the relay
+        answers = [_answer(c, "connect") for c in learners]
+        for c in workers:
+            assert _answer(c, "ready") == "ready"
+        expected = answers[0][2]
+        assert answers[1][2] == expected
+        for c in workers:
+            assert _ask(c, "state") == (0, expected)
+        for version in (1, 2, 3):
+            for c in learners:
+                c.send("send")
+            answers = [_answer(c, "send") for c in learners]
+            assert {a[1] for a in answers} == {version}
+            expected = answers[0][2]
+            assert answers[1][2] == expected
+            for c in workers:
+                assert _ask(c, "state") == (version, expected)
+        relay.expect(r"^version 3: forwarded to 2 worker", 30)
+    finally:
+        for c in [*workers, *learners]:
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        if relay is not None:
+            relay.stop()
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
