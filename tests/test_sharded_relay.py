@@ -373,3 +373,189 @@ def test_an_fsdp2_learner_of_two_ranks_through_a_relay_process(tmp_path: Any) ->
                 proc.kill()
                 proc.join(5)
     until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+
+
+@pytest.mark.timeout(120)
+def test_two_relays_a_dead_one_and_its_restart_each_get_every_ranks_part_once() -> None:
+    """Relays 8 and 9 below two ranks, a worker behind each (worker 0 behind relay 8,
+    with relay 9 to fail over to): each rank sends its part once per relay. Relay 8
+    closes: worker 0 fails over to relay 9, every rank's claims follow, and the next
+    version costs each rank its part once. Relay 8 restarts (a new process would do the
+    same: a new session with every rank) and serves a late joiner; the version after
+    costs each rank its part twice again."""
+    import functools
+
+    learner = _learner()
+    ranks = 2
+    parts = [_part_bytes(learner, r, ranks) for r in range(ranks)]
+    slack = len(learner) * STREAM_ALIGN
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(3)]
+    names = [f"memory://two-relays-rank{r}" for r in range(ranks)]
+    senders = [
+        WeightSender(
+            MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            timeout=20,
+            epoch=78,
+            heartbeat=BEAT,
+            part=_RowsPart(r, ranks),  # type: ignore[arg-type]
+            ranks=names,
+        )
+        for r in range(ranks)
+    ]
+    relays: dict[str, Relay] = {}
+    leaves: list[WeightReceiver] = []
+
+    def relay(idx: int, endpoint: str) -> Relay:
+        node = Relay(
+            MemorySpoke(names[0]),
+            MemoryHub(endpoint),
+            strategy="state_dict",
+            worker_idx=idx,
+            heartbeat=BEAT,
+            timeout=20,
+            connect_rank=MemorySpoke,
+        )
+        relays[endpoint] = node
+        node.connect()
+        node.start()
+        return node
+
+    def step(times: int) -> None:
+        """One version, each rank sending its part ``times`` times (once per relay)."""
+        _bump(learner)
+        before = [_bytes_sent(s) for s in senders]
+        assert _sends(senders) == [None] * ranks
+        for r, s in enumerate(senders):
+            sent = _bytes_sent(s) - before[r]
+            assert times * parts[r] <= sent <= times * (parts[r] + slack), (r, sent, times)
+
+    try:
+        relay(8, "memory://relay-a")
+        relay(9, "memory://relay-b")
+        back = [functools.partial(MemorySpoke, e) for e in ("memory://relay-b", "memory://relay-a")]
+        leaves.append(_leaf("memory://relay-a", 0, models[0], failover=back))
+        leaves.append(_leaf("memory://relay-b", 1, models[1]))
+        for s in senders:
+            until(lambda s=s: _below_of(s, 8) == {0} and _below_of(s, 9) == {1}, 20, "claims")
+        step(2)
+        relays.pop("memory://relay-a").close()  # goodbye to every rank
+        for s in senders:
+            until(lambda s=s: _below_of(s, 9) == {0, 1}, 30, "worker 0 followed to relay 9")
+        step(1)
+        assert [leaf.stats["failovers"] for leaf in leaves] == [1, 0]
+        before = [_bytes_sent(s) for s in senders]
+        relay(8, "memory://relay-a2")
+        for r, s in enumerate(senders):  # its own copy, fetched from every rank once
+            assert _bytes_sent(s) - before[r] <= parts[r] + slack
+        leaves.append(_leaf("memory://relay-a2", 2, models[2]))
+        assert leaves[2].version == 2
+        step(2)
+        assert [leaf.version for leaf in leaves] == [3, 3, 3]
+        assert [checksum(m, "state_dict") for m in models] == [checksum(learner, "state_dict")] * 3
+    finally:
+        for leaf in leaves:
+            leaf.close()
+        for node in relays.values():
+            node.close()
+        for s in senders:
+            s.close()
+
+
+@pytest.mark.timeout(120)
+def test_with_curve_every_rank_takes_the_claims_of_relay_keys_only() -> None:
+    """Two ranks over tcp with CURVE; a relay whose key every rank was given as a
+    relay's, and a client with a valid key that is not one, each with a worker behind
+    it. Both reach every rank (with the same keys) and forward every version; every
+    rank takes the relay's claims and refuses the other's, so a send to the worker
+    behind the other client times out on every rank, naming that worker."""
+    from zmqsync.security import CurveClient, CurveServer, generate_keypair
+    from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
+
+    server_public, server_secret = generate_keypair()
+    relay_keys, other_keys = generate_keypair(), generate_keypair()
+    curve = CurveServer(server_public, server_secret).with_relays({relay_keys[0]})
+    learner = _learner()
+    hubs = [PubSubHub("tcp://127.0.0.1:*", curve=curve) for _ in range(2)]
+    endpoints = [h.endpoint for h in hubs]
+    senders = [
+        WeightSender(
+            hubs[r],
+            model=learner,
+            strategy="state_dict",
+            timeout=20,
+            epoch=79,
+            heartbeat=BEAT,
+            part=_RowsPart(r, 2),  # type: ignore[arg-type]
+            ranks=endpoints,
+        )
+        for r in range(2)
+    ]
+    relays: list[Relay] = []
+    leaves: list[WeightReceiver] = []
+    models = {w: {k: torch.zeros_like(t) for k, t in learner.items()} for w in (5, 6)}
+    try:
+        for idx, (public, secret) in ((1, relay_keys), (2, other_keys)):
+            node = Relay.over_zmq(
+                endpoints[0],
+                curve_client=CurveClient(public, secret, server_public),
+                strategy="state_dict",
+                worker_idx=idx,
+                heartbeat=BEAT,
+                timeout=30,
+            )
+            relays.append(node)
+            node.connect()
+            node.start()
+            assert node.receiver.ranks == tuple(endpoints)
+        for node, w in zip(relays, (5, 6), strict=True):
+            leaf = WeightReceiver(
+                PubSubSpoke(node.endpoint, identity=f"leaf{w}"),
+                model=models[w],
+                strategy="state_dict",
+                worker_idx=w,
+                timeout=30,
+            )
+            leaves.append(leaf)
+            leaf.connect()
+            leaf.start()
+        for s in senders:
+            until(lambda s=s: _below_of(s, 1) == {5}, 20, "relay 1 claimed worker 5")
+            until(
+                lambda s=s: s.status()["totals"]["refused_claims"] >= 3,
+                20,
+                "the other client's claims were refused, heartbeat after heartbeat",
+            )
+            assert _below_of(s, 2) == set()
+        _bump(learner)
+        assert _sends(senders) == [None, None]  # every version reaches both, through both
+        assert [checksum(m, "state_dict") for m in models.values()] == (
+            [checksum(learner, "state_dict")] * 2
+        )
+        for s in senders:
+            s.timeout = 3.0
+        _bump(learner)
+        errors: list[BaseException | None] = [None, None]
+
+        def targeted(r: int) -> None:
+            try:
+                senders[r].send(worker_ids=[6])
+            except BaseException as exc:
+                errors[r] = exc
+
+        threads = [threading.Thread(target=targeted, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for r, exc in enumerate(errors):
+            assert isinstance(exc, SyncTimeout), (r, exc)
+            assert list(exc.missing_workers) == [6], (r, exc.missing_workers)
+    finally:
+        for leaf in leaves:
+            leaf.close()
+        for node in relays:
+            node.close()
+        for s in senders:
+            s.close()
