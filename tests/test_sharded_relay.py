@@ -59,13 +59,13 @@ def _part_bytes(learner: dict[str, torch.Tensor], part: int, parts: int) -> int:
     return total
 
 
-def _sends(senders: list[WeightSender]) -> list[BaseException | None]:
+def _sends(senders: list[WeightSender], worker_ids: Any = None) -> list[BaseException | None]:
     """Every rank's send of one step, at once (a collective call): what each raised."""
     errors: list[BaseException | None] = [None] * len(senders)
 
     def send(i: int) -> None:
         try:
-            senders[i].send()
+            senders[i].send(worker_ids=worker_ids)
         except BaseException as exc:
             errors[i] = exc
 
@@ -536,20 +536,7 @@ def test_with_curve_every_rank_takes_the_claims_of_relay_keys_only() -> None:
         for s in senders:
             s.timeout = 3.0
         _bump(learner)
-        errors: list[BaseException | None] = [None, None]
-
-        def targeted(r: int) -> None:
-            try:
-                senders[r].send(worker_ids=[6])
-            except BaseException as exc:
-                errors[r] = exc
-
-        threads = [threading.Thread(target=targeted, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        for r, exc in enumerate(errors):
+        for r, exc in enumerate(_sends(senders, worker_ids=[6])):
             assert isinstance(exc, SyncTimeout), (r, exc)
             assert list(exc.missing_workers) == [6], (r, exc.missing_workers)
     finally:
@@ -559,3 +546,31 @@ def test_with_curve_every_rank_takes_the_claims_of_relay_keys_only() -> None:
             node.close()
         for s in senders:
             s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_targeted_send_through_the_relay_reaches_only_the_workers_named() -> None:
+    """``send(worker_ids=[0])`` on every rank, worker 0 behind the relay: the relay
+    forwards the gathered version to worker 0 alone and acks once it holds it; worker 1
+    keeps what it holds, and the next send to all reaches both."""
+    learner = _learner()
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    with _sharded("targeted", 2, learner) as (senders, _relay, below):
+        leaves = [_leaf(below, i, models[i]) for i in range(2)]
+        try:
+            for s in senders:
+                until(lambda s=s: _below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
+            _bump(learner)
+            assert _sends(senders, worker_ids=[0]) == [None, None]
+            assert [leaf.version for leaf in leaves] == [1, 0]
+            assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
+            assert checksum(models[1], "state_dict") != checksum(learner, "state_dict")
+            _bump(learner)
+            assert _sends(senders) == [None, None]
+            assert [leaf.version for leaf in leaves] == [2, 2]
+            assert [checksum(m, "state_dict") for m in models] == (
+                [checksum(learner, "state_dict")] * 2
+            )
+        finally:
+            for leaf in leaves:
+                leaf.close()
