@@ -574,3 +574,68 @@ def test_a_targeted_send_through_the_relay_reaches_only_the_workers_named() -> N
         finally:
             for leaf in leaves:
                 leaf.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_sharded_learner_is_followed_through_the_relay() -> None:
+    """Every rank of the learner job restarts on the same addresses (a new epoch,
+    versions from 1 again): the relay follows every rank's new life, and its workers
+    get the new job's versions whole."""
+    learner = _learner()
+    names = [f"memory://restarted-rank{r}" for r in range(2)]
+
+    def job(epoch: int) -> list[WeightSender]:
+        return [
+            WeightSender(
+                MemoryHub(names[r]),
+                model=learner,
+                strategy="state_dict",
+                timeout=20,
+                epoch=epoch,
+                heartbeat=BEAT,
+                part=_RowsPart(r, 2),  # type: ignore[arg-type]
+                ranks=names,
+            )
+            for r in range(2)
+        ]
+
+    senders = job(101)
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    relay = Relay(
+        MemorySpoke(names[0]),
+        MemoryHub("memory://restarted-relay"),
+        strategy="state_dict",
+        worker_idx=9,
+        heartbeat=BEAT,
+        timeout=30,
+        connect_rank=MemorySpoke,
+    )
+    leaves: list[WeightReceiver] = []
+    try:
+        relay.connect()
+        relay.start()
+        leaves.extend(_leaf("memory://restarted-relay", w, models[w]) for w in range(2))
+        for _ in range(2):
+            _bump(learner)
+            assert _sends(senders) == [None, None]
+        for s in senders:
+            s.close()
+        _bump(learner)
+        senders = job(202)  # a new job: every rank, a new epoch
+        until(lambda: relay.receiver.epoch == 202, 30, "the relay followed the new job")
+        until(lambda: all(leaf.epoch == 202 for leaf in leaves), 30, "its workers followed")
+        assert [checksum(m, "state_dict") for m in models] == (
+            [checksum(learner, "state_dict")] * 2
+        )
+        _bump(learner)
+        assert _sends(senders) == [None, None]
+        assert [(leaf.epoch, leaf.version) for leaf in leaves] == [(202, 1)] * 2
+        assert [checksum(m, "state_dict") for m in models] == (
+            [checksum(learner, "state_dict")] * 2
+        )
+    finally:
+        for leaf in leaves:
+            leaf.close()
+        relay.close()
+        for s in senders:
+            s.close()
