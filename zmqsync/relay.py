@@ -96,11 +96,11 @@ class _Forwarder(ReceiverObserver):
         #: The version under way comes whole at once (a sharded learner's, gathered):
         #: it is forwarded, in chunks of its own, once it is complete.
         self._gathered = False
-        #: What still reads the snapshot served (and the one before, the spare): the
-        #: chunks of a gathered version forwarded out of its buffer, while a transport
-        #: holds them (None: nothing but the sender's own transfers).
-        self._serving_lease: ViewLease | None = None
-        self._spare_lease: ViewLease | None = None
+        #: What else reads the buffer of the snapshot served (and of the one before,
+        #: the spare): the chunks of gathered versions forwarded out of it, while a
+        #: transport holds them.
+        self._serving_leases: list[ViewLease] = []
+        self._spare_leases: list[ViewLease] = []
         #: Some worker needs the latest version, which it does not keep (set by its
         #: sender's pump, read by the relay's loop).
         self._wants_latest = False
@@ -153,9 +153,9 @@ class _Forwarder(ReceiverObserver):
         if snapshot is None or not staging.nbytes or snapshot.data is not staging.array:
             return  # what staging holds is served to nobody
         spare, self._spare = self._spare, None
-        lease, self._spare_lease = self._spare_lease, None
+        leases, self._spare_leases = self._spare_leases, []
         # Its buffer is free once neither the sender nor a forwarded chunk reads it.
-        unread = lease is None or lease.released
+        unread = all(lease.released for lease in leases)
         free = None
         if spare is not None and unread and not self.sender.still_read(spare):
             free = spare.data
@@ -209,14 +209,15 @@ class _Forwarder(ReceiverObserver):
         if layout is None or layout.schema is not schema:
             layout = self._layout = StreamLayout.received(schema, self.chunk_bytes)
         data = receiver.staging.array
-        lease = None
+        leases: list[ViewLease] = []
         if self._gathered and self._copy is not None:
-            lease = self._forward_whole(chunk, data)  # read from the snapshot's buffer
+            leases.append(self._forward_whole(chunk, data))  # read from the snapshot's
         old = self.sender.serve_whole(receiver.version, layout, data, receiver.metadata)
         if old is not None and old.data is not data:
             self._spare = old  # nothing stages into it while it may be served
-            self._spare_lease = self._serving_lease
-        self._serving_lease = lease
+            self._spare_leases, self._serving_leases = self._serving_leases, leases
+        else:  # the first served, or the same buffer again (a version fetched again)
+            self._serving_leases = [x for x in self._serving_leases if not x.released] + leases
         self._copy = None
 
     def version_broken(self, broken: Broken) -> None:
