@@ -9,9 +9,11 @@ learner of two ranks over gloo with a relay and its workers in processes of thei
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import multiprocessing as mp
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -286,13 +288,25 @@ def test_a_worker_behind_the_relay_that_stops_is_named_by_every_ranks_timeout() 
 # --- an FSDP2 learner over gloo, a relay and its workers in processes of their own ------
 
 
-@pytest.mark.timeout(300)
-def test_an_fsdp2_learner_of_two_ranks_through_a_relay_process(tmp_path: Any) -> None:
+@dataclasses.dataclass
+class _Job:
+    """An FSDP2 learner of two ranks, the ``zmqsync relay`` process in front of it and
+    the plain workers behind the relay, each process with the test's end of its pipe."""
+
+    learners: list[Any]
+    workers: list[Any]
+    worker_procs: list[Any]
+    relay: Any
+
+
+@contextlib.contextmanager
+def _fsdp2_behind_a_relay(
+    tmp_path: Any, leaves: tuple[int, ...], rank_timeout: float, relay_args: tuple[str, ...] = ()
+) -> Iterator[_Job]:
     """Two FSDP2 ranks over gloo (uneven shards, a ``Shard(1)`` tensor, a replica, a
-    buffer), the ``zmqsync relay`` command given rank 0's endpoint alone, and two plain
-    workers behind it (one writing in place): each rank's ``connect()`` waits for the
-    workers behind the relay, and each version's ``send()`` returns once both hold the
-    whole version, the gathered model's checksum."""
+    buffer), the ``zmqsync relay`` command (worker 0 of theirs) given rank 0's endpoint
+    alone, and plain workers ``leaves`` behind it (the last one writing in place): all
+    connected, each holding version 0, the gathered model."""
     from _sharded import run_plain_worker, run_rank
     from conftest import free_port
     from test_cli_processes import Cli
@@ -301,23 +315,21 @@ def test_an_fsdp2_learner_of_two_ranks_through_a_relay_process(tmp_path: Any) ->
     port = free_port()
     endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
     procs: list[Any] = []
-    learners: list[Any] = []
-    workers: list[Any] = []
-    relay = None
+    job = _Job([], [], [], None)
     try:
         for r in range(2):
             parent, child = SPAWN.Pipe()
             # Each rank's connect() waits for the relay; its sends, for the workers
             # behind it too (the relay acks once they hold the version).
-            args = (r, 2, port, endpoints[r], child, "pubsub", True, 120.0, 30.0, 1)
+            args = (r, 2, port, endpoints[r], child, "pubsub", True, 120.0, rank_timeout, 1)
             proc = SPAWN.Process(target=run_rank, args=args, daemon=True)
             proc.start()
             child.close()
             procs.append(proc)
-            learners.append(parent)
-        for c in learners:
+            job.learners.append(parent)
+        for c in job.learners:
             _answer(c, "ready")
-        relay = Cli(
+        job.relay = Cli(
             [
                 "relay",
                 endpoints[0],
@@ -329,50 +341,103 @@ def test_an_fsdp2_learner_of_two_ranks_through_a_relay_process(tmp_path: Any) ->
                 "state_dict",
                 "--timeout",
                 "120",
+                *relay_args,
             ],
             cwd=tmp_path,
             env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160"),
         )
-        below = relay.expect(r"zmqsync relay: listening on (ipc://\S+) .* as worker 0", 150)[1]
-        for w in (1, 2):
+        below = job.relay.expect(r"zmqsync relay: listening on (ipc://\S+) .* as worker 0", 150)
+        for w in leaves:
             parent, child = SPAWN.Pipe()
-            args = (below, w, child, "pubsub", "in_place" if w == 2 else "auto")
+            mode = "in_place" if w == leaves[-1] else "auto"
+            args = (below[1], w, child, "pubsub", mode)
             proc = SPAWN.Process(target=run_plain_worker, args=args, daemon=True)
             proc.start()
             child.close()
             procs.append(proc)
-            workers.append(parent)
-        for c in learners:
+            job.worker_procs.append(proc)
+            job.workers.append(parent)
+        for c in job.learners:
             c.send("connect")  # the rendez-vous: worker 0, the relay
-        answers = [_answer(c, "connect") for c in learners]
-        for c in workers:
+        answers = [_answer(c, "connect") for c in job.learners]
+        for c in job.workers:
             assert _answer(c, "ready") == "ready"
         expected = answers[0][2]
         assert answers[1][2] == expected
-        for c in workers:
+        for c in job.workers:
             assert _ask(c, "state") == (0, expected)
-        for version in (1, 2, 3):
-            for c in learners:
-                c.send("send")
-            answers = [_answer(c, "send") for c in learners]
-            assert {a[1] for a in answers} == {version}
-            expected = answers[0][2]
-            assert answers[1][2] == expected
-            for c in workers:
-                assert _ask(c, "state") == (version, expected)
-        relay.expect(r"^version 3: forwarded to 2 worker", 30)
+        yield job
     finally:
-        for c in [*workers, *learners]:
+        for proc in job.worker_procs:
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGCONT)
+        for c in [*job.workers, *job.learners]:
             with contextlib.suppress(OSError):
                 c.send("stop")
-        if relay is not None:
-            relay.stop()
+        if job.relay is not None:
+            job.relay.stop()
         for proc in procs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
     until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+
+
+@pytest.mark.timeout(300)
+def test_an_fsdp2_learner_of_two_ranks_through_a_relay_process(tmp_path: Any) -> None:
+    """Each version's ``send()``, on both ranks, returns once both workers behind the
+    relay hold the whole version: the gathered model's checksum."""
+    from test_sharded import _answer, _ask
+
+    with _fsdp2_behind_a_relay(tmp_path, (1, 2), 30.0) as job:
+        for version in (1, 2, 3):
+            for c in job.learners:
+                c.send("send")
+            answers = [_answer(c, "send") for c in job.learners]
+            assert {a[1] for a in answers} == {version}
+            expected = answers[0][2]
+            assert answers[1][2] == expected
+            for c in job.workers:
+                assert _ask(c, "state") == (version, expected)
+        job.relay.expect(r"^version 3: forwarded to 2 worker", 30)
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_worker_behind_the_relay_process_is_named_by_both_ranks(
+    tmp_path: Any,
+) -> None:
+    """The relay waits for its workers 0 and 1 (``--workers 2``); worker 1's process is
+    SIGSTOPped: both ranks' ``send()`` raise SyncTimeout naming the relay and worker 1
+    behind it; worker 0 holds the version. SIGCONT: the next version reaches both."""
+    from test_sharded import _answer, _ask
+
+    timeout = 4.0
+    with _fsdp2_behind_a_relay(tmp_path, (0, 1), timeout, ("--workers", "2")) as job:
+        for c in job.learners:
+            c.send("bump")
+        known = {a[1]: a[2] for a in [_answer(c, "bump") for c in job.learners]}
+        os.kill(job.worker_procs[1].pid, signal.SIGSTOP)
+        for c in job.learners:
+            c.send("push")
+        for r, c in enumerate(job.learners):
+            reply = _answer(c, "push")
+            assert reply[:2] == ("timeout", 1), (r, reply)
+            missing_workers, missing_ranks, message = reply[2], reply[3], reply[4]
+            assert list(missing_workers) == [0] and not missing_ranks, (r, reply)
+            assert "a relay for 2 worker(s)" in message, (r, message)
+            assert "worker 1 holds 0" in message, (r, message)
+        assert _ask(job.workers[0], "state") == (1, known[1])
+        os.kill(job.worker_procs[1].pid, signal.SIGCONT)
+        for c in job.learners:
+            c.send("bump")
+        known.update({a[1]: a[2] for a in [_answer(c, "bump") for c in job.learners]})
+        for c in job.learners:
+            c.send("push")
+        for c in job.learners:
+            assert _answer(c, "push", timeout=120)[:2] == ("push", 2)
+        for c in job.workers:
+            assert _ask(c, "state") == (2, known[2])
 
 
 @pytest.mark.timeout(120)
