@@ -78,6 +78,7 @@ def run_rank(
     sender: bool = True,
     connect_timeout: float = 120.0,
     timeout: float = 30.0,
+    num_workers: int = 3,
 ) -> None:
     """Rank ``rank`` of an FSDP2 learner of ``world`` ranks, a sender of its own part
     (unless not ``sender``: it then only waits to be stopped). Commands: ``"connect"``,
@@ -85,7 +86,8 @@ def run_rank(
     checksum. For the fault tests, a version in two steps: ``"bump"`` (a collective:
     the new version's weights, answered with its gathered checksum) and ``"push"`` (its
     send, no collective: answered ``("push", version, "")``, or ``("timeout", version,
-    missing workers, missing ranks, message, seconds waited)``)."""
+    missing workers, missing ranks, message, seconds waited)``). ``num_workers``: the
+    workers its ``connect()`` waits for (a relay is one)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -104,7 +106,7 @@ def run_rank(
             timeout=timeout,
             connect_timeout=connect_timeout,
         )
-        scheme.init_on_sender("policy", model=net, num_workers=3)
+        scheme.init_on_sender("policy", model=net, num_workers=num_workers)
         conn.send(("ready", scheme.get_sender().epoch))
         version = 0
         while True:

@@ -287,17 +287,31 @@ class WeightReceiver:
         :class:`~zmqsync.receiver.ReceiverObserver`). Add observers before receiving."""
         self._observers.add(observer)
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        """The endpoints of the sharded learner's ranks whose parts it gathers (empty:
+        its upstream sends whole versions). A gathered version is taken as one chunk."""
+        return () if self._ranks is None else self._ranks.endpoints
+
+    def _sessions(self) -> list[UpstreamSession]:
+        """Its sessions upstream: every rank's of a sharded learner, else the one."""
+        return [self._upstream] if self._ranks is None else self._ranks.sessions
+
     def send_ack(self) -> None:
-        """Ack the version held to the upstream now, through the observers' review: what
-        an observer that held an ack back calls once it may go."""
+        """Ack the version held to the upstream now (to every rank of a sharded
+        learner), through the observers' review: what an observer that held an ack back
+        calls once it may go."""
         with self._upstream.io_lock:
-            self._upstream.ack(PendingAck(applied=True))
+            for session in self._sessions():
+                session.ack(PendingAck(applied=True))
 
     def request_latest(self, *, whole: bool = False) -> None:
-        """Ask the upstream for its latest version now, as a heartbeat does, once joined
-        (``whole``: not as a delta; whole anyway while :attr:`torn`)."""
+        """Ask the upstream (every rank of a sharded learner, for its part) for its
+        latest version now, as a heartbeat does, once joined (``whole``: not as a delta;
+        whole anyway while :attr:`torn`)."""
         with self._upstream.io_lock:
-            self._upstream.ask_again(whole=whole)
+            for session in self._sessions():
+                session.ask_again(whole=whole)
 
     def connect(self, timeout: float | None = None) -> None:
         """Join the fleet and return with the latest version applied.
