@@ -171,3 +171,68 @@ def run_plain_worker(
     finally:
         if scheme is not None:
             scheme.shutdown()
+
+
+#: What tensor-parallel worker ``half`` of 2 holds of :class:`Net`'s tensors: the rows
+#: of ``a`` (uneven: 3 and 2), the columns of ``b.weight`` (3 and 2) and of ``wide`` (4
+#: and 3); the rest whole. ``(dim, where half 1 begins)`` per sliced tensor.
+SLICED: dict[str, tuple[int, int]] = {
+    "a.weight": (0, 3),
+    "a.bias": (0, 3),
+    "b.weight": (1, 3),
+    "wide": (1, 4),
+}
+
+
+def sliced_half(full: dict[str, torch.Tensor], name: str, half: int) -> torch.Tensor:
+    """Worker ``half``'s slice of the whole tensor ``full[name]``."""
+    t = full[name]
+    if name not in SLICED:
+        return t
+    dim, cut = SLICED[name]
+    return t.narrow(dim, 0, cut) if half == 0 else t.narrow(dim, cut, t.shape[dim] - cut)
+
+
+def _slice_box(name: str, shape: tuple[int, ...], half: int) -> Any:
+    """The box worker ``half``'s tensor ``name`` (of ``shape``) is of Net's tensor."""
+    if name not in SLICED:
+        return None
+    whole = tuple(Net().state_dict()[name].shape)
+    dim, cut = SLICED[name]
+    offsets = [0] * len(whole)
+    offsets[dim] = 0 if half == 0 else cut
+    return zmqsync.protocol.Box(whole, tuple(offsets))
+
+
+def run_sliced_worker(endpoint: str, half: int, conn: Any, mode: str) -> None:
+    """Tensor-parallel worker ``half`` of 2 (worker id ``half``): a model of its slices
+    of :class:`Net`'s tensors alone, given rank 0's endpoint. Answers ``"state"`` with
+    ``(version, {name: array})``."""
+    scheme = None
+    try:
+        full = Net().state_dict()
+        model = {name: torch.zeros_like(sliced_half(full, name, half)) for name in full}
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
+        scheme.init_on_receiver(
+            model_id="policy",
+            model=model,
+            worker_idx=half,
+            slices=lambda name, shape: _slice_box(name, shape, half),
+        )
+        scheme.connect(timeout=120)
+        scheme.start_receiver_thread()
+        conn.send("ready")
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            receiver = scheme.get_receiver()
+            with scheme.lock:
+                state = {name: t.numpy().copy() for name, t in model.items()}
+                conn.send((receiver.version, state))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()

@@ -1,19 +1,20 @@
 """Slices of a version for workers that hold one box of each tensor (tensor-parallel
 inference workers), without torch.
 
-A rank of a sharded learner :func:`cut`\\ s its part's whole stream for such a worker:
+A rank of a sharded learner cuts its part's whole stream for such a worker (:func:`cut`):
 each of its boxes narrowed to where it meets the worker's slice, laid out as a stream
 of its own (a part whose entries are boxes of the global tensors, as any part's are),
-and nothing outside the slice. The worker :func:`rebase`\\ s each part's schema onto its
-slices (each box then a box of the worker's tensor), so that the gather of the parts
-(:mod:`zmqsync.chunking.parts`) checks that they tile its slices exactly and assembles
-tensors of the slices' shape, as it assembles whole ones for any other worker.
+and nothing outside the slice. The worker rebases each part's schema onto its slices
+(:func:`rebase`: each box then a box of the worker's tensor), so that the gather of the
+parts (:mod:`zmqsync.chunking.parts`) checks that they tile its slices exactly and
+assembles tensors of the slices' shape, as it assembles whole ones for other workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -105,8 +106,8 @@ def cut(schema: WeightsSchema, data: np.ndarray, slices: Mapping[Key, Slice]) ->
             dest[:] = src
         else:
             itemsize = DTYPE_ITEMSIZE[source.wire or source.dtype]
-            box = src.reshape(*source.shape, itemsize)[index]
-            dest.reshape(box.shape)[...] = box
+            piece = src.reshape(*source.shape, itemsize)[index]
+            dest.reshape(piece.shape)[...] = piece
     entries = tuple(e for e, _, _ in pieces)
     return Cut(WeightsSchema(schema.strategy, entries, schema.part, schema.parts), out)
 
@@ -128,15 +129,17 @@ def rebase(schema: WeightsSchema, slices: Mapping[Key, Slice]) -> WeightsSchema:
                 f"tensor {e.dotted_key!r} is of shape {whole} at the learner; this worker "
                 f"holds a slice of a tensor of shape {s.shape}"
             )
-        if meet(offsets, e.shape, s.offsets, s.extent) != (offsets, e.shape) and any(e.shape):
+        inside = meet(offsets, e.shape, s.offsets, s.extent) == (offsets, e.shape)
+        if not inside and math.prod(e.shape):
             raise FrameError(
                 f"tensor {e.dotted_key!r}: part {schema.part} sent a box at {offsets} of "
                 f"shape {e.shape}, not inside this worker's slice at {s.offsets} of {s.extent}"
             )
         inner = tuple(o - so for o, so in zip(offsets, s.offsets, strict=True))
         entries.append(
-            TensorEntry(e.key, e.dtype, e.shape, e.buffer, e.offset, e.nbytes, e.wire,
-                        Box(s.extent, inner))
+            TensorEntry(
+                e.key, e.dtype, e.shape, e.buffer, e.offset, e.nbytes, e.wire, Box(s.extent, inner)
+            )
         )
     return WeightsSchema(schema.strategy, tuple(entries), schema.part, schema.parts)
 

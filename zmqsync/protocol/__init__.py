@@ -4,7 +4,8 @@ Nothing here touches sockets, threads or torch (like h11), so it can be fuzzed a
 Its modules, each built on those before it: ``limits`` (what a message may announce),
 ``messages`` (the values), ``wire`` (the binary layouts), ``schemas`` (a version's schema
 JSON), ``slices`` (the slices a worker declares), ``chunks`` (a chunk's frames), ``codec``
-(any message's frames); ``stream`` follows one version's chunks at a receiver. Their public names are this package's.
+(any message's frames); ``stream`` follows one version's chunks at a receiver. Their
+public names are this package's.
 """
 
 from zmqsync.protocol import chunks, codec, limits, messages, schemas, slices, wire

@@ -863,7 +863,11 @@ class WeightSender:
         except FrameError as exc:
             self._refuse(runner, peer, "malformed", f"malformed message: {exc}")
             return
-        if isinstance(message, Hello) and peer is not None and not self._declared(message, runner, peer):
+        if (
+            isinstance(message, Hello)
+            and peer is not None
+            and not self._declared(message, runner, peer)
+        ):
             return
         if isinstance(message, StatusRequest):
             if peer is not None:

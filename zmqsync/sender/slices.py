@@ -63,9 +63,9 @@ class SlicedWorkers:
                 self._forget(where)
                 return None
             reason = _mismatch(slices, schema)
-            if reason is None and where not in self._declared:
-                if len(self._declared) >= MAX_SLICED_WORKERS:
-                    reason = f"this rank serves at most {MAX_SLICED_WORKERS} sliced workers"
+            full = len(self._declared) >= MAX_SLICED_WORKERS and where not in self._declared
+            if reason is None and full:
+                reason = f"this rank serves at most {MAX_SLICED_WORKERS} sliced workers"
             if reason is not None:
                 self.refused += 1
                 return reason

@@ -16,8 +16,7 @@ __all__ = ["SliceSpec", "declare_slices"]
 #: (``Box(global shape, offsets)``; None: the whole tensor); or a mapping from names to
 #: such boxes, or to ``(box, extent)`` where the worker has no model (a sink).
 SliceSpec: TypeAlias = (
-    Callable[[str, tuple[int, ...]], Box | None]
-    | Mapping[str, Box | tuple[Box, Sequence[int]]]
+    Callable[[str, tuple[int, ...]], Box | None] | Mapping[str, Box | tuple[Box, Sequence[int]]]
 )
 
 
@@ -32,7 +31,9 @@ def declare_slices(spec: SliceSpec, model: Any, strategy: str) -> tuple[Slice, .
                 "there are no tensors to call it with"
             )
         return tuple(
-            _slice(name, value, None, (name,) if strategy == "state_dict" else tuple(name.split(".")))
+            _slice(
+                name, value, None, (name,) if strategy == "state_dict" else tuple(name.split("."))
+            )
             for name, value in spec.items()
         )
     out = []
