@@ -80,7 +80,7 @@ def _with_slices(raw: Any) -> list[Any]:
         [[["w"], [2] * 65, [0] * 65, [1] * 65]],  # more dimensions than torch has
         {"w": [4]},
         "w",
-        [[["w%d" % i], [2], [0], [1]] for i in range(MAX_SLICES + 1)],  # too many
+        [[[f"w{i}"], [2], [0], [1]] for i in range(MAX_SLICES + 1)],  # too many
     ],
 )
 def test_a_bad_declaration_is_refused_by_the_decoder(raw: Any) -> None:
@@ -106,7 +106,9 @@ def test_any_declaration_decodes_into_boxes_inside_their_tensors_or_raises(raw: 
     assert isinstance(hello, Hello) and len(hello.slices) <= MAX_SLICES
     for s in hello.slices:
         assert len(s.shape) == len(s.offsets) == len(s.extent)
-        assert all(0 <= o and o + n <= d for d, o, n in zip(s.shape, s.offsets, s.extent))
+        assert all(
+            o >= 0 and o + n <= d for d, o, n in zip(s.shape, s.offsets, s.extent, strict=True)
+        )
 
 
 # --- cut at the rank, rebased and gathered at the worker ---------------------------------
@@ -174,7 +176,7 @@ def test_the_cuts_of_every_part_tile_the_slice_and_hold_nothing_else(
     c0 = data.draw(st.integers(0, cols - 1))
     extent = (data.draw(st.integers(1, rows - r0)), data.draw(st.integers(1, cols - c0)))
     v0 = data.draw(st.integers(0, cols - 1))
-    slices = {
+    slices: dict[tuple[str, ...], Slice] = {
         ("m",): Slice(("m",), (rows, cols), (r0, c0), extent),
         ("v",): Slice(("v",), (cols,), (v0,), (cols - v0,)),
     }
@@ -190,11 +192,11 @@ def test_the_cuts_of_every_part_tile_the_slice_and_hold_nothing_else(
 @pytest.mark.timeout(30)
 def test_a_part_not_cut_for_the_worker_is_refused() -> None:
     tensors = {"m": np.ones((4, 6), dtype=np.float32)}
-    slices = {("m",): Slice(("m",), (4, 6), (0, 0), (4, 3))}
+    slices: dict[tuple[str, ...], Slice] = {("m",): Slice(("m",), (4, 6), (0, 0), (4, 3))}
     schema, _ = _part(tensors, 0, 2)  # rows 0-2, every column: outside the slice
     with pytest.raises(FrameError, match="not inside this worker's slice"):
         rebase(schema, slices)
-    other = {("m",): Slice(("m",), (4, 7), (0, 0), (4, 3))}
+    other: dict[tuple[str, ...], Slice] = {("m",): Slice(("m",), (4, 7), (0, 0), (4, 3))}
     with pytest.raises(FrameError, match="of shape"):
         rebase(schema, other)
     assert meet((0, 0), (2, 6), (2, 0), (2, 6)) is None  # rows 0-2 and 2-4 do not meet
@@ -444,9 +446,7 @@ def test_a_declaration_the_learner_cannot_serve_is_refused_and_counted() -> None
     try:
         before = senders[0].status()["totals"]["rejected_frames"]
         spoke.send_frames(encode(_hello((Slice(("m",), (6, 5), (0, 0), (3, 5)),))))
-        spoke.send_frames(
-            _with_slices([[["w%d" % i], [2], [0], [1]] for i in range(MAX_SLICES + 1)])
-        )
+        spoke.send_frames(_with_slices([[[f"w{i}"], [2], [0], [1]] for i in range(MAX_SLICES + 1)]))
         replies: list[Any] = []
 
         def refused_twice() -> bool:
@@ -514,16 +514,16 @@ def test_a_plain_learner_refuses_a_sliced_worker_saying_why() -> None:
 def test_a_rank_serves_a_bounded_number_of_sliced_workers() -> None:
     from zmqsync.sender.slices import MAX_SLICED_WORKERS, SlicedWorkers
 
-    table = SlicedWorkers(1 << 16, lambda *a: None)  # type: ignore[arg-type,return-value]
+    table = SlicedWorkers(1 << 16, lambda *a: None)  # type: ignore[arg-type]
     one = (Slice(("m",), (6, 4), (0, 0), (3, 4)),)
     for peer in range(MAX_SLICED_WORKERS):
-        assert table.declare(0, peer, one, None) is None
-    assert "at most" in (table.declare(0, "one more", one, None) or "")
+        assert table.declare(0, b"%d" % peer, one, None) is None
+    assert "at most" in (table.declare(0, b"one more", one, None) or "")
     assert table.refused == 1 and len(table) == MAX_SLICED_WORKERS
-    assert table.declare(0, 5, one, None) is None  # a worker saying hello again
-    table.forget(0, 7)
-    assert table.declare(0, "one more", one, None) is None
-    assert table.declare(0, 3, (), None) is None and len(table) == MAX_SLICED_WORKERS - 1
+    assert table.declare(0, b"5", one, None) is None  # a worker saying hello again
+    table.forget(0, b"7")
+    assert table.declare(0, b"one more", one, None) is None
+    assert table.declare(0, b"3", (), None) is None and len(table) == MAX_SLICED_WORKERS - 1
 
 
 # --- an FSDP2 learner over gloo, and sliced workers in processes of their own -------------

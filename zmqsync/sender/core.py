@@ -274,7 +274,8 @@ class WeightSender:
             part=part,
         )
         self._metadata: Metadata | None = None  # the latest version's
-        self._sharded = part is not None
+        #: Whether versions go as parts (boxes travel only in parts of two or more).
+        self._sharded = part is not None and part.parts > 1
         #: Workers that hold slices (tensor-parallel), and each version cut for them.
         self._sliced = SlicedWorkers(self.chunk_bytes, self._versions.whole)
         #: ``_cond`` guards the fleet, the pending send and the forwarded version.
@@ -500,7 +501,11 @@ class WeightSender:
                 transfers = self._routed(transfers, routes)
             if everyone.get(runner.index):
                 transfers = self._sliced_transfers(
-                    transfers, runner.index, everyone[runner.index], targeted.get(runner.index, [])
+                    transfers,
+                    copy,
+                    runner.index,
+                    everyone[runner.index],
+                    targeted.get(runner.index, []),
                 )
             for transfer in transfers:
                 runner.begin(transfer)
@@ -593,13 +598,14 @@ class WeightSender:
     def _sliced_transfers(
         self,
         transfers: list[Transfer],
+        copy: Copy,
         hub: int,
         everyone: list[PeerId],
         targeted: list[PeerId],
     ) -> list[Transfer]:
-        """``transfers`` to hub ``hub`` with its sliced workers taken out (a fan-out then
-        addressed to the others, ``everyone`` but them) and each targeted sliced worker
-        sent its cut of the version, addressed."""
+        """``transfers`` of ``copy`` to hub ``hub`` with its sliced workers taken out (a
+        fan-out then addressed to the others, ``everyone`` but them) and each targeted
+        sliced worker sent its cut of the version, addressed."""
         sliced = self._sliced.sliced(hub, everyone)
         if not sliced:
             return transfers
@@ -609,10 +615,9 @@ class WeightSender:
             if to:
                 out.append(Transfer(t.copy, to, t.spans, t.base, t.workers, t.targets))
         for peer in sliced:
-            if peer in targeted and transfers:
-                cut = self._sliced.cut_for(hub, peer, transfers[0].copy)  # type: ignore[arg-type]
-                if cut is not None:
-                    out.append(Transfer(cut, [peer]))
+            cut = self._sliced.cut_for(hub, peer, copy) if peer in targeted else None
+            if cut is not None:
+                out.append(Transfer(cut, [peer]))
         return out
 
     # --- waiting for acks ------------------------------------------------------------
