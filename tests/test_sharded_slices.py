@@ -512,7 +512,7 @@ def test_a_plain_learner_refuses_a_sliced_worker_saying_why() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_rank_serves_a_bounded_number_of_sliced_workers() -> None:
-    from zmqsync.sender.slices import MAX_SLICED_WORKERS, SlicedWorkers
+    from zmqsync.sender.slices import MAX_DECLARATIONS, MAX_SLICED_WORKERS, SlicedWorkers
 
     table = SlicedWorkers(1 << 16, lambda *a: None)  # type: ignore[arg-type]
     one = (Slice(("m",), (6, 4), (0, 0), (3, 4)),)
@@ -524,6 +524,14 @@ def test_a_rank_serves_a_bounded_number_of_sliced_workers() -> None:
     table.forget(0, b"7")
     assert table.declare(0, b"one more", one, None) is None
     assert table.declare(0, b"3", (), None) is None and len(table) == MAX_SLICED_WORKERS - 1
+    # Distinct slicings are bounded apart: each costs the rank a cut of every version.
+    table = SlicedWorkers(1 << 16, lambda *a: None)  # type: ignore[arg-type]
+    for i in range(MAX_DECLARATIONS):
+        assert table.declare(0, b"%d" % i, (Slice(("m",), (64,), (i,), (1,)),), None) is None
+    other = (Slice(("m",), (64,), (63,), (1,)),)
+    assert "distinct" in (table.declare(0, b"new", other, None) or "")
+    assert table.declare(0, b"0", other, None) is None  # worker 0 changes its slice
+    assert table.refused == 1 and len(table) == MAX_DECLARATIONS
 
 
 # --- an FSDP2 learner over gloo, and sliced workers in processes of their own -------------

@@ -23,11 +23,15 @@ from zmqsync.sender.transfers import Copy
 from zmqsync.transport.base import PeerId
 from zmqsync.vocabulary import Metadata
 
-__all__ = ["MAX_SLICED_WORKERS", "SlicedWorkers"]
+__all__ = ["MAX_DECLARATIONS", "MAX_SLICED_WORKERS", "SlicedWorkers"]
 
-#: Sliced workers one rank serves: each distinct declaration costs the rank a cut of
-#: each version (up to its part's bytes), so a flood of hostile Hellos is refused here.
+#: Sliced workers one rank serves (the table of their declarations is bounded).
 MAX_SLICED_WORKERS: Final = 256
+#: Distinct declarations one rank cuts for: each costs it a cut of every version, kept
+#: (up to its part's bytes), so hostile Hellos declaring ever other slices are refused
+#: here. Workers holding the same slices share a cut: a fleet of tensor-parallel
+#: replicas of degree T needs T.
+MAX_DECLARATIONS: Final = 16
 
 Where = tuple[int, PeerId]  # a hub's index and a peer on it
 #: What makes a copy of a cut stream: (version, layout, bytes, metadata) -> Copy.
@@ -62,15 +66,24 @@ class SlicedWorkers:
             if not slices:
                 self._forget(where)
                 return None
-            reason = _mismatch(slices, schema)
-            full = len(self._declared) >= MAX_SLICED_WORKERS and where not in self._declared
-            if reason is None and full:
-                reason = f"this rank serves at most {MAX_SLICED_WORKERS} sliced workers"
+            declared = tuple(slices)
+            reason = _mismatch(slices, schema) or self._full(where, declared)
             if reason is not None:
                 self.refused += 1
                 return reason
-            self._declared[where] = tuple(slices)
+            if self._declared.get(where) != declared:
+                self._forget(where)  # what it declared before, and its cut
+            self._declared[where] = declared
             return None
+
+    def _full(self, where: Where, declared: tuple[Slice, ...]) -> str | None:
+        """Why one more declaration is not taken (holding the lock), or None."""
+        if where not in self._declared and len(self._declared) >= MAX_SLICED_WORKERS:
+            return f"this rank serves at most {MAX_SLICED_WORKERS} sliced workers"
+        others = {d for w, d in self._declared.items() if w != where}
+        if declared not in others and len(others) >= MAX_DECLARATIONS:
+            return f"this rank cuts its part for at most {MAX_DECLARATIONS} distinct slicings"
+        return None
 
     def forget(self, hub: int, peer: PeerId) -> None:
         """The peer left: it holds no slices any more."""
