@@ -552,7 +552,8 @@ def _ask(conn: Any, command: str, timeout: float = 90.0) -> Any:
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_learner_of_two_ranks_and_two_sliced_workers(tmp_path: Any) -> None:
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_fsdp2_learner_of_two_ranks_and_two_sliced_workers(tmp_path: Any, mode: str) -> None:
     """Two ranks of FSDP2 (uneven shards, a ``Shard(1)`` DTensor, a replica and a
     buffer) and two tensor-parallel workers, each holding half of the model's matrices
     (rows of one, columns of others, uneven): after each version their slices are those
@@ -572,7 +573,7 @@ def test_fsdp2_learner_of_two_ranks_and_two_sliced_workers(tmp_path: Any) -> Non
 
     def spawn(target: Any, *args: Any) -> Any:
         parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=target, args=(*args, child, "pubsub"), daemon=True)
+        proc = SPAWN.Process(target=target, args=(*args, child, mode), daemon=True)
         proc.start()
         child.close()
         procs.append(proc)
@@ -584,7 +585,7 @@ def test_fsdp2_learner_of_two_ranks_and_two_sliced_workers(tmp_path: Any) -> Non
         for c in learners:
             _answer(c, "ready")
         workers = [spawn(run_sliced_worker, endpoints[0], w) for w in range(2)]
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode="pubsub", endpoint=endpoints[0])
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoints[0])
         whole = Net()
         scheme.init_on_receiver(model_id="policy", model=whole, worker_idx=2)
         connecting = threading.Thread(target=scheme.connect, kwargs={"timeout": 120})
