@@ -6,6 +6,7 @@ learner over gloo serving a sliced worker."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import threading
@@ -418,6 +419,94 @@ def test_sliced_workers_get_their_slices_only_and_a_plain_one_the_whole_model(
             r.close()
         for s in senders:
             s.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_does_not_send_leaves_sliced_workers_with_their_last_whole_slices() -> None:
+    """Rank 1 of 3 does not send version 2: the others raise naming it, and neither
+    sliced worker (one staged, one writing in place) holds a partial version: both keep
+    version 1's slices (without rank 1's first chunk the layout is unknown, so nothing
+    was written in place). Rank 1's late send completes version 2 on both."""
+    import torch
+
+    from zmqsync import SyncTimeout, WeightReceiver, WeightSender
+
+    torch.manual_seed(1)
+    learner = {"qkv": torch.randn(64, 32), "proj": torch.randn(32, 64)}
+    names = [f"memory://slices-missing-{r}" for r in range(3)]
+    senders = [
+        WeightSender(
+            MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            num_workers=2,
+            timeout=3,
+            epoch=7,
+            part=_RowsPart(r, 3),  # type: ignore[arg-type]
+            ranks=names,
+        )
+        for r in range(3)
+    ]
+    models = [{"qkv": torch.zeros(32, 32), "proj": torch.zeros(32, 32)} for _ in range(2)]
+    receivers = [
+        WeightReceiver(
+            MemorySpoke(names[0]),
+            model=models[half],
+            strategy="state_dict",
+            worker_idx=half,
+            timeout=20,
+            apply_mode="staged" if half == 0 else "in_place",
+            connect_rank=MemorySpoke,
+            slices=_tp_half(half),
+        )
+        for half in range(2)
+    ]
+
+    def holds_slices(half: int) -> bool:
+        return all(
+            torch.equal(models[half][name], _slice_of(learner, name, half)) for name in learner
+        )
+
+    try:
+        for r in receivers:
+            r.connect()
+            r.start()
+        with torch.no_grad():
+            learner["qkv"].add_(1.0)
+        _send_all(senders)
+        assert all(holds_slices(h) for h in (0, 1))
+        first = {k: t.clone() for k, t in learner.items()}
+        with torch.no_grad():
+            for t in learner.values():
+                t.add_(1.0)
+        errors: list[BaseException] = []
+
+        def send(sender: Any) -> None:
+            try:
+                sender.send()
+            except BaseException as exc:
+                errors.append(exc)
+
+        sending = [threading.Thread(target=send, args=(senders[i],)) for i in (0, 2)]
+        for t in sending:
+            t.start()
+        for t in sending:
+            t.join(30)
+        assert len(errors) == 2 and all(isinstance(e, SyncTimeout) for e in errors), errors
+        for e in errors:
+            assert isinstance(e, SyncTimeout) and e.missing_ranks == [1], e
+        assert [r.version for r in receivers] == [1, 1]
+        for half, name in itertools.product((0, 1), learner):
+            assert torch.equal(models[half][name], _slice_of(first, name, half)), name
+        assert not receivers[1].torn
+        senders[1].send()  # late: version 2 is whole now, on both
+        until(lambda: [r.version for r in receivers] == [2, 2], 30, "both hold version 2")
+        assert all(holds_slices(h) for h in (0, 1)) and not receivers[1].torn
+    finally:
+        for r in receivers:
+            r.close()
+        for sender in senders:
+            sender.close()
 
 
 @pytest.mark.timeout(60)
