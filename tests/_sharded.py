@@ -236,3 +236,59 @@ def run_sliced_worker(endpoint: str, half: int, conn: Any, mode: str) -> None:
     finally:
         if scheme is not None:
             scheme.shutdown()
+
+
+def run_dtensor_worker(
+    rank: int, world: int, port: int, endpoint: str, conn: Any, mode: str
+) -> None:
+    """Rank ``rank`` of a tensor-parallel worker of ``world`` ranks over gloo of its own
+    (worker id ``rank``): :class:`Net`'s tensors as DTensors, ``a`` sharded on rows
+    (uneven), ``b.weight`` and ``wide`` on columns, ``b.bias`` and ``shared`` replicated,
+    ``steps`` plain; it declares its local boxes and receives into its local shards.
+    Answers ``"state"`` (a collective) with ``(version, checksum of the gathered model)``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from zmqsync.tensors.slices import dtensor_slices
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    placements = {"a.weight": Shard(0), "a.bias": Shard(0), "b.weight": Shard(1)}
+    placements.update({"wide": Shard(1), "b.bias": Replicate(), "shared": Replicate()})
+    scheme = None
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(2000)  # not the learner's values; the same on every rank
+        tensors: dict[str, torch.Tensor] = {
+            name: distribute_tensor(t.detach(), mesh, [placements[name]])
+            if name in placements
+            else t.detach().clone()
+            for name, t in Net().state_dict().items()
+        }
+        local, boxes = dtensor_slices(tensors)
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
+        scheme.init_on_receiver(model_id="policy", model=local, worker_idx=rank, slices=boxes)
+        scheme.connect(timeout=120)
+        scheme.start_receiver_thread()
+        conn.send("ready")
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            receiver = scheme.get_receiver()
+            with scheme.lock:
+                version = receiver.version
+                full = {
+                    name: t.full_tensor() if isinstance(t, DTensor) else t
+                    for name, t in tensors.items()
+                }
+            conn.send((version, zmqsync.checksum(full, "state_dict")))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -716,3 +716,61 @@ def test_fsdp2_learner_of_two_ranks_and_two_sliced_workers(tmp_path: Any, mode: 
                 proc.kill()
                 proc.join(5)
     until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_learner_and_a_tensor_parallel_worker_of_dtensors(tmp_path: Any) -> None:
+    """A worker that is itself tensor-parallel over gloo (two ranks, each a worker) with
+    a model of DTensors declares their local boxes (``dtensor_slices``): after each
+    version the model it gathers is the learner's gathered model, as is a plain
+    worker's."""
+    from _sharded import run_dtensor_worker, run_plain_worker, run_rank
+    from conftest import free_port
+
+    learner_port, worker_port = free_port(), free_port()
+    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
+    procs: list[Any] = []
+    conns: list[Any] = []
+
+    def spawn(target: Any, *args: Any) -> Any:
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(target=target, args=(*args[:-1], child, args[-1]), daemon=True)
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+        return parent
+
+    try:
+        learners = [spawn(run_rank, r, 2, learner_port, endpoints[r], "pubsub") for r in range(2)]
+        for c in learners:
+            _answer(c, "ready")
+        workers = [
+            spawn(run_dtensor_worker, r, 2, worker_port, endpoints[0], "pubsub") for r in range(2)
+        ]
+        workers.append(spawn(run_plain_worker, endpoints[0], 2, "pubsub"))
+        for c in learners:
+            c.send("connect")
+        answers = [_answer(c, "connect") for c in learners]
+        for c in workers:
+            assert _answer(c, "ready") == "ready"
+        for version in range(0, 3):
+            if version:
+                for c in learners:
+                    c.send("send")
+                answers = [_answer(c, "send") for c in learners]
+            expected = answers[0][2]
+            for c in workers:  # the tensor-parallel worker's ranks gather together
+                c.send("state")
+            assert [_answer(c, "state") for c in workers] == [(version, expected)] * 3
+    finally:
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for proc in procs:
+            proc.join(10)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
+import torch
+
 from zmqsync.protocol import Box, Slice
 from zmqsync.tensors.extract import extract
 
-__all__ = ["SliceSpec", "declare_slices"]
+__all__ = ["SliceSpec", "declare_slices", "dtensor_slices"]
 
 #: What ``WeightReceiver(slices=)`` takes: a callable from a tensor's name and its shape
 #: at the worker (its slice's extent) to the box its slice is of the global tensor
@@ -69,3 +71,38 @@ def _slice(
             f"in the global shape {box.shape}"
         )
     return Slice(path, tuple(box.shape), tuple(box.offsets), tuple(extent))
+
+
+def dtensor_slices(
+    model: Any, strategy: str = "state_dict"
+) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+    """A worker's model of DTensors (a tensor-parallel worker with torch.distributed of
+    its own) as a sliced receiver takes it: each tensor's local shard, by name (a view:
+    what is written into it lands in the DTensor), and the box of the global tensor
+    each sharded one is (a replicated or plain tensor is held whole). Pass them as
+    ``model=`` and ``slices=``.
+
+    Raises ``ValueError`` for a placement that is not one box (``Partial``, strided)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local: dict[str, torch.Tensor] = {}
+    boxes: dict[str, Box] = {}
+    for path, t in extract(model, strategy).items():
+        name = ".".join(path)
+        if not isinstance(t, DTensor):
+            local[name] = t
+            continue
+        for placement in t.placements:
+            if "Strided" in type(placement).__name__ or isinstance(placement, Partial):
+                raise ValueError(f"tensor {name!r} is placed as {placement}: not one box")
+            if not isinstance(placement, Shard | Replicate):
+                raise ValueError(f"tensor {name!r} is placed as {placement}: not one box")
+        whole = tuple(t.shape)
+        shape, offsets = compute_local_shape_and_global_offset(whole, t.device_mesh, t.placements)
+        local[name] = t.to_local()
+        if tuple(local[name].shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r}: its local shard is padded, not one box")
+        if tuple(shape) != whole:
+            boxes[name] = Box(whole, tuple(offsets))
+    return local, boxes
