@@ -500,18 +500,14 @@ class WeightSender:
             if routes:
                 transfers = self._routed(transfers, routes)
             if everyone.get(runner.index):
-                transfers = self._sliced_transfers(
-                    transfers,
-                    copy,
-                    runner.index,
-                    everyone[runner.index],
-                    targeted.get(runner.index, []),
-                )
+                transfers = self._unsliced(transfers, runner.index, everyone[runner.index])
             for transfer in transfers:
                 runner.begin(transfer)
                 if transfer.spans is not None:
                     n, _ = deltas.get(transfer.base, (0, 0))
                     deltas[transfer.base] = (n + transfer.workers, transfer.nbytes)
+        if everyone:
+            self._send_cuts(copy, targeted)
         self._stats.version_sent(
             version, copy.nbytes, len(send.targets), deltas if self.delta else None
         )
@@ -595,17 +591,11 @@ class WeightSender:
                 out.append(Transfer(t.copy, [p], t.spans, t.base, each, targets=routes[p]))
         return out
 
-    def _sliced_transfers(
-        self,
-        transfers: list[Transfer],
-        copy: Copy,
-        hub: int,
-        everyone: list[PeerId],
-        targeted: list[PeerId],
+    def _unsliced(
+        self, transfers: list[Transfer], hub: int, everyone: list[PeerId]
     ) -> list[Transfer]:
-        """``transfers`` of ``copy`` to hub ``hub`` with its sliced workers taken out (a
-        fan-out then addressed to the others, ``everyone`` but them) and each targeted
-        sliced worker sent its cut of the version, addressed."""
+        """``transfers`` to hub ``hub`` with its sliced workers taken out: a fan-out is
+        then addressed to the others (``everyone`` but them)."""
         sliced = self._sliced.sliced(hub, everyone)
         if not sliced:
             return transfers
@@ -614,11 +604,20 @@ class WeightSender:
             to = [p for p in (everyone if t.to is None else t.to) if p not in sliced]
             if to:
                 out.append(Transfer(t.copy, to, t.spans, t.base, t.workers, t.targets))
-        for peer in sliced:
-            cut = self._sliced.cut_for(hub, peer, copy) if peer in targeted else None
-            if cut is not None:
-                out.append(Transfer(cut, [peer]))
         return out
+
+    def _send_cuts(self, copy: Copy, targeted: dict[int, list[PeerId]]) -> None:
+        """Send each targeted sliced worker its cut of ``copy``, addressed. Cut holding
+        every hub, once each began the version's stream: no pump reads an older copy
+        meanwhile (whose memory ``copy`` may have taken over, and is now written)."""
+        with contextlib.ExitStack() as held:
+            for runner in self._runners:
+                held.enter_context(runner.holding())
+            for runner in self._runners:
+                for peer in self._sliced.sliced(runner.index, targeted.get(runner.index, [])):
+                    cut = self._sliced.cut_for(runner.index, peer, copy)
+                    if cut is not None:
+                        runner.begin(Transfer(cut, [peer]))
 
     # --- waiting for acks ------------------------------------------------------------
 
