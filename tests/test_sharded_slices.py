@@ -592,7 +592,7 @@ def test_a_plain_learner_refuses_a_sliced_worker_saying_why() -> None:
     try:
         with pytest.raises(SyncTimeout):
             worker.connect(timeout=3)
-        assert any("not sharded" in r for r in worker.rejections)
+        assert any("no rank of a sharded learner" in r for r in worker.rejections)
         assert sender.status()["totals"]["rejected_frames"] >= 1
     finally:
         worker.close()

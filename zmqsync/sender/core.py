@@ -901,8 +901,9 @@ class WeightSender:
         if hello.slices and not self._sharded:
             self._sliced.refused += 1
             reason: str | None = (
-                "this learner is not sharded: a worker that holds slices needs a sharded "
-                "learner's ranks (each cuts its part for it)"
+                "this sender is no rank of a sharded learner (a learner of one process, or "
+                "a relay): a worker that holds slices connects to a sharded learner's "
+                "ranks, which each cut their part for it"
             )
         else:
             layout = self._versions.layout
