@@ -272,10 +272,11 @@ def _slice_of(learner: dict[str, Any], name: str, half: int) -> Any:
     return t
 
 
-def _sliced_model(half: int) -> dict[str, Any]:
+def _sliced_model() -> dict[str, Any]:
+    """A tensor-parallel worker's model: its halves of ``qkv``, ``qkv_bias`` and
+    ``proj``, and ``norm`` whole (either half: they are of one shape)."""
     import torch
 
-    del half
     return {
         "qkv": torch.zeros(32, 32),
         "qkv_bias": torch.zeros(32),
@@ -341,8 +342,8 @@ def test_sliced_workers_get_their_slices_only_and_a_plain_one_the_whole_model(
         got.update({k: t.clone() for k, t in tensors})
 
     models = [
-        _sliced_model(0),
-        _sliced_model(1),
+        _sliced_model(),
+        _sliced_model(),
         {k: torch.zeros_like(t) for k, t in learner.items()},
     ]
     sink_slices = {
@@ -401,7 +402,7 @@ def test_sliced_workers_get_their_slices_only_and_a_plain_one_the_whole_model(
         assert counts[2][0] >= 2 * model_bytes
         assert counts[0][0] < 0.6 * counts[2][0]
         # A late sliced joiner is served its cut of the latest version by every rank.
-        late = _sliced_model(0)
+        late = _sliced_model()
         receivers.append(receiver(3, 0, late, apply_mode="staged"))
         receivers[-1].connect()
         assert receivers[-1].version == 2
