@@ -31,6 +31,7 @@ from zmqsync.chunking.parts import (
     Torn,
     Whole,
 )
+from zmqsync.chunking.slices import Rebaser
 from zmqsync.chunking.staging import Staging
 from zmqsync.errors import (
     FrameError,
@@ -48,6 +49,7 @@ from zmqsync.receiver.ranks import RankSessions
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import UpstreamSession
 from zmqsync.receiver.stats import new_stats
+from zmqsync.tensors.slices import SliceSpec, declare_slices
 from zmqsync.transport.base import SpokeTransport, has_input
 from zmqsync.vocabulary import Metadata, Strategy
 
@@ -107,6 +109,14 @@ class WeightReceiver:
         connect_rank: makes a spoke to another endpoint: a sharded learner's rank that
             its rank 0's Welcome names (a scheme passes it). Without it, a worker
             follows a learner of one rank only.
+        slices: what a tensor-parallel worker holds of each tensor: a callable
+            ``(name, shape) -> Box | None`` (``shape``: the model's tensor, the slice's
+            extent; ``Box(global shape, offsets)``: where the slice lies in the global
+            tensor; None: the whole tensor), or a mapping of names to boxes (to ``(Box,
+            extent)`` with a sink). Each rank of a sharded learner then sends this
+            worker only the bytes of its part inside them, and versions are applied
+            into the slices (or a sink is handed them). Worked out from the model once,
+            here; it needs a sharded learner.
     """
 
     def __init__(
@@ -124,6 +134,7 @@ class WeightReceiver:
         failover: Sequence[Callable[[], SpokeTransport]] = (),
         keep: Keep = "weights",
         connect_rank: Callable[[str], SpokeTransport] | None = None,
+        slices: SliceSpec | None = None,
     ) -> None:
         if apply_mode not in APPLY_MODES:
             raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
@@ -167,6 +178,10 @@ class WeightReceiver:
             observer=self._observers,
         )
         self._connect_rank = connect_rank
+        declared = () if slices is None else declare_slices(slices, model, strategy)
+        self._upstream.slices = declared
+        #: A tensor-parallel worker's slices, onto which each part's schema is rebased.
+        self._rebaser = Rebaser({s.key: s for s in declared}) if declared else None
         #: A sharded learner's ranks, once rank 0's Welcome named them.
         self._ranks: RankSessions | None = None
         #: The refusal pending when connect() began: it stands unless a version fits.
@@ -592,6 +607,8 @@ class WeightReceiver:
         del frames
         if isinstance(message, Chunk):
             try:
+                if self._rebaser is not None:
+                    message = self._rebaser.chunk(message)
                 events = ranks.gather.feed(
                     index,
                     message,
