@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final, NoReturn
@@ -33,7 +33,7 @@ from zmqsync.security import (
     exposed_secret_file,
 )
 from zmqsync.status_types import SenderStatus, WorkerStatus
-from zmqsync.tools.status import worker_problem
+from zmqsync.tools.status import RankRow, worker_problem
 from zmqsync.vocabulary import MODES, STRATEGIES
 
 #: Width of output that goes to a file or a pipe (rich would pick 80 columns, which
@@ -407,15 +407,71 @@ def verdict(status: SenderStatus, problems: Mapping[int, str]) -> Text:
     )
 
 
-def status_view(
-    status: SenderStatus, problems: Mapping[int, str], *, silent_after: float | None
-) -> Group:
-    """Header, worker table and verdict: what ``status``, ``watch`` and ``demo`` show."""
-    return Group(
-        status_header(status),
-        status_table(status, silent_after=silent_after),
-        verdict(status, problems),
+def rank_table(status: SenderStatus, rows: Sequence[RankRow]) -> Table:
+    """A sharded learner's ranks, a row each: where it is bound, the version it sent
+    last, the bytes it sent, and whether it answered (a rank a waiting send still lacks
+    says so, with the workers waiting for it)."""
+    waiting = status.waiting_ranks or {}
+    table = Table(show_edge=True, pad_edge=True, expand=False)
+    for name, justify in (
+        ("rank", "right"),
+        ("endpoint", "left"),
+        ("version", "right"),
+        ("sent", "right"),
+        ("state", "left"),
+        ("host:pid", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for row in rows:
+        if not row.answered:
+            state = Text("not answering", style="red")
+        elif row.problem is not None:
+            state = Text(row.problem, style="yellow")
+        else:
+            state = Text("ok", style="green")
+        waiters = waiting.get(str(row.rank))
+        if waiters:
+            state.append(
+                f"; worker(s) {', '.join(map(str, waiters))} wait for its part", style="red"
+            )
+        table.add_row(
+            str(row.rank),
+            Text(row.endpoint),  # what a peer claims is not rich markup
+            str(row.version) if row.answered else "-",
+            fmt_bytes(row.bytes_sent) if row.answered else "-",
+            state,
+            Text(f"{row.host}:{row.pid}") if row.answered else "-",
+        )
+    return table
+
+
+def rank_verdict(rows: Sequence[RankRow], problems: Mapping[int, str]) -> Text:
+    """A line about the ranks: all answering at one version, or what is wrong."""
+    if not problems:
+        newest = max((row.version for row in rows), default=0)
+        return Text(f"all {len(rows)} ranks answer, at version {newest}", style="green")
+    return Text(
+        f"{len(problems)} of {len(rows)} ranks need attention: "
+        + "; ".join(problems[r] for r in sorted(problems)),
+        style="red",
     )
+
+
+def status_view(
+    status: SenderStatus,
+    problems: Mapping[int, str],
+    *,
+    silent_after: float | None,
+    ranks: Sequence[RankRow] = (),
+    rank_problems: Mapping[int, str] | None = None,
+) -> Group:
+    """Header, worker table and verdict: what ``status``, ``watch`` and ``demo`` show;
+    for a sharded learner's rank, its ranks' table and their verdict first."""
+    parts: list[Any] = [status_header(status)]
+    if ranks:
+        parts += [rank_table(status, ranks), rank_verdict(ranks, rank_problems or {})]
+    parts += [status_table(status, silent_after=silent_after), verdict(status, problems)]
+    return Group(*parts)
 
 
 def client_keys(secret: Path | None, server_key: Path | None) -> CurveClient | None:

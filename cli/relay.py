@@ -38,7 +38,8 @@ def relay(
         str,
         typer.Argument(
             envvar="ZMQSYNC_UPSTREAM",
-            help="The learner's (or an upper relay's) endpoint, as it printed it.",
+            help="The learner's (or an upper relay's) endpoint, as it printed it; of a "
+            "sharded learner, rank 0's (its Welcome names the other ranks).",
         ),
     ],
     endpoint: Annotated[
@@ -102,7 +103,8 @@ def relay(
     own, chunk by chunk as it arrives, holding no model.
 
     The learner sends each version once per relay; the relay acks a version upstream
-    once every worker it serves holds it, and serves its late joiners itself. Prints
+    once every worker it serves holds it, and serves its late joiners itself. Of a
+    sharded learner, it gathers every rank's part of a version and forwards it whole. Prints
     'zmqsync relay: listening on ENDPOINT' once it listens, then a line per version.
     Runs until Ctrl-C.
     """

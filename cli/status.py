@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from zmqsync.status_types import SenderStatus
-from zmqsync.tools.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
+from zmqsync.tools.status import (
+    DEFAULT_SILENT_AFTER,
+    DEFAULT_STATUS_TIMEOUT,
+    assess,
+    query_ranks,
+    query_status,
+    rank_problems,
+)
 
 from ._common import (
     SILENT_HELP,
@@ -46,17 +53,30 @@ def status(
 ) -> None:
     """Show which version every worker holds, and how syncing has gone.
 
-    Exit code: 0 when every worker holds the sender's current version, 1 when any is
-    behind, has not connected or went silent, 2 when no sender answered.
+    Given a rank of a sharded learner (rank 0's endpoint, say), every rank it names is
+    asked too, with the same keys, and shown in a row: its endpoint, version and bytes
+    sent, or that it is not answering.
+
+    Exit code: 0 when every worker holds the sender's current version (and every rank
+    answers at it), 1 when any is behind, has not connected or went silent (or a rank
+    does not answer), 2 when no sender answered.
     """
     with user_errors(code=EXIT_NO_SENDER):
         curve = client_keys(curve_secret, curve_server_key)
         state = SenderStatus.from_dict(query_status(endpoint, timeout, curve=curve))
     problems = assess(state, silent_after=silent_after)
+    ranks = query_ranks(state, timeout, curve=curve)
+    ranks_wrong = rank_problems(ranks)
     if as_json:
         problems_doc = {str(w): p for w, p in sorted(problems.items())}
         doc = {**state.as_dict(), "problems": problems_doc}
+        if ranks:
+            doc["rank_rows"] = [row.as_dict() for row in ranks]
+            doc["rank_problems"] = {str(r): p for r, p in sorted(ranks_wrong.items())}
         typer.echo(json.dumps(doc, indent=2, sort_keys=False))
     else:
-        console().print(status_view(state, problems, silent_after=silent_after))
-    raise typer.Exit(EXIT_LAGGING if problems else EXIT_OK)
+        view = status_view(
+            state, problems, silent_after=silent_after, ranks=ranks, rank_problems=ranks_wrong
+        )
+        console().print(view)
+    raise typer.Exit(EXIT_LAGGING if problems or ranks_wrong else EXIT_OK)

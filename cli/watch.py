@@ -14,7 +14,14 @@ from zmqsync.endpoints import check_connectable
 from zmqsync.errors import ZMQSyncError
 from zmqsync.security import CurveClient
 from zmqsync.status_types import SenderStatus
-from zmqsync.tools.status import DEFAULT_SILENT_AFTER, DEFAULT_STATUS_TIMEOUT, assess, query_status
+from zmqsync.tools.status import (
+    DEFAULT_SILENT_AFTER,
+    DEFAULT_STATUS_TIMEOUT,
+    assess,
+    query_ranks,
+    query_status,
+    rank_problems,
+)
 
 from ._common import (
     SILENT_HELP,
@@ -37,7 +44,10 @@ def _snapshot(
         # A learner restarting is what watch is for: say so and keep asking.
         return Text(f"{time.strftime('%H:%M:%S')}  no answer: {exc}", style="red")
     problems = assess(state, silent_after=silent_after)
-    return status_view(state, problems, silent_after=silent_after)
+    ranks = query_ranks(state, timeout, curve=curve)  # a sharded learner's: a row per rank
+    return status_view(
+        state, problems, silent_after=silent_after, ranks=ranks, rank_problems=rank_problems(ranks)
+    )
 
 
 def watch(
@@ -56,7 +66,8 @@ def watch(
 ) -> None:
     """Watch a sender's sync state live: the `status` table, refreshed until Ctrl-C.
 
-    A sender that stops answering is shown as such, and watched until it is back.
+    A sender that stops answering is shown as such, and watched until it is back; a
+    sharded learner's ranks are shown a row each, as by `status`.
     """
     out = console()
     with user_errors(code=2):

@@ -78,6 +78,7 @@ def run_rank(
     sender: bool = True,
     connect_timeout: float = 120.0,
     timeout: float = 30.0,
+    num_workers: int = 3,
 ) -> None:
     """Rank ``rank`` of an FSDP2 learner of ``world`` ranks, a sender of its own part
     (unless not ``sender``: it then only waits to be stopped). Commands: ``"connect"``,
@@ -85,7 +86,8 @@ def run_rank(
     checksum. For the fault tests, a version in two steps: ``"bump"`` (a collective:
     the new version's weights, answered with its gathered checksum) and ``"push"`` (its
     send, no collective: answered ``("push", version, "")``, or ``("timeout", version,
-    missing workers, missing ranks, message, seconds waited)``)."""
+    missing workers, missing ranks, message, seconds waited)``). ``num_workers``: the
+    workers its ``connect()`` waits for (a relay is one)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -104,7 +106,7 @@ def run_rank(
             timeout=timeout,
             connect_timeout=connect_timeout,
         )
-        scheme.init_on_sender("policy", model=net, num_workers=3)
+        scheme.init_on_sender("policy", model=net, num_workers=num_workers)
         conn.send(("ready", scheme.get_sender().epoch))
         version = 0
         while True:
@@ -171,6 +173,223 @@ def run_plain_worker(
     finally:
         if scheme is not None:
             scheme.shutdown()
+
+
+def run_host_rank(
+    ns: str,
+    master: str,
+    rank: int,
+    world: int,
+    port: int,
+    options: dict[str, Any],
+    conn: Any,
+) -> None:
+    """Rank ``rank`` of an FSDP2 learner on a host of its own (network namespace
+    ``ns``): gloo's rendezvous at ``master:port`` (rank 0's host) and its collectives go
+    over the hosts' own links, and the rank binds ``options["endpoint"]`` on its host,
+    with ``options``' CURVE keys. Answers ``("ready", epoch)``; commands ``"connect"``
+    and ``"send"`` (a new version) are answered with the gathered model's checksum,
+    ``"status"`` with the rank's own ``status()``."""
+    import datetime
+
+    import torch.distributed as dist
+    from netns import enter_netns
+
+    scheme = None
+    try:
+        enter_netns(ns)  # before any socket: gloo's too
+        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        )
+        net = _sharded_net(world)
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", **options)
+        scheme.init_on_sender("policy", model=net, num_workers=2)
+        conn.send(("ready", scheme.get_sender().epoch))
+        version = 0
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            if command == "status":
+                conn.send(("status", scheme.get_sender().status()))
+                continue
+            if command == "connect":
+                scheme.connect(timeout=60)
+            elif command == "send":
+                version += 1
+                _bump(net, rank, version)
+                scheme.send()
+            conn.send((command, version, _gathered_checksum(net)))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_host_worker(
+    ns: str, endpoint: str, worker_idx: int, options: dict[str, Any], conn: Any
+) -> None:
+    """A worker with a plain module on a host of its own, given rank 0's endpoint alone
+    and ``options``' CURVE keys (and ``connect_timeout``). Answers ``("ready",
+    checksum)`` once connected, or ``("refused", message, checksum)`` if it could not
+    (keys the ranks do not accept); then ``"state"`` with ``(version, checksum,
+    received bytes)``."""
+    from netns import enter_netns
+
+    scheme = None
+    try:
+        enter_netns(ns)
+        torch.manual_seed(1000 + worker_idx)  # not the learner's values
+        model = Net()
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", endpoint=endpoint, **options)
+        scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
+        receiver = scheme.get_receiver()
+        try:
+            scheme.connect()  # within options' connect_timeout
+        except zmqsync.ZMQSyncError as exc:
+            conn.send(("refused", str(exc), zmqsync.checksum(model, "state_dict")))
+        else:
+            scheme.start_receiver_thread()
+            conn.send(("ready", zmqsync.checksum(model, "state_dict")))
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            with scheme.lock:
+                got = int(receiver.stats.get("received_bytes", 0))
+                conn.send((receiver.version, zmqsync.checksum(model, "state_dict"), got))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()
+
+
+#: What tensor-parallel worker ``half`` of 2 holds of :class:`Net`'s tensors: the rows
+#: of ``a`` (uneven: 3 and 2), the columns of ``b.weight`` (3 and 2) and of ``wide`` (4
+#: and 3); the rest whole. ``(dim, where half 1 begins)`` per sliced tensor.
+SLICED: dict[str, tuple[int, int]] = {
+    "a.weight": (0, 3),
+    "a.bias": (0, 3),
+    "b.weight": (1, 3),
+    "wide": (1, 4),
+}
+
+
+def sliced_half(full: dict[str, torch.Tensor], name: str, half: int) -> torch.Tensor:
+    """Worker ``half``'s slice of the whole tensor ``full[name]``."""
+    t = full[name]
+    if name not in SLICED:
+        return t
+    dim, cut = SLICED[name]
+    return t.narrow(dim, 0, cut) if half == 0 else t.narrow(dim, cut, t.shape[dim] - cut)
+
+
+def _slice_box(name: str, shape: tuple[int, ...], half: int) -> Any:
+    """The box worker ``half``'s tensor ``name`` (of ``shape``) is of Net's tensor."""
+    if name not in SLICED:
+        return None
+    whole = tuple(Net().state_dict()[name].shape)
+    dim, cut = SLICED[name]
+    offsets = [0] * len(whole)
+    offsets[dim] = 0 if half == 0 else cut
+    return zmqsync.protocol.Box(whole, tuple(offsets))
+
+
+def run_sliced_worker(endpoint: str, half: int, conn: Any, mode: str) -> None:
+    """Tensor-parallel worker ``half`` of 2 (worker id ``half``): a model of its slices
+    of :class:`Net`'s tensors alone, given rank 0's endpoint. Answers ``"state"`` with
+    ``(version, {name: array})``."""
+    scheme = None
+    try:
+        full = Net().state_dict()
+        model = {name: torch.zeros_like(sliced_half(full, name, half)) for name in full}
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
+        scheme.init_on_receiver(
+            model_id="policy",
+            model=model,
+            worker_idx=half,
+            slices=lambda name, shape: _slice_box(name, shape, half),
+        )
+        scheme.connect(timeout=120)
+        scheme.start_receiver_thread()
+        conn.send("ready")
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            receiver = scheme.get_receiver()
+            with scheme.lock:
+                state = {name: t.numpy().copy() for name, t in model.items()}
+                conn.send((receiver.version, state))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()
+
+
+def run_dtensor_worker(
+    rank: int, world: int, port: int, endpoint: str, conn: Any, mode: str
+) -> None:
+    """Rank ``rank`` of a tensor-parallel worker of ``world`` ranks over gloo of its own
+    (worker id ``rank``): :class:`Net`'s tensors as DTensors, ``a`` sharded on rows
+    (uneven), ``b.weight`` and ``wide`` on columns, ``b.bias`` and ``shared`` replicated,
+    ``steps`` plain; it declares its local boxes and receives into its local shards.
+    Answers ``"state"`` (a collective) with ``(version, checksum of the gathered model)``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from zmqsync.tensors.slices import dtensor_slices
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    placements = {"a.weight": Shard(0), "a.bias": Shard(0), "b.weight": Shard(1)}
+    placements.update({"wide": Shard(1), "b.bias": Replicate(), "shared": Replicate()})
+    scheme = None
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(2000)  # not the learner's values; the same on every rank
+        tensors: dict[str, torch.Tensor] = {
+            name: distribute_tensor(t.detach(), mesh, [placements[name]])
+            if name in placements
+            else t.detach().clone()
+            for name, t in Net().state_dict().items()
+        }
+        local, boxes = dtensor_slices(tensors)
+        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
+        scheme.init_on_receiver(model_id="policy", model=local, worker_idx=rank, slices=boxes)
+        scheme.connect(timeout=120)
+        scheme.start_receiver_thread()
+        conn.send("ready")
+        while True:
+            command = conn.recv()
+            if command == "stop":
+                break
+            receiver = scheme.get_receiver()
+            with scheme.lock:
+                version = receiver.version
+                full = {
+                    name: t.full_tensor() if isinstance(t, DTensor) else t
+                    for name, t in tensors.items()
+                }
+            conn.send((version, zmqsync.checksum(full, "state_dict")))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if scheme is not None:
+            scheme.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # --- delta=True and wire_dtype= on a sharded learner ------------------------------------

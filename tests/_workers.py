@@ -142,3 +142,16 @@ def run_leaves(endpoints: list[str], ids: list[int], conn: Any, timeout: float) 
         for r in receivers.values():
             with contextlib.suppress(Exception):
                 r.close()
+
+
+def run_and_leave_open(conn: Any, worker_idx: int) -> None:
+    """A worker that connects over its pipe and returns with its receiver still open, as
+    torchrl's collector workers do: its process then exits on its own."""
+    from zmqsync import WeightReceiver
+    from zmqsync.transport.pipe import PipeSpoke
+
+    receiver = WeightReceiver(
+        PipeSpoke(conn), model=make_model(), strategy="state_dict", worker_idx=worker_idx
+    )
+    receiver.connect()
+    receiver.start()

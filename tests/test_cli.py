@@ -25,6 +25,7 @@ import pytest
 import torch
 import zmq
 import zmq.auth
+from _ranks import ShardedFleet
 from typer.testing import CliRunner
 
 from zmqsync import ZMQWeightSyncScheme, checksum
@@ -812,3 +813,186 @@ def test_the_status_table_shows_the_tree_under_a_relay_furthest_behind_first() -
     assert "└ 11" in lines[0] and "behind 1" in lines[0] and "via relay 0" in lines[0]
     assert "relay for 22, 1 behind" in text
     assert "└ +2" in lines[-1] and len(lines) == BELOW_ROWS + 1  # the rest are counted
+
+
+# --- a sharded learner's ranks ---------------------------------------------------------
+
+
+@pytest.fixture
+def sharded() -> Iterator[ShardedFleet]:
+    f = ShardedFleet()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.mark.timeout(120)
+def test_status_of_a_rank_shows_a_row_per_rank(runner: CliRunner, sharded: ShardedFleet) -> None:
+    assert sharded.send() == [] and sharded.send() == []
+    own = sharded.senders[1].status()
+    assert own["rank"] == 1 and own["ranks"] == sharded.endpoints and own["waiting_ranks"] == {}
+    for asked in (0, 2):  # rank 0's endpoint, as users give it, or any other rank's
+        result = runner.invoke(app, ["status", sharded.endpoints[asked], "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        assert doc["rank"] == asked and doc["ranks"] == sharded.endpoints
+        rows = doc["rank_rows"]
+        assert [(r["rank"], r["endpoint"], r["answered"]) for r in rows] == [
+            (r, e, True) for r, e in enumerate(sharded.endpoints)
+        ]
+        assert [r["version"] for r in rows] == [2, 2, 2] and doc["rank_problems"] == {}
+        assert all(r["epoch"] == 11 and r["problem"] is None for r in rows)
+        # Each rank's bytes are its own part's: what its own status says it sent.
+        sent = [s.status()["totals"]["bytes_sent"] for s in sharded.senders]
+        assert [r["bytes_sent"] for r in rows] == sent and all(sent)
+    table = runner.invoke(app, ["status", sharded.endpoints[0]])
+    assert table.exit_code == 0, table.output
+    assert "all 3 ranks answer, at version 2" in table.stdout
+    assert all(e in table.stdout for e in sharded.endpoints)
+    assert "all 2 workers hold version 2" in table.stdout
+
+
+@pytest.mark.timeout(120)
+def test_status_names_the_rank_a_send_waits_for_and_one_not_answering(runner: CliRunner) -> None:
+    """Ranks 0 and 1 send version 2 and rank 2 does not: while they wait, rank 0's
+    status says the workers wait for rank 2's part, and rank 2 is a version behind; rank
+    2 closed, its row says it is not answering, within the status timeout."""
+    fleet = ShardedFleet(timeout=15.0)
+    try:
+        assert fleet.send() == []
+        with torch.no_grad():
+            fleet.model["w"].add_(1.0)
+        threads, errors = fleet.start_send([0, 1])
+        deadline = time.monotonic() + 12
+        while fleet.senders[0].status()["waiting_ranks"] != {"2": [0, 1]}:
+            assert time.monotonic() < deadline, fleet.senders[0].status()["waiting_ranks"]
+            time.sleep(0.05)
+        result = runner.invoke(app, ["status", fleet.endpoints[0], "--json"])
+        assert result.exit_code == 1, result.output
+        doc = json.loads(result.stdout)
+        assert doc["waiting_ranks"] == {"2": [0, 1]}
+        assert doc["rank_problems"] == {"2": "rank 2 sent version 1 of 2"}
+        table = runner.invoke(app, ["status", fleet.endpoints[0]])
+        assert "worker(s) 0, 1 wait for its part" in table.stdout, table.stdout
+        fleet.senders[2].close()  # its socket gone: nothing answers there
+        started = time.monotonic()
+        result = runner.invoke(app, ["status", fleet.endpoints[0], "--json", "--timeout", "4"])
+        assert time.monotonic() - started < 20  # bounded by the timeout, not by rank 2
+        assert result.exit_code == 1, result.output
+        rows = json.loads(result.stdout)["rank_rows"]
+        assert [r["answered"] for r in rows] == [True, True, False]
+        assert rows[2]["problem"].startswith("rank 2 is not answering: no zmqsync sender")
+        table = runner.invoke(app, ["status", fleet.endpoints[0], "--timeout", "4"])
+        assert "not answering" in table.stdout and "1 of 3 ranks need attention" in table.stdout
+        for t in threads:
+            t.join(60)
+        assert len(errors) == 2 and all(isinstance(e, SyncTimeout) for e in errors), errors
+        assert all(e.missing_ranks == [2] for e in errors)  # type: ignore[attr-defined]
+    finally:
+        fleet.close()
+
+
+class _FakeRank:
+    """A ROUTER socket on 127.0.0.1 that answers each status request with ``frames``
+    (made from the request's own frames), or never (``frames`` None): a rank as hostile
+    or as broken as it likes."""
+
+    def __init__(self, frames: Any) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._frames = frames
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(50):
+                continue
+            peer, *_ = self._sock.recv_multipart()
+            if self._frames is not None:
+                self._sock.send_multipart([peer, *self._frames])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(linger=0)
+
+
+def _reply(**status: Any) -> list[bytes]:
+    from zmqsync.protocol import StatusReply, encode
+
+    doc = {"model_id": "policy", "epoch": 5, "version": 3, **status}
+    return [bytes(f) for f in encode(StatusReply("policy", 3, 5, doc))]
+
+
+@pytest.mark.timeout(60)
+def test_rank_rows_name_every_rank_that_is_silent_lies_or_is_of_another_job() -> None:
+    """Rank 0 names six ranks: rank 1 answers as rank 2, rank 2 is of another epoch,
+    rank 3 answers garbage, rank 4 never answers, rank 5 answers a reply past the
+    protocol's body limit (dropped unread), rank 6 names an address no client can
+    connect to. Every row says what is wrong, and one look takes about one timeout."""
+    from zmqsync.protocol.limits import MAX_BODY_BYTES
+    from zmqsync.tools.client import query_ranks, rank_problems
+
+    fakes = [
+        _FakeRank(_reply(rank=2, ranks=[])),
+        _FakeRank(_reply(rank=2, epoch=6, ranks=[])),
+        _FakeRank([b"not", b"zmqsync"]),
+        _FakeRank(None),
+        _FakeRank([_reply(rank=5)[0], bytes(MAX_BODY_BYTES + 1)]),
+    ]
+    try:
+        endpoints = ["tcp://127.0.0.1:1", *(f.endpoint for f in fakes), "tcp://127.0.0.1:*"]
+        asked = {"model_id": "policy", "epoch": 5, "version": 3, "rank": 0, "ranks": endpoints}
+        started = time.monotonic()
+        rows = query_ranks(asked, timeout=2.0)
+        assert time.monotonic() - started < 2.0 + 10  # one timeout for all, not one each
+    finally:
+        for fake in fakes:
+            fake.close()
+    assert [(row.rank, row.endpoint) for row in rows] == list(enumerate(endpoints))
+    assert [row.answered for row in rows] == [True, True, True, False, False, False, False]
+    problems = rank_problems(rows)
+    assert sorted(problems) == [1, 2, 3, 4, 5, 6]
+    assert problems[1] == "rank 1 answered as rank 2 of model 'policy'"
+    assert problems[2].startswith("rank 2 is of another epoch (6, not 5)")
+    assert "not a zmqsync sender" in problems[3]
+    assert "no zmqsync sender answered" in problems[4]
+    assert "no zmqsync sender answered" in problems[5]
+    assert "only a sender can bind" in problems[6]
+
+
+@pytest.mark.timeout(60)
+def test_rank_rows_ask_a_bounded_number_of_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmqsync.tools.status as status_module
+    from zmqsync.tools.client import query_ranks
+
+    monkeypatch.setattr(status_module, "STATUS_RANKS", 2)
+    fake = _FakeRank(_reply(rank=1))
+    try:
+        endpoints = ["tcp://127.0.0.1:1", fake.endpoint, _free_tcp_endpoint()]
+        asked = {"model_id": "policy", "epoch": 5, "version": 3, "rank": 0, "ranks": endpoints}
+        rows = query_ranks(asked, timeout=2.0)
+    finally:
+        fake.close()
+    assert [(row.answered, row.problem) for row in rows] == [
+        (True, None),
+        (True, None),
+        (False, "rank 2 was not asked"),
+    ]
+    assert query_ranks({"version": 3}) == []  # an unsharded sender has no ranks
+
+
+@pytest.mark.timeout(120)
+def test_watch_shows_the_ranks_too(runner: CliRunner, sharded: ShardedFleet) -> None:
+    assert sharded.send() == []
+    result = runner.invoke(
+        app, ["watch", sharded.endpoints[0], "--count", "2", "--interval", "0.05"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("all 3 ranks answer, at version 1") == 2
+    assert result.stdout.count(sharded.endpoints[2]) == 2

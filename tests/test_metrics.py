@@ -319,3 +319,48 @@ def test_a_slow_reader_is_cut_off_at_the_reply_deadline() -> None:
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.timeout(120)
+def test_each_ranks_metrics_carry_its_rank_and_the_ranks_a_send_waits_for() -> None:
+    """Three in-process ranks over tcp, each serving its metrics: every family is
+    labelled with the rank; while ranks 0 and 1 wait for rank 2's part, rank 0 counts
+    one missing rank and both workers waiting for it; rank 2's late send ends that."""
+    from _ranks import ShardedFleet
+
+    fleet = ShardedFleet(timeout=30.0)
+    servers = []
+    try:
+        servers = [serve_metrics(s, 0) for s in fleet.senders]
+        assert fleet.send() == []
+        for r, server in enumerate(servers):
+            samples = scrape(server.port)
+            assert one(samples, "zmqsync_version", model_id="policy", rank=str(r)) == 1
+            assert one(samples, "zmqsync_ranks", rank=str(r)) == 3
+            assert one(samples, "zmqsync_missing_ranks", rank=str(r)) == 0
+            assert "zmqsync_rank_waited_by" not in samples
+            sent = fleet.senders[r].status()["totals"]["bytes_sent"]
+            assert one(samples, "zmqsync_bytes_sent_total", rank=str(r)) == sent > 0
+            assert one(samples, "zmqsync_worker_version", rank=str(r), worker="1") == 1
+        with torch.no_grad():
+            fleet.model["w"].add_(1.0)
+        threads, errors = fleet.start_send([0, 1])
+
+        def waits_for_rank_2() -> bool:
+            samples = scrape(servers[0].port)
+            return one(samples, "zmqsync_missing_ranks", rank="0") == 1 and (
+                one(samples, "zmqsync_rank_waited_by", rank="0", missing_rank="2") == 2
+            )
+
+        until(waits_for_rank_2, 25, "rank 0's metrics to name rank 2 as missing")
+        late, late_errors = fleet.start_send([2])
+        for t in threads + late:
+            t.join(60)
+        assert errors == [] and late_errors == []
+        samples = scrape(servers[0].port)
+        assert one(samples, "zmqsync_missing_ranks", rank="0") == 0
+        assert one(samples, "zmqsync_version", rank="0") == 2
+    finally:
+        for server in servers:
+            server.close()
+        fleet.close()

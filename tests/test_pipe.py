@@ -147,6 +147,79 @@ def test_a_broken_pipe_is_counted_not_raised() -> None:
             s.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_worker_closing_after_its_goodbye_is_no_broken_pipe(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A receiver's close() says goodbye, then its pipe ends: on a collector's normal
+    shutdown that is no warning per worker; a pipe that ends without a goodbye (a killed
+    worker) still is one."""
+    import logging
+
+    from zmqsync import WeightReceiver, WeightSender
+
+    hub, spokes = _pipe_fleet(2)
+    sender = WeightSender(hub, model=nn.Linear(3, 2), strategy="state_dict", timeout=10)
+    receiver = WeightReceiver(spokes[0], model=nn.Linear(3, 2), strategy="state_dict")
+    try:
+        receiver.connect()
+        receiver.start()
+        sender.send()
+        with caplog.at_level(logging.DEBUG, logger="zmqsync"):
+            receiver.close()  # says goodbye, then closes its pipe
+            spokes[1].close()  # worker 1's pipe ends with no goodbye
+            deadline = time.monotonic() + 10
+            while hub.counters()["peers_lost"] < 2:
+                assert time.monotonic() < deadline, "the hub never noticed the closed pipes"
+                time.sleep(0.05)
+        said = [(r.levelno, r.getMessage()) for r in caplog.records]
+        warned = [m for level, m in said if level >= logging.WARNING and "pipe of" in m]
+        # (why worker 1's pipe broke: an end of file or a reset, as the kernel has it)
+        assert [m.split(" (")[0] for m in warned] == ["pipe of worker 1 broke"], said
+        assert (logging.DEBUG, "worker 0 closed its pipe after its goodbye (end of file)") in said
+    finally:
+        receiver.close()
+        sender.close()
+        for s in spokes:
+            s.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_process_that_returns_with_its_receiver_open_says_goodbye(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torchrl's collector workers return without closing their receiver: the process's
+    exit closes it, so its learner hears a goodbye and logs no broken pipe."""
+    import logging
+
+    from _workers import make_model, run_and_leave_open
+
+    from zmqsync import WeightSender
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    sender = WeightSender(
+        PipeHub([parent]), model=make_model(), strategy="state_dict", num_workers=1, timeout=30
+    )
+    worker = ctx.Process(target=run_and_leave_open, args=(child, 0), daemon=True)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="zmqsync"):
+            worker.start()
+            child.close()
+            worker.join(60)
+            assert worker.exitcode == 0
+            deadline = time.monotonic() + 10
+            while sender.status()["totals"]["goodbyes"] < 1:
+                assert time.monotonic() < deadline, "no goodbye from the exited worker"
+                time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not [m for m in said if "broke" in m], said
+    finally:
+        if worker.is_alive():
+            worker.kill()
+        sender.close()
+
+
 def test_bytes_that_are_not_ours_cost_only_that_pipe() -> None:
     """A worker writing garbage, or announcing a message over the hub's limit, loses its
     own pipe (counted, refused before anything is allocated); the others are served."""

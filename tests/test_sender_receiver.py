@@ -522,6 +522,25 @@ def test_inproc_zmq_fleet_in_one_process() -> None:
         sender.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_state_dict_is_sent_to_a_tensordict_strategys_workers() -> None:
+    """The tensordict strategy takes a module's flat state_dict as the nested keys its
+    dots name (once refused: "weights lack '0.weight' that the model has")."""
+    hub = MemoryHub()
+    model, other = _model(0), _model(1)
+    sender = WeightSender(hub, model=model, strategy="tensordict", num_workers=1, timeout=10)
+    worker = _model(2)
+    receiver = WeightReceiver(MemorySpoke(hub.endpoint), model=worker, strategy="tensordict")
+    try:
+        receiver.connect()
+        receiver.start()
+        sender.send(other.state_dict())
+        assert checksum(worker) == checksum(other) != checksum(model)
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_receive_without_a_model_returns_fresh_weights() -> None:
     hub = MemoryHub()
     model = _model(0)

@@ -573,6 +573,54 @@ def _send(sender: Any, errors: list[BaseException], worker_ids: Any = None) -> N
         errors.append(exc)
 
 
+def _ranks_and_workers(
+    prefix: str,
+    learner: dict[str, Any],
+    *,
+    ranks: int,
+    workers: int = 2,
+    hubs: dict[int, Any] | None = None,
+    worker_options: Any = None,
+    **sender_options: Any,
+) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
+    """In-process ranks of a learner holding ``learner`` (each a ``_RowsPart`` over a
+    memory hub, ``hubs[r]`` where given) and workers with zeroed models reaching them:
+    ``(senders, receivers, models)``, none connected yet. ``worker_options(i)``: more
+    arguments for worker ``i``'s receiver."""
+    import torch
+
+    from zmqsync import WeightReceiver, WeightSender
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    names = [f"memory://{prefix}-{r}" for r in range(ranks)]
+    options = {"num_workers": workers, "timeout": 20, "epoch": 7, **sender_options}
+    senders = [
+        WeightSender(
+            (hubs or {}).get(r) or MemoryHub(names[r]),
+            model=learner,
+            strategy="state_dict",
+            part=_RowsPart(r, ranks),  # type: ignore[arg-type]
+            ranks=names,
+            **options,  # the ranks agree on one epoch (a scheme makes them)
+        )
+        for r in range(ranks)
+    ]
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(workers)]
+    receivers = [
+        WeightReceiver(
+            MemorySpoke(names[0]),
+            model=models[i],
+            strategy="state_dict",
+            worker_idx=i,
+            timeout=20,
+            connect_rank=MemorySpoke,
+            **(worker_options(i) if worker_options else {}),
+        )
+        for i in range(workers)
+    ]
+    return senders, receivers, models
+
+
 def _send_all(senders: list[Any], worker_ids: Any = None) -> None:
     errors: list[BaseException] = []
     threads = [
@@ -740,6 +788,40 @@ def test_ranks_without_snapshots_stream_their_parts_from_the_weights() -> None:
             s.close()
 
 
+@pytest.mark.timeout(60)
+def test_every_rank_sends_async_from_one_thread_and_waits_for_the_acks_after() -> None:
+    """send_async() returns before the acks: one thread can start every rank's part of a
+    version (nothing waits for another rank), then wait_async() on each returns once the
+    workers applied the whole version."""
+    import torch
+
+    from zmqsync import checksum
+
+    learner = {"w": torch.randn(6, 4), "v": torch.randn(4, 3), "b": torch.randn(3)}
+    senders, receivers, models = _ranks_and_workers("async", learner, ranks=2)
+    try:
+        for r in receivers:
+            r.connect()
+            r.start()
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                learner["w"].add_(1.0)
+                learner["b"].mul_(-1.0)
+            for s in senders:
+                s.send_async()
+            for s in senders:
+                s.wait_async()
+            assert [s.version for s in senders] == [version, version]
+            assert [r.version for r in receivers] == [version, version]
+            for m in models:
+                assert checksum(m, "state_dict") == checksum(learner, "state_dict")
+    finally:
+        for r in receivers:
+            r.close()
+        for s in senders:
+            s.close()
+
+
 @pytest.mark.timeout(30)
 def test_a_part_alone_is_never_applied() -> None:
     """A rank whose Welcome names no other ranks (or a receiver that cannot reach them):
@@ -790,37 +872,11 @@ def test_the_ranks_that_sent_raise_naming_the_rank_that_did_not() -> None:
 
     import torch
 
-    from zmqsync import SyncTimeout, WeightReceiver, WeightSender, checksum
-    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+    from zmqsync import SyncTimeout, checksum
 
     torch.manual_seed(0)
     learner = {"w": torch.randn(5, 3), "b": torch.randn(4)}
-    names = [f"memory://ranks-missing-{r}" for r in range(3)]
-    senders = [
-        WeightSender(
-            MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            num_workers=2,
-            timeout=3,
-            epoch=7,  # the ranks agree on one (a scheme makes them)
-            part=_RowsPart(r, 3),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(3)
-    ]
-    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
-    receivers = [
-        WeightReceiver(
-            MemorySpoke(names[0]),
-            model=models[i],
-            strategy="state_dict",
-            worker_idx=i,
-            timeout=20,
-            connect_rank=MemorySpoke,
-        )
-        for i in range(2)
-    ]
+    senders, receivers, models = _ranks_and_workers("ranks-missing", learner, ranks=3, timeout=3)
     try:
         for r in receivers:
             r.connect()
@@ -892,42 +948,24 @@ def test_a_rank_that_dies_mid_stream_is_named_and_its_next_send_repairs_all() ->
     place is torn, and says so). Back, the ranks' version 3 repairs every worker."""
     import torch
 
-    from zmqsync import SyncTimeout, WeightReceiver, WeightSender, checksum
-    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+    from zmqsync import SyncTimeout, checksum
 
     torch.manual_seed(0)
     # Each rank's part of ``w`` is three chunks of the smallest size.
     learner = {"w": torch.randn(3 * 96, 512), "b": torch.randn(4)}
-    names = [f"memory://ranks-dying-{r}" for r in range(3)]
-    dying = _DyingHub(names[1])
-    senders = [
-        WeightSender(
-            dying if r == 1 else MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            num_workers=2,
-            timeout=3,
-            epoch=7,
-            chunk_bytes=64 * 1024,
-            part=_RowsPart(r, 3),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(3)
-    ]
-    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
-    receivers = [
-        WeightReceiver(
-            MemorySpoke(names[0]),
-            model=models[i],
-            strategy="state_dict",
-            worker_idx=i,
-            timeout=20,
-            apply_mode="in_place" if i else "staged",
-            chunk_timeout=1.0,  # a part broken off is given up on before send() raises
-            connect_rank=MemorySpoke,
-        )
-        for i in range(2)
-    ]
+    dying = _DyingHub("memory://ranks-dying-1")
+    senders, receivers, models = _ranks_and_workers(
+        "ranks-dying",
+        learner,
+        ranks=3,
+        hubs={1: dying},
+        timeout=3,
+        chunk_bytes=64 * 1024,
+        worker_options=lambda i: {
+            "apply_mode": "in_place" if i else "staged",
+            "chunk_timeout": 1.0,  # a part broken off is given up on before send() raises
+        },
+    )
     try:
         for r in receivers:
             r.connect()

@@ -222,3 +222,62 @@ def test_as_dict_copies_what_it_holds() -> None:
     out["workers"][0]["below"]["10"] = 0
     assert status.metadata == {"step": 10, "tags": ["a", {"b": None}]}
     assert status.workers[0].below == {"10": 3, "11": 2}
+
+
+@pytest.mark.timeout(30)
+def test_a_ranks_status_names_its_rank_the_ranks_and_the_parts_waited_for() -> None:
+    doc = {
+        "version": 3,
+        "rank": 1,
+        "ranks": ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"],
+        "waiting_ranks": {"0": [2, 5]},
+    }
+    status = SenderStatus.from_dict(doc)
+    assert status.rank == 1 and status.ranks == doc["ranks"]
+    assert status.waiting_ranks == {"0": [2, 5]}
+    assert json.loads(json.dumps(status.as_dict()))["waiting_ranks"] == {"0": [2, 5]}
+    plain = SenderStatus.from_dict({"version": 3}).as_dict()  # an unsharded sender's
+    assert not {"rank", "ranks", "waiting_ranks"} & set(plain)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("doc", "where"),
+    [
+        ({"rank": 2, "ranks": ["tcp://a:1", "tcp://b:1"]}, "it is refused: rank 2 is not one"),
+        ({"rank": -1}, "it is refused: rank -1"),
+        ({"rank": "0"}, "rank must be an integer"),
+        ({"ranks": "tcp://a:1"}, "ranks must be a list"),
+        ({"ranks": ["tcp://a:1"] * 1025}, "ranks has 1025 items"),
+        ({"ranks": [1]}, "ranks[0] must be a string"),
+        ({"waiting_ranks": {"x": [1]}}, "it is refused: the ranks waited for"),
+        ({"waiting_ranks": {"1": ["0"]}}, "waiting_ranks['1'][0] must be an integer"),
+        ({"waiting_ranks": {"1": list(range(MAX_ITEMS + 1))}}, "waiting_ranks['1'] has"),
+    ],
+)
+def test_a_malformed_rank_status_is_refused_saying_where(doc: Any, where: str) -> None:
+    with pytest.raises(FrameError) as caught:
+        SenderStatus.from_dict(doc)
+    assert str(caught.value).startswith(f"malformed status: {where}"), caught.value
+
+
+@pytest.mark.timeout(30)
+def test_a_ranks_sender_reports_its_rank_and_refuses_ranks_that_do_not_fit() -> None:
+    from zmqsync.tensors.dtensor import LocalPart
+    from zmqsync.transport.memory import MemoryHub
+
+    names = ["memory://status-rank-0", "memory://status-rank-1"]
+    sender = WeightSender(
+        MemoryHub(names[1]), strategy="state_dict", part=LocalPart(1, 2), ranks=names
+    )
+    try:
+        report = sender.report()
+    finally:
+        sender.close()
+    assert (report.rank, report.ranks, report.waiting_ranks) == (1, names, {})
+    hub = MemoryHub()
+    try:
+        with pytest.raises(ValueError, match="part 1 of 3 needs 3 ranks' endpoints; got 2"):
+            WeightSender(hub, strategy="state_dict", part=LocalPart(1, 3), ranks=names)
+    finally:
+        hub.close()

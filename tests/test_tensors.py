@@ -70,6 +70,9 @@ def test_extract_from_every_source_kind() -> None:
     nested = {"a": {"b": torch.ones(2)}, "c": torch.zeros(1)}
     assert set(extract(nested, "tensordict")) == {("a", "b"), ("c",)}
     assert set(extract(nested, "state_dict")) == {("a.b",), ("c",)}
+    # A module's state_dict given for the tensordict strategy: its dotted keys are the
+    # nested keys they name (torchrl's update_policy_weights_(policy.state_dict())).
+    assert extract(model.state_dict(), "tensordict").keys() == td.keys()
     # Extraction is a view, not a copy.
     assert extract(model, "state_dict")[("0.weight",)].data_ptr() == model[0].weight.data_ptr()
 

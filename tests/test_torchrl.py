@@ -266,6 +266,13 @@ def test_multisync_initial_weights_update_targeting_isolation(
         assert from_weights(batch, new)
 
         check_targeting_and_isolation(collector, batches, policy, scheme, held=new)
+
+        # Weights given as the policy's state_dict (flat dotted keys) under the default
+        # tensordict strategy: the keys name the policy's nested ones.
+        changed = snapshot(policy)
+        collector.update_policy_weights_(policy.state_dict())
+        assert versions(scheme) == {0: 3, 1: 3}
+        assert all(from_weights(row, changed) for row in per_worker(next(batches)).values())
     finally:
         close(collector, scheme)
 
@@ -384,9 +391,11 @@ def test_pipe_and_ray_schemes_are_torchrl_schemes_with_zmqsync_arguments(name: s
         scheme = cls(timeout=4, repair_after=0.5)
     assert isinstance(scheme, WeightSyncScheme)
     assert isinstance(scheme.zmqsync_scheme, getattr(zmqsync, name))
-    assert (scheme.strategy_str, scheme.timeout) == ("state_dict", 4.0)
+    assert (scheme.strategy_str, scheme.timeout) == ("tensordict", 4.0)  # torchrl's default
     assert scheme.zmqsync_scheme.sender_options == {"repair_after": 0.5}
-    assert cls("tensordict").strategy_str == "tensordict"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cls("state_dict").strategy_str == "state_dict"
     with pytest.raises(ValueError, match="retain_snapshot"):
         cls(retain_snapshot=False)
     with pytest.raises(RuntimeError, match="init_on_sender"):

@@ -210,6 +210,26 @@ def test_unsupported_options_fail_when_the_scheme_is_built(name: str) -> None:
     assert cls(sync=False).sync is False
 
 
+@pytest.mark.parametrize(
+    "name", ["ZMQWeightSyncScheme", "MultiProcessWeightSyncScheme", "RayWeightSyncScheme"]
+)
+def test_a_default_scheme_takes_torchrls_default_strategy_and_warns_of_nothing(
+    name: str,
+) -> None:
+    """torchrl's RayCollector builds ``WeightStrategy(extract_as=scheme.strategy_str)``
+    at every update, which warns "state_dict strategy is experimental" for state_dict:
+    the defaults are torchrl's own (tensordict), so an update with one says nothing."""
+    import warnings
+
+    from torchrl.weight_update.weight_sync_schemes import WeightStrategy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheme = getattr(zmqsync.torchrl, name)()
+        WeightStrategy(extract_as=scheme.strategy_str)  # what RayCollector does
+    assert scheme.strategy_str == "tensordict"
+
+
 def test_ray_scheme_refuses_a_process_group_backend() -> None:
     with pytest.raises(TypeError, match="backend="):
         zmqsync.torchrl.RayWeightSyncScheme(backend="nccl")

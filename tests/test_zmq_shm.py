@@ -524,3 +524,53 @@ def test_a_block_held_past_its_lease_is_reclaimed_while_other_blocks_are_release
     finally:
         for end in (hub, *spokes):
             end.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_a_learner_restarted_in_the_same_process_on_the_same_path_is_read_anew(
+    mode: str, tmp_path: Any
+) -> None:
+    """A learner closed and made again in the same process, on the same ipc path, numbers
+    its shared-memory blocks from the start again: its worker must read the new blocks,
+    not its mapping of the old life's block of the same id (it once applied the new
+    life's version 1 with the old life's bytes, under the right label)."""
+    import torch
+
+    from zmqsync import WeightReceiver, WeightSender, checksum
+
+    endpoint = f"ipc://{tmp_path}/restart.sock"
+    torch.manual_seed(0)
+    learner = {"w": torch.randn(512, 512)}
+    worker = {"w": torch.zeros(512, 512)}
+
+    hub_cls, spoke_cls = resolve(f"zmq-{mode}")
+
+    def make_sender() -> WeightSender:
+        hub = hub_cls(endpoint)
+        return WeightSender(hub, model=learner, strategy="state_dict", num_workers=1, timeout=20)
+
+    sender = make_sender()
+    receiver = WeightReceiver(spoke_cls(endpoint), model=worker, strategy="state_dict", timeout=20)
+    try:
+        receiver.connect()
+        receiver.start()
+        for _ in range(2):
+            with torch.no_grad():
+                learner["w"].add_(1.0)
+            sender.send()
+        assert checksum(worker, "state_dict") == checksum(learner, "state_dict")
+        sender.close()
+        with torch.no_grad():
+            learner["w"].mul_(-3.0)
+        sender = make_sender()
+        for _ in range(2):
+            with torch.no_grad():
+                learner["w"].add_(5.0)
+            sender.send()  # returns once the worker acked it: it followed the new life
+            assert receiver.epoch == sender.epoch
+            assert checksum(worker, "state_dict") == checksum(learner, "state_dict")
+        assert sender.status()["totals"]["bytes_sent"] > 0
+    finally:
+        receiver.close()
+        sender.close()

@@ -13,6 +13,12 @@ so that the learner never resends to everyone. With ``retain_snapshot=False`` it
 nothing but the chunks on their way, and fetches the latest version from upstream again
 (once for all of them) when some of its workers need it. A relay may serve another
 relay: trees of any depth.
+
+Its upstream may be a sharded learner: its receiver then opens a session with every
+rank (their endpoints come in rank 0's Welcome), gathers each version's parts, and the
+relay forwards the whole version, cut into its own chunks, once every part is in (no
+overlap of the ranks' streams with its own); its acks, refusals and the workers it
+speaks for go to every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import numpy as np
+
 from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES, StreamLayout
 from zmqsync.closing import ClosesOnExit
 from zmqsync.errors import SchemaMismatchError
@@ -33,7 +41,7 @@ from zmqsync.protocol.stream import Broken
 from zmqsync.receiver import PendingAck, ReceiverObserver, WeightReceiver
 from zmqsync.security import CurveClient, CurveServer
 from zmqsync.sender import WeightSender
-from zmqsync.sender.transfers import Copy, Forwarded
+from zmqsync.sender.transfers import Copy, Forwarded, ViewLease
 from zmqsync.status_types import RelayCounts, SenderStatus, UpstreamStatus
 from zmqsync.transport.base import HubTransport, SpokeTransport
 from zmqsync.vocabulary import Mode, Strategy
@@ -85,6 +93,14 @@ class _Forwarder(ReceiverObserver):
         self._spare: Copy | None = None
         #: The layout of the stream the relay holds, reused while the schema is the same.
         self._layout: StreamLayout | None = None
+        #: The version under way comes whole at once (a sharded learner's, gathered):
+        #: it is forwarded, in chunks of its own, once it is complete.
+        self._gathered = False
+        #: What else reads the buffer of the snapshot served (and of the one before,
+        #: the spare): the chunks of gathered versions forwarded out of it, while a
+        #: transport holds them.
+        self._serving_leases: list[ViewLease] = []
+        self._spare_leases: list[ViewLease] = []
         #: Some worker needs the latest version, which it does not keep (set by its
         #: sender's pump, read by the relay's loop).
         self._wants_latest = False
@@ -137,7 +153,12 @@ class _Forwarder(ReceiverObserver):
         if snapshot is None or not staging.nbytes or snapshot.data is not staging.array:
             return  # what staging holds is served to nobody
         spare, self._spare = self._spare, None
-        free = spare.data if spare is not None and not self.sender.still_read(spare) else None
+        leases, self._spare_leases = self._spare_leases, []
+        # Its buffer is free once neither the sender nor a forwarded chunk reads it.
+        unread = all(lease.released for lease in leases)
+        free = None
+        if spare is not None and unread and not self.sender.still_read(spare):
+            free = spare.data
         # A delta patches the version held: it goes on from a copy of its bytes.
         staging.hand_over(free, keep=chunk.base is not None)
 
@@ -146,6 +167,9 @@ class _Forwarder(ReceiverObserver):
         # version is asked for again (never staged without being forwarded).
         self.stop()
         receiver = self.receiver
+        self._gathered = bool(receiver.ranks) and chunk.count == 1
+        if self._gathered:
+            chunk = self._head(chunk)  # what its own chunks will say
         if (chunk.version, chunk.epoch) == (receiver.version, receiver.epoch):
             # The version it holds, fetched again: for its workers that lack it.
             lacking = self.sender.lacking(chunk.version)
@@ -161,8 +185,8 @@ class _Forwarder(ReceiverObserver):
     def chunk_arrived(self, chunk: Chunk) -> None:
         # Before the receiver stages it: cut-through.
         copy = self._copy
-        if copy is None:
-            return
+        if copy is None or self._gathered:
+            return  # a gathered version goes once complete, from memory of the relay's
         schema_bytes = None
         if chunk.first:
             schema_bytes = self._layout_of(chunk).schema_bytes
@@ -175,15 +199,25 @@ class _Forwarder(ReceiverObserver):
         self._refetching = False
         receiver = self.receiver
         if not self.retain_snapshot:
+            if self._gathered and self._copy is not None:
+                # The gather's buffer takes the next version: what is sent on is a copy
+                # of its own, let go of once sent.
+                self._forward_whole(chunk, np.frombuffer(chunk.payload, np.uint8).copy())
             self._copy = None
             return
         layout = self._layout
         if layout is None or layout.schema is not schema:
             layout = self._layout = StreamLayout.received(schema, self.chunk_bytes)
         data = receiver.staging.array
+        leases: list[ViewLease] = []
+        if self._gathered and self._copy is not None:
+            leases.append(self._forward_whole(chunk, data))  # read from the snapshot's
         old = self.sender.serve_whole(receiver.version, layout, data, receiver.metadata)
         if old is not None and old.data is not data:
             self._spare = old  # nothing stages into it while it may be served
+            self._spare_leases, self._serving_leases = self._serving_leases, leases
+        else:  # the first served, or the same buffer again (a version fetched again)
+            self._serving_leases = [x for x in self._serving_leases if not x.released] + leases
         self._copy = None
 
     def version_broken(self, broken: Broken) -> None:
@@ -221,6 +255,42 @@ class _Forwarder(ReceiverObserver):
         was forwarded to (its targets, when it came with some), else every live one."""
         return self.sender.forward_settled(version, self.receiver.epoch)
 
+    def _head(self, chunk: Chunk) -> Chunk:
+        """The first of the relay's own chunks of ``chunk``, a whole version in one (a
+        gathered one): its chunks are the relay's ``chunk_bytes``, so its workers take
+        them as any version (a chunk's size stays within the protocol's limit)."""
+        layout = self._layout_of(chunk)
+        offset, length = layout.span(0)
+        return dataclasses.replace(
+            chunk, count=layout.count, payload=memoryview(chunk.payload)[offset : offset + length]
+        )
+
+    def _forward_whole(self, chunk: Chunk, data: np.ndarray) -> ViewLease:
+        """Send on the gathered version ``chunk`` names, whole in ``data``, in the relay's
+        chunks; returns the lease that says while a transport holds any of them."""
+        copy = self._copy
+        assert copy is not None
+        layout = self._layout_of(chunk)
+        lease = ViewLease()
+        for index in range(layout.count):
+            offset, length = layout.span(index)
+            first = index == 0
+            piece = dataclasses.replace(
+                chunk,
+                index=index,
+                count=layout.count,
+                offset=offset,
+                payload=data[offset : offset + length].data,
+                schema=chunk.schema if first else None,
+                metadata=chunk.metadata if first else None,
+                targets=chunk.targets if first else None,
+                checksum=0,
+            )
+            frames = encode(piece, schema_bytes=layout.schema_bytes if first else None)
+            self.sender.forward_chunk(copy, index, lease.lend(frames).frames)
+            self.stats["chunks_forwarded"] += 1
+        return lease
+
     def _layout_of(self, chunk: Chunk) -> StreamLayout:
         layout = self._layout
         if layout is None or layout.schema is not chunk.schema:
@@ -252,6 +322,9 @@ class Relay(ClosesOnExit):
         retain_snapshot: keep the latest version whole (twice the model's size: the next
             is staged apart) for late joiners and repairs; False: keep only the chunks on
             their way, and fetch the latest again from upstream (which must keep one).
+        connect_rank: makes a spoke to another rank of a sharded learner upstream (rank
+            0's Welcome names their endpoints): it then gathers every rank's part of each
+            version, and forwards it whole (see the module). ``over_zmq`` passes one.
     """
 
     def __init__(
@@ -268,6 +341,7 @@ class Relay(ClosesOnExit):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         failover: Sequence[Callable[[], SpokeTransport]] = (),
         retain_snapshot: bool = True,
+        connect_rank: Callable[[str], SpokeTransport] | None = None,
     ) -> None:
         self.model_id = model_id
         self.chunk_bytes = chunk_bytes
@@ -294,6 +368,7 @@ class Relay(ClosesOnExit):
             worker_idx=worker_idx,
             timeout=timeout,
             failover=failover,
+            connect_rank=connect_rank,
         )
         self._forwarder = _Forwarder(
             self.receiver, self.sender, chunk_bytes=chunk_bytes, retain_snapshot=retain_snapshot
@@ -323,7 +398,9 @@ class Relay(ClosesOnExit):
         relay's endpoint, with ``curve_client`` keys) and listens on ``endpoint`` (None:
         a private ipc path) in ``mode`` (``"pubsub"`` or ``"router"``, with
         ``curve_server`` keys); ``failover``: other upstreams' endpoints, followed in
-        turn when this one goes silent. ``options`` go to :class:`Relay`."""
+        turn when this one goes silent. A sharded learner's other ranks are reached the
+        same way (with the same keys) as its Welcome names them. ``options`` go to
+        :class:`Relay`."""
         from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
         from zmqsync.transport.zmq_router import RouterHub
 
@@ -337,6 +414,9 @@ class Relay(ClosesOnExit):
             for e in [*failover, upstream]
             if failover
         ]
+        options.setdefault(
+            "connect_rank", functools.partial(PubSubSpoke, identity=identity, curve=curve_client)
+        )
         try:
             hub_cls = PubSubHub if mode == "pubsub" else RouterHub
             hub = hub_cls(endpoint, curve=curve_server, insecure=insecure)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from zmqsync.errors import FrameError
-from zmqsync.protocol import MAX_BELOW
+from zmqsync.protocol import MAX_BELOW, MAX_PARTS
 
 __all__ = [
     "MAX_ITEMS",
@@ -200,9 +200,11 @@ class SenderStatus(_Record):
     as a dict (:meth:`as_dict`).
 
     At most ``STATUS_ROWS`` worker rows (the furthest behind); ``workers_total``
-    counts them all. ``totals`` (a ``Totals``), and a relay's ``upstream`` (an
-    ``UpstreamStatus``) and ``relay`` (a ``RelayCounts``) are records of
-    ``zmqsync.status_types`` too; a sender's JSON leaves the last two out.
+    counts them all. A sharded learner's rank says which it is (``rank``), every rank's
+    endpoint (``ranks``) and the ranks a waiting send still lacks (``waiting_ranks``).
+    ``totals`` (a ``Totals``), and a relay's ``upstream`` (an ``UpstreamStatus``)
+    and ``relay`` (a ``RelayCounts``) are records of ``zmqsync.status_types`` too; a
+    sender's JSON leaves the last two out.
     :meth:`from_dict` reads the JSON back, trusting nothing: unknown keys are
     ignored, missing ones take their defaults, and a value of the wrong type or a list
     longer than a sender sends raises :class:`~zmqsync.FrameError`.
@@ -229,6 +231,22 @@ class SenderStatus(_Record):
     totals: Totals = field(default_factory=Totals)
     upstream: UpstreamStatus | None = field(default=None, metadata={_OMIT_NONE: True})
     relay: RelayCounts | None = field(default=None, metadata={_OMIT_NONE: True})
+    #: A sharded learner's rank: which one this is, every rank's endpoint (rank 0's
+    #: first), and while a send waits, the ranks whose parts workers still wait for
+    #: (by rank, the workers waiting), as their heartbeats said. An unsharded sender's
+    #: JSON leaves the three out.
+    rank: int | None = field(default=None, metadata={_OMIT_NONE: True})
+    ranks: list[str] | None = field(default=None, metadata={_OMIT_NONE: True, _MAX: MAX_PARTS})
+    waiting_ranks: dict[str, list[int]] | None = field(
+        default=None, metadata={_OMIT_NONE: True, _MAX: MAX_PARTS}
+    )
+
+    def __post_init__(self) -> None:
+        count = len(self.ranks or ()) or None
+        if self.rank is not None and not 0 <= self.rank < (count or self.rank + 1):
+            raise ValueError(f"rank {self.rank} is not one of its {count} ranks")
+        if self.waiting_ranks and not all(r.isascii() and r.isdigit() for r in self.waiting_ranks):
+            raise ValueError("the ranks waited for are named by their numbers")
 
 
 # --- to and from JSON ----------------------------------------------------------------

@@ -642,5 +642,6 @@ class PartGather:
             payload,
             assembly.schema,
             metadata=first.metadata,
+            targets=first.targets,  # a relay forwards it to those behind it only
         )
         return [Placed(chunk, delta) if in_place else Whole(chunk, delta)]

@@ -32,6 +32,7 @@ from zmqsync.protocol.messages import Ack, Buffer, Chunk, Kind, Message
 
 # Each ``X as X``: a name this module held before the codec was split, importable still.
 from zmqsync.protocol.schemas import layout_digest as layout_digest
+from zmqsync.protocol.slices import decode_slices, encode_slices
 from zmqsync.protocol.wire import (
     ACK_BODY,
     COMPACT_JSON,
@@ -58,7 +59,7 @@ _JSON_KINDS: Final[dict[Kind, type]] = {
 _HEADER_FIELDS: Final = frozenset({"model_id", "version", "epoch"})
 #: Fields added since a message was first sent, left out of its body while empty: the
 #: message is then the very bytes it was before them.
-_OMITTED_IF_EMPTY: Final = frozenset({"ranks", "gathering", "waiting"})
+_OMITTED_IF_EMPTY: Final = frozenset({"ranks", "gathering", "waiting", "slices"})
 _JSON_DECODER: Final = json.JSONDecoder()
 
 
@@ -79,6 +80,8 @@ def encode(message: Message, *, schema_bytes: bytes | None = None) -> list[Buffe
         for name in _OMITTED_IF_EMPTY & fields.keys():
             if not fields[name]:
                 del fields[name]
+        if "slices" in fields:
+            fields["slices"] = encode_slices(fields["slices"])
         body = COMPACT_JSON.encode(fields).encode()
     head = pack_header(message.kind, message.model_id, message.version, message.epoch, 0, NO_DIGEST)
     return [head, body]
@@ -269,6 +272,8 @@ def _check_field(cls: type, name: str, expected: str, value: Any) -> Any:
             and all(a < b for a, b in itertools.pairwise(value))
         )
         value = tuple(value) if ok else value
+    elif expected == "tuple[Slice, ...]":  # a tensor-parallel worker's slices
+        return decode_slices(value)
     else:  # dict[str, Any]: the status document
         ok = type(value) is dict
     if not ok:

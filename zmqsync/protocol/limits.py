@@ -18,6 +18,7 @@ __all__ = [
     "MAX_NDIM",
     "MAX_PARTS",
     "MAX_SCHEMA_BYTES",
+    "MAX_SLICES",
     "MAX_TARGETS",
     "MAX_TENSORS",
     "MAX_TENSOR_BYTES",
@@ -54,6 +55,10 @@ MAX_VERSION_BYTES: Final = 1 << 44
 #: Parts one version may be made of (the ranks of a sharded learner): a worker keeps a
 #: session and a stream per part.
 MAX_PARTS: Final = 1024
+#: Slices one worker may declare in its Hello (one per tensor it holds a slice of):
+#: each rank cuts every version for it, so the declaration is bounded like a schema's
+#: tensors, and far below them (tensor-parallel workers slice a few thousand tensors).
+MAX_SLICES: Final = 16_384
 #: torch supports at most 64 dimensions; real weights have fewer than 8.
 MAX_NDIM: Final = 64
 #: One tensor's bytes; guards the shape product from overflowing into nonsense.

@@ -25,6 +25,7 @@ __all__ = [
     "Message",
     "Probe",
     "ProbeRequest",
+    "Slice",
     "SnapshotRequest",
     "StatusReply",
     "StatusRequest",
@@ -69,6 +70,23 @@ class Box:
 
     shape: tuple[int, ...]
     offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """The box of one global tensor that a worker holds (a tensor-parallel worker's
+    slice): the tensor's ``key``, its global ``shape``, where the slice starts in each
+    dimension (``offsets``) and its ``extent`` (the shape of the worker's tensor). A
+    sharded learner's ranks send that worker only the bytes of their parts inside it."""
+
+    key: tuple[str, ...]
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    extent: tuple[int, ...]
+
+    @property
+    def dotted_key(self) -> str:
+        return ".".join(self.key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +229,11 @@ class Hello(_Header):
     pid: int = 0
     host: str = ""
     attempt: str = ""
+    #: The slices the worker holds (a tensor-parallel worker), at most
+    #: :data:`~zmqsync.protocol.limits.MAX_SLICES`, one per tensor: each rank sends it
+    #: only the bytes of its part inside them. Empty (left out of the bytes): the whole
+    #: of every tensor.
+    slices: tuple[Slice, ...] = ()
 
     kind = Kind.HELLO
 

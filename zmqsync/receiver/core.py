@@ -11,8 +11,10 @@ drives them from its loop: the session with its upstream
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -30,6 +32,7 @@ from zmqsync.chunking.parts import (
     Torn,
     Whole,
 )
+from zmqsync.chunking.slices import Rebaser
 from zmqsync.chunking.staging import Staging
 from zmqsync.errors import (
     FrameError,
@@ -47,6 +50,7 @@ from zmqsync.receiver.ranks import RankSessions
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import UpstreamSession
 from zmqsync.receiver.stats import new_stats
+from zmqsync.tensors.slices import SliceSpec, declare_slices
 from zmqsync.transport.base import SpokeTransport, has_input
 from zmqsync.vocabulary import Metadata, Strategy
 
@@ -106,6 +110,14 @@ class WeightReceiver:
         connect_rank: makes a spoke to another endpoint: a sharded learner's rank that
             its rank 0's Welcome names (a scheme passes it). Without it, a worker
             follows a learner of one rank only.
+        slices: what a tensor-parallel worker holds of each tensor: a callable
+            ``(name, shape) -> Box | None`` (``shape``: the model's tensor, the slice's
+            extent; ``Box(global shape, offsets)``: where the slice lies in the global
+            tensor; None: the whole tensor), or a mapping of names to boxes (to ``(Box,
+            extent)`` with a sink). Each rank of a sharded learner then sends this
+            worker only the bytes of its part inside them, and versions are applied
+            into the slices (or a sink is handed them). Worked out from the model once,
+            here; it needs a sharded learner.
     """
 
     def __init__(
@@ -123,6 +135,7 @@ class WeightReceiver:
         failover: Sequence[Callable[[], SpokeTransport]] = (),
         keep: Keep = "weights",
         connect_rank: Callable[[str], SpokeTransport] | None = None,
+        slices: SliceSpec | None = None,
     ) -> None:
         if apply_mode not in APPLY_MODES:
             raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
@@ -166,6 +179,10 @@ class WeightReceiver:
             observer=self._observers,
         )
         self._connect_rank = connect_rank
+        declared = () if slices is None else declare_slices(slices, model, strategy)
+        self._upstream.slices = declared
+        #: A tensor-parallel worker's slices, onto which each part's schema is rebased.
+        self._rebaser = Rebaser({s.key: s for s in declared}) if declared else None
         #: A sharded learner's ranks, once rank 0's Welcome named them.
         self._ranks: RankSessions | None = None
         #: The refusal pending when connect() began: it stands unless a version fits.
@@ -173,6 +190,13 @@ class WeightReceiver:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        # A worker process that ends without closing its receiver (torchrl's collector
+        # workers simply return) still says goodbye as it exits, so that its learner
+        # does not take a normal shutdown for a crash. Weakly held: it keeps no
+        # receiver alive, and close() cancels it.
+        self._at_exit = multiprocessing.util.Finalize(
+            None, _close_at_exit, args=(weakref.ref(self),), exitpriority=10
+        )
 
     # --- what it holds: the apply machinery's -------------------------------------
 
@@ -279,17 +303,31 @@ class WeightReceiver:
         :class:`~zmqsync.receiver.ReceiverObserver`). Add observers before receiving."""
         self._observers.add(observer)
 
+    @property
+    def ranks(self) -> tuple[str, ...]:
+        """The endpoints of the sharded learner's ranks whose parts it gathers (empty:
+        its upstream sends whole versions). A gathered version is taken as one chunk."""
+        return () if self._ranks is None else self._ranks.endpoints
+
+    def _sessions(self) -> list[UpstreamSession]:
+        """Its sessions upstream: every rank's of a sharded learner, else the one."""
+        return [self._upstream] if self._ranks is None else self._ranks.sessions
+
     def send_ack(self) -> None:
-        """Ack the version held to the upstream now, through the observers' review: what
-        an observer that held an ack back calls once it may go."""
+        """Ack the version held to the upstream now (to every rank of a sharded
+        learner), through the observers' review: what an observer that held an ack back
+        calls once it may go."""
         with self._upstream.io_lock:
-            self._upstream.ack(PendingAck(applied=True))
+            for session in self._sessions():
+                session.ack(PendingAck(applied=True))
 
     def request_latest(self, *, whole: bool = False) -> None:
-        """Ask the upstream for its latest version now, as a heartbeat does, once joined
-        (``whole``: not as a delta; whole anyway while :attr:`torn`)."""
+        """Ask the upstream (every rank of a sharded learner, for its part) for its
+        latest version now, as a heartbeat does, once joined (``whole``: not as a delta;
+        whole anyway while :attr:`torn`)."""
         with self._upstream.io_lock:
-            self._upstream.ask_again(whole=whole)
+            for session in self._sessions():
+                session.ask_again(whole=whole)
 
     def connect(self, timeout: float | None = None) -> None:
         """Join the fleet and return with the latest version applied.
@@ -570,6 +608,8 @@ class WeightReceiver:
         del frames
         if isinstance(message, Chunk):
             try:
+                if self._rebaser is not None:
+                    message = self._rebaser.chunk(message)
                 events = ranks.gather.feed(
                     index,
                     message,
@@ -684,6 +724,7 @@ class WeightReceiver:
         """Stop receiving and close the transport. Idempotent; never waits on a peer."""
         if self._closed:
             return
+        self._at_exit.cancel()
         self.stop()
         self._closed = True
         self._applier.close()  # half a version in the model leaves it torn for good
@@ -691,3 +732,13 @@ class WeightReceiver:
             self._ranks.close()
         self._upstream.say_goodbye()
         self._upstream.spoke.close()
+
+
+def _close_at_exit(receiver: weakref.ref[WeightReceiver]) -> None:
+    """Close a receiver still open as its process exits (its goodbye goes out)."""
+    alive = receiver()
+    if alive is not None:
+        try:
+            alive.close()
+        except Exception:  # exiting: nothing to be done about it but say so
+            log.debug("closing a receiver at exit failed", exc_info=True)

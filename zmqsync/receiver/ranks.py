@@ -62,6 +62,7 @@ class RankSessions:
                     rejections=rejections,
                     observer=observer,
                 )
+                session.slices = first.slices  # every rank cuts its part for them
                 session.new_attempt()
                 self.sessions.append(session)
         except BaseException:

@@ -122,6 +122,8 @@ class UpstreamSession:
         self._host_name = socket.gethostname()
         #: A sharded learner's ranks' endpoints, as its last Welcome named them.
         self.ranks: tuple[str, ...] = ()
+        #: The slices this worker holds (a tensor-parallel worker), which its Hello says.
+        self.slices: tuple[protocol.Slice, ...] = ()
 
     @property
     def attempt(self) -> str:
@@ -187,6 +189,7 @@ class UpstreamSession:
                 self._pid,
                 self._host_name,
                 self._attempt,
+                self.slices,
             )
         )
 

@@ -340,7 +340,9 @@ class WeightSyncScheme:
                 ``"in_place"``), ``chunk_timeout=`` and ``sink=`` (a callable taking
                 ``(name, tensor)`` lists in place of a model: an inference engine's
                 ``load_weights``); ``failover=``: other upstreams' endpoints (relays,
-                or the learner), followed in turn when this one goes silent.
+                or the learner), followed in turn when this one goes silent;
+                ``slices=``: what a tensor-parallel worker holds of each tensor (see
+                :class:`WeightReceiver`), of a sharded learner's.
         """
         if self._receiver is not None:
             raise RuntimeError("init_on_receiver() was already called on this scheme")

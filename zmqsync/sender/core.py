@@ -45,10 +45,11 @@ from zmqsync.protocol import (
     peek_kind,
 )
 from zmqsync.sender.pump import HubRunner, StallClock, sum_counters
+from zmqsync.sender.slices import SlicedWorkers
 from zmqsync.sender.stats import SendStats
 from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Pending, Stamp, Transfer
 from zmqsync.sender.versions import VersionStore
-from zmqsync.status_types import SenderStatus
+from zmqsync.status_types import STATUS_ROWS, SenderStatus
 from zmqsync.tensors.dtensor import LocalPart
 from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD
 from zmqsync.tensors.views import dtype_name
@@ -176,7 +177,9 @@ class WeightSender:
             not change sends one empty chunk); with ``wire_dtype`` each casts its own;
             workers see rank 0's ``metadata``.
         ranks: every rank's endpoint, rank 0's first, which this sender's Welcome names:
-            a worker opens a session with each, and gathers a version's parts.
+            a worker opens a session with each, and gathers a version's parts. A worker
+            that declares slices (a tensor-parallel worker: ``WeightReceiver(slices=)``)
+            is sent, by each rank, only the bytes of its part inside them, addressed.
     """
 
     def __init__(
@@ -225,6 +228,11 @@ class WeightSender:
                 "delta=True needs retain_snapshot=True and no share_params: a worker "
                 "that cannot apply a delta is sent the whole version from the snapshot"
             )
+        if part is not None and ranks and len(ranks) != part.parts:
+            raise ValueError(
+                f"part {part.part} of {part.parts} needs {part.parts} ranks' endpoints; "
+                f"got {len(ranks)}"
+            )
         hubs = [hub] if isinstance(hub, HubTransport) else list(hub)
         if not hubs:
             raise ValueError("a sender needs at least one hub transport")
@@ -265,6 +273,8 @@ class WeightSender:
             HubRunner(_Pumps(self), h, i, stats=self._stats, clock=clock, name=model_id)
             for i, h in enumerate(hubs)
         ]
+        #: A sharded learner's rank: (this rank, how many), for status().
+        self._rank = None if part is None else (part.part, part.parts)
         self._versions = VersionStore(
             self._runners,
             Stamp(model_id, epoch, checksums),
@@ -278,6 +288,10 @@ class WeightSender:
             part=part,
         )
         self._metadata: Metadata | None = None  # the latest version's
+        #: Whether versions go as parts (boxes travel only in parts of two or more).
+        self._sharded = part is not None and part.parts > 1
+        #: Workers that hold slices (tensor-parallel), and each version cut for them.
+        self._sliced = SlicedWorkers(self.chunk_bytes, self._versions.whole)
         #: ``_cond`` guards the fleet, the pending send and the forwarded version.
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
@@ -463,9 +477,9 @@ class WeightSender:
         # Without a snapshot, a synchronous send streams through the ring: it reads the
         # caller's tensors until it returns, and nothing model-sized is made.
         versions = self._versions
-        copy = versions.copy_of(
-            weights, version, model=self.model, whole=whole or self.retain_snapshot
-        )
+        # Sliced workers are sent cuts of the version's whole bytes.
+        whole = whole or self.retain_snapshot or len(self._sliced) > 0
+        copy = versions.copy_of(weights, version, model=self.model, whole=whole)
         copy.metadata = metadata
         self._metadata = metadata
         if self.delta:
@@ -474,6 +488,8 @@ class WeightSender:
             send, peers = self.fleet.begin_send(worker_ids, time.monotonic(), self.timeout)
             pending = self._pending = Pending(send, copy)
             holdings = self.fleet.holdings(send.targets) if self.delta else {}
+            everyone = self._peers_of(self.fleet.workers) if len(self._sliced) else {}
+            targeted = self._peers_of(send.targets) if everyone else {}
             routes: dict[PeerId, tuple[int, ...]] = {}
             for relay, behind in send.routes.items():
                 s = self.fleet.workers.get(relay)
@@ -497,11 +513,15 @@ class WeightSender:
                 transfers = []
             if routes:
                 transfers = self._routed(transfers, routes)
+            if everyone.get(runner.index):
+                transfers = self._unsliced(transfers, runner.index, everyone[runner.index])
             for transfer in transfers:
                 runner.begin(transfer)
                 if transfer.spans is not None:
                     n, _ = deltas.get(transfer.base, (0, 0))
                     deltas[transfer.base] = (n + transfer.workers, transfer.nbytes)
+        if everyone:
+            self._send_cuts(copy, targeted)
         self._stats.version_sent(
             version, copy.nbytes, len(send.targets), deltas if self.delta else None
         )
@@ -584,6 +604,34 @@ class WeightSender:
                 each = 1 if t.spans is not None else 0
                 out.append(Transfer(t.copy, [p], t.spans, t.base, each, targets=routes[p]))
         return out
+
+    def _unsliced(
+        self, transfers: list[Transfer], hub: int, everyone: list[PeerId]
+    ) -> list[Transfer]:
+        """``transfers`` to hub ``hub`` with its sliced workers taken out: a fan-out is
+        then addressed to the others (``everyone`` but them)."""
+        sliced = self._sliced.sliced(hub, everyone)
+        if not sliced:
+            return transfers
+        out = []
+        for t in transfers:
+            to = [p for p in (everyone if t.to is None else t.to) if p not in sliced]
+            if to:
+                out.append(Transfer(t.copy, to, t.spans, t.base, t.workers, t.targets))
+        return out
+
+    def _send_cuts(self, copy: Copy, targeted: dict[int, list[PeerId]]) -> None:
+        """Send each targeted sliced worker its cut of ``copy``, addressed. Cut holding
+        every hub, once each began the version's stream: no pump reads an older copy
+        meanwhile (whose memory ``copy`` may have taken over, and is now written)."""
+        with contextlib.ExitStack() as held:
+            for runner in self._runners:
+                held.enter_context(runner.holding())
+            for runner in self._runners:
+                for peer in self._sliced.sliced(runner.index, targeted.get(runner.index, [])):
+                    cut = self._sliced.cut_for(runner.index, peer, copy)
+                    if cut is not None:
+                        runner.begin(Transfer(cut, [peer]))
 
     # --- waiting for acks ------------------------------------------------------------
 
@@ -833,6 +881,12 @@ class WeightSender:
         except FrameError as exc:
             self._refuse(runner, peer, "malformed", f"malformed message: {exc}")
             return
+        if (
+            isinstance(message, Hello)
+            and peer is not None
+            and not self._declared(message, runner, peer)
+        ):
+            return
         if isinstance(message, StatusRequest):
             if peer is not None:
                 self._status_asked(runner, peer)
@@ -853,6 +907,26 @@ class WeightSender:
             if self._pending is not None:
                 self._cond.notify_all()
         self._carry_out(effects, runner)
+
+    def _declared(self, hello: Hello, runner: HubRunner, peer: PeerId) -> bool:
+        """Take the slices a worker's Hello declares (none: it gets whole tensors); False
+        if they are refused (counted, and the worker told why): they do not fit this
+        rank's tensors, this learner is not sharded, or it serves too many such workers."""
+        if hello.slices and not self._sharded:
+            self._sliced.refused += 1
+            reason: str | None = (
+                "this sender is no rank of a sharded learner (a learner of one process, or "
+                "a relay): a worker that holds slices connects to a sharded learner's "
+                "ranks, which each cut their part for it"
+            )
+        else:
+            layout = self._versions.layout
+            schema = None if layout is None else layout.schema
+            reason = self._sliced.declare(runner.index, peer, hello.slices, schema)
+        if reason is None:
+            return True
+        self._refuse(runner, peer, "malformed", f"Hello.slices refused: {reason}")
+        return False
 
     def _status_asked(self, runner: HubRunner, peer: PeerId) -> None:
         """Answer a status request now, or, while a send waits for acks, with the next
@@ -910,6 +984,8 @@ class WeightSender:
                 self._runners[hub_index].later.append(effect)
                 continue
             hub = runner.hub
+            if isinstance(effect, Forget) and effect.origin.peer is not None:
+                self._sliced.forget(runner.index, effect.origin.peer)
             if isinstance(effect, Reply):
                 if effect.origin.peer is not None:
                     hub.send_frames(encode(effect.message), to=[effect.origin.peer])
@@ -922,6 +998,8 @@ class WeightSender:
                     self._stats.add("repairs_skipped")
                     continue
                 latest = self._latest()
+                if latest is not None and self._sliced.sliced(runner.index, [effect.origin.peer]):
+                    latest = self._sliced.cut_for(runner.index, effect.origin.peer, latest)
                 if latest is None:
                     self._unserved(effect, hub)
                 elif runner.repair(latest, effect.origin.peer):
@@ -990,6 +1068,7 @@ class WeightSender:
             workers, counts = self.fleet.status_rows(now)
             fleet_counters = dict(self.fleet.counters)
             reasons = list(self.fleet.reasons)
+            waiting = self._waiting_ranks()
         totals = self._stats.report(
             fleet_counters, reasons, sum_counters(counters(r.hub) for r in self._runners)
         )
@@ -1020,7 +1099,27 @@ class WeightSender:
             workers_shown=counts["workers_shown"],
             workers=workers,
             totals=totals,
+            rank=None if self._rank is None else self._rank[0],
+            ranks=None if self._rank is None else list(self.fleet.ranks),
+            waiting_ranks=waiting,
         )
+
+    def _waiting_ranks(self) -> dict[str, list[int]] | None:
+        """A rank's send under way: by rank, the workers that still wait for its part
+        (holding the condition); None for an unsharded sender."""
+        if self._rank is None:
+            return None
+        pending = self._pending
+        if pending is None:
+            return {}
+        send = pending.send
+        by_rank: dict[str, list[int]] = {}
+        for w, parts in sorted(self.fleet.waiting_for(send.missing, send.version).items()):
+            for r in parts:
+                waiters = by_rank.setdefault(str(r), [])
+                if len(waiters) < STATUS_ROWS:
+                    waiters.append(w)
+        return by_rank
 
     def connected_workers(self) -> frozenset[int]:
         """Ids of the workers that said hello and have not left (never cut short, unlike

@@ -3,6 +3,9 @@
 :func:`extract` takes them from an ``nn.Module``, a ``TensorDict`` or a ``dict`` of tensors
 for a strategy: ``"state_dict"`` (flat dotted names, as ``module.state_dict()``) or
 ``"tensordict"`` (nested keys, as ``TensorDict.from_module``; non-persistent buffers too).
+A ``dict`` given for the tensordict strategy may be nested or flat: a dotted key
+(``"0.weight"``, as ``module.state_dict()`` has them) is the nested key it names, since a
+module's own names never hold a dot.
 """
 
 from __future__ import annotations
@@ -54,10 +57,9 @@ def extract(weights: Any, strategy: str, *, model: Any = None) -> dict[KeyPath, 
             out[path] = _as_tensor(path, value)
         return out
     if isinstance(source, Mapping):
-        return {
-            ((".".join(path),) if strategy == "state_dict" else path): _as_tensor(path, value)
-            for path, value in _walk(source, ())
-        }
+        if strategy == "state_dict":
+            return {(".".join(p),): _as_tensor(p, v) for p, v in _walk(source, ())}
+        return {_nested(p): _as_tensor(p, v) for p, v in _walk(source, ())}
     raise TypeError(
         f"cannot take weights from a {type(source).__name__}; pass an nn.Module, a TensorDict "
         "or a dict of tensors"
@@ -71,6 +73,12 @@ def _walk(mapping: Mapping[Any, Any], prefix: KeyPath) -> Iterable[tuple[KeyPath
             yield from _walk(value, path)
         else:
             yield path, value
+
+
+def _nested(path: KeyPath) -> KeyPath:
+    """The nested key of a dict's key path, its dotted parts split: ``("0.weight",)`` is
+    ``("0", "weight")``."""
+    return tuple(part for key in path for part in key.split("."))
 
 
 def _as_tensor(path: KeyPath, value: Any) -> torch.Tensor:

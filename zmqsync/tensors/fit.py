@@ -31,8 +31,11 @@ def check_fits(
     missing = [k for k in target if k not in sent]
     if missing:
         key = ".".join(missing[0])
+        # A flat dotted key and a nested one print alike: say which the model has.
+        nested = f" (the nested key {missing[0]!r})" if len(missing[0]) > 1 else ""
         raise SchemaMismatchError(
-            f"weights lack {key!r} (and {len(missing) - 1} more) that the model has", key=key
+            f"weights lack {key!r}{nested} (and {len(missing) - 1} more) that the model has",
+            key=key,
         )
     for e in schema.entries:
         dest = target.get(e.key)

@@ -21,8 +21,11 @@ from zmqsync.tools.demo import LocalFleet, demo_model
 from zmqsync.tools.status import (
     DEFAULT_SILENT_AFTER,
     DEFAULT_STATUS_TIMEOUT,
+    RankRow,
     assess,
+    query_ranks,
     query_status,
+    rank_problems,
     worker_problem,
 )
 from zmqsync.tools.worker import ModelWorker, build_model, load_factory
@@ -36,6 +39,7 @@ __all__ = [
     "LocalFleet",
     "ModelWorker",
     "PublishResult",
+    "RankRow",
     "assess",
     "build_model",
     "check_connectable",
@@ -45,7 +49,9 @@ __all__ = [
     "demo_model",
     "load_checkpoint",
     "load_factory",
+    "query_ranks",
     "query_status",
+    "rank_problems",
     "reachable_from_other_hosts",
     "worker_problem",
 ]

@@ -4,8 +4,10 @@
 in Prometheus's text format: the version, every worker's version, lag, liveness and
 state, the workers behind each relay (from its heartbeats), the bytes, versions and
 chunks sent, timeouts and rejections, the sync latency as a histogram, and for a relay
-what it forwarded and where it stands upstream. Nothing is sampled in the background: a
-scrape reads the status as it is. Needs ``prometheus_client`` (the ``metrics`` extra).
+what it forwarded and where it stands upstream. A sharded learner's rank labels every
+family with its ``rank``, and says how many ranks' parts a waiting send still lacks.
+Nothing is sampled in the background: a scrape reads the status as it is. Needs
+``prometheus_client`` (the ``metrics`` extra).
 
 The server serves at most :data:`MAX_CONNECTIONS` connections at once (more are closed
 as they arrive), one request each. It closes a connection that sends nothing for
@@ -97,18 +99,18 @@ class StatusCollector:
         status = self._status()
         if not isinstance(status, SenderStatus):
             status = SenderStatus.from_dict(status)
-        model = status.model_id
         totals = status.totals
+        keys, ids = _identity(status)
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-            return GaugeMetricFamily(f"zmqsync_{name}", doc, labels=("model_id", *labels))
+            return GaugeMetricFamily(f"zmqsync_{name}", doc, labels=(*keys, *labels))
 
         g = gauge("version", "The latest version sent.")
-        g.add_metric([model], status.version)
+        g.add_metric(ids, status.version)
         yield g
         g = gauge("workers", "Workers known to the sender, by state.", ("state",))
-        g.add_metric([model, "total"], status.workers_total)
-        g.add_metric([model, "live"], status.workers_live)
+        g.add_metric([*ids, "total"], status.workers_total)
+        g.add_metric([*ids, "live"], status.workers_live)
         yield g
         rows = status.workers
         per_worker = (
@@ -121,7 +123,7 @@ class StatusCollector:
         for name, attr, doc in per_worker:
             g = gauge(name, doc, ("worker",))
             for row in rows:
-                g.add_metric([model, str(row.worker)], float(getattr(row, attr)))
+                g.add_metric([*ids, str(row.worker)], float(getattr(row, attr)))
             yield g
         g = gauge(
             "below_version",
@@ -130,11 +132,11 @@ class StatusCollector:
         )
         for row in rows:
             for worker, held in (row.below or {}).items():
-                g.add_metric([model, str(row.worker), worker], held)
+                g.add_metric([*ids, str(row.worker), worker], held)
         yield g
         for attr, name, doc in _COUNTERS:
-            c = CounterMetricFamily(f"zmqsync_{name}", doc, labels=("model_id",))
-            c.add_metric([model], getattr(totals, attr))
+            c = CounterMetricFamily(f"zmqsync_{name}", doc, labels=keys)
+            c.add_metric(ids, getattr(totals, attr))
             yield c
         hist = totals.latency_histogram
         if hist is not None:
@@ -145,27 +147,60 @@ class StatusCollector:
             h = HistogramMetricFamily(
                 "zmqsync_sync_latency_seconds",
                 "From the start of send() to the last ack.",
-                labels=("model_id",),
+                labels=keys,
             )
-            h.add_metric([model], buckets, hist.sum_s)
+            h.add_metric(ids, buckets, hist.sum_s)
             yield h
+        yield from _rank_families(status, gauge, ids)
         relay = status.relay
         if relay is not None:
             for attr in ("versions_forwarded", "chunks_forwarded", "aborted", "refetches"):
                 c = CounterMetricFamily(
                     f"zmqsync_relay_{attr}",
                     f"A relay's {attr.replace('_', ' ')}.",
-                    labels=("model_id",),
+                    labels=keys,
                 )
-                c.add_metric([model], getattr(relay, attr))
+                c.add_metric(ids, getattr(relay, attr))
                 yield c
             upstream = status.upstream or UpstreamStatus()
             g = gauge("relay_upstream_version", "The version a relay holds of its upstream's.")
-            g.add_metric([model], upstream.version)
+            g.add_metric(ids, upstream.version)
             yield g
             g = gauge("relay_ack_owed", "1 while a relay waits for its workers to ack upstream.")
-            g.add_metric([model], float(upstream.ack_owed))
+            g.add_metric(ids, float(upstream.ack_owed))
             yield g
+
+
+def _identity(status: SenderStatus) -> tuple[tuple[str, ...], list[str]]:
+    """The labels every family carries, and their values: the model, and a sharded
+    learner's rank (its ranks' metrics are told apart, and summed over, by it)."""
+    if status.rank is None:
+        return ("model_id",), [status.model_id]
+    return ("model_id", "rank"), [status.model_id, str(status.rank)]
+
+
+def _rank_families(
+    status: SenderStatus, gauge: Callable[..., Any], ids: list[str]
+) -> Iterator[Any]:
+    """A sharded learner's rank: how many ranks there are, and while a send waits, how
+    many ranks' parts the workers still lack and how many workers wait for each."""
+    if status.rank is None:
+        return
+    waiting = status.waiting_ranks or {}
+    g = gauge("ranks", "Ranks of the sharded learner this sender is a rank of.")
+    g.add_metric(ids, len(status.ranks or ()))
+    yield g
+    g = gauge("missing_ranks", "Ranks whose parts the workers still wait for (a send under way).")
+    g.add_metric(ids, len(waiting))
+    yield g
+    g = gauge(
+        "rank_waited_by",
+        "Workers that still wait for each missing rank's part (a send under way).",
+        ("missing_rank",),
+    )
+    for rank, workers in sorted(waiting.items(), key=lambda item: int(item[0])):
+        g.add_metric([*ids, rank], len(workers))
+    yield g
 
 
 class MetricsServer(ClosesOnExit):

@@ -82,7 +82,8 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
     torchrl's own pipes.
 
     Args:
-        strategy: ``"state_dict"`` (default) or ``"tensordict"``.
+        strategy: ``"tensordict"`` (default, as torchrl's own schemes) or ``"state_dict"``
+            (which torchrl calls experimental, and warns of at every scheme it makes).
         sync: whether ``send()`` (``collector.update_policy_weights_()``) waits for
             every targeted worker's ack.
         per_worker_weights: each worker has weights of its own (one sender per worker).
@@ -103,7 +104,7 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
 
     def __init__(
         self,
-        strategy: Strategy = "state_dict",
+        strategy: Strategy = "tensordict",
         *,
         sync: bool = True,
         per_worker_weights: bool = False,
@@ -230,7 +231,8 @@ class RayWeightSyncScheme(_CollectorScheme):
     ``torchrl.collectors.distributed.RayCollector``.
 
     Args:
-        strategy: ``"state_dict"`` (default) or ``"tensordict"``.
+        strategy: ``"tensordict"`` (default, as torchrl's own schemes) or ``"state_dict"``
+            (which torchrl calls experimental, and warns of at every scheme it makes).
         method: ``None`` (default): reach each actor through Ray's built-in
             ``__ray_call__``, which torchrl's remote collectors (any Ray actor) have. A
             name: call that method of the actor instead (an actor class that inherits
@@ -269,7 +271,7 @@ class RayWeightSyncScheme(_CollectorScheme):
 
     def __init__(
         self,
-        strategy: Strategy = "state_dict",
+        strategy: Strategy = "tensordict",
         *,
         method: str | None = None,
         sync: bool = True,

@@ -18,6 +18,7 @@ from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import (
     Counted,
+    ForgetsPeers,
     HubTransport,
     Incoming,
     Lends,
@@ -54,9 +55,11 @@ class _Peer:
     sock: socket.socket = field(repr=False)
     writer: Writer = field(repr=False)
     lost: str | None = None
+    #: It said goodbye and has said nothing since: its pipe's end is expected news.
+    left: bool = False
 
 
-class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
+class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
     """The learner's end: one duplex pipe per worker.
 
     Args:
@@ -140,7 +143,18 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             peer.writer.stop()
             if self._shm is not None:
                 self._shm.forget(peer.writer)  # it reads no block any more
-            log.warning("pipe of worker %d broke (%s): the worker is gone", peer.index, why)
+            if peer.left:  # a worker that closed after its goodbye: nothing went wrong
+                log.debug("worker %d closed its pipe after its goodbye (%s)", peer.index, why)
+            else:
+                log.warning("pipe of worker %d broke (%s): the worker is gone", peer.index, why)
+
+    def peer_left(self, peer: PeerId) -> None:
+        """``peer`` said goodbye: the end of its pipe that follows is no breakage (a
+        collector's normal shutdown is not logged as a warning per worker)."""
+        with self._lock:
+            found = self._peers.get(peer)
+            if found is not None:
+                found.left = True
 
     def send_frames(
         self, frames: Sequence[Buffer], *, to: Recipients = None, stream: Stream | None = None
@@ -216,6 +230,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
                 if got.release is not None:
                     self._on_release(peer, got.release)
                 elif got.frames is not None:
+                    peer.left = False  # back after its goodbye (a hello), or never gone
                     # A message beats a wake-up: whoever woke us wants the hub, and gets
                     # it back at once either way.
                     return Incoming(got.frames, peer_id(peer.index))

@@ -15,7 +15,7 @@ from zmqsync.transport.base import Borrows, Counted, SpokeTransport
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import read, socket_of
-from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
+from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, close_end
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
 from zmqsync.transport.shm.records import Release, encode
 
@@ -139,5 +139,8 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             return
         self._closed = True
         self._closed_event.set()
+        # Its last words (a receiver's goodbye) reach the learner before the pipe ends,
+        # so that a normal shutdown is not taken for a crash; bounded, never a hang.
+        self._writer.drain(LINGER_SECONDS)
         close_end(self._conn, self._sock, self._writer)
         self._blocks.clear()

@@ -38,6 +38,9 @@ RELEASE_PATIENCE: Final = 1.0
 WRITER_JOIN_SECONDS: Final = 2.0
 #: How long an idle writer sleeps before it looks again (stop() wakes it sooner).
 _IDLE_SECONDS: Final = 1.0
+#: How long closing a worker's end lets its last small messages (a goodbye) reach the
+#: pipe: bounded, so closing never waits on a learner that stopped reading.
+LINGER_SECONDS: Final = 0.5
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Writer:
         self._queue: deque[Outgoing] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._writing = False  # an item taken off the queue is being written
         #: Why writing failed (the pipe broke), or None while it works.
         self.broken: str | None = None
         self.dropped = 0
@@ -94,6 +98,9 @@ class Writer:
 
     def _next(self) -> Outgoing | None:
         with self._cond:
+            if self._writing:
+                self._writing = False  # the item taken before is written
+                self._cond.notify_all()
             while not self._stopping:
                 if not self._queue:
                     self._cond.wait(_IDLE_SECONDS)  # stop() notifies; this bounds a missed one
@@ -111,6 +118,7 @@ class Writer:
                         self._cond.wait(remaining)
                         continue
                 self._held_since = None
+                self._writing = True
                 return self._queue.popleft()
             return None
 
@@ -169,6 +177,15 @@ class Writer:
                 self._known.add(block.id)
         # The peer maps blocks by descriptor, never through /proc: no pid.
         return lease_of(frames, pid=0, live=self._pool.live_ids())[0]
+
+    def drain(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for everything queued to be written (False:
+        it was not, or the pipe broke)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self.broken is not None or not (self._queue or self._writing), timeout
+            )
+            return self.broken is None and not (self._queue or self._writing)
 
     def stop(self) -> None:
         with self._cond:

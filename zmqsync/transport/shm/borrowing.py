@@ -54,15 +54,19 @@ def read_token(offer: Offer) -> bytes:
 class PeerBlocks:
     """One hub's blocks as this process maps them, read-only, each once: opened through
     ``/proc`` when a lease first names them, or handed over (:meth:`add`: a descriptor
-    passed on a pipe)."""
+    passed on a pipe).
+
+    A mapping is known by its block id *and* the inode the lease names: a hub restarted
+    in the same process (the same pid) numbers its new blocks from the start again, and
+    a block id alone would name the old life's bytes."""
 
     def __init__(self, limit: int | None = MAX_MAPS) -> None:
-        self._maps: dict[int, np.ndarray] = {}
+        self._maps: dict[int, tuple[int, np.ndarray]] = {}  # block -> (inode, mapping)
         self._owner = 0  # the hub's pid
         self._limit = limit
 
     def add(self, block_id: int, mapped: np.ndarray) -> None:
-        self._maps[block_id] = mapped
+        self._maps[block_id] = (0, mapped)  # handed over on its own pipe: no inode named
 
     def keep_only(self, pid: int, live: Sequence[int]) -> None:
         """Forget every mapping but those of ``pid``'s blocks in ``live`` (the others
@@ -74,13 +78,19 @@ class PeerBlocks:
             del self._maps[block_id]
 
     def view(self, entry: Entry) -> np.ndarray:
-        """The bytes ``entry`` names, mapping its block first if need be."""
-        mapped = self._maps.get(entry.block)
-        if mapped is None:
+        """The bytes ``entry`` names, mapping its block first if need be (again, if the
+        block of that id mapped before is another file)."""
+        known = self._maps.get(entry.block)
+        if known is not None and entry.inode and known[0] != entry.inode:
+            del self._maps[entry.block]  # another life's block of the same id
+            known = None
+        if known is None:
             mapped = map_peer_block(self._owner, entry.fd, entry.size, entry.inode)
             while self._limit is not None and len(self._maps) >= self._limit:
                 del self._maps[next(iter(self._maps))]
-            self._maps[entry.block] = mapped
+            self._maps[entry.block] = (entry.inode, mapped)
+        else:
+            mapped = known[1]
         end = entry.offset + entry.length
         if end > mapped.nbytes:
             raise ValueError(f"a frame names bytes past the end of block {entry.block}")
