@@ -48,7 +48,9 @@ def _learner() -> dict[str, torch.Tensor]:
     }
 
 
-def _senders(model: Any, names: list[str], workers: int, **options: Any) -> list[WeightSender]:
+def _senders(
+    model: Any, names: list[str], workers: int | None, **options: Any
+) -> list[WeightSender]:
     """One sender per rank (rank ``r`` binds ``names[r]``), of one learner life."""
     return [
         WeightSender(
@@ -333,6 +335,73 @@ def test_send_async_on_every_rank_with_delta() -> None:
         assert receivers[0].stats["deltas"] == 2
     finally:
         _close(receivers, senders)
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_gathers_delta_parts_and_each_rank_sends_its_changed_blocks_once() -> None:
+    """Two ranks with ``delta=True``, a relay (their one worker) and two workers below
+    it (staged, in place): the relay patches each version's delta parts over the
+    version it holds and sends the whole version on; each rank's egress is its changed
+    blocks, once (to the relay alone), and every worker below ends exact."""
+    from zmqsync.relay import Relay
+
+    learner = _learner()
+    names = ["memory://sd-relay-0", "memory://sd-relay-1"]
+    senders = _senders(learner, names, None, delta=True)  # every live worker: the relay
+    relay = Relay(
+        MemorySpoke(names[0]),
+        MemoryHub("memory://sd-relay-below"),
+        strategy="state_dict",
+        worker_idx=9,
+        timeout=20,
+        chunk_bytes=CHUNK,
+        connect_rank=MemorySpoke,
+    )
+    models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
+    leaves: list[WeightReceiver] = []
+    try:
+        relay.connect()
+        relay.start()
+        for i, mode in enumerate(["staged", "in_place"]):
+            leaves.append(
+                WeightReceiver(
+                    MemorySpoke("memory://sd-relay-below"),
+                    model=models[i],
+                    strategy="state_dict",
+                    worker_idx=i,
+                    timeout=20,
+                    apply_mode=mode,
+                )
+            )
+            leaves[-1].connect(timeout=30)
+            leaves[-1].start()
+        for s in senders:
+            until(lambda s=s: {0, 1} <= _claimed(s, 9), 20, "the relay claimed 0 and 1")
+        for version, (row, owner) in enumerate([(3, 0), (50, 1)], start=1):
+            with torch.no_grad():
+                learner["w"][row, :8].add_(1.0)
+            before = _sent(senders)
+            _send_all(senders)
+            moved = [a - b for a, b in zip(_sent(senders), before, strict=True)]
+            assert moved[owner] == CHUNK and moved[1 - owner] == 0, moved  # to the relay
+            assert [leaf.version for leaf in leaves] == [version] * 2
+            expected = checksum(learner, "state_dict")
+            assert [checksum(m, "state_dict") for m in models] == [expected] * 2
+        assert relay.receiver.stats["deltas"] == 2
+    finally:
+        for leaf in leaves:
+            leaf.close()
+        relay.close()
+        for s in senders:
+            s.close()
+
+
+def _claimed(sender: WeightSender, relay: int) -> set[int]:
+    """The workers ``sender``'s status shows behind ``relay``."""
+    for row in sender.status()["workers"]:
+        if row["worker"] == relay:
+            return {int(w) for w in row.get("below") or {}}
+    return set()
 
 
 # --- wire_dtype: each rank casts its own part -------------------------------------------
