@@ -145,14 +145,20 @@ def run_rank(
 
 
 def run_plain_worker(
-    endpoint: str, worker_idx: int, conn: Any, mode: str, apply_mode: str = "auto"
+    endpoint: str,
+    worker_idx: int,
+    conn: Any,
+    mode: str,
+    apply_mode: str = "auto",
+    wide: bool = False,
 ) -> None:
-    """A worker with a plain, unsharded module, given rank 0's endpoint alone. Answers
-    ``"state"`` with ``(version, checksum)``."""
+    """A worker with a plain, unsharded module (a :class:`WideNet` if ``wide``), given
+    rank 0's endpoint alone. Answers ``"state"`` with ``(version, checksum)``, and with
+    ``wide`` the deltas applied and the wire dtype too."""
     scheme = None
     try:
         torch.manual_seed(1000 + worker_idx)  # not the learner's values
-        model = Net()
+        model = WideNet() if wide else Net()
         scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
         scheme.init_on_receiver(
             model_id="policy", model=model, worker_idx=worker_idx, apply_mode=apply_mode
@@ -166,7 +172,9 @@ def run_plain_worker(
                 break
             receiver = scheme.get_receiver()
             with scheme.lock:
-                conn.send((receiver.version, zmqsync.checksum(model, "state_dict")))
+                state = (receiver.version, zmqsync.checksum(model, "state_dict"))
+            more = (receiver.stats["deltas"], receiver.wire_dtype) if wide else ()
+            conn.send((*state, *more))
     except BaseException:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
@@ -497,28 +505,4 @@ def run_delta_rank(
 def run_wide_worker(endpoint: str, worker_idx: int, conn: Any, mode: str, apply_mode: str) -> None:
     """A worker with a plain :class:`WideNet`, given rank 0's endpoint alone. Answers
     ``"state"`` with ``(version, checksum, deltas applied, wire dtype)``."""
-    scheme = None
-    try:
-        torch.manual_seed(1000 + worker_idx)  # not the learner's values
-        model = WideNet()
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
-        scheme.init_on_receiver(
-            model_id="policy", model=model, worker_idx=worker_idx, apply_mode=apply_mode
-        )
-        scheme.connect(timeout=60)
-        scheme.start_receiver_thread()
-        conn.send("ready")
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
-            receiver = scheme.get_receiver()
-            with scheme.lock:
-                state = (receiver.version, zmqsync.checksum(model, "state_dict"))
-            conn.send((*state, receiver.stats["deltas"], receiver.wire_dtype))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
+    run_plain_worker(endpoint, worker_idx, conn, mode, apply_mode, wide=True)
