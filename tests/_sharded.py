@@ -28,16 +28,19 @@ class Net(nn.Module):
         self.register_buffer("steps", torch.zeros(3))
 
 
-def _sharded_net(world: int) -> nn.Module:
+def _sharded_net(world: int, net_cls: type[nn.Module] | None = None) -> nn.Module:
+    """A :class:`Net` (or ``net_cls``: :class:`WideNet`) of FSDP2 ``fully_shard``-ed
+    Linear layers, ``wide`` sharded on dim 1 and ``shared`` replicated."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # the same global values on every rank
-    net = Net()
-    fully_shard(net.a, mesh=mesh)
-    fully_shard(net.b, mesh=mesh)
+    net = (net_cls or Net)()
+    for layer in net.children():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
     net.wide = nn.Parameter(distribute_tensor(net.wide.detach(), mesh, [Shard(1)]))
     net.shared = nn.Parameter(distribute_tensor(net.shared.detach(), mesh, [Replicate()]))
     return net
@@ -59,13 +62,7 @@ def _bump(net: nn.Module, rank: int, version: int) -> None:
 
 def _gathered_checksum(net: nn.Module) -> str:
     """The whole model's checksum, gathered here by the test (a collective call)."""
-    from torch.distributed.tensor import DTensor
-
-    full = {
-        name: (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-        for name, t in net.state_dict(keep_vars=True).items()
-    }
-    return zmqsync.checksum(full, "state_dict")
+    return _cast_checksum(net, None)
 
 
 def run_rank(
@@ -416,20 +413,6 @@ class WideNet(nn.Module):
         self.register_buffer("steps", torch.zeros(3))
 
 
-def _sharded_wide_net(world: int) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)  # the same global values on every rank
-    net = WideNet()
-    fully_shard(net.a, mesh=mesh)
-    net.wide = nn.Parameter(distribute_tensor(net.wide.detach(), mesh, [Shard(1)]))
-    net.shared = nn.Parameter(distribute_tensor(net.shared.detach(), mesh, [Replicate()]))
-    return net
-
-
 def _cast_checksum(net: nn.Module, wire: torch.dtype | None) -> str:
     """The whole model's checksum as workers hold it: gathered here (a collective call),
     each float cast to ``wire`` and back, as the plain path defines it."""
@@ -471,7 +454,7 @@ def run_delta_rank(
     dtype = getattr(torch, wire)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        net = _sharded_wide_net(world)
+        net = _sharded_net(world, WideNet)
         scheme = zmqsync.ZMQWeightSyncScheme(
             "state_dict", mode=mode, endpoint=endpoint, timeout=30, connect_timeout=120
         )
