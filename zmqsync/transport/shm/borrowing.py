@@ -81,7 +81,8 @@ class PeerBlocks:
         """The bytes ``entry`` names, mapping its block first if need be (again, if the
         block of that id mapped before is another file)."""
         known = self._maps.get(entry.block)
-        if known is not None and entry.inode and known[0] != entry.inode:
+        # A block handed over on its own pipe (no inode named: 0) is that pipe's hub's.
+        if known is not None and entry.inode and known[0] and known[0] != entry.inode:
             del self._maps[entry.block]  # another life's block of the same id
             known = None
         if known is None:
