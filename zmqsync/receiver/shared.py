@@ -59,8 +59,7 @@ def check_shareable(
             raise SchemaMismatchError("apply_mode='shared' needs the version in one stream")
         if target[e.key].device.type != "cpu":
             raise SchemaMismatchError(
-                f"apply_mode='shared' maps host memory; {e.dotted_key} is on "
-                f"{target[e.key].device}"
+                f"apply_mode='shared' maps host memory; {e.dotted_key} is on {target[e.key].device}"
             )
 
 
@@ -113,6 +112,8 @@ class SharedVersion:
         #: transport may reuse its own receive buffers).
         self._pieces: list[tuple[int, np.ndarray]] = []
         self._all_lent = True
+        #: The lent frames of the version in progress, as the transport handed them.
+        self._frames: list[Buffer] = []
         #: What keeps the held version's memory (its frames, or the private copy).
         self._held: np.ndarray | None = None
 
@@ -120,6 +121,7 @@ class SharedVersion:
         """A version of ``total`` bytes begins."""
         self._total = total
         self._pieces = []
+        self._frames = []
         self._all_lent = True
 
     def piece(self, offset: int, payload: Buffer) -> None:
@@ -128,6 +130,9 @@ class SharedVersion:
             return
         if self._borrowed(payload):
             self._pieces.append((offset, np.frombuffer(payload, dtype=np.uint8)))
+            # The frame object itself: the transport releases its block once that
+            # object is garbage (a numpy view of it would name the mapping instead).
+            self._frames.append(payload)
         else:
             self._all_lent = False
             self._pieces.append((offset, np.frombuffer(payload, dtype=np.uint8).copy()))
@@ -135,25 +140,26 @@ class SharedVersion:
     def abandon(self) -> None:
         """The version in progress will not complete: let its frames go."""
         self._pieces = []
+        self._frames = []
 
     def _whole(self) -> np.ndarray:
         """The version's bytes in one array: the lent block itself when every chunk lies
         in it where the stream puts it, else a read-only private copy."""
-        pieces, total = self._pieces, self._total
-        self._pieces = []
+        pieces, frames, total = self._pieces, self._frames, self._total
+        self._pieces, self._frames = [], []
         if self._all_lent and pieces:
             first_offset, first = pieces[0]
             start = _address(first) - first_offset
             owner = first.base
-            if owner is not None and all(
-                p.base is owner and _address(p) == start + off for off, p in pieces
-            ):
+            # A read-only mapping (a hub's block), not a transport's private buffer.
+            mapped = isinstance(owner, np.ndarray) and not owner.flags.writeable
+            if mapped and all(p.base is owner and _address(p) == start + off for off, p in pieces):
                 begin = start - _address(owner)
-                if 0 <= begin and begin + total <= owner.nbytes:
+                if begin >= 0 and begin + total <= owner.nbytes:
                     # A fresh array (its base a memoryview, so views of it keep it, not
                     # the mapping alone) that keeps the lent frames alive, hence leased.
                     whole = np.frombuffer(memoryview(owner[begin : begin + total]), np.uint8)
-                    weakref.finalize(whole, _let_go, pieces)
+                    weakref.finalize(whole, _let_go, frames)
                     self._stats["shared_mapped"] += 1
                     return whole
         self._stats["shared_copied"] += 1
@@ -170,16 +176,18 @@ class SharedVersion:
             base = torch.from_numpy(whole)
             for e in schema.entries:
                 raw = base[e.offset : e.offset + e.nbytes]
-                views.append((target[e.dotted_key], raw.view(torch_dtype(e.dtype)).reshape(e.shape)))
+                view = raw.view(torch_dtype(e.dtype)).reshape(e.shape)
+                views.append((target[e.dotted_key], view))
         for tensor, view in views:
             tensor.data = view
         self._held = whole  # the previous version's memory is let go of here
 
     def close(self) -> None:
-        self._pieces = []
+        self.abandon()
         self._held = None
 
 
-def _let_go(pieces: list[tuple[int, np.ndarray]]) -> None:
-    """Nothing to do: the frames ``pieces`` holds die with this call's last reference."""
-    del pieces
+def _let_go(frames: list[Buffer]) -> None:
+    """Nothing to do: ``frames`` die with this call's last reference (and the transport
+    then tells the hub their block is free)."""
+    del frames
