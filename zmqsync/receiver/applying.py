@@ -403,6 +403,9 @@ class Applier:
                 return
             self._writing = "shared"
             self._fills_staging = False  # the block (or a private copy) holds it
+            spoke = self._host.transport
+            if isinstance(spoke, Borrows):
+                spoke.keep_versions()
             self._shared.start(chunk.total)
             return
         in_place = self.apply_mode == "in_place" or (
