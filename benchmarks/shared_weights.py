@@ -137,10 +137,10 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
     }
     for c in conns:
         c.send("stop")
-    for p in procs:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
+    for proc in procs:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
     sender.close()
     return row
 

@@ -67,13 +67,13 @@ def owned_tensors(model: Any, target: Mapping[KeyPath, torch.Tensor]) -> dict[st
     """``target``'s tensors by dotted name as the model owns them: a module's own
     parameters and buffers (a strategy's extraction may hand out aliases, and
     re-pointing an alias would leave the module's tensor where it was)."""
-    owned = {".".join(k): t for k, t in target.items()}
+    owned: dict[str, torch.Tensor] = {".".join(k): t for k, t in target.items()}
     if isinstance(model, torch.nn.Module):
-        for name, t in model.named_parameters(remove_duplicate=False):
-            owned[name] = t
-        for name, t in model.named_buffers(remove_duplicate=False):
-            if t is not None:
-                owned[name] = t
+        for name, param in model.named_parameters(remove_duplicate=False):
+            owned[name] = param
+        for name, buf in model.named_buffers(remove_duplicate=False):
+            if buf is not None:
+                owned[name] = buf
     return owned
 
 
@@ -90,6 +90,26 @@ def _read_only_copy(pieces: list[tuple[int, np.ndarray]], total: int) -> np.ndar
         raise OSError(ctypes.get_errno(), "mprotect of a private copy failed")
     out.flags.writeable = False
     return out
+
+
+def _in_one_block(pieces: list[tuple[int, np.ndarray]], total: int) -> np.ndarray | None:
+    """The ``total`` bytes of a version whose ``pieces`` (offset, bytes) all lie in one
+    read-only mapping (a hub's block, not a transport's private buffer) where the stream
+    puts them, as one fresh array over the mapping; None if they do not."""
+    if not pieces:
+        return None
+    first_offset, first = pieces[0]
+    start = _address(first) - first_offset
+    owner = first.base
+    if not isinstance(owner, np.ndarray) or owner.flags.writeable:
+        return None
+    if not all(p.base is owner and _address(p) == start + off for off, p in pieces):
+        return None
+    begin = start - _address(owner)
+    if begin < 0 or begin + total > owner.nbytes:
+        return None
+    # Its base is a memoryview, so views of it keep it (not the mapping alone) alive.
+    return np.frombuffer(memoryview(owner[begin : begin + total].data), np.uint8)
 
 
 def _address(array: np.ndarray) -> int:
@@ -147,21 +167,14 @@ class SharedVersion:
         in it where the stream puts it, else a read-only private copy."""
         pieces, frames, total = self._pieces, self._frames, self._total
         self._pieces, self._frames = [], []
-        if self._all_lent and pieces:
-            first_offset, first = pieces[0]
-            start = _address(first) - first_offset
-            owner = first.base
-            # A read-only mapping (a hub's block), not a transport's private buffer.
-            mapped = isinstance(owner, np.ndarray) and not owner.flags.writeable
-            if mapped and all(p.base is owner and _address(p) == start + off for off, p in pieces):
-                begin = start - _address(owner)
-                if begin >= 0 and begin + total <= owner.nbytes:
-                    # A fresh array (its base a memoryview, so views of it keep it, not
-                    # the mapping alone) that keeps the lent frames alive, hence leased.
-                    whole = np.frombuffer(memoryview(owner[begin : begin + total]), np.uint8)
-                    weakref.finalize(whole, _let_go, frames)
-                    self._stats["shared_mapped"] += 1
-                    return whole
+        if self._all_lent:
+            whole = _in_one_block(pieces, total)
+            if whole is not None:
+                # The lent frames live as long as the array (and every view of it): the
+                # transport tells the hub their block is free only once they are gone.
+                weakref.finalize(whole, _let_go, frames)
+                self._stats["shared_mapped"] += 1
+                return whole
         self._stats["shared_copied"] += 1
         return _read_only_copy(pieces, total)
 
