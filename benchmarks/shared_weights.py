@@ -1,10 +1,13 @@
 """Memory of K workers on the learner's host: each with its own copy of the weights
 (the default) against one read-only copy shared by all (``apply_mode="shared"``).
 
-Each process reports ``Pss`` from ``/proc/self/smaps_rollup`` (its private pages plus
-its share of every page it maps with others: summed over processes, the host's real
-memory) and ``Rss``. Each process's Pss before it built a model (an interpreter with
-torch) is subtracted, so "model copies" is the memory the weights take, in models.
+Each process reports, from ``/proc/self/smaps_rollup``, ``Pss_Anon + Pss_Shmem``: its
+private memory plus its share of each shared-memory page it maps with others (summed
+over processes: the host's real memory for data; the libraries' file pages, shared by
+every Python process, are left out). Each process's figure before it built a model (an
+interpreter with torch) is subtracted, so "model copies" is the memory the weights
+take, in models. Each worker's ``Rss`` and ``Shared_Dirty`` (pages it maps that others
+map too, whole) are shown besides.
 
     python -m benchmarks.shared_weights --workers 4 --mb 64 --transport pipe
 """
@@ -50,6 +53,12 @@ def _spoke(transport: str, where: Any, idx: int) -> Any:
     from zmqsync.transport.zmq_pubsub import PubSubSpoke
 
     return PubSubSpoke(where, identity=f"w{idx}")
+
+
+def _mem(rollup: dict[str, int]) -> int:
+    """Data memory: private pages plus this process's share of shared-memory pages (the
+    libraries' file pages, shared by every Python process, left out)."""
+    return rollup.get("Pss_Anon", 0) + rollup.get("Pss_Shmem", 0)
 
 
 def _worker(transport: str, where: Any, idx: int, mb: int, mode: str, conn: Any) -> None:
@@ -115,22 +124,19 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
         reports.append(c.recv())
     learner_now = _rollup()
     model_bytes = sum(p.nbytes for p in model.parameters())
-    extra = (
-        learner_now["Pss"] - base["Pss"] + sum(r["now"]["Pss"] - r["base"]["Pss"] for r in reports)
-    )
+    learner = _mem(learner_now) - _mem(base)
+    workers_mem = [_mem(r["now"]) - _mem(r["base"]) for r in reports]
+    extra = learner + sum(workers_mem)
     row = {
         "transport": transport,
         "mode": mode,
         "K": workers,
         "model_MB": model_bytes / 2**20,
         "send_ms_median": statistics.median(times),
-        "learner_pss_MB": (learner_now["Pss"] - base["Pss"]) / 2**20,
-        "worker_pss_MB": [round((r["now"]["Pss"] - r["base"]["Pss"]) / 2**20, 1) for r in reports],
-        "worker_rss_MB": [round(r["now"]["Rss"] / 2**20, 1) for r in reports],
-        "worker_shared_MB": [
-            round((r["now"].get("Shared_Clean", 0) + r["now"].get("Shared_Dirty", 0)) / 2**20, 1)
-            for r in reports
-        ],
+        "learner_MB": learner / 2**20,
+        "worker_MB": [round(m / 2**20, 1) for m in workers_mem],
+        "worker_rss_MB": [round(r["now"]["Rss"] / 2**20) for r in reports],
+        "worker_shared_MB": [round(r["now"]["Shared_Dirty"] / 2**20) for r in reports],
         "total_extra_MB": extra / 2**20,
         "model_copies": extra / model_bytes,
         "mapped": [r["stats"].get("shared_mapped", 0) for r in reports],
@@ -157,15 +163,16 @@ def main() -> None:
     for mode in ("auto", "shared"):
         print(f"running {args.transport} {mode} ...", file=sys.stderr)
         rows.append(run(args.transport, args.workers, args.mb, mode, args.versions, args.tmp))
+        print(f"  versions mapped per worker: {rows[-1]['mapped']}", file=sys.stderr)
     print(
-        "| transport | mode | K | model MB | send ms (median) | learner Pss MB | "
-        "each worker's Pss MB | workers' Rss MB | workers' shared MB | total MB | copies |"
+        "| transport | mode | K | model MiB | send ms (median) | learner MiB | each worker's "
+        "MiB | workers' Rss MiB | workers' shared dirty MiB | total MiB | model copies |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['transport']} | {r['mode']} | {r['K']} | {r['model_MB']:.0f} | "
-            f"{r['send_ms_median']:.1f} | {r['learner_pss_MB']:.0f} | {r['worker_pss_MB']} | "
+            f"{r['send_ms_median']:.1f} | {r['learner_MB']:.0f} | {r['worker_MB']} | "
             f"{r['worker_rss_MB']} | {r['worker_shared_MB']} | {r['total_extra_MB']:.0f} | "
             f"{r['model_copies']:.2f} |"
         )

@@ -18,6 +18,7 @@ from torch import nn
 
 import zmqsync
 from zmqsync import WeightReceiver, WeightSender
+from zmqsync.transport._zmq import lending
 from zmqsync.transport.pipe import PipeHub
 from zmqsync.transport.zmq_pubsub import PubSubHub
 from zmqsync.transport.zmq_router import RouterHub
@@ -184,8 +185,9 @@ def test_a_worker_that_writes_its_weights_dies_and_the_others_stay_exact(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["pubsub", "pipe"])
 def test_a_stopped_worker_pins_its_version_and_catches_up(
-    kind: str, make_fleet: Callable[..., Fleet]
+    kind: str, make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(lending, "LEASE_SECONDS", 2.0)  # the ZeroMQ hub's, shortened
     fleet = make_fleet(kind, 3)
     fleet.sender.publish()
     for idx in range(3):
@@ -206,7 +208,7 @@ def test_a_stopped_worker_pins_its_version_and_catches_up(
     os.kill(fleet.procs[2].pid, signal.SIGSTOP)
     model_bytes = sum(t.nbytes for t in fleet.model.state_dict().values())
     # Over ZeroMQ the hub stops counting a peer that held a block past its lease.
-    end = time.monotonic() + (13.0 if kind == "pubsub" else 2.0)
+    end = time.monotonic() + 4.0
     sent = 0
     while time.monotonic() < end or sent < 6:
         version_sum = _send(fleet, [0, 1])
@@ -224,6 +226,28 @@ def test_a_stopped_worker_pins_its_version_and_catches_up(
     latest_sum = _send(fleet, [0, 1, 2])
     state = fleet.wait_for(2, fleet.sender.version)
     assert state["checksum"] == latest_sum and state["version"] == fleet.sender.version
+
+
+@pytest.mark.timeout(300)
+def test_workers_that_hold_a_version_past_the_lease_keep_mapping(
+    make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A learner slower than the hub's lease: workers hold their version mapped the
+    whole time, as they must, and are not dropped for it (they said they keep it)."""
+    monkeypatch.setattr(lending, "LEASE_SECONDS", 1.0)
+    fleet = make_fleet("pubsub", 2)
+    fleet.sender.publish()
+    for idx in range(2):
+        fleet.spawn(idx)
+    for _ in range(3):
+        version_sum = _send(fleet, [0, 1])
+        for idx in range(2):
+            assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+        time.sleep(2.5)  # longer than the lease, between versions
+    assert fleet.hub.counters().get("shm_expired", 0) == 0
+    assert fleet.hub.counters()["shm_keeping"] == 2
+    for idx in range(2):
+        assert fleet.ask(idx)["stats"]["shared_copied"] <= 1  # (version 0, before joining)
 
 
 @pytest.mark.timeout(60)

@@ -23,7 +23,7 @@ import ctypes
 import mmap
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -63,18 +63,27 @@ def check_shareable(
             )
 
 
-def owned_tensors(model: Any, target: Mapping[KeyPath, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``target``'s tensors by dotted name as the model owns them: a module's own
-    parameters and buffers (a strategy's extraction may hand out aliases, and
-    re-pointing an alias would leave the module's tensor where it was)."""
-    owned: dict[str, torch.Tensor] = {".".join(k): t for k, t in target.items()}
+def owned_tensors(
+    model: Any, target: Mapping[KeyPath, torch.Tensor]
+) -> dict[str, list[torch.Tensor]]:
+    """Every tensor to re-point per dotted name: ``target``'s (a strategy's extraction
+    may hand out aliases, kept between versions: left on the old memory they would pin
+    its block) and, for a module, its own parameter or buffer (re-pointing an alias
+    alone would leave the module's tensor where it was)."""
+    owned: dict[str, list[torch.Tensor]] = {".".join(k): [t] for k, t in target.items()}
     if isinstance(model, torch.nn.Module):
         for name, param in model.named_parameters(remove_duplicate=False):
-            owned[name] = param
+            _add(owned, name, param)
         for name, buf in model.named_buffers(remove_duplicate=False):
             if buf is not None:
-                owned[name] = buf
+                _add(owned, name, buf)
     return owned
+
+
+def _add(owned: dict[str, list[torch.Tensor]], name: str, tensor: torch.Tensor) -> None:
+    tensors = owned.setdefault(name, [])
+    if all(t is not tensor for t in tensors):
+        tensors.append(tensor)
 
 
 def _read_only_copy(pieces: list[tuple[int, np.ndarray]], total: int) -> np.ndarray:
@@ -178,12 +187,12 @@ class SharedVersion:
         self._stats["shared_copied"] += 1
         return _read_only_copy(pieces, total)
 
-    def install(self, schema: WeightsSchema, target: Mapping[str, torch.Tensor]) -> None:
+    def install(self, schema: WeightsSchema, target: Mapping[str, Sequence[torch.Tensor]]) -> None:
         """Re-point every tensor of ``target`` (by dotted name, see
         :func:`owned_tensors`) at its bytes of the version just completed (call under
         the worker's lock). The tensors stay the same objects."""
         whole = self._whole()
-        views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        views: list[tuple[Sequence[torch.Tensor], torch.Tensor]] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only on purpose: a write faults
             base = torch.from_numpy(whole)
@@ -191,8 +200,9 @@ class SharedVersion:
                 raw = base[e.offset : e.offset + e.nbytes]
                 view = raw.view(torch_dtype(e.dtype)).reshape(e.shape)
                 views.append((target[e.dotted_key], view))
-        for tensor, view in views:
-            tensor.data = view
+        for tensors, view in views:
+            for tensor in tensors:
+                tensor.data = view
         self._held = whole  # the previous version's memory is let go of here
 
     def close(self) -> None:
