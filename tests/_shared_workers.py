@@ -95,3 +95,24 @@ def run_shared_worker(kind: str, where: Any, idx: int, conn: Any) -> None:
     except BaseException:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
+
+
+def run_scheme_worker(scheme: Any, pipe: Any, conn: Any) -> None:
+    """A pipe worker joined through ``MultiProcessWeightSyncScheme`` in the shared mode:
+    answers ``(version, checksum, versions mapped)`` for each "state"."""
+    try:
+        model = shared_model(7)
+        scheme.init_on_receiver(model_id="policy", pipe=pipe, model=model, apply_mode="shared")
+        scheme.connect(timeout=60)
+        scheme.start_receiver_thread()
+        receiver = scheme.get_receiver()
+        conn.send("ready")
+        while conn.recv() == "state":
+            with scheme.lock:
+                stats = receiver.stats
+                conn.send((receiver.version, zmqsync.checksum(model), stats["shared_mapped"]))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        scheme.shutdown()

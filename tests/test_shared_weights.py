@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _shared_workers import run_shared_worker, shared_model
+from _shared_workers import run_scheme_worker, run_shared_worker, shared_model
 from torch import nn
 
 import zmqsync
@@ -248,6 +248,48 @@ def test_workers_that_hold_a_version_past_the_lease_keep_mapping(
     assert fleet.hub.counters()["shm_keeping"] == 2
     for idx in range(2):
         assert fleet.ask(idx)["stats"]["shared_copied"] <= 1  # (version 0, before joining)
+
+
+@pytest.mark.timeout(300)
+def test_the_pipe_scheme_passes_the_shared_mode_to_its_workers() -> None:
+    scheme = zmqsync.MultiProcessWeightSyncScheme(timeout=30)
+    pipes = [SPAWN.Pipe() for _ in range(2)]
+    controls, procs = [], []
+    for _, child in pipes:
+        parent, worker_end = SPAWN.Pipe()
+        proc = SPAWN.Process(target=run_scheme_worker, args=(scheme, child, worker_end))
+        proc.daemon = True
+        proc.start()
+        controls.append(parent)
+        procs.append(proc)
+    model = shared_model(0)
+    scheme.init_on_sender("policy", pipes=[p for p, _ in pipes], model=model, num_workers=2)
+    try:
+        for control in controls:
+            assert control.poll(DEADLINE) and control.recv() == "ready"
+        seen = [0, 0]
+        for _ in range(3):
+            _bump(model)
+            scheme.send()  # returns once every worker applied it
+            expected = zmqsync.checksum(model)
+            for i, control in enumerate(controls):
+                control.send("state")
+                assert control.poll(DEADLINE)
+                version, got, _ = control.recv()
+                assert got == expected and version > seen[i]
+                seen[i] = version
+        for control in controls:
+            control.send("state")
+            assert control.poll(DEADLINE)
+            assert control.recv()[2] >= 2  # mapped, not copied
+    finally:
+        for control in controls:
+            control.send("stop")
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        scheme.shutdown()
 
 
 @pytest.mark.timeout(60)

@@ -234,10 +234,13 @@ class Lender:
             return None  # nothing large
         self._seq += 1
         now = time.monotonic()
+        for keeper in self._members.values():
+            # A newer message exists (counted for it or not): what a peer that keeps
+            # its version holds from now on counts towards its lease.
+            if keeper.keeps:
+                for block_id in keeper.leased.keys() - blocks.keys():
+                    keeper.superseded_at.setdefault(block_id, now)
         for member in members:
-            if member.keeps:
-                for block_id in member.leased.keys() - blocks.keys():
-                    member.superseded_at.setdefault(block_id, now)
             for block in blocks.values():
                 if self.pool.lease(block, member.peer):
                     member.leased.setdefault(block.id, {})[channel] = self._seq
