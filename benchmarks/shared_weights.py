@@ -6,8 +6,8 @@ private memory plus its share of each shared-memory page it maps with others (su
 over processes: the host's real memory for data; the libraries' file pages, shared by
 every Python process, are left out). Each process's figure before it built a model (an
 interpreter with torch) is subtracted, so "model copies" is the memory the weights
-take, in models. Each worker's ``Rss`` and ``Shared_Dirty`` (pages it maps that others
-map too, whole) are shown besides.
+take, in models. Each worker's ``Rss`` and ``Shared_Clean + Shared_Dirty`` (pages it
+maps that others map too, whole, libraries included) are shown besides.
 
     python -m benchmarks.shared_weights --workers 4 --mb 64 --transport pipe
 """
@@ -75,7 +75,9 @@ def _worker(transport: str, where: Any, idx: int, mb: int, mode: str, conn: Any)
     while conn.recv() != "report":
         pass
     with receiver.lock:
-        conn.send({"base": base, "now": _rollup(), "stats": dict(receiver.stats)})
+        # Read every weight, as forward passes do: pages never read are not resident.
+        touched = sum(float(p.sum()) for p in model.parameters())
+        conn.send({"base": base, "now": _rollup(), "stats": dict(receiver.stats), "t": touched})
     conn.recv()
     receiver.close()
 
@@ -136,7 +138,9 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
         "learner_MB": learner / 2**20,
         "worker_MB": [round(m / 2**20, 1) for m in workers_mem],
         "worker_rss_MB": [round(r["now"]["Rss"] / 2**20) for r in reports],
-        "worker_shared_MB": [round(r["now"]["Shared_Dirty"] / 2**20) for r in reports],
+        "worker_shared_MB": [
+            round((r["now"]["Shared_Clean"] + r["now"]["Shared_Dirty"]) / 2**20) for r in reports
+        ],
         "total_extra_MB": extra / 2**20,
         "model_copies": extra / model_bytes,
         "mapped": [r["stats"].get("shared_mapped", 0) for r in reports],
@@ -166,7 +170,7 @@ def main() -> None:
         print(f"  versions mapped per worker: {rows[-1]['mapped']}", file=sys.stderr)
     print(
         "| transport | mode | K | model MiB | send ms (median) | learner MiB | each worker's "
-        "MiB | workers' Rss MiB | workers' shared dirty MiB | total MiB | model copies |"
+        "MiB | workers' Rss MiB | workers' shared MiB | total MiB | model copies |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
