@@ -76,7 +76,7 @@ def _worker(transport: str, where: Any, idx: int, mb: int, mode: str, conn: Any)
         pass
     with receiver.lock:
         # Read every weight, as forward passes do: pages never read are not resident.
-        touched = sum(float(p.sum()) for p in model.parameters())
+        touched = sum(float(p.detach().sum()) for p in model.parameters())
         conn.send({"base": base, "now": _rollup(), "stats": dict(receiver.stats), "t": touched})
     conn.recv()
     receiver.close()
