@@ -29,6 +29,7 @@ from zmqsync.protocol.stream import Apply, Broken, ChunkStream, Ignored, Start
 from zmqsync.receiver.lock import WeightsLock
 from zmqsync.receiver.observer import PendingAck, ReceiverObserver
 from zmqsync.receiver.rejections import Rejections
+from zmqsync.receiver.shared import SHARED_MODE, SharedVersion, check_shareable, owned_tensors
 from zmqsync.tensors.apply import ApplyPlan, materialize
 from zmqsync.tensors.extract import as_weights_object
 from zmqsync.tensors.fit import check_fits
@@ -48,7 +49,7 @@ log = logging.getLogger("zmqsync.receiver")
 #: versions (and any that arrive through shared memory, at copying speed anyway) are
 #: written in place: no model-sized buffer.
 STAGED_MAX_BYTES: Final = 256 * 1024 * 1024
-APPLY_MODES: Final = ("auto", "in_place", "staged")
+APPLY_MODES: Final = ("auto", "in_place", "staged", SHARED_MODE)
 
 #: Without a model or sink, what a receiver keeps of each version: its weights (as
 #: tensors), only its stream's bytes (the staging buffer), or nothing (its chunks only
@@ -159,6 +160,13 @@ class Applier:
         self._ack_due: PendingAck | None = None
         #: Epochs it left, to drop their late frames.
         self._retired: deque[int] = deque(maxlen=retired_epochs)
+        #: ``apply_mode="shared"``: the model's tensors become read-only views of each
+        #: version's shared memory (see :mod:`~zmqsync.receiver.shared`).
+        self._shared = (
+            SharedVersion(self._borrowed, stats)
+            if apply_mode == SHARED_MODE and model is not None and sink is None
+            else None
+        )
 
     @property
     def torn(self) -> bool:
@@ -221,6 +229,8 @@ class Applier:
 
     def close(self) -> None:
         """The receiver closes: half a version in the model leaves it torn for good."""
+        if self._shared is not None:
+            self._shared.abandon()
         if self._writing in ("in_place", "parts"):
             self._writing = ""
             with self.lock.raw:
@@ -237,7 +247,7 @@ class Applier:
         have them gathered in a buffer and fed whole. In place when the mode says so
         (``"in_place"``, or ``"auto"`` above :data:`STAGED_MAX_BYTES`) and every tensor
         can take its bytes where it stands: on the CPU, contiguous, not cast."""
-        if self.model is None or self.sink is not None or self._writing:
+        if self.model is None or self.sink is not None or self._writing or self._shared is not None:
             return None
         mode = self.apply_mode
         if not (mode == "in_place" or (mode == "auto" and total > STAGED_MAX_BYTES)):
@@ -305,6 +315,8 @@ class Applier:
         assert chunk.base is not None
         # A receiver that keeps nothing patches nothing: the delta passes by its
         # observers, to those below that hold its base.
+        if self._shared is not None:
+            return "its weights are shared: each version is mapped whole"
         if self._stages and self.needs_whole():
             return "the model is torn"
         if chunk.epoch != self.epoch or not chunk.base <= self.version < chunk.version:
@@ -382,6 +394,20 @@ class Applier:
             self.staging.start(chunk.total)
             return
         target = self._model_tensors.get(self.model)
+        if self._shared is not None:
+            try:
+                check_shareable(schema, target, self.strategy)
+            except SchemaMismatchError as exc:
+                self._stream.abandon("refused")
+                self._refuse(chunk, exc)
+                return
+            self._writing = "shared"
+            self._fills_staging = False  # the block (or a private copy) holds it
+            spoke = self._host.transport
+            if isinstance(spoke, Borrows):
+                spoke.keep_versions()
+            self._shared.start(chunk.total)
+            return
         in_place = self.apply_mode == "in_place" or (
             self.apply_mode == "auto"
             and (
@@ -426,6 +452,9 @@ class Applier:
             self._in_place.apply(chunk.offset, chunk.payload)
         elif self._writing == "staged":
             self.staging.write(chunk.offset, chunk.payload)
+        elif self._writing == "shared":
+            assert self._shared is not None
+            self._shared.piece(chunk.offset, chunk.payload)
         elif self._writing == "sink":
             self.staging.write(chunk.offset, chunk.payload)
             assert self._sink_feed is not None and self.sink is not None
@@ -462,6 +491,10 @@ class Applier:
                 self.lock.end_write()  # every box went to its tensor as it came
             elif writing == "sink":
                 pass  # every tensor went to the sink as its chunk came
+            elif writing == "shared":
+                assert self._shared is not None and self._schema is not None
+                target = self._model_tensors.get(self.model)
+                self._shared.install(self._schema, owned_tensors(self.model, target))
             elif self.model is not None and self._delta_spans is not None:
                 assert self._in_place is not None
                 staged = self.staging.array
@@ -505,6 +538,8 @@ class Applier:
     def _on_broken(self, broken: Broken) -> None:
         """The version in progress will not complete."""
         writing, self._writing = self._writing, ""
+        if writing == "shared" and self._shared is not None:
+            self._shared.abandon()  # the version held stays mapped
         self.stats["broken_streams"] += 1
         log.info(
             "worker %s: version %s broke off: %s",

@@ -89,7 +89,10 @@ class WeightReceiver:
             a torn model (:class:`WeightsLock`).
         apply_mode: ``"staged"``, ``"in_place"`` or ``"auto"``: staged for versions of
             several chunks up to :data:`STAGED_MAX_BYTES` that do not come through
-            shared memory, in place otherwise (see the module).
+            shared memory, in place otherwise (see the module). ``"shared"``: on the
+            learner's host, the model's tensors become read-only views of the one copy
+            of each version in shared memory, re-pointed under :attr:`lock` (no copy;
+            see docs/shared.md).
         chunk_timeout: seconds between two chunks of a version before its stream counts
             as broken.
         failover: makers of spokes to other upstreams (relays, or the learner itself;
@@ -143,6 +146,8 @@ class WeightReceiver:
             raise ValueError("sink= is a callable that takes the place of a model: not both")
         if keep not in KEEPS:
             raise ValueError(f"keep must be one of {KEEPS}; got {keep!r}")
+        if apply_mode == "shared" and (model is None or sink is not None or slices is not None):
+            raise ValueError("apply_mode='shared' maps a model's tensors: give a model, no sink")
         if keep != "weights" and (model is not None or sink is not None):
             raise ValueError("keep= is for a receiver without a model or sink")
         self.model_id = model_id

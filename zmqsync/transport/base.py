@@ -332,6 +332,11 @@ class Borrows(Ability):
     def borrowed(self, buffers: Sequence[Buffer]) -> bool:
         """Whether these received buffers may be memory the hub lends."""
 
+    def keep_versions(self) -> None:
+        """Tell the hub this worker keeps each version's frames until the next version
+        is in (its weights are views of them), so that a hub that holds back a version
+        from a worker still reading the last one does not wait for it."""
+
 
 class Follows(Ability):
     """A spoke that connects the addresses its hub announced (see :class:`Announces`)."""

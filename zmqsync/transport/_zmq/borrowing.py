@@ -14,6 +14,7 @@ from zmqsync.transport.shm.records import (
     Holding,
     Join,
     Joined,
+    Keeps,
     Lease,
     Leave,
     Offer,
@@ -47,6 +48,7 @@ class Borrower:
         self._lock = threading.Lock()
         self._held: Counter[int] = Counter()  # block id -> leases whose views live
         self._dirty = False
+        self._keeps = False  # keeps each version mapped until the next: tell each join
         self.counters: Counter[str] = Counter()
 
     @property
@@ -68,6 +70,8 @@ class Borrower:
                 )
                 self._joining = False
                 self._seen = [max(s, self._first_seq - 1) for s in self._seen]
+                if self._keeps:
+                    self._request([encode(Keeps())])
                 early, self._early = self._early, None
                 if early is not None:
                     return self._resolve(*early)
@@ -80,6 +84,14 @@ class Borrower:
             self.counters["failures"] += 1
             log.warning("could not read a shared-memory record from the hub: %s", exc)
         return None
+
+    def keep_versions(self) -> None:
+        """This worker keeps each version mapped until the next one is in: say so to the
+        hub now (if joined) and on every join."""
+        if not self._keeps:
+            self._keeps = True
+            if self._slot is not None:
+                self._request([encode(Keeps())])
 
     def _on_offer(self, offer: Offer) -> None:
         if self._offer is not None and self._offer == offer and self._joining:

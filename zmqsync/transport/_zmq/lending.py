@@ -25,6 +25,7 @@ from zmqsync.transport.shm.records import (
     Holding,
     Join,
     Joined,
+    Keeps,
     Leave,
     RecordError,
     decode,
@@ -62,6 +63,11 @@ class _Member:
     #: peer last released it): each block's lease runs from then. Per block, so that
     #: releasing newer blocks never renews the lease of an old one still held.
     lent_at: dict[int, float] = field(default_factory=dict)
+    #: The peer keeps each version mapped until the next (a :class:`Keeps` record): its
+    #: blocks' leases run from when a later lease was counted for it, not from when lent.
+    keeps: bool = False
+    #: Block id -> when a later lease than the one naming it was counted for the peer.
+    superseded_at: dict[int, float] = field(default_factory=dict)
 
 
 class Lender:
@@ -87,9 +93,11 @@ class Lender:
        views it no more.
 
     A peer that keeps a block longer than :data:`LEASE_SECONDS` after it was lent (dead,
-    stopped, stuck) is dropped and the blocks it held are retired, never rewritten: its
-    mapping stays valid, the pages are freed when it unmaps them or exits, and the hub
-    makes new blocks. A malformed or forged record (wrong secret) is counted and dropped.
+    stopped, stuck; for a peer that keeps each version mapped until the next, a
+    :class:`Keeps` record, after a later lease was counted for it) is dropped and the
+    blocks it held are retired, never rewritten: its mapping stays valid, the pages are
+    freed when it unmaps them or exits, and the hub makes new blocks. A malformed or
+    forged record (wrong secret) is counted and dropped.
 
     Not thread-safe: the hub calls it under its own use.
     """
@@ -134,6 +142,10 @@ class Lender:
             self._by_slot[member.slot] = member
             self.counters["joined"] += 1
             return [encode(Joined(member.slot, member.first_seq, member.secret))]
+        if isinstance(record, Keeps) and peer in self._members:
+            self._members[peer].keeps = True
+            self.counters["keeping"] += 1
+            return None
         if isinstance(record, Leave):
             self.counters["declined"] += 1
             self.drop(peer, "left")
@@ -184,6 +196,7 @@ class Lender:
                 self.pool.release_all(block_id, member.peer)
                 del member.leased[block_id]
                 del member.lent_at[block_id]
+                member.superseded_at.pop(block_id, None)
         self.counters["releases"] += 1
 
     def _release_kept(
@@ -221,6 +234,12 @@ class Lender:
             return None  # nothing large
         self._seq += 1
         now = time.monotonic()
+        for keeper in self._members.values():
+            # A newer message exists (counted for it or not): what a peer that keeps
+            # its version holds from now on counts towards its lease.
+            if keeper.keeps:
+                for block_id in keeper.leased.keys() - blocks.keys():
+                    keeper.superseded_at.setdefault(block_id, now)
         for member in members:
             for block in blocks.values():
                 if self.pool.lease(block, member.peer):
@@ -246,7 +265,8 @@ class Lender:
         to them (call before choosing whom a message counts)."""
         now = time.monotonic()
         for member in list(self._members.values()):
-            oldest = min(member.lent_at.values(), default=None)
+            held = member.superseded_at if member.keeps else member.lent_at
+            oldest = min(held.values(), default=None)
             if oldest is not None and now - oldest > LEASE_SECONDS:
                 self.counters["expired"] += 1
                 self.drop(member.peer, f"held a block for over {LEASE_SECONDS:g}s")

@@ -86,6 +86,9 @@ class ZMQSpoke(OpenEnd, SpokeTransport, Peekable, Borrows, Follows, Counted):
         failures."""
         return self._borrower.stats()
 
+    def keep_versions(self) -> None:
+        self._borrower.keep_versions()
+
     def _request(self, frames: list[bytes]) -> None:
         with contextlib.suppress(zmq.ZMQError):  # lost: the hub offers again, or never
             send_parts(self._dealer, frames)

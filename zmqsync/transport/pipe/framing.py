@@ -33,6 +33,7 @@ from zmqsync.protocol import MAX_BUFFERS, Buffer
 from zmqsync.transport.pipe.buffers import POOL_MIN_BYTES, BufferPool
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow
 from zmqsync.transport.shm.records import (
+    Keeps,
     Lease,
     RecordError,
     Release,
@@ -134,6 +135,8 @@ class Received:
     views: dict[int, list[np.ndarray]] = field(default_factory=dict)
     index: int | None = None
     release: Release | None = None
+    #: The worker keeps each version mapped until the next (a :class:`Keeps` record).
+    keeps: bool = False
 
 
 def _stall(conn: Connection, what: str) -> None:
@@ -237,6 +240,8 @@ def read(
             raise OSError(f"a malformed shared-memory record on the pipe: {exc}") from exc
         if isinstance(record, Release) and blocks is None:
             return Received(release=record)
+        if isinstance(record, Keeps) and blocks is None:
+            return Received(keeps=True)
         if not isinstance(record, Lease) or blocks is None:
             raise OSError(f"a {type(record).__name__} record where none belongs")
         if len(record.entries) > MAX_FRAMES:

@@ -229,6 +229,8 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
                     continue
                 if got.release is not None:
                     self._on_release(peer, got.release)
+                elif got.keeps:
+                    peer.writer.keeps_versions = True
                 elif got.frames is not None:
                     peer.left = False  # back after its goodbye (a hello), or never gone
                     # A message beats a wake-up: whoever woke us wants the hub, and gets

@@ -17,7 +17,7 @@ from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import read, socket_of
 from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, close_end
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
-from zmqsync.transport.shm.records import Release, encode
+from zmqsync.transport.shm.records import Keeps, Release, encode
 
 __all__ = ["PipeSpoke"]
 
@@ -47,6 +47,7 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         #: The hub's blocks, mapped read-only from the descriptors it passed (never
         #: evicted: the hub passes each one once).
         self._blocks = PeerBlocks(limit=None)
+        self._keeps = False  # told the hub it keeps each version mapped
         #: This worker's index, as the hub assigned it (``None`` until it has arrived).
         self.peer_index: int | None = None
 
@@ -65,6 +66,11 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         # Its hub lends blocks whenever it can: a worker cannot tell which version came
         # through them, so each is let go of before its ack.
         return True
+
+    def keep_versions(self) -> None:
+        if not self._keeps:
+            self._keeps = True
+            self._writer.put(Outgoing(None, record=encode(Keeps())))
 
     def _gone(self, why: str) -> None:
         if self._hub_gone is None:

@@ -68,6 +68,9 @@ class Writer:
         self._known: set[int] = set()  # blocks whose descriptor the peer has
         self._unreleased = 0  # leases written and not released yet
         self._held_since: float | None = None
+        #: The peer keeps each version mapped until the next is in (it said so): its
+        #: unreleased leases are the version it holds, no reason to wait.
+        self.keeps_versions = False
         self._queue: deque[Outgoing] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -106,7 +109,12 @@ class Writer:
                     self._cond.wait(_IDLE_SECONDS)  # stop() notifies; this bounds a missed one
                     continue
                 head = self._queue[0]
-                if self._unreleased and head.stream is Stream.START and head.lent:
+                if (
+                    self._unreleased
+                    and head.stream is Stream.START
+                    and head.lent
+                    and not self.keeps_versions
+                ):
                     # The peer still reads its previous version in place: let it finish
                     # (a newer version may replace this one meanwhile) rather than pin
                     # one more block. A peer that never releases only delays it.

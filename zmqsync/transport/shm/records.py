@@ -5,6 +5,9 @@
   hub's blocks; :class:`Leave`: it cannot. :class:`Joined` (hub to peer): the slot and
   secret a peer on a shared channel signs its releases with.
 - :class:`Lease` (hub to peer): one message whose large frames are places in blocks.
+- :class:`Keeps` (peer to hub): this peer keeps the version it holds mapped until the
+  next one is in (its weights are views of the block: ``apply_mode="shared"``), so a
+  block still held is no reason to hold back the next version.
 - :class:`Release` (peer to hub): one lease on each named block ends (ordered channels:
   pipes, Ray calls). :class:`Holding` (peer to hub): which blocks a peer still views,
   as of the messages it has seen (lossy channels: ZeroMQ, where a message a peer never
@@ -32,6 +35,7 @@ __all__ = [
     "Holding",
     "Join",
     "Joined",
+    "Keeps",
     "Lease",
     "Leave",
     "Offer",
@@ -62,6 +66,7 @@ _JOINED: Final = b"ZLok"
 _LEASE: Final = b"ZLle"
 _RELEASE: Final = b"ZLre"
 _HOLDING: Final = b"ZLho"
+_KEEPS: Final = b"ZLke"
 _MAGIC_BYTES: Final = 4
 
 _OFFER_BODY: Final = struct.Struct("<qqQ")  # pid, fd, inode of the probe block
@@ -173,6 +178,11 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class Keeps:
+    """The peer keeps each version it holds mapped until the next one is in."""
+
+
+@dataclass(frozen=True, slots=True)
 class Holding:
     slot: int
     secret: bytes
@@ -181,9 +191,9 @@ class Holding:
     held: frozenset[int]
 
 
-Record = Offer | Join | Leave | Joined | Lease | Release | Holding
+Record = Offer | Join | Leave | Joined | Lease | Release | Holding | Keeps
 
-_MAGICS: Final = frozenset({_OFFER, _JOIN, _LEAVE, _JOINED, _LEASE, _RELEASE, _HOLDING})
+_MAGICS: Final = frozenset({_OFFER, _JOIN, _LEAVE, _JOINED, _LEASE, _RELEASE, _HOLDING, _KEEPS})
 
 
 def is_record(frames: Sequence[Buffer]) -> bool:
@@ -207,6 +217,8 @@ def encode(record: Record) -> bytes:
         return _JOIN + _JOIN_BODY.pack(record.token)
     if isinstance(record, Leave):
         return _LEAVE
+    if isinstance(record, Keeps):
+        return _KEEPS
     if isinstance(record, Joined):
         return _JOINED + _JOINED_BODY.pack(record.slot, record.first_seq, record.secret)
     if isinstance(record, Lease):
@@ -274,6 +286,10 @@ def decode(frame: Buffer) -> Record:
     if magic == _JOIN:
         (token,) = _fixed(body, _JOIN_BODY)
         return Join(bytes(token))
+    if magic == _KEEPS:
+        if body:
+            raise RecordError("a keeps record carries nothing")
+        return Keeps()
     if magic == _LEAVE:
         if body:
             raise RecordError("a leave record carries nothing")

@@ -1,0 +1,304 @@
+"""``apply_mode="shared"``: workers on the learner's host share one read-only copy of
+each version. Real spawned workers over ZeroMQ ``ipc://`` (both modes) and pipes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from _shared_workers import run_scheme_worker, run_shared_worker, shared_model
+from torch import nn
+
+import zmqsync
+from zmqsync import WeightReceiver, WeightSender
+from zmqsync.transport._zmq import lending
+from zmqsync.transport.pipe import PipeHub
+from zmqsync.transport.zmq_pubsub import PubSubHub
+from zmqsync.transport.zmq_router import RouterHub
+
+SPAWN = mp.get_context("spawn")
+KINDS = ["pubsub", "router", "pipe"]
+DEADLINE = 60.0
+
+
+@dataclass
+class Fleet:
+    """The learner (model, sender, hub) and its spawned workers' control pipes."""
+
+    kind: str
+    model: nn.Module
+    sender: WeightSender
+    hub: Any
+    where: list[Any]  # what each worker connects to (endpoint, or its pipe end)
+    procs: list[Any] = field(default_factory=list)
+    conns: list[Any] = field(default_factory=list)
+
+    def spawn(self, idx: int) -> None:
+        """Start worker ``idx`` and wait until it joined."""
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(
+            target=run_shared_worker, args=(self.kind, self.where[idx], idx, child), daemon=True
+        )
+        proc.start()
+        self.procs.append(proc)
+        self.conns.append(parent)
+        assert parent.poll(DEADLINE), f"worker {idx} did not start"
+        assert parent.recv() == "ready"
+
+    def ask(self, idx: int, command: str = "state") -> dict[str, Any]:
+        self.conns[idx].send(command)
+        assert self.conns[idx].poll(DEADLINE), f"worker {idx} did not answer"
+        answer = self.conns[idx].recv()
+        assert not (isinstance(answer, tuple) and answer[0] == "error"), answer
+        return answer  # type: ignore[no-any-return]
+
+    def wait_for(self, idx: int, version: int) -> dict[str, Any]:
+        """Worker ``idx``'s state once it holds ``version`` (polled, with a deadline)."""
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            state = self.ask(idx)
+            if state["version"] >= version:
+                return state
+            assert time.monotonic() < deadline, f"worker {idx} stuck at {state}"
+            time.sleep(0.05)
+
+
+def _bump(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+        model.steps += 1  # type: ignore[operator]
+
+
+@pytest.fixture
+def make_fleet(tmp_path: Any) -> Iterator[Callable[..., Fleet]]:
+    fleets: list[Fleet] = []
+
+    def make(kind: str, slots: int) -> Fleet:
+        if kind == "pipe":
+            pairs = [SPAWN.Pipe() for _ in range(slots)]
+            hub: Any = PipeHub([p for p, _ in pairs])
+            where: list[Any] = [c for _, c in pairs]
+        else:
+            hub = (PubSubHub if kind == "pubsub" else RouterHub)(f"ipc://{tmp_path}/hub")
+            where = [hub.endpoint] * slots
+        model = shared_model(0)
+        sender = WeightSender(hub, model=model, num_workers=None, timeout=30)
+        fleet = Fleet(kind, model, sender, hub, where)
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        for conn, proc in zip(fleet.conns, fleet.procs, strict=True):
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGCONT)
+                conn.send("stop")
+        for proc in fleet.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        fleet.sender.close()
+
+
+def _send(fleet: Fleet, workers: list[int]) -> str:
+    """A new version to ``workers``; returns its checksum."""
+    _bump(fleet.model)
+    fleet.sender.send(worker_ids=workers)
+    return zmqsync.checksum(fleet.model)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", KINDS)
+def test_workers_map_each_version_read_only_and_exact(
+    kind: str, make_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = make_fleet(kind, 4)
+    fleet.sender.publish()
+    for idx in range(3):
+        fleet.spawn(idx)
+    sums = {}
+    for _ in range(4):
+        sums[fleet.sender.version] = _send(fleet, [0, 1, 2])
+        for idx in range(3):
+            state = fleet.wait_for(idx, fleet.sender.version)
+            assert state["version"] == fleet.sender.version
+            assert state["checksum"] == sums[fleet.sender.version]
+            assert state["same_objects"], "a parameter is no longer the object it was"
+            assert state["read_only"], "the worker's weights are writable"
+    # Every worker mapped versions: it copied none since it joined the lending.
+    for idx in range(3):
+        assert fleet.ask(idx)["stats"]["shared_mapped"] >= 2
+    held = fleet.sender.version
+    # The learner changes its weights in place without sending: no worker sees it.
+    _bump(fleet.model)
+    time.sleep(0.5)
+    for idx in range(3):
+        state = fleet.ask(idx)
+        assert (state["version"], state["checksum"]) == (held, sums[held])
+    # A late joiner gets the latest sent (not the learner's weights changed since),
+    # and maps the next.
+    fleet.spawn(3)
+    late = fleet.wait_for(3, held)
+    assert (late["version"], late["checksum"]) == (held, sums[held])
+    sums[fleet.sender.version] = _send(fleet, [0, 1, 2, 3])
+    late = fleet.wait_for(3, fleet.sender.version)
+    assert late["checksum"] == sums[fleet.sender.version]
+    assert late["stats"]["shared_mapped"] >= 1
+    # Shared memory stays bounded: the hub's blocks, at most a few versions' worth.
+    counts = fleet.hub.counters()
+    assert counts["shm_bytes"] <= 4 * 2 * sum(t.nbytes for t in fleet.model.state_dict().values())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_worker_that_writes_its_weights_dies_and_the_others_stay_exact(
+    kind: str, make_fleet: Callable[..., Fleet]
+) -> None:
+    fleet = make_fleet(kind, 3)
+    fleet.sender.publish()
+    for idx in range(3):
+        fleet.spawn(idx)
+    version_sum = _send(fleet, [0, 1, 2])
+    for idx in range(3):
+        assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+    fleet.conns[0].send("write")
+    assert fleet.conns[0].poll(DEADLINE) and fleet.conns[0].recv() == "writing"
+    fleet.procs[0].join(DEADLINE)
+    assert fleet.procs[0].exitcode in (-signal.SIGSEGV, -signal.SIGBUS)
+    for idx in (1, 2):
+        state = fleet.ask(idx)
+        assert state["checksum"] == version_sum
+    # The learner goes on with the others.
+    next_sum = _send(fleet, [1, 2])
+    for idx in (1, 2):
+        assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == next_sum
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["pubsub", "pipe"])
+def test_a_stopped_worker_pins_its_version_and_catches_up(
+    kind: str, make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lending, "LEASE_SECONDS", 2.0)  # the ZeroMQ hub's, shortened
+    fleet = make_fleet(kind, 3)
+    fleet.sender.publish()
+    for idx in range(3):
+        fleet.spawn(idx)
+    pinned_sum = _send(fleet, [0, 1, 2])
+    pinned = fleet.sender.version
+    assert fleet.wait_for(2, pinned)["checksum"] == pinned_sum
+    # Worker 1 holds its version (under its lock) while the learner sends others: the
+    # memory it maps is never written over.
+    fleet.conns[1].send("hold:3")
+    for _ in range(4):
+        _send(fleet, [0])
+        fleet.wait_for(0, fleet.sender.version)
+    assert fleet.conns[1].poll(DEADLINE)
+    before, after = fleet.conns[1].recv()
+    assert before["version"] == after["version"] == pinned
+    assert before["checksum"] == after["checksum"] == pinned_sum
+    os.kill(fleet.procs[2].pid, signal.SIGSTOP)
+    model_bytes = sum(t.nbytes for t in fleet.model.state_dict().values())
+    # Over ZeroMQ the hub stops counting a peer that held a block past its lease.
+    end = time.monotonic() + 4.0
+    sent = 0
+    while time.monotonic() < end or sent < 6:
+        version_sum = _send(fleet, [0, 1])
+        sent += 1
+        for idx in (0, 1):
+            assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+        # Bounded: a few versions' blocks (a stopped worker pins one; the learner
+        # takes others up to its bound, then copies).
+        assert fleet.hub.counters()["shm_bytes"] <= 6 * 2 * model_bytes
+        time.sleep(0.2)
+    counts = fleet.hub.counters()
+    if kind == "pubsub":
+        assert counts["shm_expired"] >= 1  # said so: it then gets copies
+    os.kill(fleet.procs[2].pid, signal.SIGCONT)
+    latest_sum = _send(fleet, [0, 1, 2])
+    state = fleet.wait_for(2, fleet.sender.version)
+    assert state["checksum"] == latest_sum and state["version"] == fleet.sender.version
+
+
+@pytest.mark.timeout(300)
+def test_workers_that_hold_a_version_past_the_lease_keep_mapping(
+    make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A learner slower than the hub's lease: workers hold their version mapped the
+    whole time, as they must, and are not dropped for it (they said they keep it)."""
+    monkeypatch.setattr(lending, "LEASE_SECONDS", 1.0)
+    fleet = make_fleet("pubsub", 2)
+    fleet.sender.publish()
+    for idx in range(2):
+        fleet.spawn(idx)
+    for _ in range(3):
+        version_sum = _send(fleet, [0, 1])
+        for idx in range(2):
+            assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+        time.sleep(2.5)  # longer than the lease, between versions
+    assert fleet.hub.counters().get("shm_expired", 0) == 0
+    assert fleet.hub.counters()["shm_keeping"] == 2
+    for idx in range(2):
+        assert fleet.ask(idx)["stats"]["shared_copied"] <= 1  # (version 0, before joining)
+
+
+@pytest.mark.timeout(300)
+def test_the_pipe_scheme_passes_the_shared_mode_to_its_workers() -> None:
+    scheme = zmqsync.MultiProcessWeightSyncScheme(timeout=30)
+    pipes = [SPAWN.Pipe() for _ in range(2)]
+    controls, procs = [], []
+    for _, child in pipes:
+        parent, worker_end = SPAWN.Pipe()
+        proc = SPAWN.Process(target=run_scheme_worker, args=(scheme, child, worker_end))
+        proc.daemon = True
+        proc.start()
+        controls.append(parent)
+        procs.append(proc)
+    model = shared_model(0)
+    scheme.init_on_sender("policy", pipes=[p for p, _ in pipes], model=model, num_workers=2)
+    try:
+        for control in controls:
+            assert control.poll(DEADLINE) and control.recv() == "ready"
+        seen = [0, 0]
+        for _ in range(3):
+            _bump(model)
+            scheme.send()  # returns once every worker applied it
+            expected = zmqsync.checksum(model)
+            for i, control in enumerate(controls):
+                control.send("state")
+                assert control.poll(DEADLINE)
+                version, got, _ = control.recv()
+                assert got == expected and version > seen[i]
+                seen[i] = version
+        for control in controls:
+            control.send("state")
+            assert control.poll(DEADLINE)
+            assert control.recv()[2] >= 2  # mapped, not copied
+    finally:
+        for control in controls:
+            control.send("stop")
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_shared_mode_needs_a_model() -> None:
+    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+
+    hub = MemoryHub("memory://shared-needs-model")
+    try:
+        with pytest.raises(ValueError, match="shared"):
+            WeightReceiver(MemorySpoke("memory://shared-needs-model"), apply_mode="shared")
+    finally:
+        hub.close()

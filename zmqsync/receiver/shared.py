@@ -1,0 +1,216 @@
+"""Workers that share one read-only copy of each version (``apply_mode="shared"``).
+
+On the learner's host a version already lies whole in one shared-memory block the hub
+lends (the sender's snapshot), and every worker maps that block read-only. A worker in
+this mode copies nothing: once the last chunk is in, each of the model's tensors is
+re-pointed (``tensor.data = view``) at its bytes in the block, under the worker's lock.
+The tensors stay the objects they were; their memory is the learner's one copy.
+
+The block stays leased while any view of it lives: the views made here hold the frames
+the transport lent (and the transport tells the hub a block is free only once every such
+frame is garbage), so the hub never rewrites a version a worker still holds, even one an
+old view the user kept still reads. Moving on to the next version lets go of the last.
+
+A version that did not come whole in one block (sent inline: the hub had no block free,
+or dropped this worker) is copied once into private memory that is then made read-only,
+so the model behaves alike either way: a write into its tensors is a fault of this
+worker (``SIGSEGV``), never a change to another worker's weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from zmqsync.errors import SchemaMismatchError
+from zmqsync.protocol import Buffer, WeightsSchema
+from zmqsync.tensors.extract import KeyPath
+from zmqsync.tensors.fit import check_fits
+from zmqsync.tensors.views import torch_dtype
+
+__all__ = ["SHARED_MODE", "SharedVersion", "check_shareable", "owned_tensors"]
+
+#: The ``apply_mode`` that turns this on.
+SHARED_MODE: Final = "shared"
+_PROT_READ: Final = 0x1
+
+
+def check_shareable(
+    schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], strategy: str
+) -> None:
+    """Raise :class:`SchemaMismatchError` unless every tensor of ``target`` can become a
+    view of the version's bytes: the schema fits, nothing was cast on the wire (the
+    bytes are not the tensor's), every tensor is on the CPU, one buffer holds them."""
+    check_fits(schema, target, strategy)
+    for e in schema.entries:
+        if e.wire:
+            raise SchemaMismatchError(
+                f"apply_mode='shared' maps the learner's bytes as they are; {e.dotted_key} "
+                f"travels as {e.wire} (a wire_dtype): send the model's own dtypes"
+            )
+        if e.buffer != 0:
+            raise SchemaMismatchError("apply_mode='shared' needs the version in one stream")
+        if target[e.key].device.type != "cpu":
+            raise SchemaMismatchError(
+                f"apply_mode='shared' maps host memory; {e.dotted_key} is on {target[e.key].device}"
+            )
+
+
+def owned_tensors(
+    model: Any, target: Mapping[KeyPath, torch.Tensor]
+) -> dict[str, list[torch.Tensor]]:
+    """Every tensor to re-point per dotted name: ``target``'s (a strategy's extraction
+    may hand out aliases, kept between versions: left on the old memory they would pin
+    its block) and, for a module, its own parameter or buffer (re-pointing an alias
+    alone would leave the module's tensor where it was)."""
+    owned: dict[str, list[torch.Tensor]] = {".".join(k): [t] for k, t in target.items()}
+    if isinstance(model, torch.nn.Module):
+        for name, param in model.named_parameters(remove_duplicate=False):
+            _add(owned, name, param)
+        for name, buf in model.named_buffers(remove_duplicate=False):
+            if buf is not None:
+                _add(owned, name, buf)
+    return owned
+
+
+def _add(owned: dict[str, list[torch.Tensor]], name: str, tensor: torch.Tensor) -> None:
+    tensors = owned.setdefault(name, [])
+    if all(t is not tensor for t in tensors):
+        tensors.append(tensor)
+
+
+def _read_only_copy(pieces: list[tuple[int, np.ndarray]], total: int) -> np.ndarray:
+    """``pieces`` (offset, bytes) gathered into fresh private memory that is then made
+    read-only (a write into it faults, as one into a shared block would)."""
+    mapped = mmap.mmap(-1, max(total, 1))
+    out = np.frombuffer(mapped, dtype=np.uint8)[:total]
+    for offset, payload in pieces:
+        np.copyto(out[offset : offset + len(payload)], payload)
+    address = ctypes.c_void_p(out.__array_interface__["data"][0])
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mprotect(address, ctypes.c_size_t(max(total, 1)), _PROT_READ) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect of a private copy failed")
+    out.flags.writeable = False
+    return out
+
+
+def _in_one_block(pieces: list[tuple[int, np.ndarray]], total: int) -> np.ndarray | None:
+    """The ``total`` bytes of a version whose ``pieces`` (offset, bytes) all lie in one
+    read-only mapping (a hub's block, not a transport's private buffer) where the stream
+    puts them, as one fresh array over the mapping; None if they do not."""
+    if not pieces:
+        return None
+    first_offset, first = pieces[0]
+    start = _address(first) - first_offset
+    owner = first.base
+    if not isinstance(owner, np.ndarray) or owner.flags.writeable:
+        return None
+    if not all(p.base is owner and _address(p) == start + off for off, p in pieces):
+        return None
+    begin = start - _address(owner)
+    if begin < 0 or begin + total > owner.nbytes:
+        return None
+    # Its base is a memoryview, so views of it keep it (not the mapping alone) alive.
+    return np.frombuffer(memoryview(owner[begin : begin + total].data), np.uint8)
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+class SharedVersion:
+    """The version in progress (its chunks' frames, kept) and the version held (what
+    pins its memory). Owned by one :class:`~zmqsync.receiver.applying.Applier`; fed on
+    its thread; :meth:`install` runs under the worker's lock."""
+
+    def __init__(self, borrowed: Callable[[Buffer], bool], stats: dict[str, Any]) -> None:
+        self._borrowed = borrowed
+        self._stats = stats
+        stats.setdefault("shared_mapped", 0)
+        stats.setdefault("shared_copied", 0)
+        self._total = 0
+        #: (stream offset, bytes) of each chunk of the version in progress: lent frames
+        #: as they came (they keep their block leased), others copied at once (a
+        #: transport may reuse its own receive buffers).
+        self._pieces: list[tuple[int, np.ndarray]] = []
+        self._all_lent = True
+        #: The lent frames of the version in progress, as the transport handed them.
+        self._frames: list[Buffer] = []
+        #: What keeps the held version's memory (its frames, or the private copy).
+        self._held: np.ndarray | None = None
+
+    def start(self, total: int) -> None:
+        """A version of ``total`` bytes begins."""
+        self._total = total
+        self._pieces = []
+        self._frames = []
+        self._all_lent = True
+
+    def piece(self, offset: int, payload: Buffer) -> None:
+        """Keep one chunk's bytes (a view, if the transport lent them)."""
+        if not len(payload):
+            return
+        if self._borrowed(payload):
+            self._pieces.append((offset, np.frombuffer(payload, dtype=np.uint8)))
+            # The frame object itself: the transport releases its block once that
+            # object is garbage (a numpy view of it would name the mapping instead).
+            self._frames.append(payload)
+        else:
+            self._all_lent = False
+            self._pieces.append((offset, np.frombuffer(payload, dtype=np.uint8).copy()))
+
+    def abandon(self) -> None:
+        """The version in progress will not complete: let its frames go."""
+        self._pieces = []
+        self._frames = []
+
+    def _whole(self) -> np.ndarray:
+        """The version's bytes in one array: the lent block itself when every chunk lies
+        in it where the stream puts it, else a read-only private copy."""
+        pieces, frames, total = self._pieces, self._frames, self._total
+        self._pieces, self._frames = [], []
+        if self._all_lent:
+            whole = _in_one_block(pieces, total)
+            if whole is not None:
+                # The lent frames live as long as the array (and every view of it): the
+                # transport tells the hub their block is free only once they are gone.
+                weakref.finalize(whole, _let_go, frames)
+                self._stats["shared_mapped"] += 1
+                return whole
+        self._stats["shared_copied"] += 1
+        return _read_only_copy(pieces, total)
+
+    def install(self, schema: WeightsSchema, target: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        """Re-point every tensor of ``target`` (by dotted name, see
+        :func:`owned_tensors`) at its bytes of the version just completed (call under
+        the worker's lock). The tensors stay the same objects."""
+        whole = self._whole()
+        views: list[tuple[Sequence[torch.Tensor], torch.Tensor]] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only on purpose: a write faults
+            base = torch.from_numpy(whole)
+            for e in schema.entries:
+                raw = base[e.offset : e.offset + e.nbytes]
+                view = raw.view(torch_dtype(e.dtype)).reshape(e.shape)
+                views.append((target[e.dotted_key], view))
+        for tensors, view in views:
+            for tensor in tensors:
+                tensor.data = view
+        self._held = whole  # the previous version's memory is let go of here
+
+    def close(self) -> None:
+        self.abandon()
+        self._held = None
+
+
+def _let_go(frames: list[Buffer]) -> None:
+    """Nothing to do: ``frames`` die with this call's last reference (and the transport
+    then tells the hub their block is free)."""
+    del frames
