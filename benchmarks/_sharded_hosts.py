@@ -175,7 +175,8 @@ class RankHost:
             seconds = time.perf_counter() - started
         extra, _ = _memory_mib(meter)
         counted = {k: v - before[k] for k, v in _totals(scheme).items()}
-        return {"seconds": seconds, "extra_mib": extra, **counted}
+        rss = meter.peak.get("rss_anon", 0) / MIB  # the whole process's, both variants'
+        return {"seconds": seconds, "extra_mib": extra, "rss_peak_mib": rss, **counted}
 
     def _gather_then_send(self) -> None:
         """What users do today: the full state dict gathered on rank 0 (a collective

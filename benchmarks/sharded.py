@@ -146,6 +146,7 @@ def _version(
         "seconds": max(r["seconds"] for r in replies),
         "egress": egress,
         "extra_mib": [r["extra_mib"] for r in replies],
+        "rss_peak_mib": [r["rss_peak_mib"] for r in replies],
         **{name: [r[name] for r in replies] for name in COUNTED},
     }
 
@@ -206,6 +207,9 @@ def _summary(
                 ]
                 for name in COUNTED
             },
+            "rss_peak_mib_per_rank": [
+                max(r["rss_peak_mib"][k] for r in rows) for k in range(ranks)
+            ],
             "memory_mib_per_rank": [
                 setup[k][variant] + max(r["extra_mib"][k] for r in rows) for k in range(ranks)
             ],
