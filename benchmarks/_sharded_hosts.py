@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, cast
@@ -203,8 +204,6 @@ class RankHost:
 
 def _own_address() -> str:
     """This host's address on the test subnet (its eth0's)."""
-    import subprocess
-
     out = subprocess.run(
         ["ip", "-4", "-o", "addr", "show", "dev", "eth0"],
         capture_output=True,
