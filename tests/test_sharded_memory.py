@@ -46,7 +46,7 @@ def _answer(conn: Any, kind: str, timeout: float = 180.0) -> tuple[Any, ...]:
 def _ranks_and_worker(tmp_path: Any, retain: bool) -> list[tuple[Any, ...]]:
     """Every rank's ``("done", extra, shard_bytes, model_bytes, checksum)``, once a
     worker holds the last version whole (its checksum the gathered model's)."""
-    from _sharded import run_memory_rank, run_memory_worker
+    from _sharded_memory import run_memory_rank, run_memory_worker
     from conftest import free_port
 
     port = free_port()
