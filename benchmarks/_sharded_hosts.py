@@ -292,7 +292,9 @@ class WorkerHost:
 class RelayHost:
     """A relay host: one relay per variant, in front of that variant's rank 0."""
 
-    def __init__(self, namespace: str, index: int, upstreams: dict[str, str]) -> None:
+    def __init__(
+        self, namespace: str, index: int, upstreams: dict[str, str], chunk_bytes: int
+    ) -> None:
         from zmqsync import Relay
 
         enter_netns(namespace)
@@ -307,6 +309,9 @@ class RelayHost:
                     strategy="state_dict",
                     worker_idx=index,
                     timeout=PEER_SECONDS,
+                    # What its workers joining late get version 0 in: small chunks, as
+                    # the learners' (8 MiB ones stall behind a shaped link).
+                    chunk_bytes=chunk_bytes,
                 )
                 self.relays[variant] = relay
                 relay.connect(timeout=GROUP_SECONDS)

@@ -103,7 +103,7 @@ def _start(
     if relays:
         relay_pool = WorkerPool(
             RelayHost,
-            [(topo.namespace(f"relay{i}"), i, upstream) for i in range(relays)],
+            [(topo.namespace(f"relay{i}"), i, upstream, chunk_bytes) for i in range(relays)],
             torch_threads=1,
             name="bench-relay",
         )
