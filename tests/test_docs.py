@@ -128,3 +128,31 @@ def test_the_readme_leads_to_every_page_and_to_the_benchmarks() -> None:
     }
     missing = sorted(pages - NOT_LINKED_FROM_README - linked)
     assert not missing, f"README.md links none of: {', '.join(missing)}"
+
+
+#: How long the sharded-learner example (two spawned ranks and a worker) may take on a
+#: loaded 2-core machine.
+EXAMPLE_TIMEOUT_S: Final = 240.0
+
+
+@pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 60)
+def test_the_sharded_learner_example_runs_as_written() -> None:
+    """docs/sharded.md shows docs/examples/sharded_fsdp2.py whole; run as the page says,
+    its worker ends holding the learner's last version, equal to the gathered model."""
+    example = "docs/examples/sharded_fsdp2.py"
+    assert f'--8<-- "{example}"' in (ROOT / "docs" / "sharded.md").read_text()
+    try:
+        done = subprocess.run(
+            [sys.executable, example],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=EXAMPLE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"{example} took over {EXAMPLE_TIMEOUT_S:.0f} s:\n{expired.output}")
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == "worker holds version 3; equal to the learner's gathered model: True", (
+        done.stdout + done.stderr
+    )

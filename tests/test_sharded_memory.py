@@ -1,0 +1,114 @@
+"""What a sharded learner's rank holds: without a snapshot, nothing above a few chunk
+buffers; with one, its own part (about 1/M of the model), never the whole model.
+
+Spawned FSDP2 ranks over gloo and a worker with a plain module; each rank samples its own
+memory from just before ``init_on_sender`` through ``connect()`` and a few sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+import pytest
+from _faults import until
+
+SPAWN = mp.get_context("spawn")
+MIB = 1 << 20
+
+#: Ranks, and 16 MiB layers: a 128 MiB model, 64 MiB per rank (uneven shards), large
+#: enough that a copy of a part or of the model stands far above the noise.
+WORLD = 2
+LAYERS = 8
+#: Small chunks, so that the buffers a send holds at once (a window of chunks in flight,
+#: and the ring they are copied into) stay far below a rank's part.
+CHUNK_BYTES = 1 * MIB
+#: What a rank may allocate above its shard without a snapshot: the sender's chunk
+#: buffers (the window in flight and the ring they are copied through: a few chunks)
+#: and what libzmq and the sender's threads allocate, far below a part (64 MiB).
+SLACK = 24 * MIB
+#: What resident memory may show besides: the new threads' stacks and malloc arenas.
+RSS_SLACK = 16 * MIB
+#: Sends measured after connect().
+VERSIONS = 3
+
+
+def _answer(conn: Any, kind: str, timeout: float = 180.0) -> tuple[Any, ...]:
+    assert conn.poll(timeout), f"no {kind!r} within {timeout}s"
+    reply = conn.recv()
+    assert reply[0] == kind, reply
+    return tuple(reply)
+
+
+def _ranks_and_worker(tmp_path: Any, retain: bool) -> list[tuple[Any, ...]]:
+    """Every rank's ``("done", extra, shard_bytes, model_bytes, checksum)``, once a
+    worker holds the last version whole (its checksum the gathered model's)."""
+    from _sharded_memory import run_memory_rank, run_memory_worker
+    from conftest import free_port
+
+    port = free_port()
+    procs: list[Any] = []
+    conns: list[Any] = []
+
+    def spawn(target: Any, *args: Any) -> Any:
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(target=target, args=(*args[:-1], child, *args[-1]), daemon=True)
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+        return parent
+
+    try:
+        ranks = [
+            spawn(
+                run_memory_rank,
+                r, WORLD, port, f"ipc://{tmp_path}/rank{r}",
+                (LAYERS, retain, CHUNK_BYTES, VERSIONS),
+            )
+            for r in range(WORLD)
+        ]  # fmt: skip
+        endpoint = _answer(ranks[0], "bound")[1]
+        _answer(ranks[1], "bound")
+        worker = spawn(run_memory_worker, endpoint, LAYERS, ())
+        done = [_answer(c, "done") for c in ranks]
+        worker.send("state")
+        version, digest = worker.recv()
+        assert (version, digest) == (VERSIONS, done[0][4])
+        return done
+    finally:
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.send("stop")
+        for proc in procs:
+            proc.join(20)
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(5)
+        until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_without_a_snapshot_holds_no_more_than_chunk_buffers(tmp_path: Any) -> None:
+    done = _ranks_and_worker(tmp_path, False)
+    for rank, (_, extra, shard, model, _) in enumerate(done):
+        assert shard > 0.45 * model, (rank, shard, model)  # the rank's own half
+        # Its peak above what it held before init_on_sender: chunk buffers, no part.
+        assert extra["heap"] < SLACK, (rank, extra)
+        assert extra["rss"] < SLACK + RSS_SLACK, (rank, extra)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_with_a_snapshot_holds_its_own_part_not_the_model(tmp_path: Any) -> None:
+    done = _ranks_and_worker(tmp_path, True)
+    for rank, (_, extra, shard, model, _) in enumerate(done):
+        # The snapshot is this rank's part: about model / WORLD (its shard; FSDP2's
+        # shards are uneven), where a whole copy of the model would be twice that. So
+        # the bound is half the model plus the slack of the test above.
+        assert extra["heap"] < model / WORLD + SLACK, (rank, extra, shard)
+        assert extra["rss"] < model / WORLD + SLACK + RSS_SLACK, (rank, extra, shard)
+        # ... and it is a snapshot of the whole part, not just a few chunks.
+        assert extra["heap"] > 0.9 * shard, (rank, extra, shard)
