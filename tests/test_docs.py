@@ -25,11 +25,8 @@ BUILD_TIMEOUT_S: Final = 240.0
 MARKDOWN: Final = (
     ROOT / "README.md",
     ROOT / "benchmarks" / "README.md",
-    *sorted(p for p in ROOT.glob("docs/*.md") if not p.name.startswith("_")),
+    *sorted(ROOT.glob("docs/*.md")),
 )
-#: docs/_*.md: fragments of a page still being written (the site leaves them out), whose
-#: links must resolve all the same
-FRAGMENTS: Final = tuple(sorted(ROOT.glob("docs/_*.md")))
 #: docs pages the README need not link: the site's home (the README's own sections) and
 #: the page that includes benchmarks/README.md (the README links that file itself)
 NOT_LINKED_FROM_README: Final = frozenset({"docs/index.md", "docs/benchmarks.md"})
@@ -105,7 +102,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
 
 def test_every_relative_link_leads_to_a_file_and_heading_that_exist() -> None:
     broken = []
-    for path in (*MARKDOWN, *FRAGMENTS):
+    for path in MARKDOWN:
         for link in _relative_links(path):
             target, _, anchor = link.partition("#")
             file = (path.parent / target).resolve() if target else path
@@ -122,10 +119,7 @@ def test_the_readme_leads_to_every_page_and_to_the_benchmarks() -> None:
         (ROOT / link.partition("#")[0]).resolve().relative_to(ROOT).as_posix()
         for link in _relative_links(ROOT / "README.md")
     }
-    # Fragments (docs/_*.md) wait to be merged into their page: not pages of their own.
-    pages = {
-        path.relative_to(ROOT).as_posix() for path in MARKDOWN[1:] if not path.name.startswith("_")
-    }
+    pages = {path.relative_to(ROOT).as_posix() for path in MARKDOWN[1:]}
     missing = sorted(pages - NOT_LINKED_FROM_README - linked)
     assert not missing, f"README.md links none of: {', '.join(missing)}"
 
