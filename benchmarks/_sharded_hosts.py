@@ -309,7 +309,9 @@ class RelayHost:
                     strategy="state_dict",
                     worker_idx=index,
                     timeout=PEER_SECONDS,
-                    chunk_bytes=chunk_bytes,  # the learners' (the default, unless told)
+                    # What its workers joining late get version 0 in: small chunks, as
+                    # the learners' (8 MiB ones stall behind a shaped link).
+                    chunk_bytes=chunk_bytes,
                 )
                 self.relays[variant] = relay
                 relay.connect(timeout=GROUP_SECONDS)
