@@ -264,10 +264,7 @@ class HubRunner:
             len(repairs) >= MAX_REPAIRS
             or any(t.covers(copy, peer) for t in self.transfers)
             or any(
-                c.version == copy.version
-                and (c.to is None or peer in c.to)
-                and c.held()
-                and now - c.sent_at <= self.clock.limit(now)  # else: a stopped peer pins it
+                c.version == copy.version and (c.to is None or peer in c.to) and c.held()
                 for c in self.inflight
             )
             or any(
@@ -279,9 +276,8 @@ class HubRunner:
         ):
             # Too many, or this version is on its way to the peer (still streaming; its
             # last chunks still queued in the transport, as on a link slower than the
-            # window, for no longer than a chunk may take; or sent so lately that the
-            # peer may still be reading it: a worker asks while a long version reaches
-            # it): it asks again if it must.
+            # window; or sent so lately that the peer may still be reading it: a worker
+            # asks while a long version reaches it): it asks again if it must.
             return False
         self.transfers.append(Transfer(copy, [peer]))
         return True
