@@ -232,20 +232,6 @@ def test_the_stall_clock_learns_release_times_and_remembers_a_stall() -> None:
     assert clock.limit(100.0 + STALL_MEMORY) == 10.0  # forgotten
 
 
-def test_a_stalled_chunk_let_go_of_after_all_teaches_the_clock_a_slow_link() -> None:
-    """8 MiB chunks to four workers over 500 Mbit/s take half a second each: the first
-    counts as stalled, and is let go of soon after. The peers were slow, not stopped:
-    the limit grows at once, and no stopped peer is remembered (a stall would shrink
-    the limit to twice the release time, and the next chunks overrun the link)."""
-    clock = StallClock()
-    clock.stalled(100.0)
-    assert clock.limit(100.1) == pytest.approx(0.02)  # a stopped peer is about
-    clock.released_late(0.6)
-    assert clock.limit(100.7) == pytest.approx(8 * 0.6)  # slow, not stopped
-    clock.released_late(60.0)  # a peer stopped for a minute: it teaches nothing
-    assert clock.limit(160.0) == pytest.approx(8 * 0.6)
-
-
 class FakeHost:
     """What a pump's sender does, recorded."""
 
@@ -376,42 +362,6 @@ def test_a_chunk_held_past_the_stall_limit_is_given_up_on() -> None:
         until(lambda: hub.sent == copy.count, 20, "the window went on without the peer")
         stalls = stats.totals["stalls"]
         assert stalls >= 1 and runner.clock.last_stall >= started
-
-
-@pytest.mark.timeout(60)
-def test_chunks_given_up_on_and_let_go_of_later_raise_the_stall_limit() -> None:
-    copy = _copy(2 * WINDOW)
-    with _pump() as (runner, hub, _, stats):
-        runner.begin(Transfer(copy, None))  # the hub keeps every chunk: a slow link
-        until(lambda: stats.totals["stalls"] >= 1, 20, "a chunk was given up on")
-        with runner.holding():
-            hub.keep = False
-            hub.kept.clear()  # then the link carried them after all
-        until(lambda: runner.clock.release_time >= 0.25, 20, "the clock learned of it")
-        assert runner.clock.limit(time.monotonic()) >= 8 * 0.25  # no stopped peer known
-
-
-@pytest.mark.timeout(60)
-def test_no_repair_while_the_versions_last_chunks_are_still_in_the_transport() -> None:
-    """The pump handed the whole version to the hub (a window's worth of chunks can be
-    the whole of it), and the hub still holds its last chunks (a slow link): a worker
-    that asks for the version meanwhile is not sent it again."""
-    copy = _copy(2)
-    clock = StallClock()
-    clock.release_time = 1.0  # no stall within this test
-    with _pump(clock) as (runner, hub, _, _):
-        runner.begin(Transfer(copy, None))
-        until(lambda: not runner.transfers, 10, "every chunk was handed to the hub")
-        with runner.holding():
-            _, _, started, finished = runner.done[-1]
-        # Longer ago than the stream took to hand over: only the held chunks say it
-        # is still on its way.
-        time.sleep(max(0.0, 2 * (finished - started) - (time.monotonic() - finished)) + 0.05)
-        with runner.holding():
-            assert not runner.repair(copy, b"a")  # its chunks are still on their way
-            hub.kept.clear()  # delivered
-            runner.done.clear()  # (and long ago)
-            assert runner.repair(copy, b"a")
 
 
 @pytest.mark.timeout(60)

@@ -100,17 +100,6 @@ class StallClock:
         """A chunk was held past the limit at ``now``: a stopped peer is about."""
         self.last_stall = now
 
-    def released_late(self, seconds: float) -> None:
-        """A chunk counted as stalled was let go of after all, ``seconds`` after it was
-        sent: its peers were slow (a link slower than the chunks: 8 MiB to four workers
-        over 500 Mbit/s takes half a second), not stopped. Chunks take that long, and no
-        stopped peer is known: the limit grows at once, so that a slow link's next chunks
-        are waited for rather than overrun (the overrun ones dropped by the transport,
-        their versions broken and repaired whole: five times the traffic, measured)."""
-        if seconds <= STALL_MAX:
-            self.release_time = max(self.release_time, seconds)
-            self.last_stall = -STALL_MEMORY
-
 
 class PumpHost(Protocol):
     """What a pump needs from the sender it serves, called on the pump's thread holding
@@ -130,17 +119,10 @@ class PumpHost(Protocol):
 
 
 class InFlight(NamedTuple):
-    """A chunk handed to the hub: when, the views of its memory the hub may hold, and
-    the version it is of and whom it is for (None: every peer of the hub)."""
+    """A chunk handed to the hub: when, and the views of its memory the hub may hold."""
 
     sent_at: float
     views: list[weakref.ref[np.ndarray]]
-    version: int = -1
-    to: list[PeerId] | None = None
-
-    def held(self) -> bool:
-        """Whether the hub still holds some of the chunk (queued, or on the wire)."""
-        return any(r() is not None for r in self.views)
 
 
 class HubRunner:
@@ -202,9 +184,6 @@ class HubRunner:
         #: of what one just sent waits (no copy is kept alive by it).
         self.done: deque[tuple[int, list[PeerId] | None, float, float]] = deque(maxlen=MAX_REPAIRS)
         self.inflight: deque[InFlight] = deque()
-        #: Chunks the window went on without (counted as stalled), watched in case they
-        #: are let go of after all: then their peers were slow, not stopped.
-        self.given_up: deque[InFlight] = deque(maxlen=4 * WINDOW)
         self._window_full = False  # whether the last advance() stopped at a full window
         self._thread = threading.Thread(
             target=self._run, name=f"zmqsync-sender-{name}-{hub.name}", daemon=True
@@ -264,37 +243,18 @@ class HubRunner:
             len(repairs) >= MAX_REPAIRS
             or any(t.covers(copy, peer) for t in self.transfers)
             or any(
-                c.version == copy.version and (c.to is None or peer in c.to) and c.held()
-                for c in self.inflight
-            )
-            or any(
                 version == copy.version
                 and (to is None or peer in to)
                 and now - finished < finished - started
                 for version, to, started, finished in self.done
             )
         ):
-            # Too many, or this version is on its way to the peer (still streaming; its
-            # last chunks still queued in the transport, as on a link slower than the
-            # window; or sent so lately that the peer may still be reading it: a worker
-            # asks while a long version reaches it): it asks again if it must.
+            # Too many, or this version is on its way to the peer (still streaming, or
+            # sent so lately that the peer may still be reading it: a worker asks while
+            # a long version reaches it): it asks again if it must.
             return False
         self.transfers.append(Transfer(copy, [peer]))
         return True
-
-    def _released_late(self, now: float) -> None:
-        """Tell the clock of the chunks given up on that were let go of since (the
-        latest sent of them: the least time any took, an upper bound)."""
-        held: list[InFlight] = []
-        latest = None
-        for chunk in self.given_up:
-            if chunk.held():
-                held.append(chunk)
-            elif latest is None or chunk.sent_at > latest:
-                latest = chunk.sent_at
-        if latest is not None:
-            self.clock.released_late(now - latest)
-            self.given_up = deque(held, maxlen=self.given_up.maxlen)
 
     def forwarding_to(self, peer: PeerId) -> bool:
         """Whether a relay's version is on its way to ``peer`` (holding the baton): still
@@ -321,10 +281,8 @@ class HubRunner:
         clock, totals = self.clock, self._stats.totals
         inflight = self.inflight
         now = time.monotonic()
-        if self.given_up:
-            self._released_late(now)
         while self.transfers:
-            while inflight and not inflight[0].held():
+            while inflight and all(r() is None for r in inflight[0].views):
                 sent_at = inflight.popleft().sent_at
                 if self._window_full:
                     # Watched closely (the window was full): how long chunks take to go.
@@ -334,7 +292,7 @@ class HubRunner:
                 if now - inflight[0].sent_at <= clock.limit(now):
                     self._window_full = True
                     return True
-                self.given_up.append(inflight.popleft())  # held by a stopped peer?
+                inflight.popleft()  # held by a stopped peer: go on without it
                 totals["stalls"] += 1
                 clock.stalled(now)
                 continue
@@ -353,7 +311,7 @@ class HubRunner:
             self.hub.send_frames(frames, to=transfer.to, stream=stream)
             del frames  # what the hub keeps of them is what the window watches
             now = time.monotonic()
-            inflight.append(InFlight(now, refs, transfer.copy.version, transfer.to))
+            inflight.append(InFlight(now, refs))
             transfer.next += 1
             totals["chunks_sent"] += 1
             if transfer.sent:
