@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from _faults import until
 
+from zmqsync.sender.transfers import RING_SLOTS
+
 SPAWN = mp.get_context("spawn")
 MIB = 1 << 20
 
@@ -23,13 +25,14 @@ MIB = 1 << 20
 #: enough that a copy of a part or of the model stands far above the noise.
 WORLD = 2
 LAYERS = 8
-#: Small chunks, so that the buffers a send holds at once (a window of chunks in flight,
-#: and the ring they are copied into) stay far below a rank's part.
-CHUNK_BYTES = 1 * MIB
-#: What a rank may allocate above its shard without a snapshot: the sender's chunk
-#: buffers (the window in flight and the ring they are copied through: a few chunks)
-#: and what libzmq and the sender's threads allocate, far below a part (64 MiB).
-SLACK = 24 * MIB
+#: Small chunks, so that the buffers a send may hold at once stay far below a rank's
+#: part: the sender's ring holds at most ``RING_SLOTS`` chunks (the window in flight, and
+#: those a slow reader's transport queue still holds, as on a loaded machine), 8 MiB here.
+CHUNK_BYTES = 256 * 1024
+#: What a rank may allocate above its shard without a snapshot: the ring at its fullest,
+#: and what libzmq and the sender's threads allocate (a few MiB), far below a part
+#: (64 MiB). Quiet, a rank measures about 5 MiB; a full ring is the loaded worst case.
+SLACK = RING_SLOTS * CHUNK_BYTES + 16 * MIB
 #: What resident memory may show besides: the new threads' stacks and malloc arenas.
 RSS_SLACK = 16 * MIB
 #: Sends measured after connect().
