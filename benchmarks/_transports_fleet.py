@@ -167,7 +167,10 @@ class RayFleet:
 
     def start(self) -> None:
         self.actors = [self._cls.remote(i, self.torch_threads) for i in range(self.size)]
-        self._ray.get([a.ready.remote() for a in self.actors], timeout=WORKER_START_SECONDS)
+        # Ray starts a few worker processes at a time (as many as it has CPUs), each
+        # importing torch: the more actors, the longer they take to be ready.
+        timeout = WORKER_START_SECONDS * max(1, self.size // 2)
+        self._ray.get([a.ready.remote() for a in self.actors], timeout=timeout)
 
     def get(self, refs: Any, what: str, timeout: float | None = None) -> Any:
         try:
