@@ -43,9 +43,17 @@ def csv_list(kind: type, allowed: Sequence[Any] | None = None) -> Callable[[str]
     return parse
 
 
-def grid_parser(prog: str, description: str, *, quick_time: str) -> argparse.ArgumentParser:
-    """A parser with the grid's options first: ``--quick``, ``--sizes``, ``--workers``."""
+def grid_parser(
+    prog: str,
+    description: str,
+    *,
+    quick_time: str,
+    workers: Sequence[int] = DEFAULT_WORKERS,
+) -> argparse.ArgumentParser:
+    """A parser with the grid's options first: ``--quick``, ``--sizes``, ``--workers``
+    (``workers``: the worker counts of the full grid)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
+    p.set_defaults(full_workers=list(workers))
     p.add_argument(
         "--quick",
         action="store_true",
@@ -60,7 +68,7 @@ def grid_parser(prog: str, description: str, *, quick_time: str) -> argparse.Arg
     p.add_argument(
         "--workers",
         type=csv_list(int),
-        help=f"worker counts K (default: {','.join(map(str, DEFAULT_WORKERS))})",
+        help=f"worker counts K (default: {','.join(map(str, workers))})",
     )
     return p
 
@@ -77,7 +85,7 @@ def settle_grid(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.sizes is None:
         args.sizes = list(QUICK_SIZES) if args.quick else list(SIZES)
     if args.workers is None:
-        args.workers = list(QUICK_WORKERS) if args.quick else list(DEFAULT_WORKERS)
+        args.workers = list(QUICK_WORKERS) if args.quick else list(args.full_workers)
     if any(k < 1 for k in args.workers):
         p.error("--workers must be positive")
     if args.repeats is not None and args.repeats < 1:

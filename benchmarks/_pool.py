@@ -147,6 +147,11 @@ class WorkerPool:
         self.spawn()
         self.call(range(self.size), "start", (), timeout)
 
+    @property
+    def pids(self) -> list[int]:
+        """The processes' ids, in worker order (their memory is read from /proc)."""
+        return [int(proc.pid) for proc in self._procs]
+
     def alive(self) -> bool:
         """Whether every process is still running."""
         return all(proc.is_alive() for proc in self._procs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -20,6 +21,38 @@ from benchmarks._transports_variants import CellEnv, Variant, make_variant
 log = logging.getLogger("benchmarks.transports")
 #: How much of an error's text a failure keeps.
 WHY_CHARS: Final = 300
+
+
+def pss_bytes(pid: int) -> int | None:
+    """A process's proportional set size (its private resident memory plus its share of
+    what it shares: torch's and zmqsync's shared-memory blocks, Ray's store it maps),
+    from ``/proc/PID/smaps_rollup``; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _side_pids(env: CellEnv, name: str) -> list[int]:
+    """The processes of the cell's workers that ``name`` sends to (none for memcpy)."""
+    where = WHERE[name]
+    if where == "pool" and env.pool is not None:
+        return env.pool.pids[: env.workers]
+    if where == "ray" and env.fleet is not None:
+        return env.fleet.pids[: env.workers]  # a dead actor's reads None: never a call
+    return []
+
+
+def _pss(env: CellEnv, name: str) -> dict[str, Any]:
+    """Pss now of the learner and of each of ``name``'s workers, bytes (None: unread)."""
+    return {
+        "learner": pss_bytes(os.getpid()),
+        "workers": [pss_bytes(pid) for pid in _side_pids(env, name)],
+    }
 
 
 def _why(exc: BaseException) -> str:
@@ -108,6 +141,7 @@ def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int
                 if halves[round_no] == 0 or result.failure:
                     continue
                 meter = PeakMemoryMeter() if round_no == 0 else None
+                pss_before = _pss(env, v.name) if round_no == 0 else None
                 try:
                     with meter if meter is not None else contextlib.nullcontext():
                         for i in range(warmup + halves[round_no]):
@@ -123,6 +157,8 @@ def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int
                 if meter is not None:
                     result.extra_bytes, result.retained_bytes = meter.extra, meter.retained
                     result.extra_bytes = {**result.extra_bytes, **v.held_bytes()}
+                if pss_before is not None:
+                    result.notes["pss"] = {"before": pss_before, "after": _pss(env, v.name)}
         # Every variant sends the model as it is now; every worker's copy must match it
         # and be its own memory (nothing shared with, or aliased to, the learner's).
         survivors = [v for v in live if not cell.results[v.name].failure]

@@ -164,10 +164,16 @@ class RayFleet:
         self.torch_threads = torch_threads
         self.timeout = timeout
         self.actors: list[Any] = []
+        #: The actors' process ids, in worker order (their memory is read from /proc).
+        self.pids: list[int] = []
 
     def start(self) -> None:
         self.actors = [self._cls.remote(i, self.torch_threads) for i in range(self.size)]
-        self._ray.get([a.ready.remote() for a in self.actors], timeout=WORKER_START_SECONDS)
+        # Ray starts a few worker processes at a time (as many as it has CPUs), each
+        # importing torch: the more actors, the longer they take to be ready.
+        timeout = WORKER_START_SECONDS * max(1, self.size // 2)
+        pids = self._ray.get([a.ready.remote() for a in self.actors], timeout=timeout)
+        self.pids = [int(pid) for pid in pids]
 
     def get(self, refs: Any, what: str, timeout: float | None = None) -> Any:
         try:
@@ -184,3 +190,4 @@ class RayFleet:
             with contextlib.suppress(Exception):
                 self._ray.kill(actor, no_restart=True)
         self.actors = []
+        self.pids = []

@@ -54,7 +54,7 @@ def _best_peer_ratio(cell: Cell, zmqsync: str) -> str:
     x = cell.to_best_peer(zmqsync)
     if math.isnan(x):
         return "n/a"
-    return f"**{_num(x)}**" if x > BEST_PEER_TARGET else _num(x)
+    return f"**{_num(x)}**" if x <= BEST_PEER_TARGET else _num(x)
 
 
 def _memcpy_ratio(cell: Cell, zmqsync: str) -> str:
@@ -69,6 +69,31 @@ def _memcpy_ratio(cell: Cell, zmqsync: str) -> str:
 def _best_peer(cell: Cell) -> str:
     best = cell.best_peer()
     return "n/a" if best is None else f"{best[0]} {best[1]:.2f}"
+
+
+_MIB: Final = 1 << 20
+
+
+def _pss(cell: Cell, variant: str) -> str:
+    """``learner / worker`` Pss in MiB after the variant's first block of sends (the
+    worker: the largest of its K), each with what that block added to it."""
+    r = cell.results[variant]
+    pss = r.notes.get("pss")
+    if r.failure or pss is None:
+        return "n/a"
+
+    def side(before: int | None, after: int | None) -> str:
+        if after is None:
+            return "?"
+        grown = "" if before is None else f" ({(after - before) / _MIB:+.0f})"
+        return f"{after / _MIB:.0f}{grown}"
+
+    learner = side(pss["before"]["learner"], pss["after"]["learner"])
+    pairs = list(zip(pss["before"]["workers"], pss["after"]["workers"], strict=False))
+    if not pairs:
+        return f"{learner} / -"
+    worst = max(pairs, key=lambda p: -1 if p[1] is None else p[1])
+    return f"{learner} / {side(*worst)}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -158,6 +183,10 @@ def markdown(cells: Sequence[Cell], variants: Sequence[str], run: Run) -> str:
         row += [_ratio(c, z, t) for z, t in pairs]
         row.append(" / ".join(pct(c.extra_pct(v)) for v in variants))
         rows.append(row)
+    memory = _table(
+        ["size", "K", *(f"{v} Pss MiB" for v in variants)],
+        [[c.size, str(c.workers), *(_pss(c, v) for v in variants)] for c in ordered],
+    )
     lines = [
         *times,
         "",
@@ -165,7 +194,7 @@ def markdown(cells: Sequence[Cell], variants: Sequence[str], run: Run) -> str:
         "",
         f"Best peer = the fastest of {', '.join(BEST_PEER_FROM)} in the cell (its median); "
         f"zmqsync / best peer: target at or below {BEST_PEER_TARGET} everywhere "
-        "(**bold** = above).",
+        "(**bold** = met).",
         f"zmqsync / {MEMCPY}: the physical bound, K serial copies in the learner; target at "
         f"or below {MEMCPY_TARGET} at {MEMCPY_CELL[0]} K={MEMCPY_CELL[1]} (**bold** = above).",
         "zmqsync / torchrl = zmqsync median / torchrl median; **bold** = zmqsync slower than "
@@ -177,6 +206,15 @@ def markdown(cells: Sequence[Cell], variants: Sequence[str], run: Run) -> str:
         "(Ray's object store and torch's shared memory are not malloc'd by the learner, so "
         "they do not show here; memcpy's destinations stand for the workers' tensors and are "
         "not counted).",
+        "",
+        *memory,
+        "",
+        "Pss MiB = learner / worker: each process's proportional set size "
+        "(/proc/PID/smaps_rollup: private resident memory plus its share of shared memory) "
+        "after the variant's first block of sends, and (in brackets) what that block added; "
+        "the worker is the largest of the K. The pool's worker processes hold every pool "
+        "variant's tensors of the cell at once (Ray's actors every Ray variant's), so "
+        "compare the growth, and a side's Pss across cells; memcpy has no workers.",
         "",
         *_summary(ordered, variants),
         "",

@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise AssertionError(f"a worker's tensors differ after {extra['variant']}")
         totals = sender.status()["totals"]
     finally:
-        rendezvous.__exit__(None, None, None)  # its sampling thread, if an error came first
+        if ns.with_model:  # its sampling thread, if an error came first (never entered else)
+            rendezvous.__exit__(None, None, None)
         pool.close()
         sender.close()
         ctx.destroy(linger=0)

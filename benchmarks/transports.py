@@ -76,6 +76,8 @@ from benchmarks._transports_variants import CellEnv
 
 PROG: Final = "python -m benchmarks.transports"
 DEFAULT_WARMUP: Final = 1
+#: The full grid's worker counts: up to 8, more workers than cores on a small machine.
+PEERS_WORKERS: Final = (1, 2, 4, 8)
 #: Logical CPUs Ray is told about (the machine has 2 cores; actors ask for none).
 RAY_CPUS: Final = 2
 
@@ -86,6 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "zmqsync's transports against torchrl's weight-sync schemes, Ray's object store, "
         "a gloo broadcast, and memcpy.",
         quick_time="~2 min",
+        workers=PEERS_WORKERS,
     )
     p.add_argument(
         "--variants",
