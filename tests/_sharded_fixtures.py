@@ -5,6 +5,7 @@ collective sends, and spawned ranks and workers driven over pipes."""
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -12,10 +13,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from _faults import until
 
 from zmqsync import WeightSender
-from zmqsync.protocol import Box
+from zmqsync.protocol import Box, Chunk, TensorEntry, WeightsSchema, encode_schema, layout_digest
 from zmqsync.transport.memory import MemoryHub
 
 SPAWN = mp.get_context("spawn")
@@ -149,6 +151,73 @@ class DyingHub(MemoryHub):
                 return
             self.left -= 1
         super().send_frames(frames, **kwargs)
+
+
+# --- parts on the wire, as ranks would cut them (fakes) -------------------------------
+
+
+def first_chunk(schema: WeightsSchema, stream: bytes, version: int = 1, epoch: int = 7) -> Chunk:
+    """A version's one whole chunk of ``stream``, the first of its part: it carries the
+    part's schema."""
+    layout = layout_digest(encode_schema(schema))
+    return Chunk("p", version, epoch, 0, 1, 0, len(stream), layout, stream, schema)
+
+
+def fake_parts(global_tensors: dict[str, np.ndarray], cuts: int) -> list[WeightsSchema]:
+    """Each tensor cut into ``cuts`` boxes along its last dimension (uneven, some empty),
+    ``"s"`` whole in part 0: the schemas and streams ranks would send."""
+    out = []
+    for p in range(cuts):
+        entries, pos = [], 0
+        for key, t in global_tensors.items():
+            if key == "s":
+                if p:
+                    continue
+                entries.append(TensorEntry((key,), "float32", t.shape, 0, pos, t.nbytes))
+                pos += t.nbytes
+                continue
+            n = t.shape[-1]
+            lo, hi = p * n // cuts, (p + 1) * n // cuts
+            shape = (*t.shape[:-1], hi - lo)
+            at = (0,) * (t.ndim - 1) + (lo,)
+            nbytes = 4 * math.prod(shape)
+            entries.append(
+                TensorEntry((key,), "float32", shape, 0, pos, nbytes, "", Box(t.shape, at))
+            )
+            pos += nbytes
+        out.append(WeightsSchema("state_dict", tuple(entries), p, cuts))
+    return out
+
+
+def part_stream(schema: WeightsSchema, tensors: dict[str, np.ndarray]) -> bytes:
+    """The bytes a rank sends of ``schema``'s boxes of ``tensors``."""
+    out = b""
+    for e in schema.entries:
+        t = tensors[e.key[0]]
+        if e.box is not None:
+            t = t[tuple(slice(o, o + n) for o, n in zip(e.box.offsets, e.shape, strict=True))]
+        out += np.ascontiguousarray(t).tobytes()
+    return out
+
+
+def fake_tensors(seed: int) -> dict[str, np.ndarray]:
+    """A small model of ``seed``: a matrix, a vector and a scalar."""
+    rng = np.random.default_rng(seed)
+    return {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.standard_normal((7,)).astype(np.float32),
+        "s": rng.standard_normal(()).astype(np.float32),
+    }
+
+
+def gathered_arrays(chunk: Chunk) -> dict[str, np.ndarray]:
+    """The arrays a gathered whole chunk holds, by name."""
+    assert chunk.schema is not None
+    data = np.frombuffer(chunk.payload, dtype=np.uint8)
+    return {
+        e.key[0]: data[e.offset : e.offset + e.nbytes].view(np.float32).reshape(e.shape)
+        for e in chunk.schema.entries
+    }
 
 
 # --- spawned ranks and workers, driven over pipes ---------------------------------------

@@ -19,8 +19,14 @@ from _sharded_fixtures import (
     answer,
     answers,
     ask,
+    close_all,
     collective,
+    fake_parts,
+    fake_tensors,
+    first_chunk,
+    gathered_arrays,
     ipc_endpoints,
+    part_stream,
     rank_senders,
     send_all,
     sends,
@@ -55,11 +61,6 @@ from zmqsync.protocol import (
 # --- parts on the wire ------------------------------------------------------------------
 
 
-def _first_chunk(schema: WeightsSchema, stream: bytes, version: int = 1, epoch: int = 7) -> Chunk:
-    layout = layout_digest(encode_schema(schema))
-    return Chunk("p", version, epoch, 0, 1, 0, len(stream), layout, stream, schema)
-
-
 def _boxed(key: str, shape: tuple[int, ...], whole: tuple[int, ...], at: tuple[int, ...]) -> Any:
     return TensorEntry((key,), "float32", shape, 0, 0, 4 * math.prod(shape), "", Box(whole, at))
 
@@ -79,7 +80,7 @@ def test_a_part_round_trips_and_its_digest_differs_per_part() -> None:
     entry = _boxed("w", (2, 3), (5, 3), (3, 0))
     first = WeightsSchema("state_dict", (entry,), 1, 2)
     other = dataclasses.replace(first, part=0)
-    chunk = _first_chunk(first, bytes(24))
+    chunk = first_chunk(first, bytes(24))
     decoded = decode(encode(chunk))
     assert isinstance(decoded, Chunk) and decoded.schema == first
     assert layout_digest(encode_schema(first)) != layout_digest(encode_schema(other))
@@ -217,73 +218,21 @@ def test_any_part_or_box_decodes_as_announced_or_raises(part: Any, box: Any) -> 
 # --- gathering parts (fakes: the parts as a learner's ranks would cut them) ---------------
 
 
-def _parts(global_tensors: dict[str, np.ndarray], cuts: int) -> list[WeightsSchema]:
-    """Each tensor cut into ``cuts`` boxes along its last dimension (uneven, some empty),
-    ``"s"`` whole in part 0: the schemas and streams ranks would send."""
-    out = []
-    for p in range(cuts):
-        entries, pos = [], 0
-        for key, t in global_tensors.items():
-            if key == "s":
-                if p:
-                    continue
-                entries.append(TensorEntry((key,), "float32", t.shape, 0, pos, t.nbytes))
-                pos += t.nbytes
-                continue
-            n = t.shape[-1]
-            lo, hi = p * n // cuts, (p + 1) * n // cuts
-            shape = (*t.shape[:-1], hi - lo)
-            at = (0,) * (t.ndim - 1) + (lo,)
-            nbytes = 4 * math.prod(shape)
-            entries.append(
-                TensorEntry((key,), "float32", shape, 0, pos, nbytes, "", Box(t.shape, at))
-            )
-            pos += nbytes
-        out.append(WeightsSchema("state_dict", tuple(entries), p, cuts))
-    return out
-
-
-def _stream(schema: WeightsSchema, tensors: dict[str, np.ndarray]) -> bytes:
-    out = b""
-    for e in schema.entries:
-        t = tensors[e.key[0]]
-        if e.box is not None:
-            t = t[tuple(slice(o, o + n) for o, n in zip(e.box.offsets, e.shape, strict=True))]
-        out += np.ascontiguousarray(t).tobytes()
-    return out
-
-
-def _tensors(seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {
-        "a": rng.standard_normal((3, 5)).astype(np.float32),
-        "b": rng.standard_normal((7,)).astype(np.float32),
-        "s": rng.standard_normal(()).astype(np.float32),
-    }
-
-
-def _gathered(chunk: Chunk) -> dict[str, np.ndarray]:
-    assert chunk.schema is not None
-    data = np.frombuffer(chunk.payload, dtype=np.uint8)
-    return {
-        e.key[0]: data[e.offset : e.offset + e.nbytes].view(np.float32).reshape(e.shape)
-        for e in chunk.schema.entries
-    }
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("cuts", [2, 3, 4, 9])
 def test_parts_gather_into_the_whole_version(cuts: int) -> None:
-    tensors = _tensors(cuts)
-    schemas = _parts(tensors, cuts)
+    tensors = fake_tensors(cuts)
+    schemas = fake_parts(tensors, cuts)
     gather = PartGather(cuts, gap=10.0)
     events: list[Any] = []
     for p in reversed(range(cuts)):  # in any order
-        events += gather.feed(p, _first_chunk(schemas[p], _stream(schemas[p], tensors)), 0, (0, 0))
+        events += gather.feed(
+            p, first_chunk(schemas[p], part_stream(schemas[p], tensors)), 0, (0, 0)
+        )
     (whole,) = events
     assert isinstance(whole, Whole) and whole.chunk.count == 1
     assert whole.chunk.schema is not None and whole.chunk.schema.parts == 1
-    got = _gathered(whole.chunk)
+    got = gathered_arrays(whole.chunk)
     for key, t in tensors.items():
         np.testing.assert_array_equal(got[key], t)
 
@@ -315,11 +264,11 @@ def test_a_box_written_in_pieces_lands_where_it_belongs(data: Any) -> None:
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 def test_parts_in_chunks_gather_into_the_whole_version(chunk: int) -> None:
     """Parts cut into small chunks, interleaved: boxes written as their bytes come."""
-    tensors = _tensors(11)
-    schemas = _parts(tensors, 3)
+    tensors = fake_tensors(11)
+    schemas = fake_parts(tensors, 3)
     pieces = []
     for schema in schemas:
-        stream = _stream(schema, tensors)
+        stream = part_stream(schema, tensors)
         layout = layout_digest(encode_schema(schema))
         count = max(1, -(-len(stream) // chunk))
         pieces.append(
@@ -348,7 +297,7 @@ def test_parts_in_chunks_gather_into_the_whole_version(chunk: int) -> None:
     (whole,) = events
     assert isinstance(whole, Whole)
     for key, t in tensors.items():
-        np.testing.assert_array_equal(_gathered(whole.chunk)[key], t)
+        np.testing.assert_array_equal(gathered_arrays(whole.chunk)[key], t)
 
 
 def _placed_gather(out: dict[str, np.ndarray]) -> PartGather:
@@ -365,13 +314,15 @@ def _placed_gather(out: dict[str, np.ndarray]) -> PartGather:
 
 @pytest.mark.timeout(30)
 def test_parts_written_in_place_land_in_the_tensors_as_they_come() -> None:
-    tensors = _tensors(21)
+    tensors = fake_tensors(21)
     out = {k: np.zeros_like(t) for k, t in tensors.items()}
-    schemas = _parts(tensors, 2)
+    schemas = fake_parts(tensors, 2)
     gather = _placed_gather(out)
     events: list[Any] = []
     for p in (1, 0):
-        events += gather.feed(p, _first_chunk(schemas[p], _stream(schemas[p], tensors)), 0, (0, 0))
+        events += gather.feed(
+            p, first_chunk(schemas[p], part_stream(schemas[p], tensors)), 0, (0, 0)
+        )
     (placed,) = events
     assert isinstance(placed, Placed) and placed.chunk.version == 1 and not placed.chunk.payload
     for key, t in tensors.items():
@@ -380,67 +331,70 @@ def test_parts_written_in_place_land_in_the_tensors_as_they_come() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_version_written_in_place_that_breaks_off_is_torn_and_dropped() -> None:
-    tensors = _tensors(22)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(22)
+    schemas = fake_parts(tensors, 2)
     gather = _placed_gather({k: np.zeros_like(t) for k, t in tensors.items()})
-    stream = _stream(schemas[1], tensors)
+    stream = part_stream(schemas[1], tensors)
     layout = layout_digest(encode_schema(schemas[1]))
     head = Chunk("p", 1, 7, 0, 2, 0, len(stream), layout, stream[:8], schemas[1])
     assert gather.feed(1, head, 0.0, (0, 0)) == []
-    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 0.0, (0, 0)) == []
+    assert (
+        gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], tensors)), 0.0, (0, 0)) == []
+    )
     (torn,) = gather.expire(5.0)  # part 1's next chunk never came
     assert isinstance(torn, Torn) and (torn.epoch, torn.version) == (7, 1)
     assert not gather.active and gather.expire(10.0) == []
     # A newer version while one is written in place: the older is torn.
     assert gather.feed(1, head, 20.0, (0, 0)) == []
     assert (
-        gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 20.0, (0, 0)) == []
+        gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], tensors)), 20.0, (0, 0))
+        == []
     )
-    newer = _first_chunk(schemas[0], _stream(schemas[0], tensors), version=2)
+    newer = first_chunk(schemas[0], part_stream(schemas[0], tensors), version=2)
     assert [type(e) for e in gather.feed(0, newer, 20.0, (0, 0))] == [Torn]
 
 
 @pytest.mark.timeout(30)
 def test_a_newer_part_drops_the_older_version_and_parts_never_mix() -> None:
-    old, new = _tensors(1), _tensors(2)
-    schemas = _parts(old, 2)
+    old, new = fake_tensors(1), fake_tensors(2)
+    schemas = fake_parts(old, 2)
     gather = PartGather(2, gap=10.0)
-    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], old), 1), 0, (0, 0)) == []
-    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], new), 2), 0, (0, 0)) == []
+    assert gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], old), 1), 0, (0, 0)) == []
+    assert gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], new), 2), 0, (0, 0)) == []
     # Part 1 of version 1 is older than the version gathered: dropped.
-    assert gather.feed(1, _first_chunk(schemas[1], _stream(schemas[1], old), 1), 0, (0, 0)) == []
+    assert gather.feed(1, first_chunk(schemas[1], part_stream(schemas[1], old), 1), 0, (0, 0)) == []
     # Part 0 of version 2 sent again (a repair) while part 1 is awaited: kept once.
-    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], old), 2), 0, (0, 0)) == []
-    (whole,) = gather.feed(1, _first_chunk(schemas[1], _stream(schemas[1], new), 2), 0, (0, 0))
+    assert gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], old), 2), 0, (0, 0)) == []
+    (whole,) = gather.feed(1, first_chunk(schemas[1], part_stream(schemas[1], new), 2), 0, (0, 0))
     assert isinstance(whole, Whole) and whole.chunk.version == 2
     for key, t in new.items():
-        np.testing.assert_array_equal(_gathered(whole.chunk)[key], t)
+        np.testing.assert_array_equal(gathered_arrays(whole.chunk)[key], t)
 
 
 @pytest.mark.timeout(30)
 def test_a_part_of_a_version_held_is_acked_to_its_rank() -> None:
-    tensors = _tensors(3)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(3)
+    schemas = fake_parts(tensors, 2)
     gather = PartGather(2, gap=10.0)
-    chunk = _first_chunk(schemas[1], _stream(schemas[1], tensors), version=3)
+    chunk = first_chunk(schemas[1], part_stream(schemas[1], tensors), version=3)
     assert gather.feed(1, chunk, 0, (7, 3)) == [Held(1)]
     assert gather.feed(1, chunk, 0, (7, 3), whole=True) == []  # a repair: taken
 
 
 @pytest.mark.timeout(30)
 def test_a_part_on_another_ranks_stream_is_refused() -> None:
-    tensors = _tensors(4)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(4)
+    schemas = fake_parts(tensors, 2)
     gather = PartGather(2, gap=10.0)
     with pytest.raises(FrameError):
-        gather.feed(0, _first_chunk(schemas[1], _stream(schemas[1], tensors)), 0, (0, 0))
+        gather.feed(0, first_chunk(schemas[1], part_stream(schemas[1], tensors)), 0, (0, 0))
 
 
 @pytest.mark.timeout(30)
 def test_a_stalled_part_is_lost() -> None:
-    tensors = _tensors(5)
-    (schema, _) = _parts(tensors, 2)
-    stream = _stream(schema, tensors)
+    tensors = fake_tensors(5)
+    (schema, _) = fake_parts(tensors, 2)
+    stream = part_stream(schema, tensors)
     layout = layout_digest(encode_schema(schema))
     head = Chunk("p", 1, 7, 0, 2, 0, len(stream), layout, stream[:4], schema)
     gather = PartGather(2, gap=1.0)
@@ -454,11 +408,11 @@ def test_a_stalled_part_is_lost() -> None:
 def test_a_gather_says_which_parts_it_still_waits_for() -> None:
     """What a worker's heartbeats tell each rank: the version under way and the parts
     not in yet, a part that broke off mid-stream included; nothing once it is whole."""
-    tensors = _tensors(5)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(5)
+    schemas = fake_parts(tensors, 2)
     gather = PartGather(2, gap=1.0)
     assert gather.waiting() == (0, ())
-    streams = [_stream(schema, tensors) for schema in schemas]
+    streams = [part_stream(schema, tensors) for schema in schemas]
     layouts = [layout_digest(encode_schema(schema)) for schema in schemas]
     head = Chunk("p", 1, 7, 0, 2, 0, len(streams[1]), layouts[1], streams[1][:4], schemas[1])
     gather.feed(1, head, 0.0, (0, 0))
@@ -479,8 +433,8 @@ def test_a_gather_says_which_parts_it_still_waits_for() -> None:
     ["overlap", "gap", "dtype", "global shape", "scalar twice"],
 )
 def test_parts_that_do_not_tile_are_refused(edit: str) -> None:
-    tensors = _tensors(6)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(6)
+    schemas = fake_parts(tensors, 2)
     first = list(schemas[1].entries)
     e = first[0]
     assert e.box is not None
@@ -500,8 +454,8 @@ def test_parts_that_do_not_tile_are_refused(edit: str) -> None:
     gather = PartGather(2, gap=10.0)
     bad = dataclasses.replace(schemas[1], entries=tuple(first))
     end = max(x.offset + x.nbytes for x in bad.entries)
-    gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 0, (0, 0))
-    (refused,) = gather.feed(1, _first_chunk(bad, bytes(end)), 0, (0, 0))
+    gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], tensors)), 0, (0, 0))
+    (refused,) = gather.feed(1, first_chunk(bad, bytes(end)), 0, (0, 0))
     assert isinstance(refused, Refused)
 
 
@@ -665,10 +619,7 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> No
         assert [r.version for r in receivers] == [3, 2, 2]
         assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
     finally:
-        for r in receivers:
-            r.close()
-        for s in senders:
-            s.close()
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(60)
@@ -737,10 +688,7 @@ def test_every_rank_sends_async_from_one_thread_and_waits_for_the_acks_after() -
             for m in models:
                 assert checksum(m, "state_dict") == checksum(learner, "state_dict")
     finally:
-        for r in receivers:
-            r.close()
-        for s in senders:
-            s.close()
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(30)
@@ -829,10 +777,7 @@ def test_the_ranks_that_sent_raise_naming_the_rank_that_did_not() -> None:
             assert r.version == 3
             assert checksum(model, "state_dict") == checksum(learner, "state_dict")
     finally:
-        for r in receivers:
-            r.close()
-        for sender in senders:
-            sender.close()
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(60)
@@ -889,10 +834,7 @@ def test_a_rank_that_dies_mid_stream_is_named_and_its_next_send_repairs_all() ->
             assert r.version == 3 and not r.torn
             assert checksum(model, "state_dict") == checksum(learner, "state_dict")
     finally:
-        for r in receivers:
-            r.close()
-        for sender in senders:
-            sender.close()
+        close_all(receivers, senders)
 
 
 # --- an FSDP2 learner over gloo, in spawned processes ----------------------------------
