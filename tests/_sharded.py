@@ -7,6 +7,7 @@ import contextlib
 import os
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -60,9 +61,91 @@ def _bump(net: nn.Module, rank: int, version: int) -> None:
                 local.add_(torch.randn(local.shape, generator=g))
 
 
-def _gathered_checksum(net: nn.Module) -> str:
+def gathered_checksum(net: nn.Module) -> str:
     """The whole model's checksum, gathered here by the test (a collective call)."""
     return _cast_checksum(net, None)
+
+
+# --- what every process of these tests does: report, close, answer --------------------
+
+
+@contextlib.contextmanager
+def reported(conn: Any) -> Iterator[contextlib.ExitStack]:
+    """The block's failure goes to the test over ``conn`` (its traceback, which the test
+    raises); what the block put on the stack (a scheme, a process group) is closed after
+    the failure is told, whatever happens."""
+    with contextlib.ExitStack() as opened:
+        try:
+            yield opened
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.send(("error", traceback.format_exc()))
+
+
+def open_scheme(opened: contextlib.ExitStack, **options: Any) -> zmqsync.ZMQWeightSyncScheme:
+    """A ``state_dict`` scheme of ``options``, shut down when ``opened`` closes."""
+    scheme = zmqsync.ZMQWeightSyncScheme("state_dict", **options)
+    opened.callback(scheme.shutdown)
+    return scheme
+
+
+def join_group(opened: contextlib.ExitStack, rank: int, world: int, **options: Any) -> None:
+    """Rank ``rank`` of a gloo process group (its rendezvous in the environment), left
+    when ``opened`` closes, after what was opened later (a scheme) is shut down."""
+    import torch.distributed as dist
+
+    opened.callback(_leave_group)
+    dist.init_process_group("gloo", rank=rank, world_size=world, **options)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def serve(conn: Any, answer: Callable[[Any], Any]) -> None:
+    """Every command on ``conn`` answered with ``answer(command)``, until ``"stop"``."""
+    while True:
+        command = conn.recv()
+        if command == "stop":
+            return
+        conn.send(answer(command))
+
+
+class _RankCommands:
+    """A learner rank's answers to the test's commands: its model, its scheme and the
+    version it is at (see :func:`run_rank`)."""
+
+    def __init__(self, net: nn.Module, scheme: zmqsync.ZMQWeightSyncScheme, rank: int) -> None:
+        self.net, self.scheme, self.rank = net, scheme, rank
+        self.version = 0
+
+    def __call__(self, command: str) -> tuple[Any, ...]:
+        if command == "push":
+            return self._push()
+        if command == "status":
+            return ("status", self.scheme.get_sender().status())
+        if command == "connect":
+            self.scheme.connect(timeout=60)
+        elif command in ("bump", "send"):
+            self.version += 1
+            _bump(self.net, self.rank, self.version)
+            if command == "send":
+                self.scheme.send()
+        return (command, self.version, gathered_checksum(self.net))
+
+    def _push(self) -> tuple[Any, ...]:
+        """The send of the version bumped to, alone (no collective)."""
+        started = time.monotonic()
+        try:
+            self.scheme.send()
+        except zmqsync.SyncTimeout as exc:
+            waited = time.monotonic() - started
+            reply = (exc.missing_workers, exc.missing_ranks, str(exc), waited)
+            return ("timeout", self.version, *reply)
+        return ("push", self.version, "")
 
 
 def run_rank(
@@ -85,60 +168,20 @@ def run_rank(
     send, no collective: answered ``("push", version, "")``, or ``("timeout", version,
     missing workers, missing ranks, message, seconds waited)``). ``num_workers``: the
     workers its ``connect()`` waits for (a relay is one)."""
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    scheme = None
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    with reported(conn) as opened:
+        join_group(opened, rank, world)
         net = _sharded_net(world)
         if not sender:
             conn.send(("ready", 0))
             conn.recv()
             return
-        scheme = zmqsync.ZMQWeightSyncScheme(
-            "state_dict",
-            mode=mode,
-            endpoint=endpoint,
-            timeout=timeout,
-            connect_timeout=connect_timeout,
+        scheme = open_scheme(
+            opened, mode=mode, endpoint=endpoint, timeout=timeout, connect_timeout=connect_timeout
         )
         scheme.init_on_sender("policy", model=net, num_workers=num_workers)
         conn.send(("ready", scheme.get_sender().epoch))
-        version = 0
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
-            if command == "connect":
-                scheme.connect(timeout=60)
-            elif command == "bump":
-                version += 1
-                _bump(net, rank, version)
-            elif command == "push":
-                started = time.monotonic()
-                try:
-                    scheme.send()
-                except zmqsync.SyncTimeout as exc:
-                    waited = time.monotonic() - started
-                    reply = (exc.missing_workers, exc.missing_ranks, str(exc), waited)
-                    conn.send(("timeout", version, *reply))
-                else:
-                    conn.send(("push", version, ""))
-                continue
-            elif command == "send":
-                version += 1
-                _bump(net, rank, version)
-                scheme.send()
-            conn.send((command, version, _gathered_checksum(net)))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        serve(conn, _RankCommands(net, scheme, rank))
 
 
 def run_plain_worker(
@@ -152,32 +195,25 @@ def run_plain_worker(
     """A worker with a plain, unsharded module (a :class:`WideNet` if ``wide``), given
     rank 0's endpoint alone. Answers ``"state"`` with ``(version, checksum)``, and with
     ``wide`` the deltas applied and the wire dtype too."""
-    scheme = None
-    try:
+    with reported(conn) as opened:
         torch.manual_seed(1000 + worker_idx)  # not the learner's values
         model = WideNet() if wide else Net()
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
+        scheme = open_scheme(opened, mode=mode, endpoint=endpoint)
         scheme.init_on_receiver(
             model_id="policy", model=model, worker_idx=worker_idx, apply_mode=apply_mode
         )
         scheme.connect(timeout=60)
         scheme.start_receiver_thread()
         conn.send("ready")
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
-            receiver = scheme.get_receiver()
+        receiver = scheme.get_receiver()
+
+        def state(_: Any) -> tuple[Any, ...]:
             with scheme.lock:
-                state = (receiver.version, zmqsync.checksum(model, "state_dict"))
+                held = (receiver.version, zmqsync.checksum(model, "state_dict"))
             more = (receiver.stats["deltas"], receiver.wire_dtype) if wide else ()
-            conn.send((*state, *more))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
+            return (*held, *more)
+
+        serve(conn, state)
 
 
 def run_host_rank(
@@ -197,43 +233,17 @@ def run_host_rank(
     ``"status"`` with the rank's own ``status()``."""
     import datetime
 
-    import torch.distributed as dist
     from netns import enter_netns
 
-    scheme = None
-    try:
+    with reported(conn) as opened:
         enter_netns(ns)  # before any socket: gloo's too
         os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-        )
+        join_group(opened, rank, world, timeout=datetime.timedelta(seconds=120))
         net = _sharded_net(world)
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", **options)
+        scheme = open_scheme(opened, **options)
         scheme.init_on_sender("policy", model=net, num_workers=2)
         conn.send(("ready", scheme.get_sender().epoch))
-        version = 0
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
-            if command == "status":
-                conn.send(("status", scheme.get_sender().status()))
-                continue
-            if command == "connect":
-                scheme.connect(timeout=60)
-            elif command == "send":
-                version += 1
-                _bump(net, rank, version)
-                scheme.send()
-            conn.send((command, version, _gathered_checksum(net)))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        serve(conn, _RankCommands(net, scheme, rank))
 
 
 def run_host_worker(
@@ -246,12 +256,11 @@ def run_host_worker(
     received bytes)``."""
     from netns import enter_netns
 
-    scheme = None
-    try:
+    with reported(conn) as opened:
         enter_netns(ns)
         torch.manual_seed(1000 + worker_idx)  # not the learner's values
         model = Net()
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", endpoint=endpoint, **options)
+        scheme = open_scheme(opened, endpoint=endpoint, **options)
         scheme.init_on_receiver(model_id="policy", model=model, worker_idx=worker_idx)
         receiver = scheme.get_receiver()
         try:
@@ -261,19 +270,13 @@ def run_host_worker(
         else:
             scheme.start_receiver_thread()
             conn.send(("ready", zmqsync.checksum(model, "state_dict")))
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
+
+        def state(_: Any) -> tuple[Any, ...]:
             with scheme.lock:
                 got = int(receiver.stats.get("received_bytes", 0))
-                conn.send((receiver.version, zmqsync.checksum(model, "state_dict"), got))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
+                return (receiver.version, zmqsync.checksum(model, "state_dict"), got)
+
+        serve(conn, state)
 
 
 #: What tensor-parallel worker ``half`` of 2 holds of :class:`Net`'s tensors: the rows
@@ -311,11 +314,10 @@ def run_sliced_worker(endpoint: str, half: int, conn: Any, mode: str) -> None:
     """Tensor-parallel worker ``half`` of 2 (worker id ``half``): a model of its slices
     of :class:`Net`'s tensors alone, given rank 0's endpoint. Answers ``"state"`` with
     ``(version, {name: array})``."""
-    scheme = None
-    try:
+    with reported(conn) as opened:
         full = Net().state_dict()
         model = {name: torch.zeros_like(sliced_half(full, name, half)) for name in full}
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
+        scheme = open_scheme(opened, mode=mode, endpoint=endpoint)
         scheme.init_on_receiver(
             model_id="policy",
             model=model,
@@ -325,20 +327,13 @@ def run_sliced_worker(endpoint: str, half: int, conn: Any, mode: str) -> None:
         scheme.connect(timeout=120)
         scheme.start_receiver_thread()
         conn.send("ready")
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
-            receiver = scheme.get_receiver()
+        receiver = scheme.get_receiver()
+
+        def state(_: Any) -> tuple[Any, ...]:
             with scheme.lock:
-                state = {name: t.numpy().copy() for name, t in model.items()}
-                conn.send((receiver.version, state))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
+                return (receiver.version, {name: t.numpy().copy() for name, t in model.items()})
+
+        serve(conn, state)
 
 
 def run_dtensor_worker(
@@ -349,7 +344,6 @@ def run_dtensor_worker(
     (uneven), ``b.weight`` and ``wide`` on columns, ``b.bias`` and ``shared`` replicated,
     ``steps`` plain; it declares its local boxes and receives into its local shards.
     Answers ``"state"`` (a collective) with ``(version, checksum of the gathered model)``."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -358,9 +352,8 @@ def run_dtensor_worker(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     placements = {"a.weight": Shard(0), "a.bias": Shard(0), "b.weight": Shard(1)}
     placements.update({"wide": Shard(1), "b.bias": Replicate(), "shared": Replicate()})
-    scheme = None
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    with reported(conn) as opened:
+        join_group(opened, rank, world)
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(2000)  # not the learner's values; the same on every rank
         tensors: dict[str, torch.Tensor] = {
@@ -370,31 +363,23 @@ def run_dtensor_worker(
             for name, t in Net().state_dict().items()
         }
         local, boxes = dtensor_slices(tensors)
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint)
+        scheme = open_scheme(opened, mode=mode, endpoint=endpoint)
         scheme.init_on_receiver(model_id="policy", model=local, worker_idx=rank, slices=boxes)
         scheme.connect(timeout=120)
         scheme.start_receiver_thread()
         conn.send("ready")
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
-            receiver = scheme.get_receiver()
+        receiver = scheme.get_receiver()
+
+        def state(_: Any) -> tuple[Any, ...]:
             with scheme.lock:
                 version = receiver.version
                 full = {
                     name: t.full_tensor() if isinstance(t, DTensor) else t
                     for name, t in tensors.items()
                 }
-            conn.send((version, zmqsync.checksum(full, "state_dict")))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            return (version, zmqsync.checksum(full, "state_dict"))
+
+        serve(conn, state)
 
 
 # --- delta=True and wire_dtype= on a sharded learner ------------------------------------
@@ -447,26 +432,20 @@ def run_delta_rank(
     """Rank ``rank`` of an FSDP2 learner with ``delta=True`` and ``wire_dtype=wire``.
     Commands: ``"connect"``; ``("send", who)`` (a version, see :func:`_touch`);
     ``"stop"``. Each answered with ``(command, version, cast checksum, bytes sent)``."""
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    scheme = None
     dtype = getattr(torch, wire)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    with reported(conn) as opened:
+        join_group(opened, rank, world)
         net = _sharded_net(world, WideNet)
-        scheme = zmqsync.ZMQWeightSyncScheme(
-            "state_dict", mode=mode, endpoint=endpoint, timeout=30, connect_timeout=120
-        )
+        scheme = open_scheme(opened, mode=mode, endpoint=endpoint, timeout=30, connect_timeout=120)
         scheme.init_on_sender(
             "policy", model=net, num_workers=2, delta=True, wire_dtype=dtype, chunk_bytes=65536
         )
         conn.send(("ready", scheme.get_sender().epoch))
         version = 0
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
+
+        def answer(command: Any) -> tuple[Any, ...]:
+            nonlocal version
             if command == "connect":
                 scheme.connect(timeout=60)
             else:
@@ -474,15 +453,9 @@ def run_delta_rank(
                 _touch(net, rank, version, command[1])
                 scheme.send()
             sent = scheme.get_sender().status()["totals"]["bytes_sent"]
-            conn.send(("done", version, _cast_checksum(net, dtype), sent))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            return ("done", version, _cast_checksum(net, dtype), sent)
+
+        serve(conn, answer)
 
 
 def run_wide_worker(endpoint: str, worker_idx: int, conn: Any, mode: str, apply_mode: str) -> None:

@@ -3,13 +3,12 @@ rank of an FSDP2 learner that samples its own memory, and a worker with a plain 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import traceback
 from typing import Any
 
 import torch
+from _sharded import gathered_checksum, join_group, open_scheme, reported, serve
 from torch import nn
 
 import zmqsync
@@ -107,15 +106,13 @@ def run_memory_rank(
     ``("done", extra, shard_bytes, model_bytes, checksum)``: ``extra`` per measure."""
     import gc
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    scheme = None
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    with reported(conn) as opened:
+        join_group(opened, rank, world)
         mesh = init_device_mesh("cpu", (world,))
         net = memory_model(layers)
         for layer in net.children():
@@ -130,8 +127,8 @@ def run_memory_rank(
         del tensors
         gc.collect()
         with PeakMemory() as meter:
-            scheme = zmqsync.ZMQWeightSyncScheme(
-                "state_dict", endpoint=endpoint, timeout=60, connect_timeout=120,
+            scheme = open_scheme(
+                opened, endpoint=endpoint, timeout=60, connect_timeout=120,
                 retain_snapshot=retain, chunk_bytes=chunk_bytes,
             )  # fmt: skip
             scheme.init_on_sender("policy", model=net, num_workers=1)
@@ -140,27 +137,8 @@ def run_memory_rank(
             for _ in range(versions):
                 _bump_all(net)
                 scheme.send()
-        conn.send(("done", meter.extra, shard_bytes, model_bytes, _gathered_checksum(net)))
+        conn.send(("done", meter.extra, shard_bytes, model_bytes, gathered_checksum(net)))
         conn.recv()  # "stop"
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _gathered_checksum(net: nn.Module) -> str:
-    """The whole model's checksum, gathered here by the test (a collective call)."""
-    from torch.distributed.tensor import DTensor
-
-    full = {
-        name: (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-        for name, t in net.state_dict(keep_vars=True).items()
-    }
-    return zmqsync.checksum(full, "state_dict")
 
 
 def _bump_all(net: nn.Module) -> None:
@@ -175,22 +153,16 @@ def _bump_all(net: nn.Module) -> None:
 def run_memory_worker(endpoint: str, layers: int, conn: Any) -> None:
     """A worker with a plain module of the memory test's model, given rank 0's endpoint.
     Answers ``"state"`` with ``(version, checksum)``."""
-    scheme = None
-    try:
+    with reported(conn) as opened:
         model = memory_model(layers)
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", endpoint=endpoint, timeout=60)
+        scheme = open_scheme(opened, endpoint=endpoint, timeout=60)
         scheme.init_on_receiver(model_id="policy", model=model, worker_idx=0)
         scheme.connect(timeout=120)
         scheme.start_receiver_thread()
-        while True:
-            command = conn.recv()
-            if command == "stop":
-                break
+        receiver = scheme.get_receiver()
+
+        def state(_: Any) -> tuple[Any, ...]:
             with scheme.lock:
-                conn.send((scheme.get_receiver().version, zmqsync.checksum(model, "state_dict")))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
+                return (receiver.version, zmqsync.checksum(model, "state_dict"))
+
+        serve(conn, state)

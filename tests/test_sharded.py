@@ -3,18 +3,34 @@ versions; and an FSDP2 learner over gloo whose every rank sends its own shard.""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
 import math
-import multiprocessing as mp
-import threading
 from typing import Any
 
 import numpy as np
 import pytest
 from _faults import until
+from _sharded_fixtures import (
+    DyingHub,
+    Processes,
+    RowsPart,
+    answer,
+    answers,
+    ask,
+    close_all,
+    collective,
+    fake_parts,
+    fake_tensors,
+    first_chunk,
+    gathered_arrays,
+    ipc_endpoints,
+    part_stream,
+    rank_senders,
+    send_all,
+    sends,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,17 +57,8 @@ from zmqsync.protocol import (
     encode_schema,
     layout_digest,
 )
-from zmqsync.transport.memory import MemoryHub
-
-SPAWN = mp.get_context("spawn")
-
 
 # --- parts on the wire ------------------------------------------------------------------
-
-
-def _first_chunk(schema: WeightsSchema, stream: bytes, version: int = 1, epoch: int = 7) -> Chunk:
-    layout = layout_digest(encode_schema(schema))
-    return Chunk("p", version, epoch, 0, 1, 0, len(stream), layout, stream, schema)
 
 
 def _boxed(key: str, shape: tuple[int, ...], whole: tuple[int, ...], at: tuple[int, ...]) -> Any:
@@ -73,7 +80,7 @@ def test_a_part_round_trips_and_its_digest_differs_per_part() -> None:
     entry = _boxed("w", (2, 3), (5, 3), (3, 0))
     first = WeightsSchema("state_dict", (entry,), 1, 2)
     other = dataclasses.replace(first, part=0)
-    chunk = _first_chunk(first, bytes(24))
+    chunk = first_chunk(first, bytes(24))
     decoded = decode(encode(chunk))
     assert isinstance(decoded, Chunk) and decoded.schema == first
     assert layout_digest(encode_schema(first)) != layout_digest(encode_schema(other))
@@ -211,73 +218,21 @@ def test_any_part_or_box_decodes_as_announced_or_raises(part: Any, box: Any) -> 
 # --- gathering parts (fakes: the parts as a learner's ranks would cut them) ---------------
 
 
-def _parts(global_tensors: dict[str, np.ndarray], cuts: int) -> list[WeightsSchema]:
-    """Each tensor cut into ``cuts`` boxes along its last dimension (uneven, some empty),
-    ``"s"`` whole in part 0: the schemas and streams ranks would send."""
-    out = []
-    for p in range(cuts):
-        entries, pos = [], 0
-        for key, t in global_tensors.items():
-            if key == "s":
-                if p:
-                    continue
-                entries.append(TensorEntry((key,), "float32", t.shape, 0, pos, t.nbytes))
-                pos += t.nbytes
-                continue
-            n = t.shape[-1]
-            lo, hi = p * n // cuts, (p + 1) * n // cuts
-            shape = (*t.shape[:-1], hi - lo)
-            at = (0,) * (t.ndim - 1) + (lo,)
-            nbytes = 4 * math.prod(shape)
-            entries.append(
-                TensorEntry((key,), "float32", shape, 0, pos, nbytes, "", Box(t.shape, at))
-            )
-            pos += nbytes
-        out.append(WeightsSchema("state_dict", tuple(entries), p, cuts))
-    return out
-
-
-def _stream(schema: WeightsSchema, tensors: dict[str, np.ndarray]) -> bytes:
-    out = b""
-    for e in schema.entries:
-        t = tensors[e.key[0]]
-        if e.box is not None:
-            t = t[tuple(slice(o, o + n) for o, n in zip(e.box.offsets, e.shape, strict=True))]
-        out += np.ascontiguousarray(t).tobytes()
-    return out
-
-
-def _tensors(seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {
-        "a": rng.standard_normal((3, 5)).astype(np.float32),
-        "b": rng.standard_normal((7,)).astype(np.float32),
-        "s": rng.standard_normal(()).astype(np.float32),
-    }
-
-
-def _gathered(chunk: Chunk) -> dict[str, np.ndarray]:
-    assert chunk.schema is not None
-    data = np.frombuffer(chunk.payload, dtype=np.uint8)
-    return {
-        e.key[0]: data[e.offset : e.offset + e.nbytes].view(np.float32).reshape(e.shape)
-        for e in chunk.schema.entries
-    }
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("cuts", [2, 3, 4, 9])
 def test_parts_gather_into_the_whole_version(cuts: int) -> None:
-    tensors = _tensors(cuts)
-    schemas = _parts(tensors, cuts)
+    tensors = fake_tensors(cuts)
+    schemas = fake_parts(tensors, cuts)
     gather = PartGather(cuts, gap=10.0)
     events: list[Any] = []
     for p in reversed(range(cuts)):  # in any order
-        events += gather.feed(p, _first_chunk(schemas[p], _stream(schemas[p], tensors)), 0, (0, 0))
+        events += gather.feed(
+            p, first_chunk(schemas[p], part_stream(schemas[p], tensors)), 0, (0, 0)
+        )
     (whole,) = events
     assert isinstance(whole, Whole) and whole.chunk.count == 1
     assert whole.chunk.schema is not None and whole.chunk.schema.parts == 1
-    got = _gathered(whole.chunk)
+    got = gathered_arrays(whole.chunk)
     for key, t in tensors.items():
         np.testing.assert_array_equal(got[key], t)
 
@@ -309,11 +264,11 @@ def test_a_box_written_in_pieces_lands_where_it_belongs(data: Any) -> None:
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 def test_parts_in_chunks_gather_into_the_whole_version(chunk: int) -> None:
     """Parts cut into small chunks, interleaved: boxes written as their bytes come."""
-    tensors = _tensors(11)
-    schemas = _parts(tensors, 3)
+    tensors = fake_tensors(11)
+    schemas = fake_parts(tensors, 3)
     pieces = []
     for schema in schemas:
-        stream = _stream(schema, tensors)
+        stream = part_stream(schema, tensors)
         layout = layout_digest(encode_schema(schema))
         count = max(1, -(-len(stream) // chunk))
         pieces.append(
@@ -342,7 +297,7 @@ def test_parts_in_chunks_gather_into_the_whole_version(chunk: int) -> None:
     (whole,) = events
     assert isinstance(whole, Whole)
     for key, t in tensors.items():
-        np.testing.assert_array_equal(_gathered(whole.chunk)[key], t)
+        np.testing.assert_array_equal(gathered_arrays(whole.chunk)[key], t)
 
 
 def _placed_gather(out: dict[str, np.ndarray]) -> PartGather:
@@ -359,13 +314,15 @@ def _placed_gather(out: dict[str, np.ndarray]) -> PartGather:
 
 @pytest.mark.timeout(30)
 def test_parts_written_in_place_land_in_the_tensors_as_they_come() -> None:
-    tensors = _tensors(21)
+    tensors = fake_tensors(21)
     out = {k: np.zeros_like(t) for k, t in tensors.items()}
-    schemas = _parts(tensors, 2)
+    schemas = fake_parts(tensors, 2)
     gather = _placed_gather(out)
     events: list[Any] = []
     for p in (1, 0):
-        events += gather.feed(p, _first_chunk(schemas[p], _stream(schemas[p], tensors)), 0, (0, 0))
+        events += gather.feed(
+            p, first_chunk(schemas[p], part_stream(schemas[p], tensors)), 0, (0, 0)
+        )
     (placed,) = events
     assert isinstance(placed, Placed) and placed.chunk.version == 1 and not placed.chunk.payload
     for key, t in tensors.items():
@@ -374,67 +331,70 @@ def test_parts_written_in_place_land_in_the_tensors_as_they_come() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_version_written_in_place_that_breaks_off_is_torn_and_dropped() -> None:
-    tensors = _tensors(22)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(22)
+    schemas = fake_parts(tensors, 2)
     gather = _placed_gather({k: np.zeros_like(t) for k, t in tensors.items()})
-    stream = _stream(schemas[1], tensors)
+    stream = part_stream(schemas[1], tensors)
     layout = layout_digest(encode_schema(schemas[1]))
     head = Chunk("p", 1, 7, 0, 2, 0, len(stream), layout, stream[:8], schemas[1])
     assert gather.feed(1, head, 0.0, (0, 0)) == []
-    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 0.0, (0, 0)) == []
+    assert (
+        gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], tensors)), 0.0, (0, 0)) == []
+    )
     (torn,) = gather.expire(5.0)  # part 1's next chunk never came
     assert isinstance(torn, Torn) and (torn.epoch, torn.version) == (7, 1)
     assert not gather.active and gather.expire(10.0) == []
     # A newer version while one is written in place: the older is torn.
     assert gather.feed(1, head, 20.0, (0, 0)) == []
     assert (
-        gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 20.0, (0, 0)) == []
+        gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], tensors)), 20.0, (0, 0))
+        == []
     )
-    newer = _first_chunk(schemas[0], _stream(schemas[0], tensors), version=2)
+    newer = first_chunk(schemas[0], part_stream(schemas[0], tensors), version=2)
     assert [type(e) for e in gather.feed(0, newer, 20.0, (0, 0))] == [Torn]
 
 
 @pytest.mark.timeout(30)
 def test_a_newer_part_drops_the_older_version_and_parts_never_mix() -> None:
-    old, new = _tensors(1), _tensors(2)
-    schemas = _parts(old, 2)
+    old, new = fake_tensors(1), fake_tensors(2)
+    schemas = fake_parts(old, 2)
     gather = PartGather(2, gap=10.0)
-    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], old), 1), 0, (0, 0)) == []
-    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], new), 2), 0, (0, 0)) == []
+    assert gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], old), 1), 0, (0, 0)) == []
+    assert gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], new), 2), 0, (0, 0)) == []
     # Part 1 of version 1 is older than the version gathered: dropped.
-    assert gather.feed(1, _first_chunk(schemas[1], _stream(schemas[1], old), 1), 0, (0, 0)) == []
+    assert gather.feed(1, first_chunk(schemas[1], part_stream(schemas[1], old), 1), 0, (0, 0)) == []
     # Part 0 of version 2 sent again (a repair) while part 1 is awaited: kept once.
-    assert gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], old), 2), 0, (0, 0)) == []
-    (whole,) = gather.feed(1, _first_chunk(schemas[1], _stream(schemas[1], new), 2), 0, (0, 0))
+    assert gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], old), 2), 0, (0, 0)) == []
+    (whole,) = gather.feed(1, first_chunk(schemas[1], part_stream(schemas[1], new), 2), 0, (0, 0))
     assert isinstance(whole, Whole) and whole.chunk.version == 2
     for key, t in new.items():
-        np.testing.assert_array_equal(_gathered(whole.chunk)[key], t)
+        np.testing.assert_array_equal(gathered_arrays(whole.chunk)[key], t)
 
 
 @pytest.mark.timeout(30)
 def test_a_part_of_a_version_held_is_acked_to_its_rank() -> None:
-    tensors = _tensors(3)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(3)
+    schemas = fake_parts(tensors, 2)
     gather = PartGather(2, gap=10.0)
-    chunk = _first_chunk(schemas[1], _stream(schemas[1], tensors), version=3)
+    chunk = first_chunk(schemas[1], part_stream(schemas[1], tensors), version=3)
     assert gather.feed(1, chunk, 0, (7, 3)) == [Held(1)]
     assert gather.feed(1, chunk, 0, (7, 3), whole=True) == []  # a repair: taken
 
 
 @pytest.mark.timeout(30)
 def test_a_part_on_another_ranks_stream_is_refused() -> None:
-    tensors = _tensors(4)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(4)
+    schemas = fake_parts(tensors, 2)
     gather = PartGather(2, gap=10.0)
     with pytest.raises(FrameError):
-        gather.feed(0, _first_chunk(schemas[1], _stream(schemas[1], tensors)), 0, (0, 0))
+        gather.feed(0, first_chunk(schemas[1], part_stream(schemas[1], tensors)), 0, (0, 0))
 
 
 @pytest.mark.timeout(30)
 def test_a_stalled_part_is_lost() -> None:
-    tensors = _tensors(5)
-    (schema, _) = _parts(tensors, 2)
-    stream = _stream(schema, tensors)
+    tensors = fake_tensors(5)
+    (schema, _) = fake_parts(tensors, 2)
+    stream = part_stream(schema, tensors)
     layout = layout_digest(encode_schema(schema))
     head = Chunk("p", 1, 7, 0, 2, 0, len(stream), layout, stream[:4], schema)
     gather = PartGather(2, gap=1.0)
@@ -448,11 +408,11 @@ def test_a_stalled_part_is_lost() -> None:
 def test_a_gather_says_which_parts_it_still_waits_for() -> None:
     """What a worker's heartbeats tell each rank: the version under way and the parts
     not in yet, a part that broke off mid-stream included; nothing once it is whole."""
-    tensors = _tensors(5)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(5)
+    schemas = fake_parts(tensors, 2)
     gather = PartGather(2, gap=1.0)
     assert gather.waiting() == (0, ())
-    streams = [_stream(schema, tensors) for schema in schemas]
+    streams = [part_stream(schema, tensors) for schema in schemas]
     layouts = [layout_digest(encode_schema(schema)) for schema in schemas]
     head = Chunk("p", 1, 7, 0, 2, 0, len(streams[1]), layouts[1], streams[1][:4], schemas[1])
     gather.feed(1, head, 0.0, (0, 0))
@@ -473,8 +433,8 @@ def test_a_gather_says_which_parts_it_still_waits_for() -> None:
     ["overlap", "gap", "dtype", "global shape", "scalar twice"],
 )
 def test_parts_that_do_not_tile_are_refused(edit: str) -> None:
-    tensors = _tensors(6)
-    schemas = _parts(tensors, 2)
+    tensors = fake_tensors(6)
+    schemas = fake_parts(tensors, 2)
     first = list(schemas[1].entries)
     e = first[0]
     assert e.box is not None
@@ -494,8 +454,8 @@ def test_parts_that_do_not_tile_are_refused(edit: str) -> None:
     gather = PartGather(2, gap=10.0)
     bad = dataclasses.replace(schemas[1], entries=tuple(first))
     end = max(x.offset + x.nbytes for x in bad.entries)
-    gather.feed(0, _first_chunk(schemas[0], _stream(schemas[0], tensors)), 0, (0, 0))
-    (refused,) = gather.feed(1, _first_chunk(bad, bytes(end)), 0, (0, 0))
+    gather.feed(0, first_chunk(schemas[0], part_stream(schemas[0], tensors)), 0, (0, 0))
+    (refused,) = gather.feed(1, first_chunk(bad, bytes(end)), 0, (0, 0))
     assert isinstance(refused, Refused)
 
 
@@ -534,45 +494,6 @@ def test_a_rank_sends_a_replica_only_at_coordinate_0_and_refuses_what_is_no_box(
 # --- ranks as senders and a worker gathering them, in one process (fakes) --------------
 
 
-class _RowsPart:
-    """A fake rank's part (as :class:`~zmqsync.tensors.dtensor.LocalPart` gives it): rows
-    ``[p*n//M, (p+1)*n//M)`` of each tensor of two or more dimensions, the others whole
-    from part 0."""
-
-    def __init__(self, part: int, parts: int) -> None:
-        from zmqsync.tensors.dtensor import LocalPart
-
-        self._inner = LocalPart(part, parts)
-        self.part, self.parts = part, parts
-        self.boxes: dict[Any, Box] = {}
-        self._source: Any = None
-        self._local: dict[Any, Any] = {}
-
-    def local(self, tensors: Any) -> Any:
-        if tensors is self._source:
-            return self._local
-        local, boxes = {}, {}
-        for key, t in tensors.items():
-            if t.dim() < 2:
-                if self.part == 0:
-                    local[key] = t
-                continue
-            n = t.shape[0]
-            lo, hi = self.part * n // self.parts, (self.part + 1) * n // self.parts
-            local[key] = t[lo:hi]
-            boxes[key] = Box(tuple(t.shape), (lo,) + (0,) * (t.dim() - 1))
-        self._source, self._local, self.boxes = tensors, local, boxes
-        return local
-
-
-def _send(sender: Any, errors: list[BaseException], worker_ids: Any = None) -> None:
-    """One rank's collective send (the ranks' sends of one step run at once)."""
-    try:
-        sender.send(worker_ids=worker_ids)
-    except BaseException as exc:
-        errors.append(exc)
-
-
 def _ranks_and_workers(
     prefix: str,
     learner: dict[str, Any],
@@ -583,28 +504,18 @@ def _ranks_and_workers(
     worker_options: Any = None,
     **sender_options: Any,
 ) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
-    """In-process ranks of a learner holding ``learner`` (each a ``_RowsPart`` over a
+    """In-process ranks of a learner holding ``learner`` (each a ``RowsPart`` over a
     memory hub, ``hubs[r]`` where given) and workers with zeroed models reaching them:
     ``(senders, receivers, models)``, none connected yet. ``worker_options(i)``: more
     arguments for worker ``i``'s receiver."""
     import torch
 
-    from zmqsync import WeightReceiver, WeightSender
-    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+    from zmqsync import WeightReceiver
+    from zmqsync.transport.memory import MemorySpoke
 
     names = [f"memory://{prefix}-{r}" for r in range(ranks)]
     options = {"num_workers": workers, "timeout": 20, "epoch": 7, **sender_options}
-    senders = [
-        WeightSender(
-            (hubs or {}).get(r) or MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            part=_RowsPart(r, ranks),  # type: ignore[arg-type]
-            ranks=names,
-            **options,  # the ranks agree on one epoch (a scheme makes them)
-        )
-        for r in range(ranks)
-    ]
+    senders = rank_senders(names, learner, hubs=hubs, **options)
     models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(workers)]
     receivers = [
         WeightReceiver(
@@ -621,19 +532,6 @@ def _ranks_and_workers(
     return senders, receivers, models
 
 
-def _send_all(senders: list[Any], worker_ids: Any = None) -> None:
-    errors: list[BaseException] = []
-    threads = [
-        threading.Thread(target=_send, args=(s, errors, worker_ids), name=f"rank-{i}")
-        for i, s in enumerate(senders)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("second", ["in place", "streamed in place", "staged", "sink", "weights"])
 def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> None:
@@ -642,25 +540,13 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> No
     or without a model (its weights kept)."""
     import torch
 
-    from zmqsync import WeightReceiver, WeightSender, checksum
-    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+    from zmqsync import WeightReceiver, checksum
+    from zmqsync.transport.memory import MemorySpoke
 
     torch.manual_seed(0)
     learner = {"w": torch.randn(5, 3), "v": torch.randn(3, 2, 2), "b": torch.randn(4)}
     names = [f"memory://sharded-{second}-{r}" for r in range(3)]
-    senders = [
-        WeightSender(
-            MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            num_workers=2,
-            timeout=20,
-            epoch=99,
-            part=_RowsPart(r, 3),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(3)
-    ]
+    senders = rank_senders(names, learner, num_workers=2, timeout=20, epoch=99)
     got: dict[str, Any] = {}
 
     def keep(tensors: list[tuple[str, Any]]) -> None:
@@ -699,7 +585,7 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> No
             with torch.no_grad():
                 for t in learner.values():
                     t.add_(1.0)
-            _send_all(senders)
+            send_all(senders)
             assert all(s.version == version for s in senders)
             assert all(r.version == version for r in receivers)
             assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
@@ -729,14 +615,11 @@ def test_ranks_as_senders_and_workers_that_gather_their_parts(second: str) -> No
         # worker_ids: every rank sends version 3 to worker 0 alone.
         with torch.no_grad():
             learner["w"].add_(1.0)
-        _send_all(senders, worker_ids=[0])
+        send_all(senders, worker_ids=[0])
         assert [r.version for r in receivers] == [3, 2, 2]
         assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
     finally:
-        for r in receivers:
-            r.close()
-        for s in senders:
-            s.close()
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(60)
@@ -745,25 +628,14 @@ def test_ranks_without_snapshots_stream_their_parts_from_the_weights() -> None:
     (version 0 at connect, then each send), nothing model-sized kept."""
     import torch
 
-    from zmqsync import WeightReceiver, WeightSender, checksum
-    from zmqsync.transport.memory import MemoryHub, MemorySpoke
+    from zmqsync import WeightReceiver, checksum
+    from zmqsync.transport.memory import MemorySpoke
 
     learner = {"w": torch.randn(6, 4), "b": torch.randn(3)}
     names = ["memory://unkept-0", "memory://unkept-1"]
-    senders = [
-        WeightSender(
-            MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            num_workers=1,
-            timeout=20,
-            epoch=5,
-            retain_snapshot=False,
-            part=_RowsPart(r, 2),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(2)
-    ]
+    senders = rank_senders(
+        names, learner, num_workers=1, timeout=20, epoch=5, retain_snapshot=False
+    )
     model = {k: torch.zeros_like(t) for k, t in learner.items()}
     receiver = WeightReceiver(
         MemorySpoke(names[0]),
@@ -779,7 +651,7 @@ def test_ranks_without_snapshots_stream_their_parts_from_the_weights() -> None:
         receiver.start()
         with torch.no_grad():
             learner["w"].mul_(2.0)
-        _send_all(senders)
+        send_all(senders)
         assert receiver.version == 1
         assert checksum(model, "state_dict") == checksum(learner, "state_dict")
     finally:
@@ -816,10 +688,7 @@ def test_every_rank_sends_async_from_one_thread_and_waits_for_the_acks_after() -
             for m in models:
                 assert checksum(m, "state_dict") == checksum(learner, "state_dict")
     finally:
-        for r in receivers:
-            r.close()
-        for s in senders:
-            s.close()
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(30)
@@ -837,13 +706,13 @@ def test_a_part_alone_is_never_applied() -> None:
         MemoryHub(names[0]),
         model=learner,
         strategy="state_dict",
-        part=_RowsPart(0, 2),  # type: ignore[arg-type]
+        part=RowsPart(0, 2),  # type: ignore[arg-type]
     )
     named = WeightSender(
         MemoryHub(names[1]),
         model=learner,
         strategy="state_dict",
-        part=_RowsPart(0, 2),  # type: ignore[arg-type]
+        part=RowsPart(0, 2),  # type: ignore[arg-type]
         ranks=names,
     )
     model = {"w": torch.zeros(4, 3)}
@@ -883,17 +752,12 @@ def test_the_ranks_that_sent_raise_naming_the_rank_that_did_not() -> None:
             r.start()
         with torch.no_grad():
             learner["w"].add_(1.0)
-        _send_all(senders)
+        send_all(senders)
         first = checksum(learner, "state_dict")
         with torch.no_grad():
             learner["w"].add_(1.0)
-        errors: list[BaseException] = []
         started = time.monotonic()
-        sending = [threading.Thread(target=_send, args=(senders[i], errors)) for i in (0, 2)]
-        for t in sending:
-            t.start()
-        for t in sending:
-            t.join(30)
+        errors = sends([senders[i] for i in (0, 2)])
         assert time.monotonic() - started < 3 + 5
         assert len(errors) == 2 and all(isinstance(e, SyncTimeout) for e in errors), errors
         for e in errors:
@@ -908,37 +772,12 @@ def test_the_ranks_that_sent_raise_naming_the_rank_that_did_not() -> None:
             assert checksum(model, "state_dict") == checksum(learner, "state_dict")
         with torch.no_grad():
             learner["b"].add_(1.0)
-        _send_all(senders)
+        send_all(senders)
         for r, model in zip(receivers, models, strict=True):
             assert r.version == 3
             assert checksum(model, "state_dict") == checksum(learner, "state_dict")
     finally:
-        for r in receivers:
-            r.close()
-        for sender in senders:
-            sender.close()
-
-
-class _DyingHub(MemoryHub):
-    """A memory hub that, once ``die(after)`` is called, lets ``after`` more messages
-    out and then nothing at all: a rank that dies in the middle of its part's stream
-    (what it is sent still comes in, as to a socket whose process is gone). ``revive``
-    brings it back."""
-
-    left: int | None = None
-
-    def die(self, after: int) -> None:
-        self.left = after
-
-    def revive(self) -> None:
-        self.left = None
-
-    def send_frames(self, frames: Any, **kwargs: Any) -> None:
-        if self.left is not None:
-            if self.left <= 0:
-                return
-            self.left -= 1
-        super().send_frames(frames, **kwargs)
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(60)
@@ -953,7 +792,7 @@ def test_a_rank_that_dies_mid_stream_is_named_and_its_next_send_repairs_all() ->
     torch.manual_seed(0)
     # Each rank's part of ``w`` is three chunks of the smallest size.
     learner = {"w": torch.randn(3 * 96, 512), "b": torch.randn(4)}
-    dying = _DyingHub("memory://ranks-dying-1")
+    dying = DyingHub("memory://ranks-dying-1")
     senders, receivers, models = _ranks_and_workers(
         "ranks-dying",
         learner,
@@ -972,17 +811,12 @@ def test_a_rank_that_dies_mid_stream_is_named_and_its_next_send_repairs_all() ->
             r.start()
         with torch.no_grad():
             learner["w"].add_(1.0)
-        _send_all(senders)
+        send_all(senders)
         first = checksum(learner, "state_dict")
         with torch.no_grad():
             learner["w"].add_(1.0)
         dying.die(after=2)  # to each of 2 workers, the first chunk of its part
-        errors: list[BaseException] = []
-        sending = [threading.Thread(target=_send, args=(s, errors)) for s in senders]
-        for t in sending:
-            t.start()
-        for t in sending:
-            t.join(30)
+        errors = sends(senders)
         assert len(errors) == 3 and all(isinstance(e, SyncTimeout) for e in errors), errors
         for e in errors:
             assert isinstance(e, SyncTimeout)
@@ -995,96 +829,48 @@ def test_a_rank_that_dies_mid_stream_is_named_and_its_next_send_repairs_all() ->
         dying.revive()
         with torch.no_grad():
             learner["b"].add_(1.0)
-        _send_all(senders)
+        send_all(senders)
         for r, model in zip(receivers, models, strict=True):
             assert r.version == 3 and not r.torn
             assert checksum(model, "state_dict") == checksum(learner, "state_dict")
     finally:
-        for r in receivers:
-            r.close()
-        for sender in senders:
-            sender.close()
+        close_all(receivers, senders)
 
 
 # --- an FSDP2 learner over gloo, in spawned processes ----------------------------------
-
-
-def _ask(conn: Any, command: str, timeout: float = 90.0) -> Any:
-    conn.send(command)
-    return _answer(conn, command, timeout)
-
-
-def _answer(conn: Any, what: str, timeout: float = 90.0) -> Any:
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no answer to {what!r} in {timeout}s")
-    reply = conn.recv()
-    if isinstance(reply, tuple) and reply and reply[0] == "error":
-        raise AssertionError(f"a process failed: {reply[1]}")
-    return reply
 
 
 def _learner_and_workers(tmp_path: Any, ranks: int, mode: str, versions: int) -> None:
     from _sharded import run_plain_worker, run_rank
     from conftest import free_port
 
-    port = free_port()
-    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(ranks)]
-    procs: list[Any] = []
-    learners: list[Any] = []
-    workers: list[Any] = []
-    try:
-        for r in range(ranks):
-            parent, child = SPAWN.Pipe()
-            proc = SPAWN.Process(
-                target=run_rank, args=(r, ranks, port, endpoints[r], child, mode), daemon=True
-            )
-            proc.start()
-            child.close()
-            procs.append(proc)
-            learners.append(parent)
-        epochs = {_answer(c, "ready")[1] for c in learners}
+    endpoints = ipc_endpoints(tmp_path, ranks)
+    with Processes() as procs:
+        learners = procs.ranks(run_rank, free_port(), endpoints, (mode,))
+        epochs = {a[1] for a in answers(learners, "ready")}
         assert len(epochs) == 1  # the ranks agreed on rank 0's epoch
-        for w in range(3):
-            parent, child = SPAWN.Pipe()
-            proc = SPAWN.Process(
-                target=run_plain_worker,
-                # Worker 2 writes each box into its model as it comes.
-                args=(endpoints[0], w, child, mode, "in_place" if w == 2 else "auto"),
-                daemon=True,
+        workers = [
+            # Worker 2 writes each box into its model as it comes.
+            procs.start(
+                run_plain_worker, endpoints[0], w, after=(mode, "in_place" if w == 2 else "auto")
             )
-            proc.start()
-            child.close()
-            procs.append(proc)
-            workers.append(parent)
-        for c in learners:
-            c.send("connect")
-        answers = [_answer(c, "connect") for c in learners]
+            for w in range(3)
+        ]
+        connected = collective(learners, "connect")
         for c in workers:
-            assert _answer(c, "ready") == "ready"
-        expected = answers[0][2]
-        assert all(a[2] == expected for a in answers)  # the gathered model, on every rank
+            assert answer(c, "ready") == "ready"
+        expected = connected[0][2]
+        assert all(a[2] == expected for a in connected)  # the gathered model, on every rank
         for c in workers:
-            assert _ask(c, "state") == (0, expected)
+            assert ask(c, "state") == (0, expected)
         for version in range(1, versions + 1):
-            for c in learners:
-                c.send("send")  # collective: every rank sends its part of this version
-            answers = [_answer(c, "send") for c in learners]
-            assert {a[1] for a in answers} == {version}
-            expected = answers[0][2]
+            # Collective: every rank sends its part of this version.
+            sent = collective(learners, "send")
+            assert {a[1] for a in sent} == {version}
+            expected = sent[0][2]
             # send() returned on every rank: every worker acked, holding the whole version.
             for c in workers:
-                assert _ask(c, "state") == (version, expected)
-    finally:
-        for c in [*workers, *learners]:
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        for proc in procs:
-            proc.join(10)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+                assert ask(c, "state") == (version, expected)
 
 
 @pytest.mark.timeout(120)
@@ -1095,28 +881,15 @@ def test_a_rank_whose_peers_never_join_raises_in_time(tmp_path: Any) -> None:
     from conftest import free_port
 
     port = free_port()
-    procs, conns = [], []
-    try:
-        for r in range(2):
-            parent, child = SPAWN.Pipe()
-            args = (r, 2, port, f"ipc://{tmp_path}/rank{r}", child, "pubsub", r == 0, 2.0)
-            proc = SPAWN.Process(target=run_rank, args=args, daemon=True)
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
-        assert _answer(conns[1], "ready")[0] == "ready"
+    endpoints = ipc_endpoints(tmp_path, 2)
+    with Processes() as procs:
+        conns = [
+            procs.start(run_rank, r, 2, port, endpoints[r], after=("pubsub", r == 0, 2.0))
+            for r in range(2)
+        ]
+        assert answer(conns[1], "ready")[0] == "ready"
         with pytest.raises(AssertionError, match="called init_on_sender within 2s"):
-            _answer(conns[0], "ready", timeout=60)
-    finally:
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+            answer(conns[0], "ready", timeout=60)
 
 
 @pytest.mark.timeout(240)
@@ -1136,28 +909,14 @@ def test_fsdp2_learner_of_four_ranks(tmp_path: Any) -> None:
 _FAULT_TIMEOUT = 4.0
 
 
-def _spawn(procs: list[Any], target: Any, *args: Any) -> Any:
-    parent, child = SPAWN.Pipe()
-    proc = SPAWN.Process(target=target, args=(*args[:-1], child, *args[-1]), daemon=True)
-    proc.start()
-    child.close()
-    procs.append(proc)
-    return parent
-
-
-def _start_learner(procs: list[Any], endpoints: list[str], mode: str) -> list[Any]:
-    """The ranks of a new learner job (a new process group, a new epoch)."""
+def _start_learner(procs: Processes, endpoints: list[str], mode: str) -> list[Any]:
+    """The ranks of a new learner job (a new process group, a new epoch), ready."""
     from _sharded import run_rank
     from conftest import free_port
 
-    port = free_port()
-    world = len(endpoints)
-    conns = [
-        _spawn(procs, run_rank, r, world, port, endpoints[r], (mode, True, 120.0, _FAULT_TIMEOUT))
-        for r in range(world)
-    ]
-    for c in conns:
-        _answer(c, "ready")
+    after = (mode, True, 120.0, _FAULT_TIMEOUT)
+    conns = procs.ranks(run_rank, free_port(), endpoints, after)
+    answers(conns, "ready")
     return conns
 
 
@@ -1165,7 +924,7 @@ def _whole_states(workers: list[Any], known: dict[int, str], last: dict[int, int
     """Every worker holds a whole version (the checksum of the gathered model of that
     version), never older than what it held before."""
     for w, c in enumerate(workers):
-        version, digest = _ask(c, "state")
+        version, digest = ask(c, "state")
         assert known.get(version) == digest, f"worker {w} holds a version never gathered"
         assert version >= last.get(w, 0), f"worker {w} went back to version {version}"
         last[w] = version
@@ -1188,36 +947,25 @@ def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
     from _faults import stop
     from _sharded import run_plain_worker
 
-    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
-    procs: list[Any] = []
-    learners: list[Any] = []
-    workers: list[Any] = []
-    try:
+    endpoints = ipc_endpoints(tmp_path, 2)
+    with Processes() as procs:
         learners = _start_learner(procs, endpoints, "pubsub")
-        victim, alive = procs[dead], 1 - dead
+        victim, alive = procs.procs[dead], 1 - dead
         # Worker 2 writes each box into its model as it comes: still nothing of a
         # version whose parts are not all in.
         workers = [
-            _spawn(procs, run_plain_worker, endpoints[0], w, ("pubsub", mode))
+            procs.start(run_plain_worker, endpoints[0], w, after=("pubsub", mode))
             for w, mode in enumerate(["auto", "auto", "in_place"])
         ]
-        for c in learners:
-            c.send("connect")
-        known = {0: _answer(learners[0], "connect")[2]}
-        _answer(learners[1], "connect")
+        known = {0: collective(learners, "connect")[0][2]}
         for c in workers:
-            assert _answer(c, "ready") == "ready"
+            assert answer(c, "ready") == "ready"
         last: dict[int, int] = {}
-        for c in learners:
-            c.send("send")
-        known[1] = _answer(learners[0], "send")[2]
-        _answer(learners[1], "send")
+        known[1] = collective(learners, "send")[0][2]
         _whole_states(workers, known, last)
         assert last == {0: 1, 1: 1, 2: 1}
-        for c in learners:
-            c.send("bump")  # version 2's weights, on both ranks (a collective)
-        known[2] = _answer(learners[0], "bump")[2]
-        _answer(learners[1], "bump")
+        # Version 2's weights, on both ranks (a collective).
+        known[2] = collective(learners, "bump")[0][2]
 
         if fault == "SIGKILL":
             os.kill(victim.pid, signal.SIGKILL)
@@ -1225,7 +973,7 @@ def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
         else:
             stop(victim.pid)
         started = time.monotonic()
-        reply = _ask(learners[alive], "push")
+        reply = ask(learners[alive], "push")
         assert time.monotonic() - started < _FAULT_TIMEOUT + 10
         kind, version, missing_workers, missing_ranks, message, waited = reply
         assert (kind, version) == ("timeout", 2), reply
@@ -1238,41 +986,23 @@ def test_a_rank_that_dies_or_stops_makes_the_others_send_raise_naming_it(
         if fault == "SIGSTOP":
             os.kill(victim.pid, signal.SIGCONT)
             # Back, it sends its part of version 2: every worker gathers it whole.
-            assert _ask(learners[dead], "push")[:2] == ("push", 2)
+            assert ask(learners[dead], "push")[:2] == ("push", 2)
             for w, c in enumerate(workers):
-                until(lambda c=c: _ask(c, "state")[0] == 2, 30, f"worker {w} holds version 2")
+                until(lambda c=c: ask(c, "state")[0] == 2, 30, f"worker {w} holds version 2")
             _whole_states(workers, known, last)
-            for c in learners:
-                c.send("send")  # the next version goes as ever, on every rank
-            known[3] = _answer(learners[0], "send")[2]
-            assert _answer(learners[1], "send")[:2] == ("send", 3)
+            sent = collective(learners, "send")  # the next version goes as ever, on every rank
+            known[3] = sent[0][2]
+            assert sent[1][:2] == ("send", 3)
             _whole_states(workers, known, last)
             assert last == {0: 3, 1: 3, 2: 3}
         else:
             # The job restarts: every rank anew (a new epoch), its version 1 sent whole.
             learners[alive].send("stop")
-            procs[alive].join(30)
+            procs.procs[alive].join(30)
             learners = _start_learner(procs, endpoints, "pubsub")
-            for c in learners:
-                c.send("connect")
-            for c in learners:
-                _answer(c, "connect")
-            for c in learners:
-                c.send("send")
-            restarted = _answer(learners[0], "send")[2]
-            assert _answer(learners[1], "send")[:2] == ("send", 1)
+            collective(learners, "connect")
+            sent = collective(learners, "send")
+            restarted = sent[0][2]
+            assert sent[1][:2] == ("send", 1)
             for c in workers:
-                assert _ask(c, "state") == (1, restarted)
-    finally:
-        for c in [*workers, *learners]:
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        for proc in procs:
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(proc.pid, signal.SIGCONT)
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+                assert ask(c, "state") == (1, restarted)

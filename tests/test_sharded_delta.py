@@ -3,7 +3,7 @@ and casts its own part, and workers gather the parts (deltas patched over the ve
 they hold, an unchanged rank's part one empty chunk) into one whole version.
 
 The in-process tests run every rank as a :class:`WeightSender` over its own memory hub
-(``_RowsPart``: rank ``p`` of ``M`` holds rows ``[p*n//M, (p+1)*n//M)`` of each matrix)
+(``RowsPart``: rank ``p`` of ``M`` holds rows ``[p*n//M, (p+1)*n//M)`` of each matrix)
 and count each rank's bytes with its own counter; the gather's tests feed it chunks
 (sans-IO, hypothesis among them); the last ones run an FSDP2 learner of two ranks in
 spawned processes over gloo.
@@ -11,20 +11,36 @@ spawned processes over gloo.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import multiprocessing as mp
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from _faults import until
+from _sharded_fixtures import (
+    DyingHub,
+    Processes,
+    RowsPart,
+    answer,
+    answers,
+    ask,
+    below_of,
+    close_all,
+    collective,
+    fake_parts,
+    fake_tensors,
+    first_chunk,
+    gathered_arrays,
+    ipc_endpoints,
+    on_every_rank,
+    part_stream,
+    rank_senders,
+    send_all,
+    sends,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sharded import _first_chunk, _gathered, _parts, _RowsPart, _send_all, _stream, _tensors
 
 from zmqsync import WeightReceiver, WeightSender, checksum
 from zmqsync.chunking.parts import Held, Lost, PartGather, Placed, Skipped, Torn, Whole
@@ -32,7 +48,6 @@ from zmqsync.protocol import Chunk, WeightsSchema, encode_schema, layout_digest
 from zmqsync.schemes.sharded import check_options
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
-SPAWN = mp.get_context("spawn")
 #: Chunks (and so digest blocks) of 64 KiB: a change of one row moves one block.
 CHUNK = 64 * 1024
 
@@ -52,21 +67,9 @@ def _senders(
     model: Any, names: list[str], workers: int | None, **options: Any
 ) -> list[WeightSender]:
     """One sender per rank (rank ``r`` binds ``names[r]``), of one learner life."""
-    return [
-        WeightSender(
-            MemoryHub(names[r]),
-            model=model,
-            strategy="state_dict",
-            num_workers=workers,
-            timeout=20,
-            epoch=41,
-            chunk_bytes=CHUNK,
-            part=_RowsPart(r, len(names)),  # type: ignore[arg-type]
-            ranks=names,
-            **options,
-        )
-        for r in range(len(names))
-    ]
+    return rank_senders(
+        names, model, num_workers=workers, timeout=20, epoch=41, chunk_bytes=CHUNK, **options
+    )
 
 
 def _receiver(name: str, worker: int, **options: Any) -> WeightReceiver:
@@ -84,32 +87,6 @@ def _receiver(name: str, worker: int, **options: Any) -> WeightReceiver:
 def _sent(senders: list[WeightSender]) -> list[int]:
     """Every rank's bytes sent so far (its chunks' payloads, to every worker)."""
     return [int(s.status()["totals"]["bytes_sent"]) for s in senders]
-
-
-def _on_every_rank(senders: list[WeightSender], call: Callable[[int, WeightSender], Any]) -> None:
-    """``call(rank, sender)`` on every rank at once (a collective call), each in a thread
-    of its own; raises what any raised."""
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            call(rank, senders[rank])
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(senders))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
-
-
-def _close(receivers: list[WeightReceiver], senders: list[WeightSender]) -> None:
-    for r in receivers:
-        r.close()
-    for s in senders:
-        s.close()
 
 
 # --- delta=True: what each rank sends, and what each worker ends with -------------------
@@ -149,7 +126,7 @@ def test_each_rank_sends_only_the_changed_blocks_of_its_own_part() -> None:
             for t in learner.values():
                 t.add_(1.0)  # every block changed: each rank sends its part whole
         before = _sent(senders)
-        _send_all(senders)
+        send_all(senders)
         after = _sent(senders)
         assert [a - b for a, b in zip(after, before, strict=True)] == [workers * n for n in part]
         steps: list[tuple[str, int, int]] = [("w", 40, 1), ("w", 3, 0), ("v", 20, 1)]
@@ -157,7 +134,7 @@ def test_each_rank_sends_only_the_changed_blocks_of_its_own_part() -> None:
             with torch.no_grad():
                 learner[key][row, 5:9].add_(0.25)  # one row of one rank's part
             before = _sent(senders)
-            _send_all(senders)
+            send_all(senders)
             moved = [a - b for a, b in zip(_sent(senders), before, strict=True)]
             # The owner moved the one block that row lies in, to each worker: a tenth of
             # its part; the other rank moved nothing.
@@ -175,7 +152,7 @@ def test_each_rank_sends_only_the_changed_blocks_of_its_own_part() -> None:
         status = senders[1].status()["delta"]
         assert status["bases"] == [{"base": 3, "workers": workers, "bytes": CHUNK}]
     finally:
-        _close(receivers, senders)
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(120)
@@ -195,16 +172,16 @@ def test_a_worker_behind_or_late_gets_what_it_lacks_and_ends_exact() -> None:
         for r in receivers:
             r.connect(timeout=30)
             r.start()
-        _send_all(senders)  # version 1: nothing changed, three empty parts
+        send_all(senders)  # version 1: nothing changed, three empty parts
         assert [r.stats["deltas"] for r in receivers] == [1, 1]
         with torch.no_grad():
             learner["w"][10].add_(1.0)
-        _send_all(senders, worker_ids=[0])
+        send_all(senders, worker_ids=[0])
         assert [r.version for r in receivers] == [2, 1]
         with torch.no_grad():
             learner["w"][50].add_(1.0)
         before = _sent(senders)
-        _send_all(senders)
+        send_all(senders)
         moved = [a - b for a, b in zip(_sent(senders), before, strict=True)]
         # Row 10 (part 0, changed in version 2) goes to worker 1 alone, which lacks it;
         # row 50 (part 2) to both; part 1 did not change. One block each time: a delta
@@ -223,13 +200,13 @@ def test_a_worker_behind_or_late_gets_what_it_lacks_and_ends_exact() -> None:
             s.num_workers = 3
         with torch.no_grad():
             learner["v"][1].add_(1.0)
-        _send_all(senders)
+        send_all(senders)
         expected = checksum(learner, "state_dict")
         assert all(r.version == 4 for r in receivers)
         assert [checksum(m, "state_dict") for m in models] == [expected] * 3
         assert late.stats["deltas"] == 1
     finally:
-        _close(receivers, senders)
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(90)
@@ -238,28 +215,21 @@ def test_a_rank_that_dies_mid_delta_leaves_every_worker_whole_and_the_next_send_
     raises naming rank 1; no worker applies version 2, and none is torn (a version of
     deltas is written only once every part is in, in place too). Back, version 3 comes
     as deltas against version 1 and every worker ends exact."""
-    from test_sharded import _DyingHub, _send
-
     from zmqsync import SyncTimeout
 
     learner = _learner()
     names = ["memory://sd-dying-0", "memory://sd-dying-1"]
-    dying = _DyingHub(names[1])
-    senders = [
-        WeightSender(
-            dying if r == 1 else MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            num_workers=2,
-            timeout=3,
-            epoch=43,
-            chunk_bytes=CHUNK,
-            delta=True,
-            part=_RowsPart(r, 2),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(2)
-    ]
+    dying = DyingHub(names[1])
+    senders = rank_senders(
+        names,
+        learner,
+        hubs={1: dying},
+        num_workers=2,
+        timeout=3,
+        epoch=43,
+        chunk_bytes=CHUNK,
+        delta=True,
+    )
     models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
     receivers = [
         # A part broken off is given up on before send() raises.
@@ -272,18 +242,13 @@ def test_a_rank_that_dies_mid_delta_leaves_every_worker_whole_and_the_next_send_
             r.start()
         with torch.no_grad():
             learner["w"][0].add_(1.0)
-        _send_all(senders)  # version 1: a delta of rank 0, an empty one of rank 1
+        send_all(senders)  # version 1: a delta of rank 0, an empty one of rank 1
         first = checksum(learner, "state_dict")
         with torch.no_grad():
             for row in (33, 45, 60):  # three blocks apart in rank 1's part: three chunks
                 learner["w"][row].add_(1.0)
         dying.die(after=1)
-        errors: list[BaseException] = []
-        sending = [threading.Thread(target=_send, args=(s, errors)) for s in senders]
-        for t in sending:
-            t.start()
-        for t in sending:
-            t.join(30)
+        errors = sends(senders)
         assert len(errors) == 2 and all(isinstance(e, SyncTimeout) for e in errors), errors
         for e in errors:
             assert isinstance(e, SyncTimeout) and e.missing_ranks == [1], e
@@ -294,7 +259,7 @@ def test_a_rank_that_dies_mid_delta_leaves_every_worker_whole_and_the_next_send_
         with torch.no_grad():
             learner["b"].add_(1.0)  # rank 0's
         before = _sent(senders)
-        _send_all(senders)
+        send_all(senders)
         moved = [a - b for a, b in zip(_sent(senders), before, strict=True)]
         # Rank 1: its three blocks again (against version 1), to each worker.
         assert moved[1] == 2 * 3 * CHUNK and 0 < moved[0] <= 2 * CHUNK, moved
@@ -302,7 +267,7 @@ def test_a_rank_that_dies_mid_delta_leaves_every_worker_whole_and_the_next_send_
             assert r.version == 3 and not r.torn and r.stats["deltas"] == 2
             assert checksum(model, "state_dict") == checksum(learner, "state_dict")
     finally:
-        _close(receivers, senders)
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(60)
@@ -327,14 +292,14 @@ def test_send_async_on_every_rank_with_delta() -> None:
             saved = learner["w"].clone()
             with torch.no_grad():
                 learner["w"].add_(5.0)  # after the copies: not part of the version
-            _on_every_rank(senders, lambda rank, sender: sender.wait_async())
+            on_every_rank(senders, lambda rank, sender: sender.wait_async())
             assert receivers[0].version == step
             assert checksum(model, "state_dict") == expected
             with torch.no_grad():
                 learner["w"].copy_(saved)
         assert receivers[0].stats["deltas"] == 2
     finally:
-        _close(receivers, senders)
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(120)
@@ -376,12 +341,12 @@ def test_a_relay_gathers_delta_parts_and_each_rank_sends_its_changed_blocks_once
             leaves[-1].connect(timeout=30)
             leaves[-1].start()
         for s in senders:
-            until(lambda s=s: {0, 1} <= _claimed(s, 9), 20, "the relay claimed 0 and 1")
+            until(lambda s=s: {0, 1} <= below_of(s, 9), 20, "the relay claimed 0 and 1")
         for version, (row, owner) in enumerate([(3, 0), (50, 1)], start=1):
             with torch.no_grad():
                 learner["w"][row, :8].add_(1.0)
             before = _sent(senders)
-            _send_all(senders)
+            send_all(senders)
             moved = [a - b for a, b in zip(_sent(senders), before, strict=True)]
             assert moved[owner] == CHUNK and moved[1 - owner] == 0, moved  # to the relay
             assert [leaf.version for leaf in leaves] == [version] * 2
@@ -394,14 +359,6 @@ def test_a_relay_gathers_delta_parts_and_each_rank_sends_its_changed_blocks_once
         relay.close()
         for s in senders:
             s.close()
-
-
-def _claimed(sender: WeightSender, relay: int) -> set[int]:
-    """The workers ``sender``'s status shows behind ``relay``."""
-    for row in sender.status()["workers"]:
-        if row["worker"] == relay:
-            return {int(w) for w in row.get("below") or {}}
-    return set()
 
 
 # --- wire_dtype: each rank casts its own part -------------------------------------------
@@ -473,7 +430,7 @@ def test_parts_cast_by_each_rank_land_exactly_as_cast_back(wire: torch.dtype, de
                     for t in learner.values():
                         t.add_(3)
             before = _sent(senders)
-            _send_all(senders)
+            send_all(senders)
             moved = sum(_sent(senders)) - sum(before)
             if version < 3 or not delta:
                 # Every part whole, cast: the floats at the wire's size (and alignment).
@@ -490,7 +447,7 @@ def test_parts_cast_by_each_rank_land_exactly_as_cast_back(wire: torch.dtype, de
         assert all(s.status()["wire_dtype"] == str(wire).removeprefix("torch.") for s in senders)
         assert [r.stats["deltas"] for r in receivers] == [1 if delta else 0] * 3
     finally:
-        _close(receivers, senders)
+        close_all(receivers, senders)
 
 
 # --- metadata -------------------------------------------------------------------------
@@ -498,7 +455,7 @@ def test_parts_cast_by_each_rank_land_exactly_as_cast_back(wire: torch.dtype, de
 
 def _send_tagged(senders: list[WeightSender], step: int) -> None:
     """One collective send, each rank tagging it with its own rank."""
-    _on_every_rank(senders, lambda rank, s: s.send(metadata={"step": step, "rank": rank}))
+    on_every_rank(senders, lambda rank, s: s.send(metadata={"step": step, "rank": rank}))
 
 
 @pytest.mark.timeout(60)
@@ -519,7 +476,7 @@ def test_a_sharded_versions_metadata_is_rank_0s() -> None:
             _send_tagged(senders, step)
             assert receivers[0].metadata == {"step": step, "rank": 0}
             assert senders[0].status()["metadata"] == {"step": step, "rank": 0}
-        _send_all(senders)  # untagged: no stale tag
+        send_all(senders)  # untagged: no stale tag
         assert receivers[0].version == 3 and receivers[0].metadata is None
         _send_tagged(senders, 40)
         late = _receiver(names[0], 1, model=models[1])
@@ -528,7 +485,7 @@ def test_a_sharded_versions_metadata_is_rank_0s() -> None:
         assert late.version == 4 and late.metadata == {"step": 40, "rank": 0}
         assert checksum(models[1], "state_dict") == checksum(learner, "state_dict")
     finally:
-        _close(receivers, senders)
+        close_all(receivers, senders)
 
 
 # --- the gather of delta parts, sans-IO -------------------------------------------------
@@ -577,14 +534,14 @@ def _gather_whole(
     """Version 1 of epoch 7, every part whole, into ``gather``: its events."""
     events: list[Any] = []
     for p, schema in enumerate(schemas):
-        events += gather.feed(p, _first_chunk(schema, _stream(schema, tensors)), 0, (0, 0))
+        events += gather.feed(p, first_chunk(schema, part_stream(schema, tensors)), 0, (0, 0))
     return events
 
 
 def _versions() -> list[dict[str, np.ndarray]]:
     """Versions 1..4 of ``_tensors``' model, each changing a little of one part or two
     (``a``'s columns 0-1 are part 0's, 2-4 part 1's; ``b``'s 0-2 part 0's; ``s`` part 0's)."""
-    v1 = _tensors(5)
+    v1 = fake_tensors(5)
     v2 = {k: t.copy() for k, t in v1.items()}
     v2["a"][1, 3] += 1  # part 1 only
     v3 = {k: t.copy() for k, t in v2.items()}
@@ -601,7 +558,7 @@ def _part_deltas(
     """Each part's stream of ``new`` and the 4-byte stretches that differ from ``old``."""
     out = []
     for schema in schemas:
-        before, after = _stream(schema, old), _stream(schema, new)
+        before, after = part_stream(schema, old), part_stream(schema, new)
         spans = [(i, 4) for i in range(0, len(after), 4) if before[i : i + 4] != after[i : i + 4]]
         out.append((after, spans))
     return out
@@ -613,7 +570,7 @@ def test_delta_parts_patch_the_version_gathered_last_whole_or_not_at_all() -> No
     part 1 break off after its first stretch: nothing is given on, and its delta sent
     again completes it. Version 4 breaks off and version 5 (against 3) comes instead."""
     versions = _versions()
-    schemas = _parts(versions[1], 2)
+    schemas = fake_parts(versions[1], 2)
     gather = PartGather(2, gap=1.0)
     (whole,) = _gather_whole(gather, schemas, versions[1])
     assert isinstance(whole, Whole) and not whole.delta
@@ -623,7 +580,7 @@ def test_delta_parts_patch_the_version_gathered_last_whole_or_not_at_all() -> No
     assert _feed(gather, 0, _delta(schemas[0], *parts[0], version=2, base=1), held) == []
     (whole,) = _feed(gather, 1, _delta(schemas[1], *parts[1], version=2, base=1), held)
     assert isinstance(whole, Whole) and whole.delta and whole.chunk.version == 2
-    for key, t in _gathered(whole.chunk).items():
+    for key, t in gathered_arrays(whole.chunk).items():
         np.testing.assert_array_equal(t, versions[2][key])
     held = (7, 2)
     parts = _part_deltas(schemas, versions[2], versions[3])
@@ -637,7 +594,7 @@ def test_delta_parts_patch_the_version_gathered_last_whole_or_not_at_all() -> No
     assert isinstance(lost, Lost) and lost.part == 1
     (whole,) = _feed(gather, 1, _delta(schemas[1], *parts[1], version=3, base=2), held)
     assert whole.delta and whole.chunk.version == 3
-    for key, t in _gathered(whole.chunk).items():
+    for key, t in gathered_arrays(whole.chunk).items():
         np.testing.assert_array_equal(t, versions[3][key])
     held = (7, 3)
     parts = _part_deltas(schemas, versions[3], versions[4])
@@ -648,7 +605,7 @@ def test_delta_parts_patch_the_version_gathered_last_whole_or_not_at_all() -> No
     assert _feed(gather, 1, _delta(schemas[1], *parts[1], version=5, base=3), held) == []
     (whole,) = _feed(gather, 0, _delta(schemas[0], *parts[0], version=5, base=3), held)
     assert whole.delta and whole.chunk.version == 5
-    for key, t in _gathered(whole.chunk).items():
+    for key, t in gathered_arrays(whole.chunk).items():
         np.testing.assert_array_equal(t, versions[4][key])
 
 
@@ -659,8 +616,8 @@ def test_a_delta_part_the_gather_cannot_patch_is_skipped() -> None:
     wants whole versions (its model is torn); a layout other than the version held's;
     a receiver that does not hold the version the gather gave on last."""
     versions = _versions()
-    schemas = _parts(versions[1], 2)
-    part0 = _delta(schemas[0], _stream(schemas[0], versions[2]), [], version=2, base=1)
+    schemas = fake_parts(versions[1], 2)
+    part0 = _delta(schemas[0], part_stream(schemas[0], versions[2]), [], version=2, base=1)
     fresh = PartGather(2, gap=1.0)
     (skipped,) = _feed(fresh, 0, part0, (7, 1))
     assert isinstance(skipped, Skipped) and skipped.part == 0 and "not whole" in skipped.reason
@@ -677,7 +634,7 @@ def test_a_delta_part_the_gather_cannot_patch_is_skipped() -> None:
     for chunks, at, whole, why in cases:
         (skipped,) = _feed(gather, 0, chunks, at, whole=whole)
         assert isinstance(skipped, Skipped) and why in skipped.reason
-    other = _parts({**versions[1], "a": np.zeros((3, 6), np.float32)}, 2)
+    other = fake_parts({**versions[1], "a": np.zeros((3, 6), np.float32)}, 2)
     (skipped,) = _feed(gather, 0, _delta(other[0], b"\0" * 48, [], 2, 1), (7, 1))
     assert isinstance(skipped, Skipped) and "layout" in skipped.reason
     # A receiver that refused version 1 (it still holds version 0): a delta against 0
@@ -694,7 +651,7 @@ def test_delta_parts_in_place_land_only_once_every_part_is_in() -> None:
     part breaks off is never written, so the model is not torn, and the part is asked
     for again. A part that comes whole lands as it comes."""
     versions = _versions()
-    schemas = _parts(versions[1], 2)
+    schemas = fake_parts(versions[1], 2)
     out = {k: np.zeros_like(t) for k, t in versions[1].items()}
     asked: list[int] = []
 
@@ -727,16 +684,16 @@ def test_delta_parts_in_place_land_only_once_every_part_is_in() -> None:
     held = (7, 3)
     parts = _part_deltas(schemas, versions[3], versions[4])
     assert _feed(gather, 1, _delta(schemas[1], *parts[1], version=4, base=3), held) == []
-    whole0 = _first_chunk(schemas[0], _stream(schemas[0], versions[4]), version=4)
+    whole0 = first_chunk(schemas[0], part_stream(schemas[0], versions[4]), version=4)
     (placed,) = gather.feed(0, whole0, 0.0, held)
     assert isinstance(placed, Placed) and placed.delta and len(asked) == 3
     for key, t in out.items():
         np.testing.assert_array_equal(t, versions[4][key])
     # Version 5 written in place, part 0 in: a delta of version 6 (against 4, the
     # version held) would be patched over a model version 5 half wrote: skipped.
-    whole0 = _first_chunk(schemas[0], _stream(schemas[0], versions[1]), version=5)
+    whole0 = first_chunk(schemas[0], part_stream(schemas[0], versions[1]), version=5)
     assert gather.feed(0, whole0, 0.0, (7, 4)) == [] and len(asked) == 3  # not laid out
-    whole1 = _stream(schemas[1], versions[1])
+    whole1 = part_stream(schemas[1], versions[1])
     layout1 = layout_digest(encode_schema(schemas[1]))
     head = Chunk("p", 5, 7, 0, 2, 0, len(whole1), layout1, whole1[:8], schemas[1])
     assert gather.feed(1, head, 0.0, (7, 4)) == [] and len(asked) == 4  # written in place
@@ -824,17 +781,17 @@ def test_any_mix_of_whole_and_delta_parts_gives_on_exact_versions_only(data: Any
     before their last chunk and asked for again whole (every part, if the model written
     in place was torn): each version is given on once, exact, in a buffer or in place."""
     parts = data.draw(st.integers(2, 3), label="parts")
-    current = _tensors(9)
+    current = fake_tensors(9)
     in_place = data.draw(st.booleans(), label="in place")
     model = {k: np.zeros_like(t) for k, t in current.items()} if in_place else None
-    worker = _Worker(_parts(current, parts), model)
+    worker = _Worker(fake_parts(current, parts), model)
     for version in range(1, 5):
         new = {k: t.copy() for k, t in current.items()}
         for key, t in new.items():
             flat = t.reshape(-1)
             picks = data.draw(st.sets(st.integers(0, flat.size - 1), max_size=3), label=key)
             flat[sorted(picks)] += 1.0
-        streams = [_stream(schema, new) for schema in worker.schemas]
+        streams = [part_stream(schema, new) for schema in worker.schemas]
         worker.given_on = []
         for p in data.draw(st.permutations(range(parts)), label="order"):
             how = data.draw(
@@ -843,7 +800,7 @@ def test_any_mix_of_whole_and_delta_parts_gives_on_exact_versions_only(data: Any
             worker.send(p, how, data.draw(st.booleans(), label="broken"), version, streams)
         (done,) = worker.given_on
         assert done.chunk.version == version and not worker.torn
-        got = _gathered(done.chunk) if model is None else model
+        got = gathered_arrays(done.chunk) if model is None else model
         for key, t in got.items():
             np.testing.assert_array_equal(t, new[key])
         worker.held, worker.held_streams, current = (7, version), streams, new
@@ -861,7 +818,7 @@ def test_share_params_stays_refused_and_says_why() -> None:
                 model=_learner(),
                 strategy="state_dict",
                 share_params=True,
-                part=_RowsPart(0, 2),  # type: ignore[arg-type]
+                part=RowsPart(0, 2),  # type: ignore[arg-type]
                 ranks=["memory://sd-share", "memory://sd-share-1"],
             )
     finally:
@@ -881,45 +838,28 @@ def test_fsdp2_learner_with_delta_and_a_wire_dtype(tmp_path: Any, mode: str) -> 
     delta reaches both workers)."""
     from _sharded import run_delta_rank, run_wide_worker
     from conftest import free_port
-    from test_sharded import _answer, _ask
 
-    port = free_port()
-    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
-    procs: list[Any] = []
-    learners: list[Any] = []
-    workers: list[Any] = []
-
-    def spawn(target: Any, *args: Any) -> Any:
-        parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=target, args=(*args[:-1], child, *args[-1]), daemon=True)
-        proc.start()
-        child.close()
-        procs.append(proc)
-        return parent
-
-    try:
-        for r in range(2):
-            learners.append(spawn(run_delta_rank, r, 2, port, endpoints[r], (mode, "bfloat16")))
-        assert len({_answer(c, "ready")[1] for c in learners}) == 1
-        for w, apply_mode in enumerate(["auto", "in_place"]):
-            workers.append(spawn(run_wide_worker, endpoints[0], w, (mode, apply_mode)))
-        for c in learners:
-            c.send("connect")
-        answers = [_answer(c, "connect") for c in learners]
+    endpoints = ipc_endpoints(tmp_path, 2)
+    with Processes() as procs:
+        learners = procs.ranks(run_delta_rank, free_port(), endpoints, (mode, "bfloat16"))
+        assert len({a[1] for a in answers(learners, "ready")}) == 1
+        workers = [
+            procs.start(run_wide_worker, endpoints[0], w, after=(mode, apply_mode))
+            for w, apply_mode in enumerate(["auto", "in_place"])
+        ]
+        replies = collective(learners, "connect")
         for c in workers:
-            assert _answer(c, "ready") == "ready"
-            assert _ask(c, "state")[:2] == (0, answers[0][2])
-        sent = [a[3] for a in answers]
+            assert answer(c, "ready") == "ready"
+            assert ask(c, "state")[:2] == (0, replies[0][2])
+        sent = [a[3] for a in replies]
         # Version 1: every value changes (whole parts); then one row of rank 1's shard,
         # then one of rank 0's.
         for version, who in [(1, -1), (2, 1), (3, 0)]:
-            for c in learners:
-                c.send(("send", who))
-            answers = [_answer(c, "send") for c in learners]
-            assert {a[1] for a in answers} == {version}
-            assert answers[0][2] == answers[1][2]  # the gathered model, on every rank
-            moved = [a[3] - s for a, s in zip(answers, sent, strict=True)]
-            sent = [a[3] for a in answers]
+            replies = collective(learners, ("send", who))
+            assert {a[1] for a in replies} == {version}
+            assert replies[0][2] == replies[1][2]  # the gathered model, on every rank
+            moved = [a[3] - s for a, s in zip(replies, sent, strict=True)]
+            sent = [a[3] for a in replies]
             if who >= 0:
                 # One row of 1024 bfloat16s: one 64 KiB block (two if it straddles
                 # blocks), to each of the two workers; the other rank sends nothing.
@@ -927,17 +867,6 @@ def test_fsdp2_learner_with_delta_and_a_wire_dtype(tmp_path: Any, mode: str) -> 
             else:
                 assert all(m > 2 * 2 * CHUNK for m in moved), moved  # its part, whole
             for c in workers:
-                state = _ask(c, "state")
-                assert state[:2] == (version, answers[0][2])
+                state = ask(c, "state")
+                assert state[:2] == (version, replies[0][2])
                 assert state[2] == version - 1 and state[3] == "bfloat16"
-    finally:
-        for c in [*workers, *learners]:
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        for proc in procs:
-            proc.join(10)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")

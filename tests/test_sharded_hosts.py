@@ -6,9 +6,7 @@ another host, shows a row per rank."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -17,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _faults import until
+from _sharded_fixtures import Processes, answer, ask
 from netns import Topology, why_unavailable
 
 from zmqsync.security import CurveClient, CurveServer, create_curve_keypair
@@ -27,55 +25,19 @@ pytestmark = [pytest.mark.slow]
 if (reason := why_unavailable()) is not None:
     pytest.fail(reason, pytrace=False)  # CI has both: missing them is an error, not a skip
 
-SPAWN = mp.get_context("spawn")
 PORT = 5555
 GLOO_PORT = 29511
 _SCRIPT = Path(sys.executable).with_name("zmqsync")
 ZMQSYNC = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "zmqsync_cli"]
 
 
-def _answer(conn: Any, what: str, timeout: float = 120.0) -> Any:
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no answer to {what!r} in {timeout}s")
-    reply = conn.recv()
-    if isinstance(reply, tuple) and reply and reply[0] == "error":
-        raise AssertionError(f"a host process failed: {reply[1]}")
-    return reply
+def _answer(conn: Any, what: str) -> Any:
+    """A host process's reply (hosts are slower to start: a longer wait)."""
+    return answer(conn, what, 120.0, who="a host process")
 
 
-def _ask(conn: Any, command: str, timeout: float = 120.0) -> Any:
-    conn.send(command)
-    return _answer(conn, command, timeout)
-
-
-class _Hosts:
-    """The spawned processes of one test, each on its host, and their control pipes."""
-
-    def __init__(self) -> None:
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
-
-    def start(self, target: Any, *args: Any) -> Any:
-        parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=target, args=(*args, child), daemon=True)
-        proc.start()
-        child.close()
-        self.procs.append(proc)
-        self.conns.append(parent)
-        return parent
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.pid is not None and proc.is_alive():
-                os.kill(proc.pid, signal.SIGCONT)  # a stopped one too hears "stop"
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send("stop")
-        for proc in self.procs:
-            proc.join(15)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+def _ask(conn: Any, command: str) -> Any:
+    return ask(conn, command, 120.0, who="a host process")
 
 
 def _keys(folder: Path) -> dict[str, Any]:
@@ -112,92 +74,88 @@ def test_ranks_and_workers_on_hosts_of_their_own_over_tcp_with_curve(tmp_path: P
 
     mode = "pubsub"  # CURVE on both of each rank's bound sockets (PUB and ROUTER)
     keys = _keys(tmp_path)
-    hosts = _Hosts()
-    with Topology(["r0", "r1", "w0", "w1", "w2", "ops"]) as topo:
-        try:
-            endpoints = [f"tcp://{topo.address(f'r{r}')}:{PORT}" for r in range(2)]
-            ranks = []
-            for r in range(2):
-                options = {
-                    "endpoint": endpoints[r],
-                    "mode": mode,
-                    "curve_server": keys["server"],
-                    "timeout": 60,
-                    "connect_timeout": 120,
-                }
-                ranks.append(
-                    hosts.start(
-                        run_host_rank,
-                        topo.namespace(f"r{r}"),
-                        topo.address("r0"),
-                        r,
-                        2,
-                        GLOO_PORT,
-                        options,
-                    )
+    topology = Topology(["r0", "r1", "w0", "w1", "w2", "ops"])
+    with topology as topo, Processes(join=15.0, exited=20.0) as hosts:
+        endpoints = [f"tcp://{topo.address(f'r{r}')}:{PORT}" for r in range(2)]
+        ranks = []
+        for r in range(2):
+            options = {
+                "endpoint": endpoints[r],
+                "mode": mode,
+                "curve_server": keys["server"],
+                "timeout": 60,
+                "connect_timeout": 120,
+            }
+            ranks.append(
+                hosts.start(
+                    run_host_rank,
+                    topo.namespace(f"r{r}"),
+                    topo.address("r0"),
+                    r,
+                    2,
+                    GLOO_PORT,
+                    options,
                 )
-            epochs = {_answer(c, "ready")[1] for c in ranks}
-            assert len(epochs) == 1  # one learner: rank 0's epoch, agreed over gloo
-            workers = []
-            for w in range(3):
-                client = keys["client"] if w < 2 else keys["stranger"]
-                options = {"mode": mode, "curve_client": client, "connect_timeout": 60}
-                if w == 2:
-                    options["connect_timeout"] = 10  # it will not get in
-                workers.append(
-                    hosts.start(run_host_worker, topo.namespace(f"w{w}"), endpoints[0], w, options)
-                )
+            )
+        epochs = {_answer(c, "ready")[1] for c in ranks}
+        assert len(epochs) == 1  # one learner: rank 0's epoch, agreed over gloo
+        workers = []
+        for w in range(3):
+            client = keys["client"] if w < 2 else keys["stranger"]
+            options = {"mode": mode, "curve_client": client, "connect_timeout": 60}
+            if w == 2:
+                options["connect_timeout"] = 10  # it will not get in
+            workers.append(
+                hosts.start(run_host_worker, topo.namespace(f"w{w}"), endpoints[0], w, options)
+            )
+        for c in ranks:
+            c.send("connect")  # the rendez-vous: workers 0 and 1 join
+        answers = [_answer(c, "connect") for c in ranks]
+        expected = answers[0][2]
+        assert all(a[2] == expected for a in answers)  # the gathered model, on each rank
+        assert _answer(workers[0], "ready")[0] == "ready"
+        assert _answer(workers[1], "ready")[0] == "ready"
+        for c in workers[:2]:
+            assert _ask(c, "state")[:2] == (0, expected)
+        for version in (1, 2, 3):
             for c in ranks:
-                c.send("connect")  # the rendez-vous: workers 0 and 1 join
-            answers = [_answer(c, "connect") for c in ranks]
+                c.send("send")  # collective: each rank sends its own part
+            answers = [_answer(c, "send") for c in ranks]
+            assert {a[1] for a in answers} == {version}
             expected = answers[0][2]
-            assert all(a[2] == expected for a in answers)  # the gathered model, on each rank
-            assert _answer(workers[0], "ready")[0] == "ready"
-            assert _answer(workers[1], "ready")[0] == "ready"
             for c in workers[:2]:
-                assert _ask(c, "state")[:2] == (0, expected)
-            for version in (1, 2, 3):
-                for c in ranks:
-                    c.send("send")  # collective: each rank sends its own part
-                answers = [_answer(c, "send") for c in ranks]
-                assert {a[1] for a in answers} == {version}
-                expected = answers[0][2]
-                for c in workers[:2]:
-                    state = _ask(c, "state")
-                    assert state[:2] == (version, expected) and state[2] > 0
-            # The stranger: refused at the handshake, it holds its own weights only.
-            refused = _answer(workers[2], "ready")
-            assert refused[0] == "refused", refused
-            assert _ask(workers[2], "state") == (0, refused[2], 0)
-            assert refused[2] != expected
-            # Each rank's own status: its rank, every rank's endpoint, both workers.
-            for r, c in enumerate(ranks):
-                own = _ask(c, "status")[1]
-                assert own["rank"] == r and own["ranks"] == endpoints
-                assert own["workers_live"] == 2 and own["version"] == 3
-            files = keys["files"]
+                state = _ask(c, "state")
+                assert state[:2] == (version, expected) and state[2] > 0
+        # The stranger: refused at the handshake, it holds its own weights only.
+        refused = _answer(workers[2], "ready")
+        assert refused[0] == "refused", refused
+        assert _ask(workers[2], "state") == (0, refused[2], 0)
+        assert refused[2] != expected
+        # Each rank's own status: its rank, every rank's endpoint, both workers.
+        for r, c in enumerate(ranks):
+            own = _ask(c, "status")[1]
+            assert own["rank"] == r and own["ranks"] == endpoints
+            assert own["workers_live"] == 2 and own["version"] == 3
+        files = keys["files"]
+        done = _status(topo, "ops", endpoints[0], files["ops"][1], files["learner"][0])
+        assert done.returncode == 0, done.stdout + done.stderr
+        doc = json.loads(done.stdout)
+        rows = doc["rank_rows"]
+        assert [(r["rank"], r["endpoint"], r["answered"], r["version"]) for r in rows] == [
+            (0, endpoints[0], True, 3),
+            (1, endpoints[1], True, 3),
+        ]
+        assert all(r["bytes_sent"] > 0 for r in rows) and doc["rank_problems"] == {}
+        # Rank 1 stopped: its row says it does not answer, and the command returns.
+        os.kill(hosts.procs[1].pid, signal.SIGSTOP)
+        try:
             done = _status(topo, "ops", endpoints[0], files["ops"][1], files["learner"][0])
-            assert done.returncode == 0, done.stdout + done.stderr
-            doc = json.loads(done.stdout)
-            rows = doc["rank_rows"]
-            assert [(r["rank"], r["endpoint"], r["answered"], r["version"]) for r in rows] == [
-                (0, endpoints[0], True, 3),
-                (1, endpoints[1], True, 3),
-            ]
-            assert all(r["bytes_sent"] > 0 for r in rows) and doc["rank_problems"] == {}
-            # Rank 1 stopped: its row says it does not answer, and the command returns.
-            os.kill(hosts.procs[1].pid, signal.SIGSTOP)
-            try:
-                done = _status(topo, "ops", endpoints[0], files["ops"][1], files["learner"][0])
-            finally:
-                os.kill(hosts.procs[1].pid, signal.SIGCONT)
-            assert done.returncode == 1, done.stdout + done.stderr
-            rows = json.loads(done.stdout)["rank_rows"]
-            assert [r["answered"] for r in rows] == [True, False]
-            assert "rank 1 is not answering" in rows[1]["problem"]
-            # A stranger's key: no sender answers it.
-            done = _status(topo, "ops", endpoints[0], files["stranger"][1], files["learner"][0])
-            assert done.returncode == 2 and "no zmqsync sender answered" in done.stderr
         finally:
-            hosts.close()
-    until(lambda: not any(p.is_alive() for p in hosts.procs), 20, "every host process exited")
+            os.kill(hosts.procs[1].pid, signal.SIGCONT)
+        assert done.returncode == 1, done.stdout + done.stderr
+        rows = json.loads(done.stdout)["rank_rows"]
+        assert [r["answered"] for r in rows] == [True, False]
+        assert "rank 1 is not answering" in rows[1]["problem"]
+        # A stranger's key: no sender answers it.
+        done = _status(topo, "ops", endpoints[0], files["stranger"][1], files["learner"][0])
+        assert done.returncode == 2 and "no zmqsync sender answered" in done.stderr

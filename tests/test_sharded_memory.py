@@ -7,18 +7,13 @@ memory from just before ``init_on_sender`` through ``connect()`` and a few sends
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
-import os
-import signal
 from typing import Any
 
 import pytest
-from _faults import until
+from _sharded_fixtures import Processes, ask, ipc_endpoints
 
 from zmqsync.sender.transfers import RING_SLOTS
 
-SPAWN = mp.get_context("spawn")
 MIB = 1 << 20
 
 #: Ranks, and 16 MiB layers: a 128 MiB model, 64 MiB per rank (uneven shards), large
@@ -52,46 +47,17 @@ def _ranks_and_worker(tmp_path: Any, retain: bool) -> list[tuple[Any, ...]]:
     from _sharded_memory import run_memory_rank, run_memory_worker
     from conftest import free_port
 
-    port = free_port()
-    procs: list[Any] = []
-    conns: list[Any] = []
-
-    def spawn(target: Any, *args: Any) -> Any:
-        parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=target, args=(*args[:-1], child, *args[-1]), daemon=True)
-        proc.start()
-        child.close()
-        procs.append(proc)
-        conns.append(parent)
-        return parent
-
-    try:
-        ranks = [
-            spawn(
-                run_memory_rank,
-                r, WORLD, port, f"ipc://{tmp_path}/rank{r}",
-                (LAYERS, retain, CHUNK_BYTES, VERSIONS),
-            )
-            for r in range(WORLD)
-        ]  # fmt: skip
+    endpoints = ipc_endpoints(tmp_path, WORLD)
+    with Processes(join=20.0) as procs:
+        after = (LAYERS, retain, CHUNK_BYTES, VERSIONS)
+        ranks = procs.ranks(run_memory_rank, free_port(), endpoints, after)
         endpoint = _answer(ranks[0], "bound")[1]
         _answer(ranks[1], "bound")
-        worker = spawn(run_memory_worker, endpoint, LAYERS, ())
+        worker = procs.start(run_memory_worker, endpoint, LAYERS)
         done = [_answer(c, "done") for c in ranks]
-        worker.send("state")
-        version, digest = worker.recv()
+        version, digest = ask(worker, "state", 180.0)
         assert (version, digest) == (VERSIONS, done[0][4])
         return done
-    finally:
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        for proc in procs:
-            proc.join(20)
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(5)
-        until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
 
 
 @pytest.mark.timeout(300)

@@ -2,7 +2,7 @@
 each version's parts, and serves its own workers whole versions; its acks, refusals and
 the workers it speaks for go to every rank.
 
-In-process ranks (``_RowsPart`` over memory hubs) for the protocol's cases, and an FSDP2
+In-process ranks (``RowsPart`` over memory hubs) for the protocol's cases, and an FSDP2
 learner of two ranks over gloo with a relay and its workers in processes of their own.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -21,13 +20,22 @@ from typing import Any
 import pytest
 import torch
 from _faults import until
-from test_sharded import _RowsPart
+from _sharded_fixtures import (
+    Processes,
+    answer,
+    answers,
+    ask,
+    below_of,
+    collective,
+    ipc_endpoints,
+    rank_senders,
+    sends,
+)
 
 from zmqsync import Relay, SyncTimeout, WeightReceiver, WeightSender, WeightsRejected, checksum
 from zmqsync.chunking.layout import STREAM_ALIGN
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 
-SPAWN = mp.get_context("spawn")
 #: The relay's own chunks: small, so that each gathered version goes on in several.
 RELAY_CHUNK = 1 << 16
 BEAT = 0.2
@@ -49,7 +57,7 @@ def _bump(learner: dict[str, torch.Tensor]) -> None:
 
 
 def _part_bytes(learner: dict[str, torch.Tensor], part: int, parts: int) -> int:
-    """The bytes of ``part``'s own boxes (as ``_RowsPart`` cuts them), unaligned."""
+    """The bytes of ``part``'s own boxes (as ``RowsPart`` cuts them), unaligned."""
     total = 0
     for t in learner.values():
         if t.dim() < 2:
@@ -59,35 +67,6 @@ def _part_bytes(learner: dict[str, torch.Tensor], part: int, parts: int) -> int:
         rows = (part + 1) * n // parts - part * n // parts
         total += rows * math.prod(t.shape[1:]) * t.element_size()
     return total
-
-
-def _sends(senders: list[WeightSender], worker_ids: Any = None) -> list[BaseException | None]:
-    """Every rank's send of one step, at once (a collective call): what each raised."""
-    errors: list[BaseException | None] = [None] * len(senders)
-
-    def send(i: int) -> None:
-        try:
-            senders[i].send(worker_ids=worker_ids)
-        except BaseException as exc:
-            errors[i] = exc
-
-    threads = [
-        threading.Thread(target=send, args=(i,), name=f"rank-{i}") for i in range(len(senders))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank's send() did not return"
-    return errors
-
-
-def _below_of(sender: WeightSender, relay: int) -> set[int]:
-    """The workers whose claim by ``relay`` stands, as ``sender``'s status shows them."""
-    for row in sender.status()["workers"]:
-        if row["worker"] == relay:
-            return {int(w) for w in row.get("below") or {}}
-    return set()
 
 
 def _bytes_sent(sender: WeightSender) -> int:
@@ -106,19 +85,7 @@ def _sharded(
     senders: list[WeightSender] = []
     relay = None
     try:
-        for r in range(ranks):
-            senders.append(
-                WeightSender(
-                    MemoryHub(names[r]),
-                    model=learner,
-                    strategy="state_dict",
-                    timeout=20,
-                    epoch=77,
-                    heartbeat=BEAT,
-                    part=_RowsPart(r, ranks),  # type: ignore[arg-type]
-                    ranks=names,
-                )
-            )
+        senders.extend(rank_senders(names, learner, timeout=20, epoch=77, heartbeat=BEAT))
         below = f"memory://{name}-relay"
         relay = Relay(
             MemorySpoke(names[0]),
@@ -175,12 +142,12 @@ def test_a_relay_gathers_every_ranks_part_and_serves_whole_versions(retain: bool
             leaves.append(_leaf(below, 0, models[0], apply_mode="staged"))
             leaves.append(_leaf(below, 1, models[1], apply_mode="in_place"))
             for s in senders:
-                until(lambda s=s: _below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
+                until(lambda s=s: below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
             for version in (1, 2, 3):
                 _bump(learner)
                 before = [_bytes_sent(s) for s in senders]
                 forwarded = relay.stats["chunks_forwarded"]
-                assert _sends(senders) == [None] * ranks
+                assert sends(senders) == [None] * ranks
                 # Returned on every rank: both workers hold the whole version.
                 assert [leaf.version for leaf in leaves] == [version] * 2
                 assert [checksum(m, "state_dict") for m in models[:2]] == (
@@ -205,7 +172,7 @@ def test_a_relay_gathers_every_ranks_part_and_serves_whole_versions(retain: bool
                 assert relay.stats["refetches"] >= 1
                 assert all(a > b for a, b in zip(after, before, strict=True))
             for s in senders:
-                until(lambda s=s: _below_of(s, 9) == {0, 1, 2}, 20, "the late joiner claimed")
+                until(lambda s=s: below_of(s, 9) == {0, 1, 2}, 20, "the late joiner claimed")
         finally:
             for leaf in leaves:
                 leaf.close()
@@ -228,10 +195,10 @@ def test_a_refusal_below_the_relay_goes_up_to_every_rank() -> None:
         leaf = _leaf(below, 4, sink=sink)
         try:
             for s in senders:
-                until(lambda s=s: _below_of(s, 9) == {4}, 20, "the relay claimed worker 4")
+                until(lambda s=s: below_of(s, 9) == {4}, 20, "the relay claimed worker 4")
             fail.set()
             _bump(learner)
-            errors = _sends(senders)
+            errors = sends(senders)
             for r, exc in enumerate(errors):
                 assert isinstance(exc, WeightsRejected), (r, exc)
                 message = str(exc)
@@ -239,7 +206,7 @@ def test_a_refusal_below_the_relay_goes_up_to_every_rank() -> None:
                 assert "engine out of KV" in message, (r, message)
             fail.clear()
             _bump(learner)
-            assert _sends(senders) == [None, None]
+            assert sends(senders) == [None, None]
             assert checksum(got, "state_dict") == checksum(learner, "state_dict")
         finally:
             leaf.close()
@@ -256,14 +223,14 @@ def test_a_worker_behind_the_relay_that_stops_is_named_by_every_ranks_timeout() 
         leaves = [_leaf(below, i, models[i]) for i in range(2)]
         try:
             for s in senders:
-                until(lambda s=s: _below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
+                until(lambda s=s: below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
             _bump(learner)
-            assert _sends(senders) == [None, None]
+            assert sends(senders) == [None, None]
             leaves[1].stop()
             for s in senders:
                 s.timeout = 3.0
             _bump(learner)
-            errors = _sends(senders)
+            errors = sends(senders)
             for r, exc in enumerate(errors):
                 assert isinstance(exc, SyncTimeout), (r, exc)
                 assert list(exc.missing_workers) == [9], (r, exc.missing_workers)
@@ -276,7 +243,7 @@ def test_a_worker_behind_the_relay_that_stops_is_named_by_every_ranks_timeout() 
                 s.timeout = 20.0
             leaves[1].start()
             _bump(learner)
-            assert _sends(senders) == [None, None]
+            assert sends(senders) == [None, None]
             assert [checksum(m, "state_dict") for m in models] == (
                 [checksum(learner, "state_dict")] * 2
             )
@@ -310,96 +277,67 @@ def _fsdp2_behind_a_relay(
     from _sharded import run_plain_worker, run_rank
     from conftest import free_port
     from test_cli_processes import Cli
-    from test_sharded import _answer, _ask
 
     port = free_port()
-    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
-    procs: list[Any] = []
+    endpoints = ipc_endpoints(tmp_path, 2)
     job = _Job([], [], [], None)
-    try:
-        for r in range(2):
-            parent, child = SPAWN.Pipe()
+    with Processes() as procs:
+        try:
             # Each rank's connect() waits for the relay; its sends, for the workers
             # behind it too (the relay acks once they hold the version).
-            args = (r, 2, port, endpoints[r], child, "pubsub", True, 120.0, rank_timeout, 1)
-            proc = SPAWN.Process(target=run_rank, args=args, daemon=True)
-            proc.start()
-            child.close()
-            procs.append(proc)
-            job.learners.append(parent)
-        for c in job.learners:
-            _answer(c, "ready")
-        job.relay = Cli(
-            [
-                "relay",
-                endpoints[0],
-                "--endpoint",
-                f"ipc://{tmp_path}/relay",
-                "--relay-idx",
-                "0",
-                "--strategy",
-                "state_dict",
-                "--timeout",
-                "120",
-                *relay_args,
-            ],
-            cwd=tmp_path,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160"),
-        )
-        below = job.relay.expect(r"zmqsync relay: listening on (ipc://\S+) .* as worker 0", 150)
-        for w in leaves:
-            parent, child = SPAWN.Pipe()
-            mode = "in_place" if w == leaves[-1] else "auto"
-            args = (below[1], w, child, "pubsub", mode)
-            proc = SPAWN.Process(target=run_plain_worker, args=args, daemon=True)
-            proc.start()
-            child.close()
-            procs.append(proc)
-            job.worker_procs.append(proc)
-            job.workers.append(parent)
-        for c in job.learners:
-            c.send("connect")  # the rendez-vous: worker 0, the relay
-        answers = [_answer(c, "connect") for c in job.learners]
-        for c in job.workers:
-            assert _answer(c, "ready") == "ready"
-        expected = answers[0][2]
-        assert answers[1][2] == expected
-        for c in job.workers:
-            assert _ask(c, "state") == (0, expected)
-        yield job
-    finally:
-        for proc in job.worker_procs:
-            with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGCONT)
-        for c in [*job.workers, *job.learners]:
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        if job.relay is not None:
-            job.relay.stop()
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+            after = ("pubsub", True, 120.0, rank_timeout, 1)
+            job.learners = procs.ranks(run_rank, port, endpoints, after)
+            answers(job.learners, "ready")
+            job.relay = Cli(
+                [
+                    "relay",
+                    endpoints[0],
+                    "--endpoint",
+                    f"ipc://{tmp_path}/relay",
+                    "--relay-idx",
+                    "0",
+                    "--strategy",
+                    "state_dict",
+                    "--timeout",
+                    "120",
+                    *relay_args,
+                ],
+                cwd=tmp_path,
+                env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="160"),
+            )
+            below = job.relay.expect(r"zmqsync relay: listening on (ipc://\S+) .* as worker 0", 150)
+            for w in leaves:
+                mode = "in_place" if w == leaves[-1] else "auto"
+                job.workers.append(
+                    procs.start(run_plain_worker, below[1], w, after=("pubsub", mode))
+                )
+                job.worker_procs.append(procs.procs[-1])
+            # The rendez-vous: worker 0, the relay.
+            replies = collective(job.learners, "connect")
+            for c in job.workers:
+                assert answer(c, "ready") == "ready"
+            expected = replies[0][2]
+            assert replies[1][2] == expected
+            for c in job.workers:
+                assert ask(c, "state") == (0, expected)
+            yield job
+        finally:
+            if job.relay is not None:
+                job.relay.stop()
 
 
 @pytest.mark.timeout(300)
 def test_an_fsdp2_learner_of_two_ranks_through_a_relay_process(tmp_path: Any) -> None:
     """Each version's ``send()``, on both ranks, returns once both workers behind the
     relay hold the whole version: the gathered model's checksum."""
-    from test_sharded import _answer, _ask
-
     with _fsdp2_behind_a_relay(tmp_path, (1, 2), 30.0) as job:
         for version in (1, 2, 3):
-            for c in job.learners:
-                c.send("send")
-            answers = [_answer(c, "send") for c in job.learners]
-            assert {a[1] for a in answers} == {version}
-            expected = answers[0][2]
-            assert answers[1][2] == expected
+            replies = collective(job.learners, "send")
+            assert {a[1] for a in replies} == {version}
+            expected = replies[0][2]
+            assert replies[1][2] == expected
             for c in job.workers:
-                assert _ask(c, "state") == (version, expected)
+                assert ask(c, "state") == (version, expected)
         job.relay.expect(r"^version 3: forwarded to 2 worker", 30)
 
 
@@ -410,34 +348,23 @@ def test_a_stopped_worker_behind_the_relay_process_is_named_by_both_ranks(
     """The relay waits for its workers 0 and 1 (``--workers 2``); worker 1's process is
     SIGSTOPped: both ranks' ``send()`` raise SyncTimeout naming the relay and worker 1
     behind it; worker 0 holds the version. SIGCONT: the next version reaches both."""
-    from test_sharded import _answer, _ask
-
     timeout = 4.0
     with _fsdp2_behind_a_relay(tmp_path, (0, 1), timeout, ("--workers", "2")) as job:
-        for c in job.learners:
-            c.send("bump")
-        known = {a[1]: a[2] for a in [_answer(c, "bump") for c in job.learners]}
+        known = {a[1]: a[2] for a in collective(job.learners, "bump")}
         os.kill(job.worker_procs[1].pid, signal.SIGSTOP)
-        for c in job.learners:
-            c.send("push")
-        for r, c in enumerate(job.learners):
-            reply = _answer(c, "push")
+        for r, reply in enumerate(collective(job.learners, "push")):
             assert reply[:2] == ("timeout", 1), (r, reply)
             missing_workers, missing_ranks, message = reply[2], reply[3], reply[4]
             assert list(missing_workers) == [0] and not missing_ranks, (r, reply)
             assert "a relay for 2 worker(s)" in message, (r, message)
             assert "worker 1 holds 0" in message, (r, message)
-        assert _ask(job.workers[0], "state") == (1, known[1])
+        assert ask(job.workers[0], "state") == (1, known[1])
         os.kill(job.worker_procs[1].pid, signal.SIGCONT)
-        for c in job.learners:
-            c.send("bump")
-        known.update({a[1]: a[2] for a in [_answer(c, "bump") for c in job.learners]})
-        for c in job.learners:
-            c.send("push")
-        for c in job.learners:
-            assert _answer(c, "push", timeout=120)[:2] == ("push", 2)
+        known.update({a[1]: a[2] for a in collective(job.learners, "bump")})
+        pushed = collective(job.learners, "push", timeout=120)
+        assert [a[:2] for a in pushed] == [("push", 2)] * len(job.learners)
         for c in job.workers:
-            assert _ask(c, "state") == (2, known[2])
+            assert ask(c, "state") == (2, known[2])
 
 
 @pytest.mark.timeout(120)
@@ -456,19 +383,7 @@ def test_two_relays_a_dead_one_and_its_restart_each_get_every_ranks_part_once() 
     slack = len(learner) * STREAM_ALIGN
     models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(3)]
     names = [f"memory://two-relays-rank{r}" for r in range(ranks)]
-    senders = [
-        WeightSender(
-            MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            timeout=20,
-            epoch=78,
-            heartbeat=BEAT,
-            part=_RowsPart(r, ranks),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(ranks)
-    ]
+    senders = rank_senders(names, learner, timeout=20, epoch=78, heartbeat=BEAT)
     relays: dict[str, Relay] = {}
     leaves: list[WeightReceiver] = []
 
@@ -491,7 +406,7 @@ def test_two_relays_a_dead_one_and_its_restart_each_get_every_ranks_part_once() 
         """One version, each rank sending its part ``times`` times (once per relay)."""
         _bump(learner)
         before = [_bytes_sent(s) for s in senders]
-        assert _sends(senders) == [None] * ranks
+        assert sends(senders) == [None] * ranks
         for r, s in enumerate(senders):
             sent = _bytes_sent(s) - before[r]
             assert times * parts[r] <= sent <= times * (parts[r] + slack), (r, sent, times)
@@ -503,11 +418,11 @@ def test_two_relays_a_dead_one_and_its_restart_each_get_every_ranks_part_once() 
         leaves.append(_leaf("memory://relay-a", 0, models[0], failover=back))
         leaves.append(_leaf("memory://relay-b", 1, models[1]))
         for s in senders:
-            until(lambda s=s: _below_of(s, 8) == {0} and _below_of(s, 9) == {1}, 20, "claims")
+            until(lambda s=s: below_of(s, 8) == {0} and below_of(s, 9) == {1}, 20, "claims")
         step(2)
         relays.pop("memory://relay-a").close()  # goodbye to every rank
         for s in senders:
-            until(lambda s=s: _below_of(s, 9) == {0, 1}, 30, "worker 0 followed to relay 9")
+            until(lambda s=s: below_of(s, 9) == {0, 1}, 30, "worker 0 followed to relay 9")
         step(1)
         assert [leaf.stats["failovers"] for leaf in leaves] == [1, 0]
         before = [_bytes_sent(s) for s in senders]
@@ -544,19 +459,9 @@ def test_with_curve_every_rank_takes_the_claims_of_relay_keys_only() -> None:
     learner = _learner()
     hubs = [PubSubHub("tcp://127.0.0.1:*", curve=curve) for _ in range(2)]
     endpoints = [h.endpoint for h in hubs]
-    senders = [
-        WeightSender(
-            hubs[r],
-            model=learner,
-            strategy="state_dict",
-            timeout=20,
-            epoch=79,
-            heartbeat=BEAT,
-            part=_RowsPart(r, 2),  # type: ignore[arg-type]
-            ranks=endpoints,
-        )
-        for r in range(2)
-    ]
+    senders = rank_senders(
+        endpoints, learner, hubs=dict(enumerate(hubs)), timeout=20, epoch=79, heartbeat=BEAT
+    )
     relays: list[Relay] = []
     leaves: list[WeightReceiver] = []
     models = {w: {k: torch.zeros_like(t) for k, t in learner.items()} for w in (5, 6)}
@@ -586,22 +491,22 @@ def test_with_curve_every_rank_takes_the_claims_of_relay_keys_only() -> None:
             leaf.connect()
             leaf.start()
         for s in senders:
-            until(lambda s=s: _below_of(s, 1) == {5}, 20, "relay 1 claimed worker 5")
+            until(lambda s=s: below_of(s, 1) == {5}, 20, "relay 1 claimed worker 5")
             until(
                 lambda s=s: s.status()["totals"]["refused_claims"] >= 3,
                 20,
                 "the other client's claims were refused, heartbeat after heartbeat",
             )
-            assert _below_of(s, 2) == set()
+            assert below_of(s, 2) == set()
         _bump(learner)
-        assert _sends(senders) == [None, None]  # every version reaches both, through both
+        assert sends(senders) == [None, None]  # every version reaches both, through both
         assert [checksum(m, "state_dict") for m in models.values()] == (
             [checksum(learner, "state_dict")] * 2
         )
         for s in senders:
             s.timeout = 3.0
         _bump(learner)
-        for r, exc in enumerate(_sends(senders, worker_ids=[6])):
+        for r, exc in enumerate(sends(senders, worker_ids=[6])):
             assert isinstance(exc, SyncTimeout), (r, exc)
             assert list(exc.missing_workers) == [6], (r, exc.missing_workers)
     finally:
@@ -624,14 +529,14 @@ def test_a_targeted_send_through_the_relay_reaches_only_the_workers_named() -> N
         leaves = [_leaf(below, i, models[i]) for i in range(2)]
         try:
             for s in senders:
-                until(lambda s=s: _below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
+                until(lambda s=s: below_of(s, 9) == {0, 1}, 20, "the relay claimed 0 and 1")
             _bump(learner)
-            assert _sends(senders, worker_ids=[0]) == [None, None]
+            assert sends(senders, worker_ids=[0]) == [None, None]
             assert [leaf.version for leaf in leaves] == [1, 0]
             assert checksum(models[0], "state_dict") == checksum(learner, "state_dict")
             assert checksum(models[1], "state_dict") != checksum(learner, "state_dict")
             _bump(learner)
-            assert _sends(senders) == [None, None]
+            assert sends(senders) == [None, None]
             assert [leaf.version for leaf in leaves] == [2, 2]
             assert [checksum(m, "state_dict") for m in models] == (
                 [checksum(learner, "state_dict")] * 2
@@ -650,19 +555,7 @@ def test_a_restarted_sharded_learner_is_followed_through_the_relay() -> None:
     names = [f"memory://restarted-rank{r}" for r in range(2)]
 
     def job(epoch: int) -> list[WeightSender]:
-        return [
-            WeightSender(
-                MemoryHub(names[r]),
-                model=learner,
-                strategy="state_dict",
-                timeout=20,
-                epoch=epoch,
-                heartbeat=BEAT,
-                part=_RowsPart(r, 2),  # type: ignore[arg-type]
-                ranks=names,
-            )
-            for r in range(2)
-        ]
+        return rank_senders(names, learner, timeout=20, epoch=epoch, heartbeat=BEAT)
 
     senders = job(101)
     models = [{k: torch.zeros_like(t) for k, t in learner.items()} for _ in range(2)]
@@ -682,7 +575,7 @@ def test_a_restarted_sharded_learner_is_followed_through_the_relay() -> None:
         leaves.extend(_leaf("memory://restarted-relay", w, models[w]) for w in range(2))
         for _ in range(2):
             _bump(learner)
-            assert _sends(senders) == [None, None]
+            assert sends(senders) == [None, None]
         for s in senders:
             s.close()
         _bump(learner)
@@ -693,7 +586,7 @@ def test_a_restarted_sharded_learner_is_followed_through_the_relay() -> None:
             [checksum(learner, "state_dict")] * 2
         )
         _bump(learner)
-        assert _sends(senders) == [None, None]
+        assert sends(senders) == [None, None]
         assert [(leaf.epoch, leaf.version) for leaf in leaves] == [(202, 1)] * 2
         assert [checksum(m, "state_dict") for m in models] == (
             [checksum(learner, "state_dict")] * 2

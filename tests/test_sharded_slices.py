@@ -5,16 +5,26 @@ learner over gloo serving a sliced worker."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import multiprocessing as mp
 import threading
 from typing import Any
 
 import numpy as np
 import pytest
 from _faults import until
+from _sharded_fixtures import (
+    Processes,
+    answer,
+    answers,
+    ask,
+    close_all,
+    collective,
+    ipc_endpoints,
+    rank_senders,
+    send_all,
+    sends,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,9 +47,6 @@ from zmqsync.protocol import (
     peek_kind,
 )
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
-
-SPAWN = mp.get_context("spawn")
-
 
 # --- the declaration on the wire --------------------------------------------------------
 
@@ -206,33 +213,6 @@ def test_a_part_not_cut_for_the_worker_is_refused() -> None:
 # --- ranks and workers, in this process ---------------------------------------------------
 
 
-class _RowsPart:
-    """A fake rank's part, as :class:`~zmqsync.tensors.dtensor.LocalPart` gives it: rows
-    ``[p*n//M, (p+1)*n//M)`` of each 2-D tensor, the 1-D ones whole from part 0."""
-
-    def __init__(self, part: int, parts: int) -> None:
-        self.part, self.parts = part, parts
-        self.boxes: dict[Any, Box] = {}
-        self._source: Any = None
-        self._local: dict[Any, Any] = {}
-
-    def local(self, tensors: Any) -> Any:
-        if tensors is self._source:
-            return self._local
-        local, boxes = {}, {}
-        for key, t in tensors.items():
-            if t.dim() < 2:
-                if self.part == 0:
-                    local[key] = t
-                continue
-            n = t.shape[0]
-            lo, hi = self.part * n // self.parts, (self.part + 1) * n // self.parts
-            local[key] = t[lo:hi]
-            boxes[key] = Box(tuple(t.shape), (lo, 0))
-        self._source, self._local, self.boxes = tensors, local, boxes
-        return local
-
-
 class _CountingSpoke(MemorySpoke):
     """A memory spoke that counts the bytes of weights it receives (the chunks' payloads)."""
 
@@ -285,24 +265,6 @@ def _sliced_model() -> dict[str, Any]:
     }
 
 
-def _send_all(senders: list[Any], worker_ids: Any = None) -> None:
-    """The ranks' collective send of one version, each on a thread of its own."""
-    errors: list[BaseException] = []
-
-    def send(sender: Any) -> None:
-        try:
-            sender.send(worker_ids=worker_ids)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=send, args=(s,)) for s in senders]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("second", ["auto", "staged", "in_place", "sink"])
 def test_sliced_workers_get_their_slices_only_and_a_plain_one_the_whole_model(
@@ -313,7 +275,7 @@ def test_sliced_workers_get_their_slices_only_and_a_plain_one_the_whole_model(
     model. Each sliced worker receives about its slice's bytes, not the model's."""
     import torch
 
-    from zmqsync import WeightReceiver, WeightSender, checksum
+    from zmqsync import WeightReceiver, checksum
 
     torch.manual_seed(0)
     learner = {
@@ -323,19 +285,7 @@ def test_sliced_workers_get_their_slices_only_and_a_plain_one_the_whole_model(
         "norm": torch.randn(32),
     }
     names = [f"memory://slices-{second}-{r}" for r in range(3)]
-    senders = [
-        WeightSender(
-            MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            num_workers=3,
-            timeout=30,
-            epoch=11,
-            part=_RowsPart(r, 3),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(3)
-    ]
+    senders = rank_senders(names, learner, num_workers=3, timeout=30, epoch=11)
     got: dict[str, Any] = {}
 
     def keep(tensors: list[tuple[str, Any]]) -> None:
@@ -386,7 +336,7 @@ def test_sliced_workers_get_their_slices_only_and_a_plain_one_the_whole_model(
             with torch.no_grad():
                 for t in learner.values():
                     t.add_(1.0)
-            _send_all(senders)
+            send_all(senders)
             assert [r.version for r in receivers] == [version] * 3
             for name in learner:
                 assert torch.equal(models[0][name], _slice_of(learner, name, 0)), name
@@ -411,15 +361,12 @@ def test_sliced_workers_get_their_slices_only_and_a_plain_one_the_whole_model(
         # worker_ids: every rank sends version 3 to sliced worker 1 alone.
         with torch.no_grad():
             learner["proj"].mul_(2.0)
-        _send_all(senders, worker_ids=[1])
+        send_all(senders, worker_ids=[1])
         until(lambda: receivers[1].version == 3, 30, "worker 1 holds version 3")
         assert [r.version for r in receivers] == [2, 3, 2, 2]
         assert torch.equal(second_holds()["proj"], _slice_of(learner, "proj", 1))
     finally:
-        for r in receivers:
-            r.close()
-        for s in senders:
-            s.close()
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(90)
@@ -430,24 +377,12 @@ def test_a_rank_that_does_not_send_leaves_sliced_workers_with_their_last_whole_s
     was written in place). Rank 1's late send completes version 2 on both."""
     import torch
 
-    from zmqsync import SyncTimeout, WeightReceiver, WeightSender
+    from zmqsync import SyncTimeout, WeightReceiver
 
     torch.manual_seed(1)
     learner = {"qkv": torch.randn(64, 32), "proj": torch.randn(32, 64)}
     names = [f"memory://slices-missing-{r}" for r in range(3)]
-    senders = [
-        WeightSender(
-            MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            num_workers=2,
-            timeout=3,
-            epoch=7,
-            part=_RowsPart(r, 3),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(3)
-    ]
+    senders = rank_senders(names, learner, num_workers=2, timeout=3, epoch=7)
     models = [{"qkv": torch.zeros(32, 32), "proj": torch.zeros(32, 32)} for _ in range(2)]
     receivers = [
         WeightReceiver(
@@ -474,25 +409,13 @@ def test_a_rank_that_does_not_send_leaves_sliced_workers_with_their_last_whole_s
             r.start()
         with torch.no_grad():
             learner["qkv"].add_(1.0)
-        _send_all(senders)
+        send_all(senders)
         assert all(holds_slices(h) for h in (0, 1))
         first = {k: t.clone() for k, t in learner.items()}
         with torch.no_grad():
             for t in learner.values():
                 t.add_(1.0)
-        errors: list[BaseException] = []
-
-        def send(sender: Any) -> None:
-            try:
-                sender.send()
-            except BaseException as exc:
-                errors.append(exc)
-
-        sending = [threading.Thread(target=send, args=(senders[i],)) for i in (0, 2)]
-        for t in sending:
-            t.start()
-        for t in sending:
-            t.join(30)
+        errors = sends([senders[i] for i in (0, 2)])
         assert len(errors) == 2 and all(isinstance(e, SyncTimeout) for e in errors), errors
         for e in errors:
             assert isinstance(e, SyncTimeout) and e.missing_ranks == [1], e
@@ -504,10 +427,7 @@ def test_a_rank_that_does_not_send_leaves_sliced_workers_with_their_last_whole_s
         until(lambda: [r.version for r in receivers] == [2, 2], 30, "both hold version 2")
         assert all(holds_slices(h) for h in (0, 1)) and not receivers[1].torn
     finally:
-        for r in receivers:
-            r.close()
-        for sender in senders:
-            sender.close()
+        close_all(receivers, senders)
 
 
 @pytest.mark.timeout(60)
@@ -517,21 +437,11 @@ def test_a_declaration_the_learner_cannot_serve_is_refused_and_counted() -> None
     worker told why), and no session is opened."""
     import torch
 
-    from zmqsync import SyncTimeout, WeightReceiver, WeightSender
+    from zmqsync import SyncTimeout, WeightReceiver
 
     learner = {"m": torch.randn(6, 4), "v": torch.randn(4)}
     names = [f"memory://slices-refused-{r}" for r in range(2)]
-    senders = [
-        WeightSender(
-            MemoryHub(names[r]),
-            model=learner,
-            strategy="state_dict",
-            timeout=10,
-            part=_RowsPart(r, 2),  # type: ignore[arg-type]
-            ranks=names,
-        )
-        for r in range(2)
-    ]
+    senders = rank_senders(names, learner, timeout=10)
     spoke = MemorySpoke(names[0])
     try:
         before = senders[0].status()["totals"]["rejected_frames"]
@@ -627,20 +537,6 @@ def test_a_rank_serves_a_bounded_number_of_sliced_workers() -> None:
 # --- an FSDP2 learner over gloo, and sliced workers in processes of their own -------------
 
 
-def _answer(conn: Any, what: str, timeout: float = 90.0) -> Any:
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no answer to {what!r} in {timeout}s")
-    reply = conn.recv()
-    if isinstance(reply, tuple) and reply and reply[0] == "error":
-        raise AssertionError(f"a process failed: {reply[1]}")
-    return reply
-
-
-def _ask(conn: Any, command: str, timeout: float = 90.0) -> Any:
-    conn.send(command)
-    return _answer(conn, command, timeout)
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["pubsub", "router"])
 def test_fsdp2_learner_of_two_ranks_and_two_sliced_workers(tmp_path: Any, mode: str) -> None:
@@ -656,67 +552,43 @@ def test_fsdp2_learner_of_two_ranks_and_two_sliced_workers(tmp_path: Any, mode: 
     import zmqsync
 
     port = free_port()
-    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
-    procs: list[Any] = []
-    conns: list[Any] = []
+    endpoints = ipc_endpoints(tmp_path, 2)
     scheme = None
-
-    def spawn(target: Any, *args: Any) -> Any:
-        parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=target, args=(*args, child, mode), daemon=True)
-        proc.start()
-        child.close()
-        procs.append(proc)
-        conns.append(parent)
-        return parent
-
-    try:
-        learners = [spawn(run_rank, r, 2, port, endpoints[r]) for r in range(2)]
-        for c in learners:
-            _answer(c, "ready")
-        workers = [spawn(run_sliced_worker, endpoints[0], w) for w in range(2)]
-        scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoints[0])
-        whole = Net()
-        scheme.init_on_receiver(model_id="policy", model=whole, worker_idx=2)
-        connecting = threading.Thread(target=scheme.connect, kwargs={"timeout": 120})
-        connecting.start()
-        for c in learners:
-            c.send("connect")
-        answers = [_answer(c, "connect") for c in learners]
-        connecting.join(120)
-        for c in workers:
-            assert _answer(c, "ready") == "ready"
-        scheme.start_receiver_thread()
-        receiver = scheme.get_receiver()
-        for version in range(0, 3):
-            if version:
-                for c in learners:
-                    c.send("send")
-                answers = [_answer(c, "send") for c in learners]
-            expected = answers[0][2]
-            with scheme.lock:
-                assert receiver.version == version
-                assert zmqsync.checksum(whole, "state_dict") == expected
-                full = {k: t.detach().clone() for k, t in whole.state_dict().items()}
-            for half, c in enumerate(workers):
-                held, tensors = _ask(c, "state")
-                assert held == version
-                assert set(tensors) == set(full)
-                for name, t in tensors.items():
-                    assert torch.equal(torch.from_numpy(t), sliced_half(full, name, half)), name
-    finally:
-        if scheme is not None:
-            scheme.shutdown()
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        for proc in procs:
-            proc.join(10)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+    with Processes() as procs:
+        try:
+            learners = procs.ranks(run_rank, port, endpoints, (mode,))
+            answers(learners, "ready")
+            workers = [
+                procs.start(run_sliced_worker, endpoints[0], w, after=(mode,)) for w in range(2)
+            ]
+            scheme = zmqsync.ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoints[0])
+            whole = Net()
+            scheme.init_on_receiver(model_id="policy", model=whole, worker_idx=2)
+            connecting = threading.Thread(target=scheme.connect, kwargs={"timeout": 120})
+            connecting.start()
+            replies = collective(learners, "connect")
+            connecting.join(120)
+            for c in workers:
+                assert answer(c, "ready") == "ready"
+            scheme.start_receiver_thread()
+            receiver = scheme.get_receiver()
+            for version in range(0, 3):
+                if version:
+                    replies = collective(learners, "send")
+                expected = replies[0][2]
+                with scheme.lock:
+                    assert receiver.version == version
+                    assert zmqsync.checksum(whole, "state_dict") == expected
+                    full = {k: t.detach().clone() for k, t in whole.state_dict().items()}
+                for half, c in enumerate(workers):
+                    held, tensors = ask(c, "state")
+                    assert held == version
+                    assert set(tensors) == set(full)
+                    for name, t in tensors.items():
+                        assert torch.equal(torch.from_numpy(t), sliced_half(full, name, half)), name
+        finally:
+            if scheme is not None:
+                scheme.shutdown()
 
 
 @pytest.mark.timeout(300)
@@ -729,49 +601,21 @@ def test_fsdp2_learner_and_a_tensor_parallel_worker_of_dtensors(tmp_path: Any) -
     from conftest import free_port
 
     learner_port, worker_port = free_port(), free_port()
-    endpoints = [f"ipc://{tmp_path}/rank{r}" for r in range(2)]
-    procs: list[Any] = []
-    conns: list[Any] = []
-
-    def spawn(target: Any, *args: Any) -> Any:
-        parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=target, args=(*args[:-1], child, args[-1]), daemon=True)
-        proc.start()
-        child.close()
-        procs.append(proc)
-        conns.append(parent)
-        return parent
-
-    try:
-        learners = [spawn(run_rank, r, 2, learner_port, endpoints[r], "pubsub") for r in range(2)]
-        for c in learners:
-            _answer(c, "ready")
+    endpoints = ipc_endpoints(tmp_path, 2)
+    with Processes() as procs:
+        learners = procs.ranks(run_rank, learner_port, endpoints, ("pubsub",))
+        answers(learners, "ready")
         workers = [
-            spawn(run_dtensor_worker, r, 2, worker_port, endpoints[0], "pubsub") for r in range(2)
+            procs.start(run_dtensor_worker, r, 2, worker_port, endpoints[0], after=("pubsub",))
+            for r in range(2)
         ]
-        workers.append(spawn(run_plain_worker, endpoints[0], 2, "pubsub"))
-        for c in learners:
-            c.send("connect")
-        answers = [_answer(c, "connect") for c in learners]
+        workers.append(procs.start(run_plain_worker, endpoints[0], 2, after=("pubsub",)))
+        replies = collective(learners, "connect")
         for c in workers:
-            assert _answer(c, "ready") == "ready"
+            assert answer(c, "ready") == "ready"
         for version in range(0, 3):
             if version:
-                for c in learners:
-                    c.send("send")
-                answers = [_answer(c, "send") for c in learners]
-            expected = answers[0][2]
-            for c in workers:  # the tensor-parallel worker's ranks gather together
-                c.send("state")
-            assert [_answer(c, "state") for c in workers] == [(version, expected)] * 3
-    finally:
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.send("stop")
-        for proc in procs:
-            proc.join(10)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    until(lambda: not any(p.is_alive() for p in procs), 10, "every process exited")
+                replies = collective(learners, "send")
+            expected = replies[0][2]
+            # The tensor-parallel worker's ranks gather together.
+            assert collective(workers, "state") == [(version, expected)] * 3
