@@ -100,9 +100,9 @@ class SharedActor(WeightSyncActorMixin):
 class Learner:
     """The learner's scheme and model, and its actors (killed at the end)."""
 
-    def __init__(self, timeout: float = 10.0) -> None:
+    def __init__(self, timeout: float = 10.0, **options: Any) -> None:
         # No timed repairs: a loaded machine must not send versions the test did not.
-        self.scheme = RayWeightSyncScheme(timeout=timeout, repair_after=60.0)
+        self.scheme = RayWeightSyncScheme(timeout=timeout, repair_after=60.0, **options)
         self.model = shared_model(0)
         self.actors: list[Any] = []
         self.pids: list[int] = []
@@ -198,7 +198,28 @@ def test_actors_map_each_version_read_only_and_exact_and_a_late_joiner_maps_the_
     assert learner.states([3])[0]["stats"]["shared_mapped"] >= 1
     # Shared memory stays bounded: the hub's blocks, a few versions' worth at most.
     model_bytes = sum(t.nbytes for t in learner.model.state_dict().values())
-    assert learner.hub.counters()["shm_bytes"] <= 4 * 2 * model_bytes
+    counts = learner.hub.counters()
+    assert counts["shm_bytes"] <= 4 * 2 * model_bytes
+    assert counts["bad_releases"] == 0 and counts["actors_not_sharing"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_without_the_hubs_blocks_an_actor_copies_each_version_read_only() -> None:
+    """What an actor on another node gets: versions through Ray's object store, copied
+    once into private memory made read-only, never the store's pages mapped."""
+    learner = Learner(shared_memory=False)
+    try:
+        learner.start(2)
+        for _ in range(2):
+            version, checksum = learner.send()
+            for state in learner.states([0, 1]):
+                _exact(state, version, checksum)
+        for state in learner.states([0, 1]):
+            assert state["stats"]["shared_mapped"] == 0
+            assert state["stats"]["shared_copied"] >= 2
+        assert learner.hub.counters()["object_store_puts"] >= 2
+    finally:
+        learner.close()
 
 
 @pytest.mark.timeout(300)

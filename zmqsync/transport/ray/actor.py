@@ -102,7 +102,8 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             "shared_frames": 0,
         }
         self._maps = PeerBlocks()  # the driver's blocks, mapped read-only
-        self._keeps = False  # told the hub it keeps each version mapped until the next
+        self._keeps = False  # keeps each version mapped until the next (says so on joins)
+        self._joined = False  # answered the hub's offer: it reads the hub's blocks
         #: This actor's index at its hub (``None`` until the hub's first call).
         self.peer_index: int | None = None
         #: Called on each of the hub's calls, after its frames are queued and before the
@@ -137,13 +138,14 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         return True
 
     def keep_versions(self) -> None:
-        """Tell the hub (once, in a reply) that this actor keeps each version mapped
-        until the next (``apply_mode="shared"``): while a lent call is still on its way
-        to it, the hub sends it versions through the object store, so that a stopped
-        actor pins few of its blocks."""
+        """Tell the hub (in a reply, now if joined and on every join) that this actor
+        keeps each version mapped until the next (``apply_mode="shared"``): while a lent
+        call is still on its way to it, the hub sends it versions through the object
+        store, so that a stopped actor pins few of its blocks."""
         if not self._keeps and not self._closed:
             self._keeps = True
-            self._reply([encode(Keeps())])
+            if self._joined:
+                self._reply([encode(Keeps())])
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         self._check_open()
@@ -189,7 +191,11 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         try:
             record = decode(frame)
             if isinstance(record, Offer):
-                self._reply([encode(self._answer(record))])
+                answer = self._answer(record)
+                self._joined = isinstance(answer, Join)
+                self._reply([encode(answer)])
+                if self._joined and self._keeps:
+                    self._reply([encode(Keeps())])
                 return None
             if not isinstance(record, Lease):
                 raise RecordError(f"a {type(record).__name__} record from the hub")
@@ -272,8 +278,8 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             return self._on_record(first, frames[1:])  # type: ignore[index]
         if frames is None:
             return None
-        # The object store's pages are Ray's, writable by others: memoryviews, which the
-        # shared mode copies from and never maps.
+        # The object store's pages are Ray's, not a read-only mapping of the learner's:
+        # memoryviews, which the shared mode copies from and never maps.
         return [f if isinstance(f, bytes) else memoryview(f) for f in frames]
 
     def _in_order(self, seq: int, views: list[Buffer] | None) -> None:
