@@ -286,6 +286,8 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         with self._lock:
             for actor in live:
                 message = payload if lent is None or actor.index not in lend_to else lent
+                if big and actor.shared and actor.index not in lend_to:
+                    self._counters["behind_sends"] += 1  # behind: the object store for it
                 if lending is not None and lent is not None and message is lent:
                     lending.lease(actor.index, lent)
                     self._counters["shared_sends"] += 1
@@ -318,7 +320,6 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         behind = lending is not None and actor.index in lending.keeping and bool(actor.lent_seqs)
         if chunk:
             actor.via_store = behind
-        self._counters["behind_sends"] += behind
         return behind
 
     def _poll_due(self, now: float) -> float | None:
