@@ -10,11 +10,15 @@ take, in models. Each worker's ``Rss`` and ``Shared_Clean + Shared_Dirty`` (page
 maps that others map too, whole, libraries included) are shown besides.
 
     python -m benchmarks.shared_weights --workers 4 --mb 64 --transport pipe
+
+``--transport ray``: the workers are Ray actors on a local Ray cluster (the learner's
+host), synced by ``RayWeightSyncScheme`` with its defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing as mp
 import statistics
 import sys
@@ -82,11 +86,74 @@ def _worker(transport: str, where: Any, idx: int, mb: int, mode: str, conn: Any)
     receiver.close()
 
 
+def _ray_actor_class() -> Any:
+    """The Ray actor that plays a worker (made here: importing this module needs no Ray)."""
+    import ray
+
+    from zmqsync import WeightSyncActorMixin
+
+    @ray.remote(num_cpus=0)
+    class RayWorker(WeightSyncActorMixin):
+        def __init__(self, scheme: Any, idx: int, mb: int, mode: str) -> None:
+            self.base = _rollup()
+            self.model = _model(mb, 100 + idx)
+            self.scheme = scheme
+            scheme.init_on_worker("policy", model=self.model, apply_mode=mode)
+
+        def report(self) -> dict[str, Any]:
+            with self.scheme.lock:
+                touched = sum(float(p.detach().sum()) for p in self.model.parameters())
+                stats = dict(self.scheme.get_receiver().stats)
+                return {"base": self.base, "now": _rollup(), "stats": stats, "t": touched}
+
+    return RayWorker
+
+
+def _run_ray(workers: int, mb: int, mode: str, versions: int) -> tuple[Any, list, list]:
+    """The learner and ``workers`` Ray actors; returns (model, send times, reports)."""
+    import ray
+
+    from zmqsync import RayWeightSyncScheme
+
+    model = _model(mb, 0)
+    scheme = RayWeightSyncScheme(timeout=60)
+    actor_class = _ray_actor_class()
+    actors = [actor_class.remote(scheme, i, mb, mode) for i in range(workers)]
+    try:
+        ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)
+        scheme.init_on_sender("policy", remote_collectors=actors, source_model=model)
+        scheme.connect(timeout=120)
+        times = _send_versions(model, scheme.send, versions)
+        reports = ray.get([a.report.remote() for a in actors], timeout=60)
+    finally:
+        scheme.shutdown()
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+    return model, times, reports
+
+
+def _send_versions(model: nn.Module, send: Any, versions: int) -> list[float]:
+    """Change the model and ``send()`` it ``versions`` times; each send's milliseconds."""
+    times = []
+    for _ in range(versions):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        t0 = time.perf_counter()
+        send()
+        times.append((time.perf_counter() - t0) * 1e3)
+    time.sleep(0.5)  # releases land
+    return times
+
+
 def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: str) -> dict:
     """One fleet: the learner sends ``versions`` versions; returns the memory table row."""
     from zmqsync import WeightSender
 
     base = _rollup()
+    if transport == "ray":
+        model, times, reports = _run_ray(workers, mb, mode, versions)
+        return _row(transport, mode, model, times, base, reports)
     model = _model(mb, 0)
     if transport == "pipe":
         from zmqsync.transport.pipe import PipeHub
@@ -110,20 +177,27 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
         procs.append(proc)
     for c in conns:
         assert c.poll(120) and c.recv() == "ready"
-    times = []
-    for _ in range(versions):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01)
-        t0 = time.perf_counter()
-        sender.send()
-        times.append((time.perf_counter() - t0) * 1e3)
-    time.sleep(0.5)  # releases land
+    times = _send_versions(model, sender.send, versions)
     reports = []
     for c in conns:
         c.send("report")
         assert c.poll(60)
         reports.append(c.recv())
+    row = _row(transport, mode, model, times, base, reports)
+    for c in conns:
+        c.send("stop")
+    for proc in procs:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    sender.close()
+    return row
+
+
+def _row(
+    transport: str, mode: str, model: nn.Module, times: list[float], base: dict, reports: list
+) -> dict:
+    """The table row of one fleet, from the learner's and the workers' rollups."""
     learner_now = _rollup()
     model_bytes = sum(p.nbytes for p in model.parameters())
     learner = _mem(learner_now) - _mem(base)
@@ -132,7 +206,7 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
     row = {
         "transport": transport,
         "mode": mode,
-        "K": workers,
+        "K": len(reports),
         "model_MB": model_bytes / 2**20,
         "send_ms_median": statistics.median(times),
         "learner_MB": learner / 2**20,
@@ -145,13 +219,6 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
         "model_copies": extra / model_bytes,
         "mapped": [r["stats"].get("shared_mapped", 0) for r in reports],
     }
-    for c in conns:
-        c.send("stop")
-    for proc in procs:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    sender.close()
     return row
 
 
@@ -160,9 +227,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--versions", type=int, default=5)
-    parser.add_argument("--transport", choices=["pipe", "ipc"], default="pipe")
+    parser.add_argument("--transport", choices=["pipe", "ipc", "ray"], default="pipe")
     parser.add_argument("--tmp", default="/tmp")
     args = parser.parse_args()
+    if args.transport == "ray":
+        import ray
+
+        # The actors are shipped by value: Ray's workers need not import this module.
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     rows = []
     for mode in ("auto", "shared"):
         print(f"running {args.transport} {mode} ...", file=sys.stderr)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import numpy as np
+
 from zmqsync.errors import EndpointError
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import Borrows, Counted, SpokeTransport
@@ -21,6 +23,7 @@ from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
 from zmqsync.transport.shm.records import (
     Join,
+    Keeps,
     Lease,
     Leave,
     Offer,
@@ -52,6 +55,13 @@ MAX_OUTBOX: Final = 1024
 def owned(frames: Sequence[Buffer]) -> list[bytes]:
     """``frames`` as bytes (what Ray pickles, and what stays valid)."""
     return [f if isinstance(f, bytes) else bytes(f) for f in frames]
+
+
+def _read_only(frame: Buffer) -> bool:
+    """Whether ``frame`` is read in place, read-only (not a copy of the bytes)."""
+    if isinstance(frame, np.ndarray):
+        return not frame.flags.writeable
+    return isinstance(frame, memoryview) and frame.readonly
 
 
 _spokes: dict[str, RaySpoke] = {}
@@ -92,6 +102,8 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             "shared_frames": 0,
         }
         self._maps = PeerBlocks()  # the driver's blocks, mapped read-only
+        self._keeps = False  # keeps each version mapped until the next (says so on joins)
+        self._joined = False  # answered the hub's offer: it reads the hub's blocks
         #: This actor's index at its hub (``None`` until the hub's first call).
         self.peer_index: int | None = None
         #: Called on each of the hub's calls, after its frames are queued and before the
@@ -124,6 +136,16 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         # Its hub lends blocks whenever this actor can read them: each version is let
         # go of before its ack.
         return True
+
+    def keep_versions(self) -> None:
+        """Tell the hub (in a reply, now if joined and on every join) that this actor
+        keeps each version mapped until the next (``apply_mode="shared"``): while a lent
+        call is still on its way to it, the hub sends it versions through the object
+        store, so that a stopped actor pins few of its blocks."""
+        if not self._keeps and not self._closed:
+            self._keeps = True
+            if self._joined:
+                self._reply([encode(Keeps())])
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         self._check_open()
@@ -169,7 +191,11 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         try:
             record = decode(frame)
             if isinstance(record, Offer):
-                self._reply([encode(self._answer(record))])
+                answer = self._answer(record)
+                self._joined = isinstance(answer, Join)
+                self._reply([encode(answer)])
+                if self._joined and self._keeps:
+                    self._reply([encode(Keeps())])
                 return None
             if not isinstance(record, Lease):
                 raise RecordError(f"a {type(record).__name__} record from the hub")
@@ -193,7 +219,12 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         """Join if this process can read the hub's blocks (the same host), else leave."""
         try:
             return Join(read_token(offer))
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
+            log.info(
+                "this actor cannot read the sender's shared memory (%s: another host?): "
+                "versions come through Ray's object store, copied",
+                exc,
+            )
             return Leave()
 
     def _release(self, block_id: int) -> None:
@@ -242,9 +273,13 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         go of them). None: nothing for the receiver (a poll, or a record answered here)."""
         first = frames[0] if frames else None
         if isinstance(first, bytes) and is_record([first]):
-            frames = self._on_record(first, frames[1:])  # type: ignore[index]
+            # The hub's blocks stay numpy arrays over this process's read-only mapping
+            # (as a ZeroMQ spoke's do): what apply_mode="shared" maps as the weights.
+            return self._on_record(first, frames[1:])  # type: ignore[index]
         if frames is None:
             return None
+        # The object store's pages are Ray's, not a read-only mapping of the learner's:
+        # memoryviews, which the shared mode copies from and never maps.
         return [f if isinstance(f, bytes) else memoryview(f) for f in frames]
 
     def _in_order(self, seq: int, views: list[Buffer] | None) -> None:
@@ -270,9 +305,7 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
     def _queue(self, views: list[Buffer] | None) -> None:
         if views is None:
             return
-        self._counters["read_only_views"] += sum(
-            isinstance(v, memoryview) and v.readonly for v in views
-        )
+        self._counters["read_only_views"] += sum(_read_only(v) for v in views)
         self._delivered += 1
         self._inbox.put(views)
 

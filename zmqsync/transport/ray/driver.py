@@ -88,6 +88,10 @@ class _Actor:
     lost: str | None = None  # why it is gone for good (it died)
     shared: bool | None = None  # reads the hub's lent blocks (None: not offered yet)
     answer_due: bool = False  # it was offered the hub's blocks and has not answered
+    #: Calls under way that carry a lease on the hub's blocks, by sequence number.
+    lent_seqs: set[int] = field(default_factory=set, repr=False)
+    #: The version in progress goes to it through the object store (see _via_store).
+    via_store: bool = False
 
 
 class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
@@ -165,6 +169,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             "polls": 0,
             "object_store_puts": 0,
             "shared_sends": 0,
+            "behind_sends": 0,
             "bad_releases": 0,
         }
         self._lending = ActorLending() if shared_memory and SHM_AVAILABLE else None
@@ -236,6 +241,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         actor.next_seq += 1
         actor.in_flight += 1
         if isinstance(payload, LentPayload):
+            actor.lent_seqs.add(seq)
             payload = list(payload)  # Ray pickles what it is given: plain bytes only
         try:
             future = actor.method.remote(self._channel, actor.index, payload, seq).future()
@@ -271,14 +277,17 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             if not live:
                 return
         lending = self._lending
-        borrowers = [a for a in live if a.shared] if lending is not None else []
+        with self._lock:
+            lend_to = {a.index for a in live if a.shared and not self._via_store(a, chunk, first)}
         big = sum(len(f) for f in frames) >= self._inline_bytes
-        lent = lending.payload(frames) if lending is not None and borrowers and big else None
-        others = [a for a in live if lent is None or not a.shared]
+        lent = lending.payload(frames) if lending is not None and lend_to and big else None
+        others = [a for a in live if lent is None or a.index not in lend_to]
         payload = self._payload(frames) if others else None
         with self._lock:
             for actor in live:
-                message = payload if lent is None or not actor.shared else lent
+                message = payload if lent is None or actor.index not in lend_to else lent
+                if big and actor.shared and actor.index not in lend_to:
+                    self._counters["behind_sends"] += 1  # behind: the object store for it
                 if lending is not None and lent is not None and message is lent:
                     lending.lease(actor.index, lent)
                     self._counters["shared_sends"] += 1
@@ -297,6 +306,21 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
                     continue
                 actor.waiting.append((message, list(frames)))
                 self._submit_chunks(actor)
+
+    def _via_store(self, actor: _Actor, chunk: bool, first: bool) -> bool:
+        """Whether a large message for ``actor``, which reads the hub's blocks, goes
+        through the object store instead (caller holds the lock): the actor keeps each
+        version mapped until the next (the shared mode) and a lent call is still on its
+        way to it (stopped, or busy in a long method). Leasing it one more block per
+        version would let one stuck actor pin them all; it gets copies until it catches
+        up. A version's chunks all go the way its first went."""
+        if chunk and not first:
+            return actor.via_store
+        lending = self._lending
+        behind = lending is not None and actor.index in lending.keeping and bool(actor.lent_seqs)
+        if chunk:
+            actor.via_store = behind
+        return behind
 
     def _poll_due(self, now: float) -> float | None:
         """Poll every idle actor that is due; return when the next one will be."""
@@ -321,6 +345,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             actor.finished[seq] = future
             while actor.done_seq in actor.finished:
                 done = actor.finished.pop(actor.done_seq)
+                actor.lent_seqs.discard(actor.done_seq)
                 if actor.chunk_calls.pop(actor.done_seq, None) is not None:
                     self._submit_chunks(actor)
                 actor.done_seq += 1
@@ -351,6 +376,12 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         if joined is not None:
             actor.answer_due = False
             actor.shared = joined
+            if not joined:
+                log.info(
+                    "the Ray actor of worker %d cannot read this host's shared memory (it "
+                    "runs elsewhere): it gets versions through Ray's object store",
+                    actor.index,
+                )
         return True
 
     def _release(self, actor: _Actor, payload: Any) -> None:
@@ -367,8 +398,9 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
                 actor.lost = str(exc).splitlines()[0] if str(exc) else "actor died"
                 self._counters["peers_lost"] += 1
                 if self._lending is not None:
-                    self._lending.pool.forget(actor.index)  # it reads no block any more
+                    self._lending.forget(actor.index)  # it reads no block any more
                 actor.waiting.clear()
+                actor.lent_seqs.clear()
                 log.warning("Ray actor of worker %d died: %s", actor.index, actor.lost)
             return []
         except Exception as exc:  # counted; the actor stays in the fleet
@@ -440,6 +472,11 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         if self._lending is not None:
             counts["shm_bytes"] = self._lending.pool.nbytes()
             counts["bad_releases"] += self._lending.bad_releases
+            with self._lock:
+                shared = [a.shared for a in self._actors.values() if a.lost is None]
+            # Actors that read the hub's blocks (on this host), and those that cannot.
+            counts["actors_sharing"] = sum(s is True for s in shared)
+            counts["actors_not_sharing"] = sum(s is False for s in shared)
         return counts
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ from zmqsync.protocol import Buffer
 from zmqsync.transport.ray.actor import owned
 from zmqsync.transport.shm.blocks import Block, BlockPool, Ref
 from zmqsync.transport.shm.lending import ProbeBlock, lease_of
-from zmqsync.transport.shm.records import Join, Leave, Release, decode, encode
+from zmqsync.transport.shm.records import Join, Keeps, Leave, Release, decode, encode
 
 __all__ = ["ActorLending", "LentPayload"]
 
@@ -35,6 +35,9 @@ class ActorLending:
         self._probe = ProbeBlock()
         #: Releases of leases that were never counted, and records only a hub sends.
         self.bad_releases = 0
+        #: Indexes of the actors that keep each version mapped until the next (they
+        #: said so: a :class:`Keeps` record): at most one per actor of the hub.
+        self.keeping: set[int] = set()
 
     def offer(self) -> list[bytes]:
         """The message that offers an actor the hub's blocks."""
@@ -66,10 +69,13 @@ class ActorLending:
 
     def on_reply(self, index: int, frame: Buffer) -> bool | None:
         """A record actor ``index`` sent back. Returns whether it joined, when it
-        answered the offer; None for a release."""
+        answered the offer; None for a release or a :class:`Keeps`."""
         record = decode(frame)  # RecordError: the hub counts it
         if isinstance(record, Join | Leave):
             return isinstance(record, Join) and self._probe.proves(record)
+        if isinstance(record, Keeps):
+            self.keeping.add(index)
+            return None
         if not isinstance(record, Release):
             self.bad_releases += 1  # a record only a hub sends
             return None
@@ -77,6 +83,11 @@ class ActorLending:
             if not self.pool.release(block_id, index):
                 self.bad_releases += 1
         return None
+
+    def forget(self, index: int) -> None:
+        """Actor ``index`` is gone: every lease it held ends."""
+        self.pool.forget(index)
+        self.keeping.discard(index)
 
     def close(self) -> None:
         self.pool.close()
