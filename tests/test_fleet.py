@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from zmqsync.fleet import (
     EXPIRE_HEARTBEATS,
     EXPIRE_MIN_SECONDS,
+    REPAIR_RETRY,
     Admit,
     FanOut,
     Fleet,
@@ -358,3 +359,23 @@ def test_a_ranks_fleet_keeps_which_parts_each_worker_waits_for() -> None:
     beat(0, b"p", 0, ())  # it gathers nothing now
     assert core.waiting_for([0, 1, 2], 2) == {1: (3,)}
     assert core.waiting_for([0, 1, 2], 3) == {}
+
+
+def test_a_repair_the_sender_turned_down_holds_back_the_next_ask_a_second_at_most() -> None:
+    """The sender turns a repair down while the version's last chunks are still queued
+    for the worker; the worker's next ask, REPAIR_RETRY later, is served (not a whole
+    repair_after later), and one within REPAIR_RETRY is not."""
+    core = Fleet(
+        "policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"], repair_after=60.0
+    )
+    origin = Origin(0, b"p")
+    _admit, welcome = core.handle(Hello("policy", 0, 0, 0, attempt="a"), origin, 0.0)
+    secret = welcome.message.session  # type: ignore[union-attr]
+    core.begin_send(None, 1.0, 10.0)
+    asks = [SnapshotRequest("policy", 0, 1, 0, secret)]  # it holds version 0 of epoch 1
+    assert [type(e) for e in core.handle(asks[0], origin, 61.0)] == [SendLatest]
+    assert [type(e) for e in core.handle(asks[0], origin, 62.0)] == [Reply]  # counted
+    core.repair_turned_down(origin, 62.5)  # (the first: on its way after all)
+    assert [type(e) for e in core.handle(asks[0], origin, 62.5 + REPAIR_RETRY / 2)] == [Reply]
+    assert [type(e) for e in core.handle(asks[0], origin, 62.5 + REPAIR_RETRY)] == [SendLatest]
+    core.repair_turned_down(Origin(0, b"stranger"), 70.0)  # nobody's: nothing to do

@@ -42,7 +42,14 @@ from zmqsync.protocol import (
 )
 from zmqsync.transport.base import RELAY_CREDENTIAL
 
-__all__ = ["EXPIRE_HEARTBEATS", "EXPIRE_MIN_SECONDS", "MAX_CLAIMS", "MAX_SESSIONS", "Fleet"]
+__all__ = [
+    "EXPIRE_HEARTBEATS",
+    "EXPIRE_MIN_SECONDS",
+    "MAX_CLAIMS",
+    "MAX_SESSIONS",
+    "REPAIR_RETRY",
+    "Fleet",
+]
 
 #: A session not heard from for this many heartbeats, and at least EXPIRE_MIN_SECONDS
 #: (or that long after its goodbye), is dropped, and its id may be handed out again: a
@@ -57,6 +64,9 @@ MAX_SESSIONS: Final = 16_384
 MAX_CLAIMS: Final = MAX_SESSIONS
 #: A session's probes are answered at most this often (each goes to every subscriber).
 PROBE_INTERVAL: Final = 0.005
+#: A repair the sender turned down (the version was still on its way to the worker)
+#: holds back the worker's next asks this long (seconds) at most, not repair_after.
+REPAIR_RETRY: Final = 1.0
 
 
 class Fleet(FleetSends):
@@ -411,6 +421,17 @@ class Fleet(FleetSends):
             # Sent to it within repair_after: on its way.
             return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, True))]
         return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, False))]
+
+    def repair_turned_down(self, origin: Origin, now: float) -> None:
+        """The sender did not send the latest version that a SendLatest for the worker
+        at ``origin`` asked for at ``now`` (its last chunks were still queued for that
+        worker, or too many repairs streamed). That repair counts for REPAIR_RETRY at
+        most: a worker still behind by then is served at its next ask, not a whole
+        ``repair_after`` later (which a fleet may set to a minute)."""
+        worker = self._by_origin.get(origin)
+        s = None if worker is None else self.workers.get(worker)
+        if s is not None:
+            s.last_repair = min(s.last_repair, now - self.repair_after + REPAIR_RETRY)
 
     # --- relays' claims ----------------------------------------------------------------
 

@@ -1007,6 +1007,8 @@ class WeightSender:
                     self._stats.add("repair_bytes", latest.nbytes)
                 else:
                     self._stats.add("repairs_skipped")
+                    with self._cond:  # on its way after all: its next ask may be served
+                        self.fleet.repair_turned_down(effect.origin, time.monotonic())
             elif isinstance(effect, FanOut):
                 hub.send_frames(encode(effect.message))
             elif (

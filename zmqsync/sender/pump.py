@@ -119,10 +119,17 @@ class PumpHost(Protocol):
 
 
 class InFlight(NamedTuple):
-    """A chunk handed to the hub: when, and the views of its memory the hub may hold."""
+    """A chunk handed to the hub: when, the views of its memory the hub may hold, the
+    version it is of (-1: a delta's) and whom it is for (None: every peer of the hub)."""
 
     sent_at: float
     views: list[weakref.ref[np.ndarray]]
+    version: int = -1
+    to: list[PeerId] | None = None
+
+    def held(self) -> bool:
+        """Whether the hub still holds some of the chunk (queued, or on the wire)."""
+        return any(r() is not None for r in self.views)
 
 
 class HubRunner:
@@ -242,6 +249,7 @@ class HubRunner:
         if (
             len(repairs) >= MAX_REPAIRS
             or any(t.covers(copy, peer) for t in self.transfers)
+            or self._queued(copy.version, peer, now)
             or any(
                 version == copy.version
                 and (to is None or peer in to)
@@ -249,12 +257,29 @@ class HubRunner:
                 for version, to, started, finished in self.done
             )
         ):
-            # Too many, or this version is on its way to the peer (still streaming, or
-            # sent so lately that the peer may still be reading it: a worker asks while
-            # a long version reaches it): it asks again if it must.
+            # Too many, or this version is on its way to the peer (still streaming; its
+            # last chunks still queued in the transport; or sent so lately that the peer
+            # may still be reading it: a worker asks while a long version reaches it):
+            # it asks again if it must.
             return False
         self.transfers.append(Transfer(copy, [peer]))
         return True
+
+    def _queued(self, version: int, peer: PeerId, now: float) -> bool:
+        """Whether the hub still holds chunks of ``version`` for ``peer`` that the window
+        waits for. The pump counts a transfer done once the hub has its last chunk, and
+        on a link slower than the window the hub holds the last few for seconds (a whole
+        4-chunk version at once, before any release time is learned): a worker that asks
+        meanwhile is not sent it all again. A chunk given up on, or held past STALL_MAX,
+        is pinned by a stopped peer, and says nothing of whether the version reaches this
+        one (a late joiner is not kept waiting on it)."""
+        return any(
+            c.version == version
+            and (c.to is None or peer in c.to)
+            and now - c.sent_at <= STALL_MAX
+            and c.held()
+            for c in self.inflight
+        )
 
     def forwarding_to(self, peer: PeerId) -> bool:
         """Whether a relay's version is on its way to ``peer`` (holding the baton): still
@@ -282,7 +307,7 @@ class HubRunner:
         inflight = self.inflight
         now = time.monotonic()
         while self.transfers:
-            while inflight and all(r() is None for r in inflight[0].views):
+            while inflight and not inflight[0].held():
                 sent_at = inflight.popleft().sent_at
                 if self._window_full:
                     # Watched closely (the window was full): how long chunks take to go.
@@ -311,7 +336,9 @@ class HubRunner:
             self.hub.send_frames(frames, to=transfer.to, stream=stream)
             del frames  # what the hub keeps of them is what the window watches
             now = time.monotonic()
-            inflight.append(InFlight(now, refs))
+            # What a repair may wait for: a whole version (a delta brings it to some only).
+            whole = transfer.copy.version if transfer.spans is None else -1
+            inflight.append(InFlight(now, refs, whole, transfer.to))
             transfer.next += 1
             totals["chunks_sent"] += 1
             if transfer.sent:
