@@ -166,8 +166,8 @@ class Writer:
                     continue
                 frames = item.frames
                 if item.lent and self.copying:
-                    frames = _copied(frames)
-                    item = None  # type: ignore[assignment]  # its blocks are free to go
+                    frames = list(_copied(frames))
+                    item = None  # its blocks are free to go
                     write_message(self._conn, frames)  # type: ignore[arg-type]
                 elif item.lent:
                     lease = self._lease(frames)
@@ -233,13 +233,11 @@ class Writer:
         return not self._thread.is_alive()
 
 
-def _copied(frames: list[Buffer | Ref]) -> list[Buffer]:
+def _copied(frames: list[Buffer | Ref]) -> list[Buffer | Ref]:
     """``frames`` with each place in a block replaced by a private copy of its bytes: a
     write that blocks on a peer that does not read holds no block meanwhile."""
     return [
-        bytes(memoryview(f.block.array)[f.offset : f.offset + f.length])
-        if isinstance(f, Ref)
-        else f
+        f.block.array[f.offset : f.offset + f.length].tobytes() if isinstance(f, Ref) else f
         for f in frames
     ]
 
