@@ -19,10 +19,12 @@ from torch import nn
 
 import zmqsync
 from zmqsync import SyncTimeout, WeightReceiver, WeightSender
+from zmqsync.status_types import SenderStatus
 from zmqsync.transport._zmq import lending
 from zmqsync.transport.pipe import PipeHub
 from zmqsync.transport.zmq_pubsub import PubSubHub
 from zmqsync.transport.zmq_router import RouterHub
+from zmqsync_cli._common import worker_state
 
 SPAWN = mp.get_context("spawn")
 KINDS = ["pubsub", "router", "pipe"]
@@ -277,6 +279,11 @@ def test_a_stopped_pipe_worker_is_sent_copies_and_the_others_keep_mapping(
     assert rows[2]["shm_copies"] is True
     assert 1 <= rows[2]["shm_pinned"] <= 2
     assert not any("shm_copies" in rows[idx] or "shm_pinned" in rows[idx] for idx in (0, 1))
+    # What `zmqsync status` shows in that worker's state cell (from the same report).
+    report = SenderStatus.from_dict(fleet.sender.status())
+    cells = {w.worker: worker_state(w, report.version, None).plain for w in report.workers}
+    assert "sent copies" in cells[2] and "blocks pinned" in cells[2]
+    assert not any("copies" in cells[idx] for idx in (0, 1))
     totals = fleet.sender.status()["totals"]
     assert totals["shm_copying"] == 1
     assert totals["shm_pinned"] == rows[2]["shm_pinned"]
