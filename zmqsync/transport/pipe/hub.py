@@ -227,6 +227,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
                 except (EOFError, OSError) as exc:
                     self._lose(peer, f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
                     continue
+                peer.writer.heard()
                 if got.release is not None:
                     self._on_release(peer, got.release)
                 elif got.keeps:

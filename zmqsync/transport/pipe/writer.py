@@ -80,6 +80,11 @@ class Writer:
         self.copying = False
         #: Versions sent to this peer copied, for that reason.
         self.copies = 0
+        #: When a lease was last written, and when the peer was last heard from: a peer
+        #: heard from since is alive and reading (an old view it keeps pins a block; it
+        #: is no reason to stop leasing to it).
+        self._leased_at = 0.0
+        self._heard_at = 0.0
         self._queue: deque[Outgoing] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -149,8 +154,14 @@ class Writer:
         block; for one that keeps versions mapped, any older than the version last
         leased to it (it has not taken that one in yet)."""
         if self.keeps_versions:
-            return self._unreleased > self._version_leases
+            return self._unreleased > self._version_leases and self._heard_at < self._leased_at
         return self._unreleased > 0
+
+    def heard(self) -> None:
+        """The peer sent a message (it is not stopped)."""
+        with self._cond:
+            self._heard_at = time.monotonic()
+            self._cond.notify()
 
     def released(self) -> None:
         """The peer released one lease."""
@@ -206,6 +217,7 @@ class Writer:
         with self._cond:
             self._unreleased += 1
             self._version_leases += 1
+            self._leased_at = time.monotonic()
         for block in blocks.values():
             if block.id not in self._known:
                 write_block(self._conn, self._sock, block.id, block.fd)
