@@ -218,6 +218,8 @@ def _row(
         "total_extra_MB": extra / 2**20,
         "model_copies": extra / model_bytes,
         "mapped": [r["stats"].get("shared_mapped", 0) for r in reports],
+        # Chunks the sender's window stopped waiting for (held past its stall limit).
+        "stalls": sender.status()["totals"]["stalls"],
     }
     return row
 
@@ -240,7 +242,11 @@ def main() -> None:
     for mode in ("auto", "shared"):
         print(f"running {args.transport} {mode} ...", file=sys.stderr)
         rows.append(run(args.transport, args.workers, args.mb, mode, args.versions, args.tmp))
-        print(f"  versions mapped per worker: {rows[-1]['mapped']}", file=sys.stderr)
+        print(
+            f"  versions mapped per worker: {rows[-1]['mapped']}; "
+            f"sender window stalls: {rows[-1]['stalls']}",
+            file=sys.stderr,
+        )
     print(
         "| transport | mode | K | model MiB | send ms (median) | learner MiB | each worker's "
         "MiB | workers' Rss MiB | workers' shared MiB | total MiB | model copies |"

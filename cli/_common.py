@@ -291,7 +291,15 @@ def fmt_ago(s: float | None) -> str:
 
 
 def worker_state(worker: WorkerStatus, version: int, silent_after: float | None) -> Text:
-    """The state cell: ok, behind by N, torn (repairing), not connected, silent, or left."""
+    """The state cell: ok, behind by N, torn (repairing), not connected, silent, or left;
+    and whether it is sent copies instead of shared memory (the blocks it pins)."""
+    cell = _worker_state(worker, version, silent_after)
+    if worker.shm_copies:
+        cell.append(f", sent copies ({worker.shm_pinned or 0} blocks pinned)", style="yellow")
+    return cell
+
+
+def _worker_state(worker: WorkerStatus, version: int, silent_after: float | None) -> Text:
     if not worker.connected:
         return Text("not connected", style="red")
     problem = worker_problem(worker, version, silent_after)

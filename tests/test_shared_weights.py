@@ -13,15 +13,18 @@ from typing import Any
 
 import pytest
 import torch
+from _faults import until
 from _shared_workers import run_scheme_worker, run_shared_worker, shared_model
 from torch import nn
 
 import zmqsync
-from zmqsync import WeightReceiver, WeightSender
+from zmqsync import SyncTimeout, WeightReceiver, WeightSender
+from zmqsync.status_types import SenderStatus
 from zmqsync.transport._zmq import lending
 from zmqsync.transport.pipe import PipeHub
 from zmqsync.transport.zmq_pubsub import PubSubHub
 from zmqsync.transport.zmq_router import RouterHub
+from zmqsync_cli._common import worker_state
 
 SPAWN = mp.get_context("spawn")
 KINDS = ["pubsub", "router", "pipe"]
@@ -81,7 +84,7 @@ def _bump(model: nn.Module) -> None:
 def make_fleet(tmp_path: Any) -> Iterator[Callable[..., Fleet]]:
     fleets: list[Fleet] = []
 
-    def make(kind: str, slots: int) -> Fleet:
+    def make(kind: str, slots: int, timeout: float = 30) -> Fleet:
         if kind == "pipe":
             pairs = [SPAWN.Pipe() for _ in range(slots)]
             hub: Any = PipeHub([p for p, _ in pairs])
@@ -90,7 +93,7 @@ def make_fleet(tmp_path: Any) -> Iterator[Callable[..., Fleet]]:
             hub = (PubSubHub if kind == "pubsub" else RouterHub)(f"ipc://{tmp_path}/hub")
             where = [hub.endpoint] * slots
         model = shared_model(0)
-        sender = WeightSender(hub, model=model, num_workers=None, timeout=30)
+        sender = WeightSender(hub, model=model, num_workers=None, timeout=timeout)
         fleet = Fleet(kind, model, sender, hub, where)
         fleets.append(fleet)
         return fleet
@@ -226,6 +229,78 @@ def test_a_stopped_worker_pins_its_version_and_catches_up(
     latest_sum = _send(fleet, [0, 1, 2])
     state = fleet.wait_for(2, fleet.sender.version)
     assert state["checksum"] == latest_sum and state["version"] == fleet.sender.version
+
+
+def _rows(fleet: Fleet) -> dict[int, dict[str, Any]]:
+    return {row["worker"]: row for row in fleet.sender.status()["workers"]}
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_pipe_worker_is_sent_copies_and_the_others_keep_mapping(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """Versions sent to every worker while one is stopped: that one pins the blocks
+    of at most two versions (the one it holds, the one it has not read) and is sent
+    the next ones copied through its pipe, and status() says so; the others map every
+    version (no block ever runs out for them), and the stopped one catches up."""
+    fleet = make_fleet("pipe", 3, timeout=3.0)
+    fleet.sender.publish()
+    for idx in range(3):
+        fleet.spawn(idx)
+    for _ in range(2):
+        version_sum = _send(fleet, [0, 1, 2])
+        for idx in range(3):
+            assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+    assert not any("shm_copies" in row for row in _rows(fleet).values())
+    os.kill(fleet.procs[2].pid, signal.SIGSTOP)
+    before = {idx: fleet.ask(idx)["stats"] for idx in (0, 1)}
+    fallbacks = fleet.hub.counters()["shm_fallbacks"]
+    sent = 4
+    for _ in range(sent):
+        _bump(fleet.model)
+        try:
+            # To every pipe: the stopped worker too (waited for while it counts as live).
+            fleet.sender.send()
+        except SyncTimeout as exc:
+            assert set(exc.missing_workers) == {2}
+        version_sum = zmqsync.checksum(fleet.model)
+        for idx in (0, 1):
+            assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+        time.sleep(1.2)  # a training step: longer than a pipe waits for a release
+    for idx in (0, 1):
+        stats = fleet.ask(idx)["stats"]
+        assert stats["shared_copied"] == before[idx]["shared_copied"], "a worker got copies"
+        assert stats["shared_mapped"] >= before[idx]["shared_mapped"] + sent
+    assert fleet.hub.counters()["shm_fallbacks"] == fallbacks
+    # status() names the worker sent copies, and what it pins; nobody else. (Checked
+    # within the 30 s the learner keeps a silent worker's session.)
+    until(lambda: "shm_copies" in _rows(fleet)[2], DEADLINE, "status shows the copies")
+    rows = _rows(fleet)
+    assert rows[2]["shm_copies"] is True
+    assert 1 <= rows[2]["shm_pinned"] <= 2
+    assert not any("shm_copies" in rows[idx] or "shm_pinned" in rows[idx] for idx in (0, 1))
+    # What `zmqsync status` shows in that worker's state cell (from the same report).
+    report = SenderStatus.from_dict(fleet.sender.status())
+    cells = {w.worker: worker_state(w, report.version, None).plain for w in report.workers}
+    assert "sent copies" in cells[2] and "blocks pinned" in cells[2]
+    assert not any("copies" in cells[idx] for idx in (0, 1))
+    totals = fleet.sender.status()["totals"]
+    assert totals["shm_copying"] == 1
+    assert totals["shm_pinned"] == rows[2]["shm_pinned"]
+    assert 1 <= totals["shm_copies"] <= sent
+    # Continued, it reads what was queued, then maps versions again.
+    os.kill(fleet.procs[2].pid, signal.SIGCONT)
+    for _ in range(2):
+        version_sum = _send(fleet, [0, 1, 2])
+        for idx in range(3):
+            assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+    mapped = fleet.ask(2)["stats"]["shared_mapped"]
+    version_sum = _send(fleet, [0, 1, 2])
+    state = fleet.wait_for(2, fleet.sender.version)
+    assert state["checksum"] == version_sum and state["read_only"]
+    assert state["stats"]["shared_mapped"] == mapped + 1
+    assert not any("shm_copies" in row for row in _rows(fleet).values())
+    assert fleet.sender.status()["totals"]["shm_copying"] == 0
 
 
 @pytest.mark.timeout(300)

@@ -106,6 +106,11 @@ class WorkerStatus(_Record):
     repairing: bool = False
     below: dict[str, int] | None = field(default=None, metadata={_MAX: MAX_BELOW})
     below_total: int = 0
+    #: Present (True) only while the worker is sent copies instead of shared memory (it
+    #: keeps versions mapped and holds one it has not taken in: stopped, stuck), with
+    #: ``shm_pinned``, the shared-memory blocks it holds meanwhile.
+    shm_copies: bool | None = field(default=None, metadata={_OMIT_NONE: True})
+    shm_pinned: int | None = field(default=None, metadata={_OMIT_NONE: True})
 
     def __post_init__(self) -> None:
         if self.below and not all(w.isascii() and w.isdigit() for w in self.below):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Final
 
-from zmqsync.fleet.records import Session
+from zmqsync.fleet.records import Origin, Session
 from zmqsync.status_types import STATUS_BELOW, STATUS_ROWS, WorkerStatus
 from zmqsync.transport.base import PeerId
 
@@ -96,9 +96,13 @@ class FleetViews:
 
     # --- status ----------------------------------------------------------------------
 
-    def status_rows(self, now: float) -> tuple[list[WorkerStatus], dict[str, int]]:
+    def status_rows(
+        self, now: float, copying: Mapping[Origin, int] | None = None
+    ) -> tuple[list[WorkerStatus], dict[str, int]]:
         """Worker rows for ``status()`` (the furthest behind first, at most
-        :data:`STATUS_ROWS`) and counts over the whole fleet."""
+        :data:`STATUS_ROWS`) and counts over the whole fleet. ``copying``: the peers
+        their hubs send copies instead of shared memory, with the blocks each pins."""
+        copying = copying or {}
         expected = set(range(self.num_workers)) if self.num_workers is not None else set()
         rows: list[WorkerStatus] = []
         for w in sorted(expected | self.workers.keys()):
@@ -130,6 +134,8 @@ class FleetViews:
                     repairing=s.torn and now - s.last_repair < self.repair_after,
                     below=self._below_shown(s) or None,
                     below_total=len(s.below),
+                    shm_copies=True if s.origin in copying else None,
+                    shm_pinned=copying.get(s.origin),
                 )
             )
         counts = {

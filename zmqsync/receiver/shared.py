@@ -121,6 +121,18 @@ def _in_one_block(pieces: list[tuple[int, np.ndarray]], total: int) -> np.ndarra
     return np.frombuffer(memoryview(owner[begin : begin + total].data), np.uint8)
 
 
+def _may_hold_whole(piece: np.ndarray, offset: int, total: int) -> bool:
+    """Whether the read-only mapping ``piece`` (the bytes at ``offset`` of a version of
+    ``total`` bytes) lies in is large enough to hold the whole version where the stream
+    puts it: a snapshot written once, that the sender never writes again (kept until
+    the next version). A smaller block is one chunk's buffer, reused by the sender."""
+    owner = piece.base
+    if not isinstance(owner, np.ndarray) or owner.flags.writeable:
+        return False
+    begin = _address(piece) - offset - _address(owner)
+    return begin >= 0 and begin + total <= owner.nbytes
+
+
 def _address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
 
@@ -157,14 +169,18 @@ class SharedVersion:
         """Keep one chunk's bytes (a view, if the transport lent them)."""
         if not len(payload):
             return
-        if self._borrowed(payload):
-            self._pieces.append((offset, np.frombuffer(payload, dtype=np.uint8)))
+        view = np.frombuffer(payload, dtype=np.uint8)
+        if self._borrowed(payload) and _may_hold_whole(view, offset, self._total):
+            self._pieces.append((offset, view))
             # The frame object itself: the transport releases its block once that
             # object is garbage (a numpy view of it would name the mapping instead).
             self._frames.append(payload)
         else:
+            # Copied at once, its frame let go of: a transport may reuse its buffers, and
+            # a block too small for the whole version is a sender's chunk buffer, which
+            # it writes again once this worker has seen the chunk.
             self._all_lent = False
-            self._pieces.append((offset, np.frombuffer(payload, dtype=np.uint8).copy()))
+            self._pieces.append((offset, view.copy()))
 
     def abandon(self) -> None:
         """The version in progress will not complete: let its frames go."""

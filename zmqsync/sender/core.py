@@ -59,6 +59,7 @@ from zmqsync.transport.base import (
     ForgetsPeers,
     HubTransport,
     Incoming,
+    Lends,
     PeerId,
     ZeroCopy,
     counters,
@@ -1066,8 +1067,9 @@ class WeightSender:
         first); ``workers_total`` counts them all.
         """
         now = time.monotonic()
+        copying = self._copying()
         with self._cond:
-            workers, counts = self.fleet.status_rows(now)
+            workers, counts = self.fleet.status_rows(now, copying)
             fleet_counters = dict(self.fleet.counters)
             reasons = list(self.fleet.reasons)
             waiting = self._waiting_ranks()
@@ -1105,6 +1107,16 @@ class WeightSender:
             ranks=None if self._rank is None else list(self.fleet.ranks),
             waiting_ranks=waiting,
         )
+
+    def _copying(self) -> dict[Origin, int]:
+        """The workers' peers that their hubs send copies to instead of shared memory
+        (they hold blocks they did not let go of), with the blocks each pins."""
+        return {
+            Origin(runner.index, peer): pinned
+            for runner in self._runners
+            if isinstance(runner.hub, Lends)
+            for peer, pinned in runner.hub.copying().items()
+        }
 
     def _waiting_ranks(self) -> dict[str, list[int]] | None:
         """A rank's send under way: by rank, the workers that still wait for its part

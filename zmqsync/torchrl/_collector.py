@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.weight_update import WeightSyncScheme as _TorchRLWeightSyncScheme
 
-from zmqsync.receiver import WeightReceiver
+from zmqsync.receiver import APPLY_MODES, WeightReceiver
 from zmqsync.schemes.base import WeightSyncScheme as _ZmqsyncScheme
 from zmqsync.sender import WeightSender
 from zmqsync.torchrl._model import (
@@ -64,8 +64,16 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         sync: bool = True,
         per_worker_weights: bool = False,
     ) -> None:
-        """Wrap ``inner_class(strategy, **options)``, the zmqsync scheme that syncs."""
+        """Wrap ``inner_class(strategy, **options)``, the zmqsync scheme that syncs.
+
+        ``options["apply_mode"]`` is the workers' (:class:`zmqsync.WeightReceiver`'s): torchrl
+        builds each worker's receiver without asking, so the learner chooses it here
+        and it travels to the workers inside the pickled scheme."""
         _check_retain_snapshot(options)
+        options = dict(options)
+        #: How each worker applies versions (``"shared"``: read-only views of the
+        #: learner's shared memory); None leaves the receiver's default.
+        self._apply_mode: str | None = _apply_mode(options.pop("apply_mode", None))
         inner = inner_class(strategy, **options)
         with warnings.catch_warnings():
             # torchrl warns that ITS state_dict application is experimental; zmqsync
@@ -450,7 +458,13 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 
     def _start_receiver(self, model_id: str, *, model: Any, worker_idx: int | None) -> None:
         """Initialise the inner scheme's receiver."""
-        self._inner.init_on_receiver(model_id=model_id, model=model, worker_idx=worker_idx)
+        self._inner.init_on_receiver(
+            model_id=model_id, model=model, worker_idx=worker_idx, **self._receiver_options()
+        )
+
+    def _receiver_options(self) -> dict[str, Any]:
+        """What the learner chose for every worker's receiver (``apply_mode``)."""
+        return {} if self._apply_mode is None else {"apply_mode": self._apply_mode}
 
     def _setup_connection_and_weights_on_receiver_impl(
         self, *, worker_idx: int | None = None
@@ -496,3 +510,10 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 
     def __repr__(self) -> str:
         return f"zmqsync.torchrl.{self._inner!r}"
+
+
+def _apply_mode(mode: Any) -> str | None:
+    """``mode`` checked where the scheme is built, not later in each worker."""
+    if mode is not None and mode not in APPLY_MODES:
+        raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {mode!r}")
+    return None if mode is None else str(mode)

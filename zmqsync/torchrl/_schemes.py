@@ -36,7 +36,10 @@ class ZMQWeightSyncScheme(_CollectorScheme):
             ``insecure``, ``shared_memory``, ``connect_timeout`` (seconds a worker waits
             in ``connect()`` for the learner and its first version) and the sender's
             options (``heartbeat``, ``repair_after``, ...; ``retain_snapshot`` must stay
-            ``True``: workers take their first weights from the snapshot).
+            ``True``: workers take their first weights from the snapshot); and
+            ``apply_mode``, every worker's (see :class:`zmqsync.WeightReceiver`):
+            ``"shared"`` makes each worker's policy read-only views of the learner's one
+            copy in shared memory, over ``ipc://`` (see docs/shared.md).
     """
 
     _inner: _ZMQScheme
@@ -92,7 +95,10 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
             raising :class:`zmqsync.SyncTimeout`), ``connect_timeout`` (seconds a worker
             waits in ``connect()`` for the learner and its first version) and the
             sender's options (``heartbeat``, ``repair_after``, ...; ``retain_snapshot``
-            must stay ``True``: workers take their first weights from the snapshot).
+            must stay ``True``: workers take their first weights from the snapshot);
+            and ``apply_mode``, every worker's (see :class:`zmqsync.WeightReceiver`):
+            ``"shared"`` makes each worker's policy read-only views of the learner's one
+            copy in shared memory (see docs/shared.md).
 
     Without a collector: ``init_on_sender(model_id, model=..., num_workers=N)``, start
     the workers with the scheme (``spawn`` or ``forkserver``), call ``connect()`` on the
@@ -182,7 +188,11 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
                 "learner's init_on_sender() and before the learner's connect()"
             )
         self._inner.init_on_receiver(
-            model_id=model_id, model=model, pipe=end, worker_idx=worker_idx
+            model_id=model_id,
+            model=model,
+            pipe=end,
+            worker_idx=worker_idx,
+            **self._receiver_options(),
         )
 
     def shutdown(self) -> None:

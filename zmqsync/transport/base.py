@@ -238,6 +238,12 @@ class Lends(Ability):
         """``nbytes`` of memory this hub's peers can read in place (a uint8 numpy array),
         or None. Frames that are read-only views of it are sent without a copy."""
 
+    def copying(self) -> dict[PeerId, int]:
+        """The peers this hub now sends copies to instead of leases (they still hold
+        blocks they should have let go of: stopped, stuck), each with how many blocks
+        it holds. None by default."""
+        return {}
+
 
 class ZeroCopy(Ability):
     """A hub that copies small buffers unless told otherwise (pyzmq's threshold)."""

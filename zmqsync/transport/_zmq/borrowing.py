@@ -127,6 +127,10 @@ class Borrower:
                 self._join()  # not counted any more (the hub dropped us): for the next ones
             return None
         self._seen[lease.channel] = max(self._seen[lease.channel], lease.seq)  # told once views die
+        if self._keeps:
+            # Told at once: the hub holds the sender's frames (its window) until it hears
+            # this; the block's lease, not those frames, keeps what is mapped here.
+            self._dirty = True
         frames, views = borrow(lease, iter(inline), self._maps)
         with self._lock:
             self._held.update(views.keys())

@@ -190,7 +190,10 @@ class Lender:
         seen = member.seen
         seen[FAN_OUT] = max(seen[FAN_OUT], record.seen[FAN_OUT])
         seen[ADDRESSED] = max(seen[ADDRESSED], record.seen[ADDRESSED])
-        self._release_kept(member.peer, seen, record.held)
+        # A peer that keeps its version mapped is done with a message once it has seen
+        # it: it holds its blocks (leased, never rewritten) until the next version is
+        # in, and the sender's frames kept meanwhile would hold back its window.
+        self._release_kept(member.peer, seen, frozenset() if member.keeps else record.held)
         for block_id, by_channel in list(member.leased.items()):
             if block_id not in record.held and all(q <= seen[c] for c, q in by_channel.items()):
                 self.pool.release_all(block_id, member.peer)

@@ -227,6 +227,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
                 except (EOFError, OSError) as exc:
                     self._lose(peer, f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
                     continue
+                peer.writer.heard()
                 if got.release is not None:
                     self._on_release(peer, got.release)
                 elif got.keeps:
@@ -260,7 +261,21 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             counts["shm_bytes"] = self._shm.nbytes()
             counts["shm_fallbacks"] = self._shm.fallbacks
             counts["bad_releases"] = self._bad_releases
+            copying = self.copying()
+            counts["shm_copying"] = len(copying)
+            counts["shm_pinned"] = sum(copying.values())
+            counts["shm_copies"] = sum(p.writer.copies for p in peers)
         return counts
+
+    def copying(self) -> dict[PeerId, int]:
+        """The workers now sent each version copied through their pipe (they keep
+        versions mapped and hold one they have not taken in: stopped, stuck), each with
+        the blocks it pins meanwhile."""
+        if self._shm is None:
+            return {}
+        with self._lock:
+            peers = [p for p in self._peers.values() if p.lost is None and p.writer.copying]
+        return {peer_id(p.index): self._shm.held_by(p.writer) for p in peers}
 
     def close(self) -> None:
         with self._lock:

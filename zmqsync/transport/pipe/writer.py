@@ -71,6 +71,20 @@ class Writer:
         #: The peer keeps each version mapped until the next is in (it said so): its
         #: unreleased leases are the version it holds, no reason to wait.
         self.keeps_versions = False
+        #: Leases written for the version last started in shared memory: a peer that
+        #: keeps versions and took that one in holds these and none older.
+        self._version_leases = 0
+        #: The version being written goes through the pipe, copied: the peer keeps
+        #: versions and has not taken in the last one leased (stopped, stuck), so a lease
+        #: would pin one more block, and soon every block, for every worker.
+        self.copying = False
+        #: Versions sent to this peer copied, for that reason.
+        self.copies = 0
+        #: When a lease was last written, and when the peer was last heard from: a peer
+        #: heard from since is alive and reading (an old view it keeps pins a block; it
+        #: is no reason to stop leasing to it).
+        self._leased_at = 0.0
+        self._heard_at = 0.0
         self._queue: deque[Outgoing] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -109,12 +123,8 @@ class Writer:
                     self._cond.wait(_IDLE_SECONDS)  # stop() notifies; this bounds a missed one
                     continue
                 head = self._queue[0]
-                if (
-                    self._unreleased
-                    and head.stream is Stream.START
-                    and head.lent
-                    and not self.keeps_versions
-                ):
+                starts = head.stream is Stream.START
+                if starts and head.lent and self._behind():
                     # The peer still reads its previous version in place: let it finish
                     # (a newer version may replace this one meanwhile) rather than pin
                     # one more block. A peer that never releases only delays it.
@@ -125,10 +135,33 @@ class Writer:
                     if remaining > 0:
                         self._cond.wait(remaining)
                         continue
+                    # One that keeps versions holds a version it has not taken in:
+                    # this one goes copied (another peer goes on, leasing one more).
+                    self.copying = self.keeps_versions
+                    self.copies += int(self.copying)
+                elif starts:
+                    self.copying = False
+                if starts and not self.copying:
+                    self._version_leases = 0
                 self._held_since = None
                 self._writing = True
                 return self._queue.popleft()
             return None
+
+    def _behind(self) -> bool:
+        """Whether the peer still holds leases it should have let go of by now (call
+        holding the condition): any, for a peer that copies each version out of its
+        block; for one that keeps versions mapped, any older than the version last
+        leased to it (it has not taken that one in yet)."""
+        if self.keeps_versions:
+            return self._unreleased > self._version_leases and self._heard_at < self._leased_at
+        return self._unreleased > 0
+
+    def heard(self) -> None:
+        """The peer sent a message (it is not stopped)."""
+        with self._cond:
+            self._heard_at = time.monotonic()
+            self._cond.notify()
 
     def released(self) -> None:
         """The peer released one lease."""
@@ -143,7 +176,11 @@ class Writer:
                     self._conn.send_bytes(item.record)
                     continue
                 frames = item.frames
-                if item.lent:
+                if item.lent and self.copying:
+                    frames = list(_copied(frames))
+                    item = None  # its blocks are free to go
+                    write_message(self._conn, frames)  # type: ignore[arg-type]
+                elif item.lent:
                     lease = self._lease(frames)
                     if lease is None:
                         continue
@@ -179,6 +216,8 @@ class Writer:
             leased.append(block.id)
         with self._cond:
             self._unreleased += 1
+            self._version_leases += 1
+            self._leased_at = time.monotonic()
         for block in blocks.values():
             if block.id not in self._known:
                 write_block(self._conn, self._sock, block.id, block.fd)
@@ -204,6 +243,15 @@ class Writer:
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+def _copied(frames: list[Buffer | Ref]) -> list[Buffer | Ref]:
+    """``frames`` with each place in a block replaced by a private copy of its bytes: a
+    write that blocks on a peer that does not read holds no block meanwhile."""
+    return [
+        f.block.array[f.offset : f.offset + f.length].tobytes() if isinstance(f, Ref) else f
+        for f in frames
+    ]
 
 
 def close_end(conn: Connection, sock: socket.socket, writer: Writer) -> None:

@@ -228,6 +228,11 @@ class BlockPool:
             if block is not None:
                 block.leases.pop(peer, None)
 
+    def held_by(self, peer: Any) -> int:
+        """How many blocks ``peer`` holds a lease on."""
+        with self._lock:
+            return sum(1 for b in self._blocks.values() if b.leases.get(peer, 0) > 0)
+
     def forget(self, peer: Any) -> None:
         """``peer`` is gone (its process too): every lease it held ends."""
         with self._lock:
