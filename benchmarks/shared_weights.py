@@ -183,7 +183,7 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
         c.send("report")
         assert c.poll(60)
         reports.append(c.recv())
-    row = _row(transport, mode, model, times, base, reports)
+    row = _row(transport, mode, model, times, base, reports, sender.status()["totals"]["stalls"])
     for c in conns:
         c.send("stop")
     for proc in procs:
@@ -195,9 +195,16 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
 
 
 def _row(
-    transport: str, mode: str, model: nn.Module, times: list[float], base: dict, reports: list
+    transport: str,
+    mode: str,
+    model: nn.Module,
+    times: list[float],
+    base: dict,
+    reports: list,
+    stalls: int | None = None,
 ) -> dict:
-    """The table row of one fleet, from the learner's and the workers' rollups."""
+    """The table row of one fleet, from the learner's and the workers' rollups, and the
+    chunks its sender's window stopped waiting for (None: not known, Ray's scheme)."""
     learner_now = _rollup()
     model_bytes = sum(p.nbytes for p in model.parameters())
     learner = _mem(learner_now) - _mem(base)
@@ -219,7 +226,7 @@ def _row(
         "model_copies": extra / model_bytes,
         "mapped": [r["stats"].get("shared_mapped", 0) for r in reports],
         # Chunks the sender's window stopped waiting for (held past its stall limit).
-        "stalls": sender.status()["totals"]["stalls"],
+        "stalls": stalls,
     }
     return row
 
