@@ -12,9 +12,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import _shared_workers
 import pytest
 import ray
 import torch
+from _faults import until
+from _shared_workers import _read_only
 from conftest import kill_actor
 from torch import nn
 
@@ -27,6 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 # This module is not importable in Ray's worker processes: ship its actor classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# ... and the shared-mode test helpers they call (``_read_only``).
+ray.cloudpickle.register_pickle_by_value(_shared_workers)
 
 #: Generous bound for one Ray call on a loaded 2-core machine.
 CALL_TIMEOUT = 60.0
@@ -45,18 +50,6 @@ def _bump(model: nn.Module) -> None:
         for p in model.parameters():
             p.add_(torch.randn_like(p))
         model.steps += 1  # type: ignore[operator]
-
-
-def _read_only(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s first byte lies in a mapping this process cannot write."""
-    address = tensor.data_ptr()
-    with open(f"/proc/{os.getpid()}/maps") as maps:
-        for line in maps:
-            span, perms = line.split()[:2]
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= address < hi:
-                return "w" not in perms
-    return False
 
 
 @ray.remote(num_cpus=0)
@@ -132,7 +125,7 @@ class Learner:
 
     def wait_joined_lending(self) -> None:
         """Until every actor answered the hub's offer (it can read the hub's blocks)."""
-        _until(lambda: self.hub.counters()["actors_sharing"] == len(self.actors), "joining")
+        until(lambda: self.hub.counters()["actors_sharing"] == len(self.actors), 60, "joining")
 
     def close(self) -> None:
         for pid in self.pids:
@@ -141,13 +134,6 @@ class Learner:
         self.scheme.shutdown()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-
-
-def _until(predicate: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
-        time.sleep(0.05)
 
 
 def _exact(state: dict[str, Any], version: int, checksum: str) -> None:
@@ -190,7 +176,7 @@ def test_actors_map_each_version_read_only_and_exact_and_a_late_joiner_maps_the_
     learner.actors.append(late)
     learner.pids.append(ray.get(late.setup.remote(learner.scheme), timeout=CALL_TIMEOUT))
     assert learner.scheme.add_remote_collector(late) == 3
-    _until(lambda: learner.states([3])[0]["version"] == held[0], "the late joiner catching up")
+    until(lambda: learner.states([3])[0]["version"] == held[0], 60, "the late joiner caught up")
     _exact(learner.states([3])[0], *held)
     version, checksum = learner.send()
     for state in learner.states([0, 1, 2, 3]):
