@@ -193,6 +193,19 @@ def _collect(collector: Any, policy: TensorDictModule) -> tuple[list[TensorDictB
     return frames, references
 
 
+def _collect_then_shut(
+    collector: Any, scheme: Any, policy: TensorDictModule
+) -> tuple[list[TensorDictBase], list[Actor]]:
+    """:func:`_collect`, then the collector and the scheme shut down, whatever happened."""
+    try:
+        return _collect(collector, policy)
+    finally:
+        try:
+            collector.shutdown()
+        finally:
+            scheme.shutdown()
+
+
 def _check_shared(inodes: dict[int, set[int]]) -> None:
     """After the first update (version 0 may come before a worker joined the lending),
     every frame's weights lay in a read-only shared block, one block per version for
@@ -220,13 +233,7 @@ def test_multisync_frames_have_the_logits_of_their_version_from_shared_weights(
         weight_sync_schemes={"policy": scheme},
         track_policy_version=True,
     )
-    try:
-        frames, references = _collect(collector, policy)
-    finally:
-        try:
-            collector.shutdown()
-        finally:
-            scheme.shutdown()
+    frames, references = _collect_then_shut(collector, scheme, policy)
     # Workers are idle while an update lands: every frame's tag is exactly its version.
     _check_shared(check_tagged_logits(frames, references, exact=True))
 
@@ -247,13 +254,7 @@ def test_multiasync_frames_have_the_logits_of_their_version_from_shared_weights(
         weight_sync_schemes={"policy": scheme},
         track_policy_version=True,
     )
-    try:
-        frames, references = _collect(collector, policy)
-    finally:
-        try:
-            collector.shutdown()
-        finally:
-            scheme.shutdown()
+    frames, references = _collect_then_shut(collector, scheme, policy)
     # Versions land while workers collect (the background thread re-points the weights
     # under the lock every forward pass holds): no frame mixes two versions.
     _check_shared(check_tagged_logits(frames, references, exact=False))
