@@ -7,34 +7,7 @@ import threading
 from typing import Any
 
 import torch
-
-
-class _Rows:
-    """A rank's part of a dict of tensors (as a scheme's ``LocalPart`` gives it for
-    DTensors): rows ``[p*n//M, (p+1)*n//M)`` of each matrix, the vectors from part 0."""
-
-    def __init__(self, part: int, parts: int) -> None:
-        self.part, self.parts = part, parts
-        self.boxes: dict[Any, Any] = {}
-        self._source: Any = None
-        self._local: dict[Any, Any] = {}
-
-    def local(self, tensors: Any) -> Any:
-        from zmqsync.protocol import Box
-
-        if tensors is self._source:
-            return self._local
-        local, boxes = {}, {}
-        for key, t in tensors.items():
-            if t.dim() < 2:
-                if self.part == 0:
-                    local[key] = t
-                continue
-            n = t.shape[0]
-            lo, hi = self.part * n // self.parts, (self.part + 1) * n // self.parts
-            local[key], boxes[key] = t[lo:hi], Box(tuple(t.shape), (lo,) + (0,) * (t.dim() - 1))
-        self._source, self._local, self.boxes = tensors, local, boxes
-        return local
+from _sharded_fixtures import RowsPart
 
 
 class ShardedFleet:
@@ -57,7 +30,7 @@ class ShardedFleet:
                 num_workers=2,
                 timeout=timeout,
                 epoch=11,  # the ranks agree on one (a scheme makes them)
-                part=_Rows(r, ranks),  # type: ignore[arg-type]
+                part=RowsPart(r, ranks),  # type: ignore[arg-type]
                 ranks=self.endpoints,
             )
             for r, hub in enumerate(hubs)
