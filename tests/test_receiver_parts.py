@@ -4,6 +4,7 @@ messages, the session speaking to an in-memory hub; and a receiver's observers."
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ from zmqsync.receiver import PendingAck, ReceiverObserver, WeightReceiver
 from zmqsync.receiver.applying import Applier, Keep
 from zmqsync.receiver.observer import Observers
 from zmqsync.receiver.rejections import Rejections
-from zmqsync.receiver.session import FAILOVER_MIN_SECONDS, UpstreamSession
+from zmqsync.receiver.session import FAILOVER_MIN_SECONDS, SpokeLock, UpstreamSession
 from zmqsync.receiver.stats import new_stats
 from zmqsync.tensors.version_messages import version_messages
 from zmqsync.testing import memory_fleet
@@ -561,3 +562,39 @@ def test_a_receivers_observer_sees_each_version_and_settles_its_acks() -> None:
     finally:
         receiver.close()
         sender.close()
+
+
+# --- the spoke's lock ---------------------------------------------------------------
+
+
+def test_the_spoke_lock_hands_a_looping_thread_s_next_turn_to_a_thread_that_asked() -> None:
+    """A thread that loops over the spoke (the background receiver) gives way between two
+    turns: one that asked meanwhile waits for one turn of the loop at most. A plain lock
+    let the loop take it back again and again (an ack waited seconds)."""
+    lock = SpokeLock()
+    stop = threading.Event()
+    turns = 0
+
+    def loop() -> None:
+        nonlocal turns
+        while not stop.is_set():
+            with lock:
+                turns += 1
+                time.sleep(0.002)
+            lock.give_way()
+
+    looper = threading.Thread(target=loop, daemon=True)
+    looper.start()
+    try:
+        until(lambda: turns > 3, timeout=10, what="the loop's turns")
+        for _ in range(50):
+            before = turns
+            assert lock.acquire(timeout=10)
+            taken = turns - before
+            lock.release()
+            assert taken <= 2, f"the loop took {taken} turns while this thread asked"
+    finally:
+        stop.set()
+        looper.join(10)
+    with lock, lock:  # reentrant; giving way while holding it does not wait for itself
+        lock.give_way(timeout=10)

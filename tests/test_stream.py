@@ -85,6 +85,20 @@ def test_a_silent_sender_breaks_the_stream_after_the_gap() -> None:
     assert _kinds(stream.feed(second, 2.2)) == ["Ignored"]
 
 
+def test_the_gap_counts_from_when_the_receiver_is_ready_for_the_next_chunk() -> None:
+    """The time a receiver takes to apply a chunk is its own, not the stream's."""
+    stream = ChunkStream(gap=2.0)
+    first, second, *_ = _version(1)
+    stream.feed(first, 0.0)
+    stream.ready(5.0)  # it applied the first chunk only then
+    assert stream.expire(6.9) is None
+    assert _kinds(stream.feed(second, 6.9)) == ["Apply"]
+    stream.ready(7.0)
+    assert isinstance(stream.expire(9.1), Broken)
+    stream.ready(20.0)  # nothing in progress: nothing to be ready for
+    assert not stream.active
+
+
 def test_an_unwanted_version_is_ignored_to_its_end() -> None:
     stream = ChunkStream(gap=10)
     events = [e for c in _version(1) for e in stream.feed(c, 0, wanted=False)]

@@ -13,6 +13,8 @@ from _faults import until
 
 from zmqsync import TornWeights, WeightReceiver, WeightSender, checksum
 from zmqsync.chunking.layout import MIN_CHUNK_BYTES
+from zmqsync.protocol import Chunk, decode
+from zmqsync.receiver.observer import ReceiverObserver
 from zmqsync.tensors.version_messages import version_messages
 from zmqsync.transport.memory import MemoryHub, MemorySpoke
 from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
@@ -248,6 +250,29 @@ def test_a_broken_in_place_stream_tears_the_model_until_a_whole_version_repairs_
     waiter.join(5)
     assert entered.is_set()
     assert not receiver.torn and receiver.version == 2 and checksum(worker) == checksum(v2)
+
+
+def test_a_receiver_slow_to_apply_queued_chunks_does_not_break_their_stream(
+    fed: tuple[MemoryHub, WeightReceiver, dict[str, torch.Tensor]],
+) -> None:
+    """The gap between two chunks is the stream's, not the receiver's own time: chunks
+    that queued up while it applied the previous one (each taking longer than its
+    chunk_timeout here, as on a loaded machine) came in time."""
+    hub, receiver, _ = fed
+
+    class Slow(ReceiverObserver):
+        def chunk_arrived(self, chunk: Chunk) -> None:
+            time.sleep(0.45)  # the fixture's chunk_timeout is 0.3 s
+
+    receiver.add_observer(Slow())
+    v1 = _model(5)
+    messages = version_messages(v1, version=1, epoch=7, chunk_bytes=CHUNK)[:4]
+    assert len(messages) == 4 and not decode(messages[-1]).last
+    _deliver(hub, receiver, messages)
+    assert receiver.stats["broken_streams"] == 0 and not receiver.torn
+    assert receiver.lock.writing  # the version goes on: nothing queued, its gap not up
+    _gap_passes(receiver)  # and a real gap still breaks it
+    assert receiver.torn and receiver.stats["broken_streams"] == 1
 
 
 def test_a_broken_staged_stream_leaves_the_model_untouched(

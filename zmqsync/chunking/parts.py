@@ -501,6 +501,11 @@ class PartGather:
         self.current = None
         return Torn(epoch, version, f"part {part}: {reason}")
 
+    def ready(self, part: int, now: float) -> None:
+        """The receiver handled part ``part``'s last chunk: the gap to its next one
+        counts from ``now`` (see :meth:`ChunkStream.ready`)."""
+        self._streams[part].ready(now)
+
     def expire(self, now: float) -> list[GatherEvent]:
         """The parts whose next chunk is overdue: lost."""
         out: list[GatherEvent] = []

@@ -171,6 +171,12 @@ class ChunkStream:
             return f"chunk {chunk.index} starts at byte {chunk.offset}, before {p.next_offset}"
         return ""
 
+    def ready(self, now: float) -> None:
+        """The receiver is ready for the next chunk from ``now`` on (it applied the last
+        one): the gap to it counts from here."""
+        if self._progress is not None:
+            self._progress.last_seen = now
+
     def expire(self, now: float) -> Broken | None:
         """The version in progress, broken if its next chunk is overdue; else None."""
         p = self._progress

@@ -210,6 +210,9 @@ class Applier:
                 self._on_broken(event)
             elif isinstance(event, Ignored) and event.reason != "not wanted":
                 self.stats["stale"] += 1
+        # The gap to the next chunk counts from now, not from when this one was read:
+        # the time taken to apply it is the receiver's own, not the stream's.
+        self._stream.ready(time.monotonic())
         return self._ack_due
 
     def expire(self, now: float) -> bool:

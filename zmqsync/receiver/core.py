@@ -500,6 +500,9 @@ class WeightReceiver:
                 self._process_ranks(self._ranks, timeout)
             else:
                 self._process_locked(timeout)
+        # A thread that loops (the background receiver, a relay) takes the lock again
+        # at once: first the threads that asked for it meanwhile have their turn.
+        self._upstream.io_lock.give_way()
 
     def _process_locked(self, timeout: float) -> None:
         upstream, applier = self._upstream, self._applier
@@ -526,18 +529,20 @@ class WeightReceiver:
                     upstream.ack(ack)
             if applier.active:
                 # The middle of a version: wait for its next chunk (an in-place write
-                # holds the model's lock until the last one).
+                # holds the model's lock until the last one). One that queued up came in
+                # time; only when none did is the stream's gap checked (so a receiver
+                # slowed down itself, on a loaded machine, does not break it).
+                spoke = upstream.spoke
+                frames = spoke.recv_frames(0) if has_input(spoke) else None
+                if frames is not None:
+                    continue
                 if applier.expire(time.monotonic()):
                     continue
                 upstream.beat(time.monotonic())  # still alive, still behind
-                spoke = upstream.spoke
                 if timeout <= 0:
                     # A poll (a Ray actor's call delivers one chunk): the next chunk
                     # comes with a later call, and the stream's gap is checked then.
-                    frames = spoke.recv_frames(0) if has_input(spoke) else None
-                    if frames is None:
-                        return
-                    continue
+                    return
                 frames = spoke.recv_frames(min(upstream.heartbeat, applier.gap))
                 continue
             spoke = upstream.spoke
@@ -588,6 +593,7 @@ class WeightReceiver:
             for session in ranks.sessions:
                 session.beat(now)
             handled = False
+            drained = True  # every rank's queue read to its end
             for index, session in enumerate(ranks.sessions):
                 for _ in range(RANK_DRAIN):
                     frames = session.spoke.recv_frames(0)
@@ -595,8 +601,11 @@ class WeightReceiver:
                         break
                     handled = True
                     self._on_rank_message(ranks, index, frames)
-            for event in ranks.gather.expire(time.monotonic()):
-                self._on_gathered(ranks, event)
+                else:
+                    drained = False
+            if drained:  # a chunk still queued came in time: gaps are checked once none is
+                for event in ranks.gather.expire(time.monotonic()):
+                    self._on_gathered(ranks, event)
             remaining = deadline - time.monotonic()
             if (handled and not ranks.gather.active) or remaining <= 0:
                 return
@@ -628,6 +637,7 @@ class WeightReceiver:
             del message  # its bytes are in the gather's buffers now
             for event in events:
                 self._on_gathered(ranks, event)
+            ranks.gather.ready(index, time.monotonic())
         elif message is not None:
             session.on_control(message)
 

@@ -22,7 +22,13 @@ from zmqsync.receiver.observer import PendingAck, ReceiverObserver
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.transport.base import Follows, SpokeTransport
 
-__all__ = ["FAILOVER_HEARTBEATS", "FAILOVER_MIN_SECONDS", "SessionHost", "UpstreamSession"]
+__all__ = [
+    "FAILOVER_HEARTBEATS",
+    "FAILOVER_MIN_SECONDS",
+    "SessionHost",
+    "SpokeLock",
+    "UpstreamSession",
+]
 
 log = logging.getLogger("zmqsync.receiver")
 
@@ -33,6 +39,63 @@ FAILOVER_MIN_SECONDS: Final = 2.0
 #: Longest close() waits for another thread to let go of the spoke before saying
 #: goodbye (a connect() under way notices the close between two of its retries).
 GOODBYE_WAIT: Final = 1.0
+#: Longest a thread that loops over the spoke waits, between two turns, for the other
+#: threads that asked for it to have had theirs.
+GIVE_WAY_WAIT: Final = 1.0
+
+
+class SpokeLock:
+    """The reentrant lock that lets one thread use the spoke at a time, and that a
+    looping thread hands over.
+
+    A plain lock is not fair: a background thread that releases it and takes it again
+    at once can keep a thread that asked for it (an ack, a goodbye, a request for the
+    latest) waiting for seconds. So a thread that let go of it, before taking it
+    again, lets every thread that asked meanwhile have its turn (:meth:`give_way`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._asking = 0
+        self._turns = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._turns:
+            self._asking += 1
+        try:
+            got = self._lock.acquire(blocking, timeout)
+        finally:
+            with self._turns:
+                self._asking -= 1
+                if not self._asking:
+                    self._turns.notify_all()
+        if got:
+            self._owner = threading.get_ident()
+            self._depth += 1
+        return got
+
+    def release(self) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> SpokeLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def give_way(self, timeout: float = GIVE_WAY_WAIT) -> None:
+        """Wait, at most ``timeout`` seconds, until no other thread asks for the lock;
+        at once if none does, or if this thread holds it."""
+        if self._owner == threading.get_ident():
+            return
+        with self._turns:
+            self._turns.wait_for(lambda: not self._asking, timeout)
 
 
 class SessionHost(Protocol):
@@ -86,7 +149,7 @@ class UpstreamSession:
         self.spoke = spoke
         #: The spoke's sockets are used by one thread at a time: connect(), the
         #: receiver's receive() or its background thread.
-        self.io_lock = threading.RLock()
+        self.io_lock = SpokeLock()
         self.worker_idx = worker_idx
         #: Whether the sender picks this worker's id (and may pick another one later).
         self._auto_id = worker_idx is None
