@@ -136,6 +136,10 @@ def ray_cluster() -> Iterator[None]:
     if ray.is_initialized():  # started by the code under test: leave it to its owner
         yield
         return
+    # Ray's memory monitor kills the actor that uses most when the machine's memory
+    # runs short, which a test then reports as some unrelated failure; the memory tests
+    # bound what they use themselves (and read MemAvailable), so it is off here.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     try:
         yield
