@@ -304,6 +304,59 @@ def test_a_stopped_pipe_worker_is_sent_copies_and_the_others_keep_mapping(
 
 
 @pytest.mark.timeout(300)
+def test_a_stopped_zeromq_worker_is_dropped_from_the_lending_and_status_says_so(
+    make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over ZeroMQ, a worker that holds its block past the lease (stopped) is no longer
+    counted: it is sent copies through the socket, and status() names it with the
+    retired blocks it may still map; continued, it joins the lending again and maps."""
+    monkeypatch.setattr(lending, "LEASE_SECONDS", 2.0)
+    fleet = make_fleet("pubsub", 3, timeout=3.0)
+    fleet.sender.publish()
+    for idx in range(3):
+        fleet.spawn(idx)
+    for _ in range(2):
+        version_sum = _send(fleet, [0, 1, 2])
+        for idx in range(3):
+            assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+    assert not any("shm_copies" in row for row in _rows(fleet).values())
+    os.kill(fleet.procs[2].pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while "shm_copies" not in _rows(fleet)[2]:
+            assert time.monotonic() < deadline, "the stopped worker was never dropped"
+            _bump(fleet.model)
+            with pytest.raises(SyncTimeout) as caught:
+                fleet.sender.send()  # to every worker: the stopped one is waited for
+            assert set(caught.value.missing_workers) == {2}
+            version_sum = zmqsync.checksum(fleet.model)
+            for idx in (0, 1):
+                assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
+        assert fleet.hub.counters()["shm_expired"] >= 1
+        rows = _rows(fleet)
+        assert rows[2]["shm_copies"] is True and rows[2]["shm_pinned"] >= 1
+        assert not any("shm_copies" in rows[idx] or "shm_pinned" in rows[idx] for idx in (0, 1))
+        report = SenderStatus.from_dict(fleet.sender.status())
+        cells = {w.worker: worker_state(w, report.version, None).plain for w in report.workers}
+        assert "sent copies" in cells[2]
+        totals = fleet.sender.status()["totals"]
+        assert totals["shm_copying"] == 1 and totals["shm_pinned"] == rows[2]["shm_pinned"]
+    finally:
+        os.kill(fleet.procs[2].pid, signal.SIGCONT)
+    # Continued: it catches up, joins the lending again (offered at its next contact),
+    # and maps the next version.
+    version_sum = _send(fleet, [0, 1, 2])
+    assert fleet.wait_for(2, fleet.sender.version)["checksum"] == version_sum
+    until(lambda: "shm_copies" not in _rows(fleet)[2], DEADLINE, "it joins the lending again")
+    assert fleet.sender.status()["totals"]["shm_copying"] == 0
+    mapped = fleet.ask(2)["stats"]["shared_mapped"]
+    version_sum = _send(fleet, [0, 1, 2])
+    state = fleet.wait_for(2, fleet.sender.version)
+    assert state["checksum"] == version_sum and state["read_only"]
+    assert state["stats"]["shared_mapped"] == mapped + 1
+
+
+@pytest.mark.timeout(300)
 def test_workers_that_hold_a_version_past_the_lease_keep_mapping(
     make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -230,6 +230,12 @@ class ZMQHub(
     def lending(self) -> bool:
         return self._lender is not None and bool(self._lender.members())
 
+    def copying(self) -> dict[PeerId, int]:
+        """The peers dropped from the lending for holding a block past its lease (dead,
+        stopped, stuck) and not joined again: they are sent every message through the
+        socket, copied. Each with the retired blocks it may still map."""
+        return {} if self._lender is None else self._lender.copying()
+
     def zero_copy_from(self, nbytes: int) -> None:
         """pyzmq copies parts under its ``copy_threshold`` (64 KiB): lower it to ``nbytes``
         for a sender that packs nothing, so that even small tensors go from their own

@@ -44,6 +44,10 @@ LEASE_SECONDS: Final = 10.0
 #: them released them (a sender streams no further than its window meanwhile). Past
 #: this, the oldest are let go of (held by a stopped peer: the sender's stall covers it).
 MAX_KEPT: Final = 256
+#: Peers dropped for holding a block past their lease that the hub remembers as sent
+#: copies (until they join again, leave, or are dropped for another reason); the
+#: oldest are forgotten beyond it.
+MAX_EXPIRED: Final = 1024
 #: The largest slot number; a hub gives each join a new one.
 _MAX_SLOT: Final = 1 << 31
 
@@ -115,6 +119,10 @@ class Lender:
         #: done with that message (not merely when its lease went out).
         self._kept: dict[int, tuple[Any, int, set[int], set[bytes]]] = {}
         self.counters: Counter[str] = Counter()
+        #: Peers dropped for holding a block past their lease, not joined again: every
+        #: message goes to them inline (copied), and each may still map the blocks it
+        #: held (retired, never rewritten): peer -> how many.
+        self._expired: dict[bytes, int] = {}
 
     # offers and joins
 
@@ -159,6 +167,7 @@ class Lender:
         one under it). It is offered again on its next contact."""
         member = self._members.pop(peer, None)
         self._offered.discard(peer)
+        self._expired.pop(peer, None)
         if member is None:
             return
         del self._by_slot[member.slot]
@@ -272,7 +281,17 @@ class Lender:
             oldest = min(held.values(), default=None)
             if oldest is not None and now - oldest > LEASE_SECONDS:
                 self.counters["expired"] += 1
+                pinned = len(member.leased)
                 self.drop(member.peer, f"held a block for over {LEASE_SECONDS:g}s")
+                self._expired[member.peer] = pinned
+                while len(self._expired) > MAX_EXPIRED:
+                    del self._expired[next(iter(self._expired))]
+
+    def copying(self) -> dict[bytes, int]:
+        """The peers dropped for holding a block past their lease and not joined
+        again (sent every message copied, inline), each with the retired blocks it
+        may still map."""
+        return dict(self._expired)
 
     def lend(self, nbytes: int) -> Any:
         if not self._members:
@@ -284,6 +303,8 @@ class Lender:
         out = {f"shm_{k}": v for k, v in self.counters.items()}
         out["shm_bytes"] = self.pool.nbytes()
         out["shm_peers"] = len(self._members)
+        out["shm_copying"] = len(self._expired)
+        out["shm_pinned"] = sum(self._expired.values())
         return out
 
     def close(self) -> None:
@@ -292,3 +313,4 @@ class Lender:
         self._probe.close()
         self._members.clear()
         self._by_slot.clear()
+        self._expired.clear()
