@@ -402,3 +402,32 @@ def test_quiet_names_a_worker_not_heard_from_that_a_chunk_may_be_held_by() -> No
     core.handle(Goodbye("policy", 0, 1, 0, sessions[a]), a, 3.0)
     assert core.workers[0].left is not None
     assert not core.quiet(0, None, 2.0, 3.5)  # gone: it holds nothing
+
+
+def test_a_rank_does_not_resend_its_part_to_a_worker_that_waits_only_for_others() -> None:
+    """A sharded learner's rank: a worker behind that gathers the latest version and
+    has this rank's part in (it waits for other ranks') is told the version is on its
+    way, not sent this part again; one that still waits for this part is repaired."""
+    ranks = ["tcp://a:1", "tcp://b:1"]
+    core = Fleet(
+        "policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"], ranks=ranks, part=0
+    )
+    core.published = True
+    origin = Origin(0, b"p")
+    _admit, welcome = core.handle(Hello("policy", 0, 0, 0, attempt="a"), origin, 0.0)
+    session = welcome.message.session  # type: ignore[union-attr]
+    core.begin_send(None, 1.0, 10.0)  # version 1, to everyone
+    waits_for_other = SnapshotRequest("policy", 0, 1, 0, session, gathering=1, waiting=(1,))
+    (effect,) = core.handle(waits_for_other, origin, 5.0)
+    assert isinstance(effect, Reply) and isinstance(effect.message, UpToDate)
+    assert effect.message.in_flight
+    waits_for_this = SnapshotRequest("policy", 0, 1, 0, session, gathering=1, waiting=(0, 1))
+    assert [type(e) for e in core.handle(waits_for_this, origin, 6.0)] == [SendLatest]
+    # A plain (unsharded) sender's fleet repairs as before.
+    plain = Fleet("policy", 1, mode="zmq", strategy="state_dict", transports=["zmq"])
+    plain.published = True
+    _admit, welcome = plain.handle(Hello("policy", 0, 0, 0, attempt="a"), origin, 0.0)
+    session = welcome.message.session  # type: ignore[union-attr]
+    plain.begin_send(None, 1.0, 10.0)
+    request = SnapshotRequest("policy", 0, 1, 0, session, gathering=1, waiting=(1,))
+    assert [type(e) for e in plain.handle(request, origin, 5.0)] == [SendLatest]

@@ -78,6 +78,7 @@ class Fleet(FleetSends):
         announced: each hub's extra addresses for its Welcome (data and ack endpoints).
         ranks: a sharded learner's ranks' endpoints, which its Welcome names (each rank
             sends its part of every version; a worker opens a session with each).
+        part: which of those ranks this sender is (its part of every version), or None.
         num_workers: the fleet's size, or None for "whoever connected".
         heartbeat: the workers' heartbeat interval (liveness and expiry count in it).
         repair_after: the least time between two sends of the latest version to one worker.
@@ -98,9 +99,11 @@ class Fleet(FleetSends):
         repair_after: float = 1.0,
         max_sessions: int = MAX_SESSIONS,
         ranks: Sequence[str] = (),
+        part: int | None = None,
     ) -> None:
         self.model_id = model_id
         self.ranks = tuple(ranks)
+        self.part = part
         self.epoch = epoch
         self.mode = mode
         self.strategy = strategy
@@ -427,7 +430,18 @@ class Fleet(FleetSends):
         whole = request.whole and s.asked_whole != self.version
         if whole:
             s.asked_whole = self.version
+        # A sharded learner's worker that gathers the latest version, this rank's part of
+        # it in: it waits for other ranks' parts, and this one's again would not help.
+        part_in = (
+            self.part is not None
+            and request.epoch == self.epoch
+            and request.gathering == self.version
+            and self.part not in request.waiting
+            and not request.torn
+        )
         if behind and meant and not refused and self.published:
+            if part_in and not whole:
+                return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, True))]
             if whole or now - s.last_repair >= self.repair_after:
                 s.last_repair = now
                 up_to_date = UpToDate(self.model_id, self.version, self.epoch, False)

@@ -262,6 +262,7 @@ class WeightSender:
             heartbeat=heartbeat,
             repair_after=repair_after,
             ranks=ranks,
+            part=None if part is None or part.parts < 2 else part.part,
         )
         self.chunk_bytes = int(chunk_bytes)
         self.checksums = checksums
