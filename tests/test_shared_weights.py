@@ -235,15 +235,8 @@ def _rows(fleet: Fleet) -> dict[int, dict[str, Any]]:
     return {row["worker"]: row for row in fleet.sender.status()["workers"]}
 
 
-@pytest.mark.timeout(300)
-def test_a_stopped_pipe_worker_is_sent_copies_and_the_others_keep_mapping(
-    make_fleet: Callable[..., Fleet],
-) -> None:
-    """Versions sent to every worker while one is stopped: that one pins the blocks
-    of at most two versions (the one it holds, the one it has not read) and is sent
-    the next ones copied through its pipe, and status() says so; the others map every
-    version (no block ever runs out for them), and the stopped one catches up."""
-    fleet = make_fleet("pipe", 3, timeout=3.0)
+def _three_mapping_then_stop_one(fleet: Fleet) -> None:
+    """Workers 0-2 map two versions, none sent copies; then worker 2 is stopped."""
     fleet.sender.publish()
     for idx in range(3):
         fleet.spawn(idx)
@@ -253,6 +246,18 @@ def test_a_stopped_pipe_worker_is_sent_copies_and_the_others_keep_mapping(
             assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
     assert not any("shm_copies" in row for row in _rows(fleet).values())
     os.kill(fleet.procs[2].pid, signal.SIGSTOP)
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_pipe_worker_is_sent_copies_and_the_others_keep_mapping(
+    make_fleet: Callable[..., Fleet],
+) -> None:
+    """Versions sent to every worker while one is stopped: that one pins the blocks
+    of at most two versions (the one it holds, the one it has not read) and is sent
+    the next ones copied through its pipe, and status() says so; the others map every
+    version (no block ever runs out for them), and the stopped one catches up."""
+    fleet = make_fleet("pipe", 3, timeout=3.0)
+    _three_mapping_then_stop_one(fleet)
     before = {idx: fleet.ask(idx)["stats"] for idx in (0, 1)}
     fallbacks = fleet.hub.counters()["shm_fallbacks"]
     sent = 4
@@ -312,15 +317,7 @@ def test_a_stopped_zeromq_worker_is_dropped_from_the_lending_and_status_says_so(
     retired blocks it may still map; continued, it joins the lending again and maps."""
     monkeypatch.setattr(lending, "LEASE_SECONDS", 2.0)
     fleet = make_fleet("pubsub", 3, timeout=3.0)
-    fleet.sender.publish()
-    for idx in range(3):
-        fleet.spawn(idx)
-    for _ in range(2):
-        version_sum = _send(fleet, [0, 1, 2])
-        for idx in range(3):
-            assert fleet.wait_for(idx, fleet.sender.version)["checksum"] == version_sum
-    assert not any("shm_copies" in row for row in _rows(fleet).values())
-    os.kill(fleet.procs[2].pid, signal.SIGSTOP)
+    _three_mapping_then_stop_one(fleet)
     try:
         deadline = time.monotonic() + DEADLINE
         while "shm_copies" not in _rows(fleet)[2]:
