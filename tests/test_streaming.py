@@ -275,6 +275,54 @@ def test_a_receiver_slow_to_apply_queued_chunks_does_not_break_their_stream(
     assert receiver.torn and receiver.stats["broken_streams"] == 1
 
 
+def test_a_receiver_busy_with_queued_chunks_still_heartbeats() -> None:
+    """A long version whose chunks queue up faster than the worker applies them: its
+    heartbeats go on meanwhile (the sender, which goes by them, must not take it for
+    a stopped worker, nor expire its session on a huge version)."""
+    model = _model(0)
+    hub = MemoryHub()
+    sender = WeightSender(
+        hub,
+        model=model,
+        strategy="state_dict",
+        num_workers=1,
+        timeout=60,
+        chunk_bytes=CHUNK,
+        heartbeat=0.2,
+    )
+    receiver = WeightReceiver(MemorySpoke(hub.endpoint), model=_model(1), strategy="state_dict")
+
+    class Slow(ReceiverObserver):
+        def chunk_arrived(self, chunk: Chunk) -> None:
+            time.sleep(0.1)  # ~20 chunks: 2 s a version, ten heartbeats
+
+    silences: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            (row,) = sender.status()["workers"]
+            silences.append(row["since_last_seen_s"])
+
+    try:
+        receiver.connect(timeout=30)
+        receiver.add_observer(Slow())
+        receiver.start()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        _bump(model)
+        sender.send()
+        done.set()
+        watcher.join(10)
+        assert checksum(receiver.model) == checksum(model)
+        assert len(silences) >= 10
+        assert max(silences) < 1.5, f"silent for {max(silences):.2f}s while applying"
+    finally:
+        done.set()
+        receiver.close()
+        sender.close()
+
+
 def test_a_broken_staged_stream_leaves_the_model_untouched(
     fed: tuple[MemoryHub, WeightReceiver, dict[str, torch.Tensor]],
 ) -> None:

@@ -533,12 +533,12 @@ class WeightReceiver:
                 # time; only when none did is the stream's gap checked (so a receiver
                 # slowed down itself, on a loaded machine, does not break it).
                 spoke = upstream.spoke
+                upstream.beat(time.monotonic())  # still alive, still behind (when due)
                 frames = spoke.recv_frames(0) if has_input(spoke) else None
                 if frames is not None:
                     continue
                 if applier.expire(time.monotonic()):
                     continue
-                upstream.beat(time.monotonic())  # still alive, still behind
                 if timeout <= 0:
                     # A poll (a Ray actor's call delivers one chunk): the next chunk
                     # comes with a later call, and the stream's gap is checked then.
