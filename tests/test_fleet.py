@@ -381,29 +381,6 @@ def test_a_repair_the_sender_turned_down_holds_back_the_next_ask_a_second_at_mos
     core.repair_turned_down(Origin(0, b"stranger"), 70.0)  # nobody's: nothing to do
 
 
-def test_quiet_names_a_worker_not_heard_from_that_a_chunk_may_be_held_by() -> None:
-    """What the sender's window asks before giving up on a held chunk: whether a worker
-    it went to (of that hub, among its addressees) fell silent; one that left is not."""
-    core = Fleet("policy", 1, mode="zmq", strategy="state_dict", transports=["zmq", "zmq"])
-    a, b, c = Origin(0, b"a"), Origin(0, b"b"), Origin(1, b"c")
-    sessions: dict[Origin, str] = {}
-    for i, origin in enumerate((a, b, c)):
-        _admit, welcome = core.handle(Hello("policy", 0, 0, i, attempt="x"), origin, 0.0)
-        sessions[origin] = welcome.message.session  # type: ignore[union-attr]
-    # b and c keep talking (heartbeats); a has said nothing since its hello.
-    for t in (1.0, 2.0, 3.0):
-        for i, origin in ((1, b), (2, c)):
-            core.handle(SnapshotRequest("policy", 0, 1, i, sessions[origin]), origin, t)
-    assert core.quiet(0, None, 2.0, 3.0)  # a, of hub 0, silent for 3 s
-    assert core.quiet(0, [b"a"], 2.0, 3.0)
-    assert not core.quiet(0, [b"b"], 2.0, 3.0)  # b talks
-    assert not core.quiet(0, None, 4.0, 3.0)  # not for that long
-    assert not core.quiet(1, None, 2.0, 3.0)  # c, the only worker of hub 1, talks
-    core.handle(Goodbye("policy", 0, 1, 0, sessions[a]), a, 3.0)
-    assert core.workers[0].left is not None
-    assert not core.quiet(0, None, 2.0, 3.5)  # gone: it holds nothing
-
-
 def test_a_rank_does_not_resend_its_part_to_a_worker_that_waits_only_for_others() -> None:
     """A sharded learner's rank: a worker behind that gathers the latest version and
     has this rank's part in (it waits for other ranks') is told the version is on its

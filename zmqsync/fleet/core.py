@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from zmqsync.fleet.records import (
@@ -40,7 +40,7 @@ from zmqsync.protocol import (
     UpToDate,
     Welcome,
 )
-from zmqsync.transport.base import RELAY_CREDENTIAL, PeerId
+from zmqsync.transport.base import RELAY_CREDENTIAL
 
 __all__ = [
     "EXPIRE_HEARTBEATS",
@@ -137,20 +137,6 @@ class Fleet(FleetSends):
         self.reasons: deque[str] = deque(maxlen=REASONS_KEPT)
 
     # --- liveness ------------------------------------------------------------------
-
-    def quiet(self, hub: int, peers: Collection[PeerId] | None, seconds: float, now: float) -> bool:
-        """Whether a worker of ``hub`` (among ``peers``; None: any) that has not left was
-        not heard from for ``seconds`` at ``now``: a stopped, dead or cut-off one, which
-        may hold what was sent to it. Safe from any thread (it reads a snapshot)."""
-        for s in list(self.workers.values()):
-            if (
-                s.left is None
-                and s.origin.hub == hub
-                and (peers is None or s.origin.peer in peers)
-                and now - s.last_seen > seconds
-            ):
-                return True
-        return False
 
     def expire(self, now: float) -> list[Effect]:
         """Drop sessions quiet for :data:`EXPIRE_HEARTBEATS` heartbeats (or gone that

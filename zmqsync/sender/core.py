@@ -44,7 +44,7 @@ from zmqsync.protocol import (
     encode_metadata,
     peek_kind,
 )
-from zmqsync.sender.pump import QUIET_HEARTBEATS, HubRunner, StallClock, sum_counters
+from zmqsync.sender.pump import HubRunner, StallClock, sum_counters
 from zmqsync.sender.slices import SlicedWorkers
 from zmqsync.sender.stats import SendStats
 from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Pending, Stamp, Transfer
@@ -115,10 +115,6 @@ class _Pumps:
     def forwarded_version(self) -> int | None:
         forwarding = self._sender._forwarding
         return None if forwarding is None else forwarding.copy.version
-
-    def holders_quiet(self, runner: HubRunner, to: list[PeerId] | None, now: float) -> bool:
-        fleet = self._sender.fleet
-        return fleet.quiet(runner.index, to, QUIET_HEARTBEATS * fleet.heartbeat, now)
 
 
 class WeightSender:

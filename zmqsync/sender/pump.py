@@ -24,7 +24,6 @@ from zmqsync.transport.wakeup import Wakeup
 __all__ = [
     "MAX_REPAIRS",
     "PUMP_TICK",
-    "QUIET_HEARTBEATS",
     "STALL_MEMORY",
     "WINDOW",
     "WINDOW_WAIT",
@@ -63,12 +62,6 @@ STALL_FACTOR: Final = 8.0
 #: would otherwise cost the whole fleet a full stall limit).
 STALL_MEMORY: Final = 5.0
 STALL_KNOWN: Final = 0.02
-#: A chunk held past the clock's limit counts as stalled only if a peer it went to was
-#: not heard from for this many of the sender's heartbeats (stopped, dead, cut off): a
-#: peer that keeps talking is reading, however slow its link (up to STALL_MAX).
-QUIET_HEARTBEATS: Final = 2.0
-#: How often (seconds) a full window asks its sender again whether the peers are quiet.
-QUIET_CHECK: Final = 0.05
 
 
 def sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
@@ -123,11 +116,6 @@ class PumpHost(Protocol):
 
     def forwarded_version(self) -> int | None:
         """The version of a stream the host forwards (a relay), if any."""
-
-    def holders_quiet(self, runner: HubRunner, to: list[PeerId] | None, now: float) -> bool:
-        """Whether a peer that a chunk sent through ``runner``'s hub to ``to`` (None:
-        every peer of that hub) may be held by was not heard from for
-        :data:`QUIET_HEARTBEATS` heartbeats, at ``now`` (from any thread)."""
 
 
 class InFlight(NamedTuple):
@@ -204,8 +192,6 @@ class HubRunner:
         self.done: deque[tuple[int, list[PeerId] | None, float, float]] = deque(maxlen=MAX_REPAIRS)
         self.inflight: deque[InFlight] = deque()
         self._window_full = False  # whether the last advance() stopped at a full window
-        #: The last answer to holders_quiet(): (asked at, the chunk's addressees, quiet).
-        self._quiet: tuple[float, list[PeerId] | None, bool] | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"zmqsync-sender-{name}-{hub.name}", daemon=True
         )
@@ -314,14 +300,6 @@ class HubRunner:
             for version, to, started, finished in self.done
         )
 
-    def _holders_quiet(self, to: list[PeerId] | None, now: float) -> bool:
-        """The host's :meth:`PumpHost.holders_quiet`, asked at most every
-        :data:`QUIET_CHECK` seconds for the same chunk's addressees."""
-        last = self._quiet
-        if last is None or last[1] is not to or now - last[0] > QUIET_CHECK:
-            last = self._quiet = (now, to, self._host.holders_quiet(self, to, now))
-        return last[2]
-
     def advance(self) -> bool:
         """Send the chunks the window allows (holding the baton); True while some
         transfer has chunks left to send."""
@@ -331,17 +309,12 @@ class HubRunner:
         while self.transfers:
             while inflight and not inflight[0].held():
                 sent_at = inflight.popleft().sent_at
-                if self._window_full and now - sent_at <= clock.limit(now):
+                if self._window_full:
                     # Watched closely (the window was full): how long chunks take to go.
-                    # A release past the limit (a slow link's) teaches nothing: the limit
-                    # stays one that finds a stopped peer soon.
                     clock.released_after(now - sent_at)
             self._window_full = False
             if len(inflight) >= WINDOW:
-                held_for = now - inflight[0].sent_at
-                if held_for <= clock.limit(now) or (
-                    held_for <= STALL_MAX and not self._holders_quiet(inflight[0].to, now)
-                ):
+                if now - inflight[0].sent_at <= clock.limit(now):
                     self._window_full = True
                     return True
                 inflight.popleft()  # held by a stopped peer: go on without it
