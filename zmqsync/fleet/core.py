@@ -198,6 +198,12 @@ class Fleet(FleetSends):
             session = self._authenticate(message.worker, message.session, origin)
             if session is None:
                 self.counters["forged"] += 1
+                if isinstance(message, Goodbye):
+                    # Not answered: its sender is leaving, and an answer would reach
+                    # whoever speaks from that address next (a Ray actor's next
+                    # receiver, handed a closed one's last words to this sender).
+                    self.reject(f"Goodbye of worker {message.worker} without its session")
+                    return []
                 return self._refuse(
                     origin,
                     "unknown-session",
