@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from zmqsync.fleet import (
     EXPIRE_HEARTBEATS,
     EXPIRE_MIN_SECONDS,
+    READ_GAP_MAX,
     REPAIR_RETRY,
     Admit,
     FanOut,
@@ -42,6 +43,7 @@ from zmqsync.protocol import (
     Hello,
     Probe,
     ProbeRequest,
+    Reading,
     SnapshotRequest,
     UpToDate,
     Welcome,
@@ -409,3 +411,57 @@ def test_a_rank_does_not_resend_its_part_to_a_worker_that_waits_only_for_others(
     plain.begin_send(None, 1.0, 10.0)
     request = SnapshotRequest("policy", 0, 1, 0, session, gathering=1, waiting=(1,))
     assert [type(e) for e in plain.handle(request, origin, 5.0)] == [SendLatest]
+
+
+def test_reading_names_a_slow_reader_that_may_hold_a_chunk_and_still_reads() -> None:
+    """What the sender's window asks before giving up on a chunk held past the stall
+    limit: whether a worker it went to (of that hub, among its addressees) that has not
+    said it read that chunk says it reads slowly, and was heard from within two of its
+    gaps. A stopped worker goes quiet; one that read the chunk, left, or notes from
+    another life of the sender, does not count; a claimed gap counts for 10 s at most."""
+    core = Fleet("policy", 7, mode="zmq", strategy="state_dict", transports=["zmq", "zmq"])
+    a, b, c = Origin(0, b"a"), Origin(0, b"b"), Origin(1, b"c")
+    sessions: dict[Origin, str] = {}
+    for i, origin in enumerate((a, b, c)):
+        _admit, welcome = core.handle(Hello("policy", 0, 0, i, attempt="x"), origin, 0.0)
+        sessions[origin] = welcome.message.session  # type: ignore[union-attr]
+    chunk = (3, 2)  # version 3's chunk 2, sent at 10.0
+    assert not core.reading(0, None, chunk, 10.0, 10.3)  # nobody said it reads slowly
+    # a reads version 3 slowly: chunk 1 of it, 0.5 s after chunk 0.
+    assert core.handle(Reading("policy", 3, 7, 0, sessions[a], 1, 0.5), a, 10.2) == []
+    assert core.reading(0, None, chunk, 10.0, 10.9)  # heard 0.7 s ago, within 2 gaps
+    assert core.reading(0, [b"a"], chunk, 10.0, 10.9)
+    assert not core.reading(0, [b"b"], chunk, 10.0, 10.9)  # b said nothing
+    assert not core.reading(1, None, chunk, 10.0, 10.9)  # a is of hub 0
+    assert not core.reading(0, None, chunk, 10.0, 11.3)  # quiet for 1.1 s: stopped
+    # A note counts from when the chunk was sent, not before: chunk 4, sent at 11.0.
+    assert core.reading(0, None, (3, 4), 11.0, 11.9)
+    # Once a says it read chunk 2, it holds it no more.
+    core.handle(Reading("policy", 3, 7, 0, sessions[a], 2, 0.5), a, 11.5)
+    assert not core.reading(0, None, chunk, 10.0, 11.6)
+    assert core.reading(0, None, (3, 3), 10.0, 11.6)
+    # Its pace back (a fast gap): it counts as reading for two of those gaps only.
+    core.handle(Reading("policy", 3, 7, 0, sessions[a], 3, 0.001), a, 12.0)
+    assert not core.reading(0, None, (3, 5), 12.0, 12.1)
+    # A claim of a huge gap counts for READ_GAP_MAX; one of another life not at all.
+    core.handle(Reading("policy", 4, 7, 0, sessions[a], 0, 1e9), a, 20.0)
+    assert core.workers[0].read_gap == READ_GAP_MAX
+    assert core.reading(0, None, (4, 1), 20.0, 20.0 + 2 * READ_GAP_MAX - 1)
+    core.handle(Reading("policy", 9, 8, 1, sessions[b], 0, 5.0), b, 21.0)
+    assert core.workers[1].read_gap == 0.0 and core.workers[1].read == (0, -1)
+    # A forged note (not the session's secret) is refused and counted.
+    forged = core.handle(Reading("policy", 4, 7, 1, "not-the-secret", 0, 5.0), b, 21.0)
+    assert core.counters["forged"] == 1 and [type(e) for e in forged] == [Reply]
+    # b says it reads, and held a chunk as long as any is waited for: its word on that
+    # chunk, and from then on, counts no more; a's word (it read the chunk) still does.
+    core.handle(Reading("policy", 4, 7, 1, sessions[b], 0, 0.5), b, 21.0)
+    core.handle(Reading("policy", 4, 7, 0, sessions[a], 1, 0.5), a, 21.0)
+    assert core.reading(0, [b"b"], (4, 1), 20.0, 21.5)
+    core.read_stalled(0, None, (4, 1))
+    assert core.workers[1].read_doubted and not core.workers[0].read_doubted
+    core.handle(Reading("policy", 4, 7, 1, sessions[b], 1, 0.5), b, 22.0)
+    assert not core.reading(0, [b"b"], (4, 2), 22.0, 22.1)
+    assert core.reading(0, [b"a"], (4, 2), 21.0, 21.5)
+    # Gone: it holds nothing.
+    core.handle(Goodbye("policy", 4, 7, 0, sessions[a]), a, 21.0)
+    assert not core.reading(0, None, (4, 2), 20.0, 21.5)

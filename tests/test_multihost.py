@@ -241,6 +241,35 @@ def test_a_version_slower_than_repair_after_goes_out_once_over_a_slow_link(net: 
     net.check_histories([0, 1])
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("net", [1], indirect=True)
+def test_a_slow_link_that_holds_the_window_is_waited_for_not_stalled(net: Net) -> None:
+    """A 40 MiB version in the default 8 MiB chunks over a 100 Mbit/s link: the window
+    (4 chunks) fills, and its oldest chunk is held 0.7 s, past the stall clock's limit.
+    The worker, whose chunks come slowly, says it reads them (Reading notes), so the
+    window waits for it. The first version over the new link may be given up on before
+    the worker's pace is known; the next ones count no stall and need no repair. Before,
+    each such chunk counted as stalled (a stopped peer's), the window went on without
+    it, and the worker's stream broke."""
+    scheme = net.start_sender(40.0)
+    net.start_worker(0, scheme, 40.0)
+    net.ready(0)
+    net.wait_for_latest([0])
+    net.topo.shape("learner", rate="100mbit", burst="256kb", latency="200ms")
+    assert net.send(timeout=60.0) == ("ok", [])  # the sender hears the worker's pace
+    net.wait_for_latest([0], within=60)
+    before, egress = _totals(net), _egress(net, "learner")
+    for _ in range(2):
+        assert net.send(timeout=60.0) == ("ok", [])
+    after, egress = _totals(net), _egress(net, "learner") - egress
+    assert after["stalls"] == before["stalls"], (before, after)
+    assert after["repairs_sent"] == before["repairs_sent"], (before, after)
+    sent = after["bytes_sent"] - before["bytes_sent"]
+    assert sent >= 2 * 40 * 1024 * 1024
+    assert egress < 1.5 * sent, f"{egress} bytes left the link for {sent} sent"
+    net.check_histories([0])
+
+
 def _totals(net: Net) -> dict[str, Any]:
     assert net.sender is not None
     return net.sender.ask(("status",))["totals"]  # type: ignore[no-any-return]

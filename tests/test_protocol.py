@@ -28,6 +28,7 @@ from zmqsync.protocol import (
     Kind,
     Probe,
     ProbeRequest,
+    Reading,
     SnapshotRequest,
     StatusReply,
     StatusRequest,
@@ -162,6 +163,16 @@ control_messages = st.one_of(
     ),
     st.builds(ErrorMessage, model_ids, code=text, message=text, version=u64, epoch=u64),
     st.builds(Goodbye, model_ids, u64, u64, worker=u64, session=text),
+    st.builds(
+        Reading,
+        model_ids,
+        u64,
+        u64,
+        worker=u64,
+        session=text,
+        index=u64,
+        gap=st.floats(-1e9, 1e9, allow_nan=False),
+    ),
 )
 
 

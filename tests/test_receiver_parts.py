@@ -33,6 +33,7 @@ from zmqsync.protocol.stream import Broken
 from zmqsync.receiver import PendingAck, ReceiverObserver, WeightReceiver
 from zmqsync.receiver.applying import Applier, Keep
 from zmqsync.receiver.observer import Observers
+from zmqsync.receiver.pace import ReadPace
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import FAILOVER_MIN_SECONDS, SpokeLock, UpstreamSession
 from zmqsync.receiver.stats import new_stats
@@ -516,6 +517,27 @@ def test_a_welcomed_session_says_goodbye_once() -> None:
     finally:
         spoke.close()
         hub.close()
+
+
+def test_a_slow_reader_notes_its_pace_and_a_fast_one_says_once_that_it_is_back() -> None:
+    pace = ReadPace()
+    # A fast link: chunks 10 ms apart say nothing.
+    assert [pace.chunk(i == 0, i == 3, 1.0 + 0.01 * i) for i in range(4)] == [None] * 4
+    # A slow one: 0.7 s a chunk, and a small last chunk right after the one before. Every
+    # chunk but the last is noted with the longest gap; the last says nothing.
+    times = [10.0, 10.7, 11.4, 12.1, 12.15]
+    notes = [pace.chunk(i == 0, i == 4, t) for i, t in enumerate(times)]
+    assert notes[0] is None  # no gap known yet: the version before came fast
+    assert notes[1:4] == pytest.approx([0.7, 0.7, 0.7]) and notes[4] is None
+    # The next version's first chunk still says the slow pace (not the last small gap).
+    assert pace.chunk(True, False, 20.0) == pytest.approx(0.7)
+    assert pace.chunk(False, False, 20.01) is None  # at most one note every NOTE_GAP
+    assert pace.chunk(False, True, 20.02) is None
+    # Two fast versions on: the pace is back, said once, then nothing.
+    assert pace.chunk(True, False, 30.0) == pytest.approx(0.01)
+    assert pace.chunk(False, True, 30.01) is None
+    assert pace.chunk(True, False, 40.0) is None
+    assert pace.chunk(False, True, 40.01) is None
 
 
 # --- observers, through a receiver --------------------------------------------------

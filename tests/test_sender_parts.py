@@ -15,10 +15,13 @@ from _faults import until
 
 from zmqsync.chunking.layout import MIN_CHUNK_BYTES
 from zmqsync.protocol import Buffer, Chunk, decode
+from zmqsync.sender import pump
 from zmqsync.sender.pump import (
+    READING_CHECK,
     STALL_MEMORY,
     WINDOW,
     HubRunner,
+    InFlight,
     StallClock,
 )
 from zmqsync.sender.stats import LATENCY_BUCKETS, SendStats
@@ -241,6 +244,12 @@ class FakeHost:
         self.failed: BaseException | None = None
         self.forwarded: int | None = None
         self.explode = False
+        #: Whether a worker the held chunk went to says it still reads (a slow link's);
+        #: by default none does (a stopped peer's). The chunks asked about, in turn.
+        self.still_reading = False
+        self.asked: list[InFlight] = []
+        #: The chunks given up on at STALL_MAX though workers said they read them.
+        self.read_stalled_on: list[InFlight] = []
 
     def housekeeping(self, runner: HubRunner) -> None:
         self.turns += 1
@@ -255,6 +264,13 @@ class FakeHost:
 
     def forwarded_version(self) -> int | None:
         return self.forwarded
+
+    def reading(self, runner: HubRunner, chunk: InFlight, now: float) -> bool:
+        self.asked.append(chunk)
+        return self.still_reading
+
+    def read_stalled(self, runner: HubRunner, chunk: InFlight) -> None:
+        self.read_stalled_on.append(chunk)
 
 
 class KeepingHub(HubTransport):
@@ -362,6 +378,41 @@ def test_a_chunk_held_past_the_stall_limit_is_given_up_on() -> None:
         until(lambda: hub.sent == copy.count, 20, "the window went on without the peer")
         stalls = stats.totals["stalls"]
         assert stalls >= 1 and runner.clock.last_stall >= started
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_a_slow_reader_still_reads_is_waited_for_up_to_stall_max(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the clock's limit a held chunk is given up on unless a worker it went to
+    says it still reads it (its sender says so): a slow link's worker is waited for, up
+    to STALL_MAX, and what its late releases took teaches the clock nothing. The window
+    asks about the chunk it waits for, which names itself as workers' notes do."""
+    monkeypatch.setattr(pump, "STALL_MAX", 3.0)
+    copy = _copy(2 * WINDOW)
+    with _pump() as (runner, hub, host, stats):
+        host.still_reading = True
+        runner.begin(Transfer(copy, None))
+        limit = runner.clock.limit(time.monotonic())
+        time.sleep(limit + 0.5)
+        assert hub.sent == WINDOW and stats.totals["stalls"] == 0
+        assert host.asked and host.asked[0].read == (1, 0) and host.asked[0].to is None
+        # Asked again at most every READING_CHECK, not at every turn of the pump.
+        assert len(host.asked) <= (0.5 + 0.2) / READING_CHECK + 2
+        hub.keep = False  # the slow reader has them at last
+        hub.kept.clear()
+        until(lambda: hub.sent == copy.count, 10, "the window went on")
+        assert stats.totals["stalls"] == 0
+        assert runner.clock.release_time == StallClock().release_time  # taught nothing
+        assert host.read_stalled_on == []
+    with _pump() as (runner, hub, host, stats):
+        host.still_reading = True
+        started = time.monotonic()
+        runner.begin(Transfer(_copy(2 * WINDOW), None))  # kept for good, "read" for good
+        until(lambda: stats.totals["stalls"] >= 1, 20, "the window gave up at STALL_MAX")
+        assert time.monotonic() - started >= 3.0
+        # The host hears whose word held it, so that it takes it no more.
+        assert host.read_stalled_on[0].read == (1, 0)
 
 
 @pytest.mark.timeout(60)

@@ -3,8 +3,9 @@
 The rules, each enforced in :mod:`zmqsync.fleet.core` and nowhere else:
 
 - A worker's record (a *session*) comes only from a Hello over an identified
-  connection; the Welcome carries a secret that every later ack, request and goodbye
-  must carry, from the same connection (acks may come over the shared ack channel).
+  connection; the Welcome carries a secret that every later ack, request, reading note
+  and goodbye must carry, from the same connection (acks may come over the shared ack
+  channel).
 - A claim on an id another live connection holds is refused; auto-assignment hands out
   only ids that no session holds and no hub reserves.
 - The ack channel carries acks only. No request is answered by a send to the fleet:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Final
 
 from zmqsync.fleet.records import (
@@ -36,17 +36,20 @@ from zmqsync.protocol import (
     Message,
     Probe,
     ProbeRequest,
+    Reading,
     SnapshotRequest,
     UpToDate,
     Welcome,
 )
-from zmqsync.transport.base import RELAY_CREDENTIAL
+from zmqsync.transport.base import RELAY_CREDENTIAL, PeerId
 
 __all__ = [
     "EXPIRE_HEARTBEATS",
     "EXPIRE_MIN_SECONDS",
     "MAX_CLAIMS",
     "MAX_SESSIONS",
+    "READ_GAP_MAX",
+    "READ_SILENCE",
     "REPAIR_RETRY",
     "Fleet",
 ]
@@ -67,6 +70,11 @@ PROBE_INTERVAL: Final = 0.005
 #: A repair the sender turned down (the version was still on its way to the worker)
 #: holds back the worker's next asks this long (seconds) at most, not repair_after.
 REPAIR_RETRY: Final = 1.0
+#: A worker that said it reads slowly (its Reading notes) counts as reading while it
+#: was heard from within this many of its gaps between chunks...
+READ_SILENCE: Final = 2.0
+#: ...and a gap it claims counts for this many seconds at most.
+READ_GAP_MAX: Final = 10.0
 
 
 class Fleet(FleetSends):
@@ -138,6 +146,48 @@ class Fleet(FleetSends):
 
     # --- liveness ------------------------------------------------------------------
 
+    def reading(
+        self,
+        hub: int,
+        peers: Collection[PeerId] | None,
+        chunk: tuple[int, int],
+        since: float,
+        now: float,
+    ) -> bool:
+        """Whether a worker of ``hub`` (among ``peers``; None: any) that has not yet said
+        it read ``chunk`` (version, index) sent at ``since`` reads slowly and still reads
+        at ``now``: it says so as chunks come (Reading notes), and was heard from, since
+        the chunk was sent, within :data:`READ_SILENCE` of its gaps between chunks. Such
+        a worker may hold the chunk on a slow link; a stopped one goes quiet. Safe from
+        any thread (it reads a snapshot)."""
+        for s in list(self.workers.values()):
+            if (
+                s.read_gap > 0.0
+                and s.left is None
+                and s.origin.hub == hub
+                and (peers is None or s.origin.peer in peers)
+                and s.read < chunk
+                and now - max(s.last_seen, since) <= READ_SILENCE * s.read_gap
+            ):
+                return True
+        return False
+
+    def read_stalled(
+        self, hub: int, peers: Collection[PeerId] | None, chunk: tuple[int, int]
+    ) -> None:
+        """The window waited for ``chunk`` on the word of workers that said they read it,
+        as long as it waits for any chunk, and gave up: whoever of them has not read it
+        yet is not believed again (its session waits as a stopped worker's would). A
+        worker that lies about its pace holds the fleet up once, not at every chunk."""
+        for s in list(self.workers.values()):
+            if (
+                s.read_gap > 0.0
+                and s.origin.hub == hub
+                and (peers is None or s.origin.peer in peers)
+                and s.read < chunk
+            ):
+                s.read_gap, s.read_doubted = 0.0, True
+
     def expire(self, now: float) -> list[Effect]:
         """Drop sessions quiet for :data:`EXPIRE_HEARTBEATS` heartbeats (or gone that
         long): their ids are free again, and a late message of theirs counts for nothing."""
@@ -194,7 +244,7 @@ class Fleet(FleetSends):
             return self._on_ack(message, origin, now)
         if isinstance(message, Hello):
             return self._on_hello(message, origin, now, reserved or {}, credential)
-        if isinstance(message, SnapshotRequest | ProbeRequest | Goodbye):
+        if isinstance(message, SnapshotRequest | ProbeRequest | Goodbye | Reading):
             session = self._authenticate(message.worker, message.session, origin)
             if session is None:
                 self.counters["forged"] += 1
@@ -211,6 +261,8 @@ class Fleet(FleetSends):
                     "session of its Welcome (expired, taken over, or forged): say hello again",
                 )
             session.last_seen = now
+            if isinstance(message, Reading):
+                return self._on_reading(message, session)
             if isinstance(message, SnapshotRequest):
                 return self._on_snapshot_request(message, session, now)
             if isinstance(message, ProbeRequest):
@@ -441,6 +493,15 @@ class Fleet(FleetSends):
             # Sent to it within repair_after: on its way.
             return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, True))]
         return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, False))]
+
+    def _on_reading(self, note: Reading, s: Session) -> list[Effect]:
+        """A worker reads a version's chunks slowly (or says its pace is back): kept for
+        the window (:meth:`reading`), never answered. A note of another life of this
+        sender says nothing of what it reads now."""
+        if note.epoch == self.epoch and not s.read_doubted:
+            s.read = (note.version, note.index)
+            s.read_gap = min(max(note.gap, 0.0), READ_GAP_MAX)
+        return []
 
     def repair_turned_down(self, origin: Origin, now: float) -> None:
         """The sender did not send the latest version that a SendLatest for the worker

@@ -128,6 +128,12 @@ class Session:
     #: Whether it may claim workers below it: its hub authenticated nobody, or
     #: authenticated it as a relay.
     may_relay: bool = True
+    #: From its Reading notes: the chunk it last said it read (version, index), and the
+    #: longest seconds between two of its chunks of late (0.0: it reads fast).
+    read: tuple[int, int] = (0, -1)
+    read_gap: float = 0.0
+    #: Whether its word that it reads once held a chunk to STALL_MAX: not believed again.
+    read_doubted: bool = False
 
 
 @dataclass

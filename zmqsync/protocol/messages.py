@@ -25,6 +25,7 @@ __all__ = [
     "Message",
     "Probe",
     "ProbeRequest",
+    "Reading",
     "Slice",
     "SnapshotRequest",
     "StatusReply",
@@ -60,6 +61,7 @@ class Kind(enum.IntEnum):
     STATUS_REPLY = 10
     ERROR = 11
     GOODBYE = 12
+    READING = 13
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +383,27 @@ class Goodbye(_Header):
     kind = Kind.GOODBYE
 
 
+@dataclass(frozen=True, slots=True)
+class Reading(_Header):
+    """A worker that reads a version's chunks slowly says so, as it reads them (never
+    answered): it read chunk ``index`` of ``version`` of ``epoch``, and ``gap`` seconds
+    passed between its last two chunks of one version.
+
+    Its sender's window then tells a slow link from a stopped worker: a chunk held past
+    the stall limit is waited for while a worker it went to, and has not yet read, keeps
+    saying it reads (see :mod:`zmqsync.sender.pump`). A worker whose chunks come faster
+    than :data:`~zmqsync.receiver.pace.NOTE_GAP` apart says nothing, but once to say its
+    pace is back.
+    """
+
+    worker: int
+    session: str
+    index: int
+    gap: float
+
+    kind = Kind.READING
+
+
 Message: TypeAlias = (
     Chunk
     | Ack
@@ -394,4 +417,5 @@ Message: TypeAlias = (
     | StatusReply
     | ErrorMessage
     | Goodbye
+    | Reading
 )

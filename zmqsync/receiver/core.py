@@ -518,6 +518,7 @@ class WeightReceiver:
                 ack = None
                 if isinstance(message, Chunk):
                     ack = self._on_chunk(message)
+                    upstream.read(message, time.monotonic())  # a note, if chunks come slowly
                 elif message is not None:
                     upstream.on_control(message)
                     if upstream.ranks and self._open_ranks():
@@ -634,6 +635,7 @@ class WeightReceiver:
             except FrameError as exc:
                 self._rejections.add(self.worker_idx, f"rank {index}: {exc}")
                 return
+            session.read(message, time.monotonic())  # a note to that rank, if slow
             del message  # its bytes are in the gather's buffers now
             for event in events:
                 self._on_gathered(ranks, event)

@@ -19,6 +19,7 @@ from typing import Any, Final, Protocol
 
 from zmqsync import protocol
 from zmqsync.receiver.observer import PendingAck, ReceiverObserver
+from zmqsync.receiver.pace import ReadPace
 from zmqsync.receiver.rejections import Rejections
 from zmqsync.transport.base import Follows, SpokeTransport
 
@@ -187,6 +188,8 @@ class UpstreamSession:
         self.ranks: tuple[str, ...] = ()
         #: The slices this worker holds (a tensor-parallel worker), which its Hello says.
         self.slices: tuple[protocol.Slice, ...] = ()
+        #: How fast chunks come from this upstream, and when it was last told.
+        self.pace = ReadPace()
 
     @property
     def attempt(self) -> str:
@@ -226,6 +229,25 @@ class UpstreamSession:
         if self.welcomed and now - self._last_heartbeat >= self.heartbeat:
             self._last_heartbeat = now
             self.request_snapshot()
+
+    def read(self, chunk: protocol.Chunk, now: float) -> None:
+        """A chunk from this upstream was read at ``now``: if chunks come slowly, say
+        so (the sender then waits for this worker as for a slow link's, not a stopped
+        one's). The last chunk of a version says nothing: its ack follows."""
+        gap = self.pace.chunk(chunk.first, chunk.last, now)
+        if gap is None or not self._session or self.worker_idx is None:
+            return
+        self._send(
+            protocol.Reading(
+                self.model_id,
+                chunk.version,
+                chunk.epoch,
+                self.worker_idx,
+                self._session,
+                chunk.index,
+                gap,
+            )
+        )
 
     def ask_again(self, *, whole: bool = False) -> None:
         """Ask for the latest version now, if welcomed (a heartbeat out of turn)."""

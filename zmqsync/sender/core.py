@@ -44,7 +44,7 @@ from zmqsync.protocol import (
     encode_metadata,
     peek_kind,
 )
-from zmqsync.sender.pump import HubRunner, StallClock, sum_counters
+from zmqsync.sender.pump import HubRunner, InFlight, StallClock, sum_counters
 from zmqsync.sender.slices import SlicedWorkers
 from zmqsync.sender.stats import SendStats
 from zmqsync.sender.transfers import Copy, Forwarded, Forwarding, Pending, Stamp, Transfer
@@ -75,7 +75,14 @@ log = logging.getLogger("zmqsync.sender")
 #: What a worker may send to a sender; anything else is refused before it is decoded
 #: (a weights message sent to a sender would otherwise be parsed and held for nothing).
 ACCEPTED: Final = frozenset(
-    {Kind.ACK, Kind.HELLO, Kind.SNAPSHOT_REQUEST, Kind.PROBE_REQUEST, Kind.GOODBYE}
+    {
+        Kind.ACK,
+        Kind.HELLO,
+        Kind.SNAPSHOT_REQUEST,
+        Kind.PROBE_REQUEST,
+        Kind.GOODBYE,
+        Kind.READING,
+    }
 )
 #: Status requests a hub keeps while a send waits for acks, answered together with one
 #: report; further askers are dropped, and ask again.
@@ -115,6 +122,13 @@ class _Pumps:
     def forwarded_version(self) -> int | None:
         forwarding = self._sender._forwarding
         return None if forwarding is None else forwarding.copy.version
+
+    def reading(self, runner: HubRunner, chunk: InFlight, now: float) -> bool:
+        return self._sender.fleet.reading(runner.index, chunk.to, chunk.read, chunk.sent_at, now)
+
+    def read_stalled(self, runner: HubRunner, chunk: InFlight) -> None:
+        with self._sender._cond:
+            self._sender.fleet.read_stalled(runner.index, chunk.to, chunk.read)
 
 
 class WeightSender:

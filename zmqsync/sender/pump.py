@@ -1,6 +1,12 @@
 """One hub and the pump thread that serves it: who holds the hub (the baton), the
 window of chunks each transfer may have in the transport at once, and how long a
-stopped peer may hold a chunk (the stall clock)."""
+stopped peer may hold a chunk (the stall clock).
+
+A chunk held past the clock's limit is a stopped peer's, unless a worker it went to
+says it still reads it: a worker whose chunks come slowly says so as they come
+(:class:`~zmqsync.protocol.Reading`), and the window waits while one that has not read
+this chunk keeps saying it reads (up to :data:`STALL_MAX`). A slow link's worker keeps
+its stream whole; a stopped worker goes quiet and is given up on at the limit."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from zmqsync.transport.wakeup import Wakeup
 __all__ = [
     "MAX_REPAIRS",
     "PUMP_TICK",
+    "READING_CHECK",
     "STALL_MEMORY",
     "WINDOW",
     "WINDOW_WAIT",
@@ -62,6 +69,9 @@ STALL_FACTOR: Final = 8.0
 #: would otherwise cost the whole fleet a full stall limit).
 STALL_MEMORY: Final = 5.0
 STALL_KNOWN: Final = 0.02
+#: How often (seconds) a window held past the limit asks its sender again whether a
+#: worker the chunk went to still reads it.
+READING_CHECK: Final = 0.05
 
 
 def sum_counters(counters: Iterable[dict[str, int]]) -> dict[str, int]:
@@ -117,15 +127,25 @@ class PumpHost(Protocol):
     def forwarded_version(self) -> int | None:
         """The version of a stream the host forwards (a relay), if any."""
 
+    def reading(self, runner: HubRunner, chunk: InFlight, now: float) -> bool:
+        """Whether a worker that ``chunk`` went to through ``runner``'s hub, and that has
+        not read it yet, says it still reads (slowly), at ``now`` (from any thread)."""
+
+    def read_stalled(self, runner: HubRunner, chunk: InFlight) -> None:
+        """The window waited for ``chunk`` on workers' word that they read it, up to
+        :data:`STALL_MAX`, and gave up: their word is not to be taken again."""
+
 
 class InFlight(NamedTuple):
     """A chunk handed to the hub: when, the views of its memory the hub may hold, the
-    version it is of (-1: a delta's) and whom it is for (None: every peer of the hub)."""
+    version it is of (-1: a delta's), whom it is for (None: every peer of the hub), and
+    which chunk it is (the version it brings, its index), as workers' notes name it."""
 
     sent_at: float
     views: list[weakref.ref[np.ndarray]]
     version: int = -1
     to: list[PeerId] | None = None
+    read: tuple[int, int] = (0, 0)
 
     def held(self) -> bool:
         """Whether the hub still holds some of the chunk (queued, or on the wire)."""
@@ -192,6 +212,12 @@ class HubRunner:
         self.done: deque[tuple[int, list[PeerId] | None, float, float]] = deque(maxlen=MAX_REPAIRS)
         self.inflight: deque[InFlight] = deque()
         self._window_full = False  # whether the last advance() stopped at a full window
+        #: The chunk a window waits for past the stall limit (a slow reader's), and the
+        #: last answer to whether its workers still read it: (asked at, the answer).
+        self._waited: InFlight | None = None
+        self._reading = (float("-inf"), False)
+        #: When the window last waited past the limit on a reader's word.
+        self._read_wait = float("-inf")
         self._thread = threading.Thread(
             target=self._run, name=f"zmqsync-sender-{name}-{hub.name}", daemon=True
         )
@@ -300,6 +326,15 @@ class HubRunner:
             for version, to, started, finished in self.done
         )
 
+    def _still_read(self, chunk: InFlight, now: float) -> bool:
+        """The host's :meth:`PumpHost.reading` for ``chunk``, asked at most every
+        :data:`READING_CHECK` seconds while the window waits for the same chunk."""
+        asked_at, answer = self._reading
+        if chunk is not self._waited or now - asked_at > READING_CHECK:
+            answer = self._host.reading(self, chunk, now)
+            self._waited, self._reading = chunk, (now, answer)
+        return answer
+
     def advance(self) -> bool:
         """Send the chunks the window allows (holding the baton); True while some
         transfer has chunks left to send."""
@@ -308,18 +343,31 @@ class HubRunner:
         now = time.monotonic()
         while self.transfers:
             while inflight and not inflight[0].held():
-                sent_at = inflight.popleft().sent_at
-                if self._window_full:
+                released = inflight.popleft()
+                took = now - released.sent_at
+                if self._window_full and (
+                    took <= clock.limit(now) or released.sent_at > self._read_wait
+                ):
                     # Watched closely (the window was full): how long chunks take to go.
-                    clock.released_after(now - sent_at)
+                    # Not what a slow reader's chunks took past the limit while the window
+                    # waited for it: the limit stays one that finds a stopped peer soon.
+                    clock.released_after(took)
             self._window_full = False
             if len(inflight) >= WINDOW:
-                if now - inflight[0].sent_at <= clock.limit(now):
+                oldest = inflight[0]
+                held_for = now - oldest.sent_at
+                if held_for <= clock.limit(now):
                     self._window_full = True
+                    return True
+                if held_for <= STALL_MAX and self._still_read(oldest, now):
+                    self._window_full = True
+                    self._read_wait = now
                     return True
                 inflight.popleft()  # held by a stopped peer: go on without it
                 totals["stalls"] += 1
                 clock.stalled(now)
+                if self._read_wait >= oldest.sent_at:  # waited for on a worker's word
+                    self._host.read_stalled(self, oldest)
                 continue
             transfer = self.transfers[0]
             if not transfer.copy.readable:
@@ -338,7 +386,8 @@ class HubRunner:
             now = time.monotonic()
             # What a repair may wait for: a whole version (a delta brings it to some only).
             whole = transfer.copy.version if transfer.spans is None else -1
-            inflight.append(InFlight(now, refs, whole, transfer.to))
+            read = (transfer.copy.version, transfer.next)
+            inflight.append(InFlight(now, refs, whole, transfer.to, read))
             transfer.next += 1
             totals["chunks_sent"] += 1
             if transfer.sent:
