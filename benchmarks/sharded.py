@@ -47,6 +47,7 @@ from benchmarks._sharded_hosts import (
 from benchmarks._turns import take_turns
 from benchmarks.tree import _tx_bytes
 from tests.netns import Topology
+from zmqsync.chunking.layout import DEFAULT_CHUNK_BYTES
 
 #: How long the ranks, relays and workers may take to start (spawn, import torch, build
 #: and shard the model, join the group) on a loaded 2-core machine.
@@ -243,7 +244,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3, help="counted versions per variant")
     parser.add_argument("--rate", default="500mbit", help="every rank's link rate (tbf)")
     parser.add_argument(
-        "--chunk-kib", type=int, default=256, help="chunk size (what a window holds)"
+        "--chunk-kib",
+        type=int,
+        default=DEFAULT_CHUNK_BYTES // 1024,
+        help="chunk size (default: the senders' own)",
     )
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
