@@ -22,7 +22,7 @@ from zmqsync import SyncTimeout, WeightReceiver, WeightSender
 from zmqsync.status_types import SenderStatus
 from zmqsync.transport._zmq import lending
 from zmqsync.transport.pipe import PipeHub
-from zmqsync.transport.zmq_pubsub import PubSubHub
+from zmqsync.transport.zmq_pubsub import PubSubHub, PubSubSpoke
 from zmqsync.transport.zmq_router import RouterHub
 from zmqsync_cli._common import worker_state
 
@@ -116,6 +116,64 @@ def _send(fleet: Fleet, workers: list[int]) -> str:
     _bump(fleet.model)
     fleet.sender.send(worker_ids=workers)
     return zmqsync.checksum(fleet.model)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["dict", "nested", "tensordict"])
+def test_a_dict_or_tensordict_model_is_mapped_where_the_user_reads_it(tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """A worker's model given as a (nested) dict of tensors or a TensorDict: its own
+    tensors are re-pointed, not only the aliases the strategy extracted from them.
+    Before, the receiver mapped every version (``shared_mapped`` counted it) while the
+    user's dict kept the weights it started with."""
+    from tensordict import TensorDict
+
+    def make(fill: float) -> Any:
+        a, b = torch.full((256, 256), fill), torch.full((1000,), fill)
+        if kind == "dict":
+            return {"a": a, "b": b}
+        if kind == "nested":
+            return {"layer": {"a": a}, "b": b}
+        return TensorDict({"layer": {"a": a}, "b": b}, batch_size=[])
+
+    strategy = "tensordict" if kind == "tensordict" else "state_dict"
+    learner, worker = make(0.0), make(-1.0)
+    leaves = leaves_of(worker)
+    hub = PubSubHub(f"ipc://{tmp_path}/dicts")
+    sender = WeightSender(hub, model=learner, strategy=strategy, num_workers=1, timeout=10)
+    receiver = WeightReceiver(
+        PubSubSpoke(hub.endpoint, identity="0"),
+        model=worker,
+        strategy=strategy,
+        apply_mode="shared",
+        worker_idx=0,
+    )
+    try:
+        receiver.connect(timeout=10)
+        receiver.start()
+        for version in (1, 2):
+            for t in leaves_of(learner):
+                t.add_(1.0)
+            sender.send()
+            with receiver.lock:
+                assert zmqsync.checksum(worker) == zmqsync.checksum(learner)
+                now = leaves_of(worker)
+                assert all(x is y for x, y in zip(now, leaves, strict=True))
+                assert all(float(t.flatten()[0]) == float(version) for t in now)
+        # Both sends mapped (the version it joined on may have come through the socket).
+        assert receiver.stats["shared_mapped"] >= 2
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def leaves_of(model: Any) -> list[torch.Tensor]:
+    """A (nested) dict's or a TensorDict's tensors, depth first: the objects it holds."""
+    if not isinstance(model, dict):
+        return list(model.values(include_nested=True, leaves_only=True))
+    out: list[torch.Tensor] = []
+    for value in model.values():
+        out += leaves_of(value) if isinstance(value, dict) else [value]
+    return out
 
 
 @pytest.mark.timeout(300)

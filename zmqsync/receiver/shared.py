@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import numpy as np
 import torch
+from tensordict import TensorDictBase
 
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Buffer, WeightsSchema
@@ -67,9 +68,10 @@ def owned_tensors(
     model: Any, target: Mapping[KeyPath, torch.Tensor]
 ) -> dict[str, list[torch.Tensor]]:
     """Every tensor to re-point per dotted name: ``target``'s (a strategy's extraction
-    may hand out aliases, kept between versions: left on the old memory they would pin
-    its block) and, for a module, its own parameter or buffer (re-pointing an alias
-    alone would leave the module's tensor where it was)."""
+    hands out detached aliases, kept between versions: left on the old memory they would
+    pin its block) and the model's own tensor of that name, a module's parameter or
+    buffer, a dict's or a TensorDict's leaf (re-pointing an alias alone would leave the
+    model's own tensor where it was: the user's dict would keep its old weights)."""
     owned: dict[str, list[torch.Tensor]] = {".".join(k): [t] for k, t in target.items()}
     if isinstance(model, torch.nn.Module):
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -77,7 +79,25 @@ def owned_tensors(
         for name, buf in model.named_buffers(remove_duplicate=False):
             if buf is not None:
                 _add(owned, name, buf)
+    elif isinstance(model, TensorDictBase):
+        for key, leaf in model.items(include_nested=True, leaves_only=True):
+            if isinstance(leaf, torch.Tensor):
+                _add(owned, key if isinstance(key, str) else ".".join(key), leaf)
+    elif isinstance(model, Mapping):
+        _add_leaves(owned, model, ())
     return owned
+
+
+def _add_leaves(
+    owned: dict[str, list[torch.Tensor]], mapping: Mapping[Any, Any], prefix: tuple[str, ...]
+) -> None:
+    """A (nested) dict's own tensors, by dotted name, as the extraction names them."""
+    for key, value in mapping.items():
+        path = (*prefix, str(key))
+        if isinstance(value, torch.Tensor):
+            _add(owned, ".".join(path), value)
+        elif isinstance(value, Mapping):
+            _add_leaves(owned, value, path)
 
 
 def _add(owned: dict[str, list[torch.Tensor]], name: str, tensor: torch.Tensor) -> None:
