@@ -37,15 +37,21 @@ class ZmqsyncSpec:
     scheme: Mapping[str, Any] = field(default_factory=dict)
     sender: Mapping[str, Any] = field(default_factory=dict)
     receiver: Mapping[str, Any] = field(default_factory=dict)
+    #: Whether its workers hold read-only views of one shared copy of each version
+    #: (``apply_mode="shared"``) rather than tensors of their own.
+    shares: bool = False
 
 
 #: ``zmqsync-pipe`` with ``share_params=True``: workers copy from the learner's tensors.
 PIPE_SHARE: Final = "zmqsync-pipe-share"
+#: ``zmqsync-pipe`` whose workers map one read-only copy (``apply_mode="shared"``).
+PIPE_SHARED: Final = "zmqsync-pipe-shared"
 #: zmqsync's variants, in the order a cell runs them. Another is one entry, e.g.
 #: ``"zmqsync-pipe-share": ZmqsyncSpec("pipe", TORCHRL_MP, scheme={"share_params": True})``.
 ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
     PIPE: ZmqsyncSpec("pipe", replaces=TORCHRL_MP),
     PIPE_SHARE: ZmqsyncSpec("pipe", replaces=TORCHRL_MP, scheme={"share_params": True}),
+    PIPE_SHARED: ZmqsyncSpec("pipe", receiver={"apply_mode": "shared"}, shares=True),
     ZMQSYNC_RAY: ZmqsyncSpec("ray", replaces=TORCHRL_RAY),
     ZMQ: ZmqsyncSpec("zmq"),
 }

@@ -9,7 +9,10 @@ own, for these variants run side by side:
   ``multiprocessing.Pipe()`` per worker process; ``zmqsync-ray``:
   ``zmqsync.RayWeightSyncScheme("state_dict")`` with Ray actors; ``zmqsync-zmq``:
   ``zmqsync.ZMQWeightSyncScheme("state_dict")``, PUB/SUB over ipc, in the worker
-  processes (zmqsync's ZeroMQ transport, for reference);
+  processes (zmqsync's ZeroMQ transport, for reference); ``zmqsync-pipe-shared``:
+  ``zmqsync-pipe`` whose workers take ``apply_mode="shared"`` (their weights are
+  read-only views of one copy of each version in shared memory: not tensors of their
+  own, so the check that they are is skipped for it);
 - ``torchrl-mp``: ``torchrl.weight_update.MultiProcessWeightSyncScheme``, driven as its
   collectors drive it, in the same worker processes (``mp.Queue``s; torch moves the
   learner's tensors to shared memory; each worker copies them into its own tensors);
