@@ -687,9 +687,11 @@ def test_a_late_joiner_during_a_targeted_forward_gets_the_version_it_is_told(str
                 assert gate.held and relay.version == v  # in the middle of v+1
                 gate.hold = None
                 late = joining.result(timeout=30)
-                # connect() returned: with v, and v's bytes.
-                assert connected == [(v, held)]
                 sending.result(timeout=30)
+                # connect() returned with v and v's bytes; or, where its stream of v broke
+                # (a stall on a loaded machine) and v+1 landed before it asked again, with
+                # v+1 and v+1's bytes. Never one version's label on the other's bytes.
+                assert connected in ([(v, held)], [(v + 1, checksum(model))]), (v, connected)
                 assert checksum(models[10]) == checksum(model)
                 assert checksum(models[11]) == held  # not meant for it
                 assert relay.receiver.stats["deltas"] == deltas + (stream == "delta")
