@@ -394,7 +394,7 @@ def test_a_chunk_a_slow_reader_still_reads_is_waited_for_up_to_stall_max(
         host.still_reading = True
         runner.begin(Transfer(copy, None))
         limit = runner.clock.limit(time.monotonic())
-        time.sleep(limit + 0.5)
+        time.sleep(limit + 0.5)  # past the limit on purpose: nothing may stall meanwhile
         assert hub.sent == WINDOW and stats.totals["stalls"] == 0
         assert host.asked and host.asked[0].read == (1, 0) and host.asked[0].to is None
         # Asked again at most every READING_CHECK, not at every turn of the pump.

@@ -386,8 +386,8 @@ class Goodbye(_Header):
 @dataclass(frozen=True, slots=True)
 class Reading(_Header):
     """A worker that reads a version's chunks slowly says so, as it reads them (never
-    answered): it read chunk ``index`` of ``version`` of ``epoch``, and ``gap`` seconds
-    passed between its last two chunks of one version.
+    answered): it read chunk ``index`` of ``version`` of ``epoch``, and ``gap`` is the
+    longest time (seconds) between two of its chunks in its last two versions.
 
     Its sender's window then tells a slow link from a stopped worker: a chunk held past
     the stall limit is waited for while a worker it went to, and has not yet read, keeps
