@@ -961,3 +961,22 @@ def test_a_version_applied_before_a_restarted_senders_welcome_is_acked(tmp_path)
         receiver.close()
         if second is not None:
             second.close()
+
+
+def test_waiting_less_than_a_millisecond_on_a_zeromq_hub_sleeps_not_spins(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A sender whose window is full waits 0.5 ms at a time for the transport. ZeroMQ
+    waits whole milliseconds, and a wait that rounded down to none made each such wait a
+    busy loop: on two cores the learner took a core from the workers it was feeding (a
+    4 GiB send over tcp ran at 0.7x raw pyzmq). Measured in CPU time, which load lowers
+    and never raises: the waiting thread uses a small part of the time it waits."""
+    for endpoint in ("tcp://127.0.0.1:*", f"ipc://{tmp_path}/idle"):
+        hub = PubSubHub(endpoint)
+        try:
+            wall, cpu = time.monotonic(), time.thread_time()
+            for _ in range(200):
+                assert hub.recv_frames(0.0005) is None
+            wall, cpu = time.monotonic() - wall, time.thread_time() - cpu
+            assert wall >= 200 * 0.0005
+            assert cpu < 0.3 * wall, f"{endpoint}: {cpu:.3f} s of CPU in {wall:.3f} s of waits"
+        finally:
+            hub.close()

@@ -10,6 +10,7 @@ the data and ack addresses from the hub's Welcome, so a user names one endpoint.
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import threading
 import time
@@ -158,7 +159,9 @@ class Sockets:
                     self._wake_tx.send(b"", zmq.NOBLOCK)
 
     def poll(self, timeout: float | None) -> dict[zmq.Socket[Any], int]:
-        ms = None if timeout is None else max(0, int(timeout * 1000))
+        # ZeroMQ waits whole milliseconds: a shorter wait is one, never zero (a caller
+        # waiting 0.5 ms in a loop would otherwise spin on a core until its deadline).
+        ms = None if timeout is None else 0 if timeout <= 0 else max(1, math.ceil(timeout * 1000))
         events = dict(self.poller.poll(ms))
         if self.wake_rx in events:
             with contextlib.suppress(zmq.Again):
