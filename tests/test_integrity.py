@@ -79,16 +79,28 @@ def _flood(sock: zmq.Socket[Any], messages: list[Any]) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("mode", "transport", "retain"),
+    ("mode", "transport", "options"),
     [
-        ("pubsub", "tcp", False),
-        ("pubsub", "tcp", True),
-        ("router", "tcp", False),
-        ("pubsub", "ipc", False),
+        ("pubsub", "tcp", {"retain_snapshot": False}),
+        ("pubsub", "tcp", {"retain_snapshot": True}),
+        ("router", "tcp", {"retain_snapshot": False}),
+        ("pubsub", "ipc", {"retain_snapshot": False}),
+        # Chunks sent from the model's own memory: what a stopped worker's queue holds
+        # of it stays its own, and the model's tensors move on.
+        ("pubsub", "tcp", {"share_params": True}),
+        ("router", "tcp", {"share_params": True}),
+    ],
+    ids=[
+        "pubsub-tcp",
+        "pubsub-tcp-retain",
+        "router-tcp",
+        "pubsub-ipc",
+        "pubsub-tcp-share",
+        "router-tcp-share",
     ],
 )
 def test_a_stopped_worker_never_applies_a_torn_version(
-    fleet: Any, tmp_path: Any, mode: str, transport: str, retain: bool
+    fleet: Any, tmp_path: Any, mode: str, transport: str, options: dict[str, Any]
 ) -> None:
     """A worker stopped with a version queued for it (the model exceeds the kernel's
     socket buffers) is left behind by timed-out sends and then by sends that no longer
@@ -96,9 +108,7 @@ def test_a_stopped_worker_never_applies_a_torn_version(
     every version it applies holds exactly the bytes sent for that version."""
     endpoint = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp_path}/torn"
     model = make_model("big", seed=0)
-    scheme = ZMQWeightSyncScheme(
-        "state_dict", mode=mode, endpoint=endpoint, timeout=1.5, retain_snapshot=retain
-    )
+    scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=endpoint, timeout=1.5, **options)
     scheme.init_on_sender("policy", model=model, num_workers=None)
     sender = scheme.get_sender()
     sent: dict[int, str] = {0: zmqsync.checksum(model)}  # version 0: what it started with
@@ -129,6 +139,17 @@ def test_a_stopped_worker_never_applies_a_torn_version(
         for worker in range(2):
             versions = _applied_exactly(fleet, worker, sent)
             assert versions[-1] == sender.version
+        if options.get("share_params"):
+            status = sender.status()
+            # Moved in at the first send, and on at least once while the stopped
+            # worker's queue held their memory; sent from the model's own again now.
+            assert status["totals"]["params_moved"] >= 2, status["totals"]
+            sender.timeout = 30.0
+            bump(model)
+            _send_recording(scheme, model, sent)
+            assert sender.status()["share_params"] == "on"
+            for worker in range(2):
+                assert _applied_exactly(fleet, worker, sent)[-1] == sender.version
     finally:
         scheme.shutdown()
 

@@ -169,14 +169,42 @@ def test_the_store_sends_deltas_to_peers_that_hold_their_base() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_share_params_without_a_lending_hub_says_why_and_copies() -> None:
+def test_share_params_without_a_lending_hub_moves_the_model_into_the_senders_own_memory() -> None:
     store, _, stats = _store(retain_snapshot=False, share_params=True)
     model = _weights(2, 1.0)
+    tensor = model["w"]
+
+    def lives_in(data: Any) -> bool:
+        start = data.__array_interface__["data"][0]
+        return start <= tensor.data_ptr() < start + data.nbytes
+
     copy = store.copy_of(None, 1, model=model, whole=False)
-    assert not copy.live and copy.ring is store.ring
-    assert store.share_problem is not None and "lends shared memory" in store.share_problem
-    assert stats.totals["params_moved"] == 0
-    store.copy_of(_weights(2), 2, model=model, whole=False)
+    assert copy.live and store.shares_own_memory and store.share_problem is None
+    assert stats.totals["params_moved"] == 1
+    assert model["w"] is tensor and lives_in(copy.data)  # the same tensor, moved
+    assert bytes(_chunk(copy, 1).payload) == tensor.numpy().tobytes()[CHUNK:]
+    # A transport still holds the first buffer when the send returns (a stopped
+    # worker's queue): the tensors move on, and the next send goes from the new one.
+    held = [copy.data[:8]]
+    store.share(model)
+    again = store.copy_of(None, 2, model=model, whole=False)
+    assert again.live and again.data is not copy.data and lives_in(again.data)
+    assert stats.totals["params_moved"] == 2
+    # That one is held too: a third buffer is not made while the first is still held;
+    # the tensors go back to memory of their own, and sends copy.
+    held.append(again.data[:8])
+    store.share(model)
+    del copy, again
+    assert store.share_problem is not None and "still holds" in store.share_problem
+    assert not store.shares_own_memory and stats.totals["params_moved"] == 2
+    assert not any(lives_in(h.base) for h in held)
+    copied = store.copy_of(None, 3, model=model, whole=False)
+    assert not copied.live and copied.ring is store.ring
+    # Once the transport lets go, they move in again.
+    del held, copied
+    moved = store.copy_of(None, 4, model=model, whole=False)
+    assert moved.live and store.share_problem is None and stats.totals["params_moved"] == 3
+    store.copy_of(_weights(2), 5, model=model, whole=False)
     assert store.share_problem == "send() was given weights that are not the model's"
 
 

@@ -94,11 +94,26 @@ STATUS_WAITING: Final = 64
 STATUS_INTERVAL: Final = 1.0
 #: A message whose handling failed is logged at most this often (seconds); each is counted.
 ERROR_LOG_INTERVAL: Final = 10.0
+#: How long a send that streamed from the model's own memory (share_params, a hub that
+#: lends none) waits, once its workers acked, for the transport to let go of its chunks
+#: (pyzmq drops them on its own thread, a moment after ZeroMQ wrote them out); still
+#: held after that (a stopped worker's queue), the model's tensors move on.
+LET_GO_SECONDS: Final = 0.05
 
 
 def new_epoch() -> int:
     """A random, non-zero 63-bit id for one life of a sender."""
     return secrets.randbits(63) | 1
+
+
+def _let_go(copy: Copy) -> bool:
+    """Whether every transport let go of ``copy``'s memory, waiting LET_GO_SECONDS."""
+    deadline = time.monotonic() + LET_GO_SECONDS
+    while not copy.lease.released:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class _Pumps:
@@ -160,15 +175,16 @@ class WeightSender:
         share_params: move the model's tensors into shared memory that workers on this
             host copy from directly, so a synchronous ``send()`` copies nothing itself
             (each worker copies the version once, as with torch's shared tensors). The
-            tensors keep their identity (an optimizer holding them is unaffected). It
-            needs one hub that lends shared memory (pipes, Ray actors on this host,
-            ZeroMQ over ``ipc://``) and a model of contiguous CPU tensors with no tied
-            entries; otherwise sends copy as usual, and ``status()`` says why. No
-            snapshot is kept (``retain_snapshot`` is False): late joiners get the next
-            version. Nothing may change the model's tensors while ``send()`` runs; if a
-            worker may still be reading when it returns (a timeout, a stopped worker),
-            the model moves to another block first, so that worker reads one whole
-            version. ``send_async()`` copies, as without it.
+            tensors keep their identity (an optimizer holding them is unaffected). Over
+            a hub that lends no memory (ZeroMQ over tcp) they move into one buffer of
+            the sender's own, which chunks are sent from without a copy. It needs one
+            hub and a model of contiguous CPU tensors with no tied entries; otherwise
+            sends copy as usual, and ``status()`` says why. No snapshot is kept
+            (``retain_snapshot`` is False): late joiners get the next version. Nothing
+            may change the model's tensors while ``send()`` runs; if a worker may still
+            be reading when it returns (a timeout, a stopped worker), or a transport
+            still queues a chunk of it, the model moves to another buffer first, so
+            that worker reads one whole version. ``send_async()`` copies, as without it.
         wire_dtype: floating tensors of another dtype travel as this one (``torch.
             bfloat16``, ``torch.float16``, ``torch.float32`` or a float8), cast chunk by
             chunk as they are written (nothing model-sized), and each worker casts them
@@ -556,8 +572,13 @@ class WeightSender:
             for runner in self._runners:
                 runner.drop_unreadable()
         if copy.live:
-            with self._cond:
-                reading = self.fleet.may_still_read(copy.version, copy.reached)
+            if self._versions.shares_own_memory:
+                # Sent from the sender's own memory (the hub lends none): a transport
+                # that still queues a chunk of it (a stopped worker's) holds it.
+                reading = not _let_go(copy)
+            else:
+                with self._cond:
+                    reading = self.fleet.may_still_read(copy.version, copy.reached)
             if reading and self.model is not None:
                 # The caller may change its tensors once this returns: they move to
                 # another block, and whoever reads this one reads one whole version.

@@ -7,9 +7,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +30,11 @@ from zmqsync.transport.base import PeerId
 __all__ = ["Outlet", "VersionStore"]
 
 log = logging.getLogger("zmqsync.sender")
+
+#: share_params through a hub that lends no memory (tcp): model-sized buffers of earlier
+#: versions a transport may still hold (a stopped worker's queue) before the tensors stop
+#: moving on and sends copy again, until the transport lets go of them.
+PINNED_MAX: Final = 1
 
 
 class Outlet(Protocol):
@@ -102,6 +108,10 @@ class VersionStore:
         #: The model's tensors in a hub's shared memory (share_params), and why not.
         self._shared: SharedParams | None = None
         self.share_problem: str | None = None
+        #: Whether ``_shared`` is memory of the sender's own (no hub lends any), and the
+        #: earlier such buffers, while a transport may still hold them.
+        self._shared_private = False
+        self._pinned: list[weakref.ref[np.ndarray]] = []
 
     @property
     def snapshot(self) -> Copy | None:
@@ -273,7 +283,11 @@ class VersionStore:
         """The version as the model's own tensors in shared memory (``share_params``),
         moved there first if need be; None if they cannot live there."""
         shared = self._shared
-        if shared is None or not shared.holds(tensors):
+        if (
+            shared is None
+            or not shared.holds(tensors)
+            or (self._shared_private and self._lender() is not None)  # a hub lends now
+        ):
             shared = self.share(model, tensors)
             if shared is None:
                 return None
@@ -282,10 +296,18 @@ class VersionStore:
             self.stamp, version, shared.layout, shared.data, None, lent_by_hub=True, live=True
         )
 
+    @property
+    def shares_own_memory(self) -> bool:
+        """Whether the model's tensors live in memory of the sender's own (share_params
+        through a hub that lends none): what a transport holds of it is what matters
+        when a send returns, not what workers read."""
+        return self._shared is not None and self._shared_private
+
     def share(self, model: Any, tensors: dict[KeyPath, Any] | None = None) -> SharedParams | None:
-        """Move ``model``'s tensors (``tensors``: as extracted) into a block the hub lends
-        (out of the one they are in, if any); None, and the reason kept in
-        ``share_problem``, if they cannot move."""
+        """Move ``model``'s tensors (``tensors``: as extracted) into a block the hub lends,
+        or into memory of the sender's own if the hub lends none (out of the one they
+        are in, if any); None, and the reason kept in ``share_problem``, if they cannot
+        move."""
         if tensors is None:
             tensors = self._model_tensors.get(model)
         outlet = self._lender()
@@ -294,23 +316,36 @@ class VersionStore:
         why = (
             "wire_dtype casts every version: the tensors are not the wire bytes"
             if self.wire_dtype is not None
-            else "no single hub lends shared memory (workers on another host?)"
-            if outlet is None or len(self._outlets) != 1
+            else "the sender streams through more than one hub"
+            if len(self._outlets) != 1
             else why_not_shared(tensors, owners)
         )
+        old_private = self._shared_private
+        self._pinned = [r for r in self._pinned if r() is not None]
         if why is None:
-            assert outlet is not None and owners is not None
+            assert owners is not None
             flat = self._flattener.flatten(tensors)
             if self.layout is None or not self.layout.fits(flat, self.chunk_bytes):
                 self.layout = StreamLayout(flat, self.chunk_bytes)
-            with outlet.holding():
-                data = outlet.lend(self.layout.total)
-            if data is None:
-                why = "the hub has no shared-memory block free"
+            data = None
+            if outlet is not None:
+                with outlet.holding():
+                    data = outlet.lend(self.layout.total)
+                if data is None:
+                    why = "the hub has no shared-memory block free"
+            elif len(self._pinned) >= PINNED_MAX:
+                why = "a transport still holds an earlier version's memory (a stopped worker?)"
             else:
+                # No hub lends memory (tcp): the sender's own, sent without a copy; it
+                # moves on if a transport still holds it when a send returns.
+                data = np.empty(self.layout.total, dtype=np.uint8)
+            if data is not None:
                 self._shared = SharedParams(tensors, owners, flat, self.layout, data)
+                self._shared_private = outlet is None
                 self._stats.add("params_moved")
         if old is not None:
+            if old_private:
+                self._pinned.append(weakref.ref(old.data))  # alive while a transport holds it
             old.release(owners or [], private=self._shared is None)
         if why is not None and why != self.share_problem:
             log.warning("share_params: sends copy the model's tensors (%s)", why)

@@ -3,6 +3,8 @@
 With ``share_params=True`` a sender on the workers' host keeps each of the model's tensors
 in a shared-memory block at its stream offset (:class:`~zmqsync.chunking.layout.
 StreamLayout`): a version is then the block itself, which workers copy from directly.
+Over a hub that lends no memory (tcp) the buffer is the sender's own, and its chunks go
+to the socket without a copy.
 Tensors move as with ``Tensor.share_memory_()``: each keeps its identity (an optimizer
 still updates it) and only its storage changes (``tensor.data = view``).
 """
