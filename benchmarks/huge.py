@@ -224,7 +224,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="give the scheme the model at init (published as version 0 to connecting workers)",
     )
+    parser.add_argument(
+        "--share-params",
+        action="store_true",
+        help="zmqsync's sender is given the model with share_params=True: its tensors move "
+        "into one buffer and chunks go from it without a copy",
+    )
     ns = parser.parse_args(argv)
+    if ns.share_params and ns.with_model:
+        parser.error("--share-params and --with-model measure different things: pick one")
 
     from zmqsync import WeightSender, ZMQWeightSyncScheme
     from zmqsync.transport.zmq_pubsub import PubSubHub
@@ -257,15 +265,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hub = PubSubHub("tcp://127.0.0.1:*")
         sender = WeightSender(
             hub,
-            model=None,
+            model=model if ns.share_params else None,
             strategy="state_dict",
             num_workers=ns.workers,
             timeout=WAIT_SECONDS,
             retain_snapshot=False,
             chunk_bytes=chunk,
+            share_params=ns.share_params,
         )
     args = {
-        "initial": 1.0 if ns.with_model else 0.0,  # what a worker holds once connected
+        # What a worker holds once connected (version 0, if the sender has the model).
+        "initial": 1.0 if ns.with_model or ns.share_params else 0.0,
         "gib": ns.gib,
         "single": ns.single,
         "chunk": chunk,
@@ -292,9 +302,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for key in ("heap", "rss_anon"):
                     row.setdefault(key, []).append(extra.get(key, 0))
         _handshake(pub, pull, pool)
-        frames = _frames(model, chunk)
         version = 0
+        first_send = None
+        if ns.share_params:
+            # The first send moves the model's tensors into the sender's buffer (one
+            # copy, once): timed apart from the versions after it.
+            version += 1
+            for t in model.values():
+                t.add_(1)
+            start = time.perf_counter()
+            sender.send(model)
+            first_send = time.perf_counter() - start
         for variant in ["raw-pyzmq", "zmqsync", "zmqsync", "raw-pyzmq"]:
+            # The tensors' memory now (share_params moves it), and none kept after.
+            frames = _frames(model, chunk) if variant == "raw-pyzmq" else []
             # The learner starts at 1.0 and adds 1 per version, whichever variant.
             target = (variant, ns.repeats, sender.version + ns.repeats, 1.0 + version + ns.repeats)
             ids = pool.post(range(pool.size), "receive", target)
@@ -321,7 +342,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 }
                 if not extra["exact"]:
                     raise AssertionError(f"a worker's tensors differ after {extra['variant']}")
-        totals = sender.status()["totals"]
+        status = sender.status()
+        totals = status["totals"]
     finally:
         if ns.with_model:  # its sampling thread, if an error came first (never entered else)
             rendezvous.__exit__(None, None, None)
@@ -335,13 +357,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workers": ns.workers,
         "chunk_bytes": chunk,
         "with_model": ns.with_model,
+        "share_params": status["share_params"],
+        "share_first_send_s": first_send,
         "seconds": {k: sorted(v) for k, v in times.items()},
         "gb_per_s": {k: nbytes / sorted(v)[len(v) // 2] / 1e9 for k, v in times.items()},
         "peak_extra_mib": {
             k: {m: max(v) / MIB for m, v in row.items()} for k, row in memory.items()
         },
     }
-    out["sender"] = {k: totals[k] for k in ("chunks_sent", "stalls", "repairs_skipped")}
+    out["sender"] = {
+        k: totals[k] for k in ("chunks_sent", "stalls", "repairs_skipped", "params_moved")
+    }
     out["worker_stats"] = receivers
     raw, ours = (sorted(times[k])[len(times[k]) // 2] for k in ("raw-pyzmq", "zmqsync"))
     out["zmqsync_vs_raw_throughput"] = raw / ours
