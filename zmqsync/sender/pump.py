@@ -55,7 +55,8 @@ MAX_REPAIRS: Final = 8
 #: A peer that was sent a relay's version this lately (seconds), or within the time the
 #: stream took, may still be reading it: what it asks for meanwhile is not sent again.
 READING_GRACE: Final = 0.25
-#: How long a transfer blocked on its window waits for transports before looking again.
+#: How long a transfer blocked on its window waits for transports before looking again
+#: (a ZeroMQ hub waits whole milliseconds: one).
 WINDOW_WAIT: Final = 0.0005
 #: A chunk held this long (seconds), and far longer than chunks usually take, counts as
 #: held by a stopped peer: the window goes on without it. The peer's transport queue then
