@@ -746,3 +746,47 @@ def test_a_lost_worker_holds_no_shared_block() -> None:
     finally:
         other.close()
         hub.close()
+
+
+def test_the_releases_of_frames_let_go_of_together_reach_the_hub_as_one_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A version's chunks lie in one block, each a message with its lease: let go of
+    together (the next version is in), their releases go to the hub in one record, not
+    one each; more than a record may name go in several; and every lease is released."""
+    import gc
+
+    hub, (spoke,) = _pipe_fleet(1)
+    try:
+        spoke.wait_index(10)
+        block = hub.lend(20 * 65536)
+        assert block is not None
+        block[:] = np.arange(block.nbytes, dtype=np.uint64).astype(np.uint8)
+
+        def held() -> int:
+            return sum(sum(b.leases.values()) for b in hub._shm._blocks.values())  # type: ignore[union-attr]
+
+        # A thread switch in the middle of the 20 finalizers may split a record in two.
+        for limit, records in ((None, range(1, 4)), (6, range(4, 7))):
+            if limit is not None:
+                monkeypatch.setattr("zmqsync.transport.pipe.spoke.MAX_LIVE", limit)
+            before = spoke.counters()
+            for i in range(20):
+                view = memoryview(block[i * 65536 : (i + 1) * 65536]).toreadonly()
+                hub.send_frames([b"h" * 46, view], stream=Stream.START if i == 0 else Stream.MORE)
+            got = [spoke.recv_frames(10) for _ in range(20)]
+            assert all(
+                g is not None and np.array_equal(g[1], block[i * 65536 : (i + 1) * 65536])
+                for i, g in enumerate(got)
+            )  # type: ignore[index]
+            assert held() == 20
+            del got
+            gc.collect()
+            _read_until(hub, lambda: held() == 0, "every lease released")
+            after = spoke.counters()
+            assert after["releases"] - before["releases"] == 20
+            assert after["release_records"] - before["release_records"] in records
+            assert hub.counters()["bad_releases"] == 0
+    finally:
+        spoke.close()
+        hub.close()

@@ -17,7 +17,7 @@ from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import read, socket_of
 from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, close_end
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
-from zmqsync.transport.shm.records import Keeps, Release, encode
+from zmqsync.transport.shm.records import MAX_LIVE, Keeps, Release, encode
 
 __all__ = ["PipeSpoke"]
 
@@ -48,6 +48,14 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         #: evicted: the hub passes each one once).
         self._blocks = PeerBlocks(limit=None)
         self._keeps = False  # told the hub it keeps each version mapped
+        #: Blocks let go of and not yet told to the hub, and whether a record that will
+        #: tell it is queued: a version's chunks, let go of together, go in one record.
+        self._releases: list[int] = []
+        self._release_queued = False
+        # Reentrant: a frame's finalizer may run inside it (a garbage collection).
+        self._release_lock = threading.RLock()
+        self._released = 0  # leases released
+        self._release_records = 0  # ... in so many records
         #: This worker's index, as the hub assigned it (``None`` until it has arrived).
         self.peer_index: int | None = None
 
@@ -105,9 +113,33 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
 
     def _release(self, block_id: int) -> None:
         """Tell the hub the frames of one message in ``block_id`` are gone: it may
-        reuse the block once every lease on it is released."""
-        if not self._closed:
-            self._writer.put(Outgoing(None, record=encode(Release((block_id,)))))
+        reuse the block once every lease on it is released. Releases made before the
+        writer gets to the record go with it."""
+        if self._closed:
+            return
+        with self._release_lock:
+            self._releases.append(block_id)
+            if self._release_queued:
+                return
+            self._release_queued = True
+        if not self._writer.put(Outgoing(None, make=self._release_record)):
+            with self._release_lock:
+                self._release_queued = False  # the next release tries again
+
+    def _release_record(self) -> bytes:
+        """The record of every release made so far (on the writer's thread)."""
+        with self._release_lock:
+            ids, self._releases = self._releases, []
+            if len(ids) > MAX_LIVE:  # the rest in the next record
+                self._releases[:0] = ids[MAX_LIVE:]
+                del ids[MAX_LIVE:]
+            more = self._release_queued = bool(self._releases)
+            self._released += len(ids)
+            self._release_records += 1
+        if more and not self._writer.put(Outgoing(None, make=self._release_record)):
+            with self._release_lock:
+                self._release_queued = False
+        return encode(Release(tuple(ids)))
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         self._check_open()
@@ -137,8 +169,15 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         return self.peer_index
 
     def counters(self) -> dict[str, int]:
-        """Messages this spoke dropped (the hub gone, or not reading)."""
-        return {"dropped_sends": self._writer.dropped}
+        """``dropped_sends``: messages this spoke dropped (the hub gone, or not
+        reading); ``releases``: leases on the hub's blocks it released, in so many
+        ``release_records``."""
+        with self._release_lock:
+            return {
+                "dropped_sends": self._writer.dropped,
+                "releases": self._released,
+                "release_records": self._release_records,
+            }
 
     def close(self) -> None:
         if self._closed:

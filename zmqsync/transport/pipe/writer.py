@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Final
@@ -49,6 +50,9 @@ class Outgoing:
     stream: Stream | None = None
     record: bytes = b""
     keep: Any = None  # what keeps the shared-memory blocks it names lent
+    #: Makes the control record when it is written, not when queued (what was added
+    #: meanwhile rides along: the releases of one version's chunks go as one record).
+    make: Callable[[], bytes] | None = None
 
     @property
     def lent(self) -> bool:
@@ -173,7 +177,7 @@ class Writer:
         try:
             while (item := self._next()) is not None:
                 if item.frames is None:
-                    self._conn.send_bytes(item.record)
+                    self._conn.send_bytes(item.record if item.make is None else item.make())
                     continue
                 frames = item.frames
                 if item.lent and self.copying:
