@@ -4,6 +4,7 @@ contract, then the promises end to end with real actors."""
 from __future__ import annotations
 
 import logging
+import struct
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -22,7 +23,7 @@ from zmqsync.errors import TransportClosed
 from zmqsync.protocol import Buffer
 from zmqsync.schemes.ray import RayWeightSyncScheme
 from zmqsync.testing import check_transport
-from zmqsync.transport.base import SpokeTransport
+from zmqsync.transport.base import SpokeTransport, Stream
 from zmqsync.transport.ray import RayHub, RaySpoke, WeightSyncActorMixin
 from zmqsync.transport.ray import actor as ray_actor
 from zmqsync.transport.ray.driver import log as driver_log
@@ -629,5 +630,64 @@ def test_a_threaded_actors_spoke_queues_calls_in_the_hubs_order_without_waiting(
             got.append(int(bytes(frames[0])))
         assert got == list(range(2, 3 + ray_actor.MAX_EARLY))
         assert spoke.counters()["order_gaps"] == 1
+    finally:
+        spoke.close()
+
+
+@pytest.mark.timeout(120)
+def test_chunks_that_wait_for_an_actor_go_together_in_its_next_call(actors) -> None:  # type: ignore[no-untyped-def]
+    """An actor has at most two calls with chunks under way; the chunks that wait
+    meanwhile (small ones, that travel in the call) go together in one call, and reach
+    the actor's receiver one by one, in order."""
+    host = SpokeHost.remote("batched")
+    actors.append(host)
+    ray.get(host.__ray_ready__.remote(), timeout=CALL_TIMEOUT)
+    hub = RayHub([host], channel="batched", shared_memory=False)
+    proxy = SpokeProxy(host)
+    try:
+        # The hub's first call (a poll) numbers the calls to come.
+        deadline = time.monotonic() + CALL_TIMEOUT
+        while hub.counters()["polls"] < 1 or hub._actors[b"ray:0"].in_flight:
+            assert time.monotonic() < deadline, hub.counters()
+            hub.recv_frames(0.05)
+        # The hub hands on finished calls only in recv_frames: until then two calls are
+        # under way and the other eight chunks wait.
+        for i in range(10):
+            hub.send_frames([b"chunk %d" % i], stream=Stream.START if i == 0 else Stream.MORE)
+        assert hub.counters()["batched_messages"] == 0
+        got: list[bytes] = []
+        deadline = time.monotonic() + CALL_TIMEOUT
+        while len(got) < 10:
+            assert time.monotonic() < deadline, got
+            hub.recv_frames(0.05)
+            frames = proxy.recv_frames(0.05)
+            if frames is not None:
+                got.append(bytes(frames[0]))
+        assert got == [b"chunk %d" % i for i in range(10)], got
+        assert hub.counters()["batched_messages"] == 8  # in one call, after the first two
+        assert hub.counters()["dropped_sends"] == 0
+    finally:
+        hub.close()
+
+
+def test_a_malformed_batch_is_counted_and_the_spoke_goes_on() -> None:
+    spoke = RaySpoke("batch-test")
+    try:
+        good = ray_actor.batch([[b"a"], [b"b", b"c"]])
+        assert spoke.exchange(0, good, seq=0) == []
+        assert spoke.recv_frames(0) == [b"a"]
+        assert spoke.recv_frames(0) == [b"b", b"c"]
+        for bad in (
+            [good[0]],  # counts frames that are not there
+            [*good, b"extra"],  # ... or fewer than there are
+            [good[0][:6]],  # a header cut short
+            [ray_actor._BATCH + struct.pack("<I", ray_actor.MAX_BATCH + 1)],
+            [ray_actor._BATCH + struct.pack("<II", 1, 0)],  # a message of no frames
+        ):
+            spoke.exchange(0, bad, seq=None)
+        assert spoke.counters()["malformed_batches"] == 5
+        assert spoke.recv_frames(0) is None
+        spoke.exchange(0, [b"after"], seq=1)
+        assert spoke.recv_frames(0) == [b"after"]
     finally:
         spoke.close()

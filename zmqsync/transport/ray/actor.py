@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +35,15 @@ from zmqsync.transport.shm.records import (
     is_record,
 )
 
-__all__ = ["DELIVER_METHOD", "RaySpoke", "WeightSyncActorMixin", "deliver", "owned"]
+__all__ = [
+    "DELIVER_METHOD",
+    "MAX_BATCH",
+    "RaySpoke",
+    "WeightSyncActorMixin",
+    "batch",
+    "deliver",
+    "owned",
+]
 
 log = logging.getLogger("zmqsync.transport.ray")
 
@@ -50,6 +59,44 @@ MAX_EARLY: Final = 16
 DELIVER_METHOD: Final = "zmqsync_deliver"
 #: Messages an actor's spoke keeps for the hub before dropping new ones.
 MAX_OUTBOX: Final = 1024
+#: Messages one call carries at most: the chunks waiting for an actor go together (a
+#: Ray call costs about a millisecond whatever it carries; a lease or a small chunk is
+#: a few bytes), see :func:`batch`.
+MAX_BATCH: Final = 64
+#: The first frame of a call that carries several messages: this magic, their count,
+#: and each one's count of frames (the frames follow, message after message).
+_BATCH: Final = b"ZRb1"
+_COUNT: Final = struct.Struct("<I")
+
+
+def batch(messages: Sequence[Sequence[bytes]]) -> list[bytes]:
+    """One call's frames carrying ``messages`` (at most :data:`MAX_BATCH`), in order."""
+    if not 0 < len(messages) <= MAX_BATCH:
+        raise ValueError(f"a batch carries 1 to {MAX_BATCH} messages; got {len(messages)}")
+    head = _BATCH + _COUNT.pack(len(messages)) + b"".join(_COUNT.pack(len(m)) for m in messages)
+    return [head, *(frame for message in messages for frame in message)]
+
+
+def _unbatch(frames: Sequence[Any]) -> list[Sequence[Any]] | None:
+    """The messages a batch's ``frames`` carry; None when it is malformed."""
+    head = frames[0]
+    if len(head) < len(_BATCH) + _COUNT.size:
+        return None
+    (count,) = _COUNT.unpack_from(head, len(_BATCH))
+    if not 0 < count <= MAX_BATCH or len(head) != len(_BATCH) + _COUNT.size * (count + 1):
+        return None
+    sizes = [n for (n,) in _COUNT.iter_unpack(head[len(_BATCH) + _COUNT.size :])]
+    if any(n < 1 for n in sizes) or sum(sizes) != len(frames) - 1:
+        return None
+    out, pos = [], 1
+    for n in sizes:
+        out.append(frames[pos : pos + n])
+        pos += n
+    return out
+
+
+def _is_batch(frames: Sequence[Any] | None) -> bool:
+    return bool(frames) and isinstance(frames[0], bytes) and frames[0][: len(_BATCH)] == _BATCH  # type: ignore[index]
 
 
 def owned(frames: Sequence[Buffer]) -> list[bytes]:
@@ -92,14 +139,15 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         self._taken = 0  # ... and recv_frames took
         self._reader_idle = False  # a reader waits in recv_frames on an empty inbox
         self._next_seq: int | None = None  # the hub's next call, by its number
-        #: Messages of calls that overtook an earlier one: seq -> (arrived, views).
-        self._early: dict[int, tuple[float, list[Buffer] | None]] = {}
+        #: Messages of calls that overtook an earlier one: seq -> (arrived, messages).
+        self._early: dict[int, tuple[float, list[list[Buffer]]]] = {}
         self._closed = False
         self._counters = {
             "dropped_sends": 0,
             "order_gaps": 0,
             "read_only_views": 0,
             "shared_frames": 0,
+            "malformed_batches": 0,
         }
         self._maps = PeerBlocks()  # the driver's blocks, mapped read-only
         self._keeps = False  # keeps each version mapped until the next (says so on joins)
@@ -243,7 +291,7 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         """
         if self._closed:
             return []
-        views = self._views(frames)
+        messages = self._messages(frames)
         with self._cond:
             if seq is not None and (seq == 0 or peer_index != self.peer_index):
                 # A new hub (or index): its numbers start anew, and what waited for an
@@ -252,10 +300,11 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
                 self._early.clear()
             self.peer_index = peer_index
             if seq is None:
-                self._queue(views)
+                self._queue(messages)
             else:
-                self._in_order(seq, views)
-            views = frames = None  # the inbox holds the only reference now (see _views)
+                self._in_order(seq, messages)
+            # The inbox holds the only references now (see _views).
+            messages, frames = [], None
         hook = self.on_delivery
         if hook is not None:
             try:
@@ -265,6 +314,19 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         with self._cond:
             out, self._outbox = self._outbox, []
         return out
+
+    def _messages(self, frames: Sequence[Any] | None) -> list[list[Buffer]]:
+        """The inbox's messages from one call's ``frames`` (several, for a batch)."""
+        if not _is_batch(frames):
+            one = self._views(frames)
+            return [] if one is None else [one]
+        assert frames is not None
+        messages = _unbatch(frames)
+        if messages is None:
+            self._counters["malformed_batches"] += 1
+            log.warning("a malformed batch of messages from the hub, dropped")
+            return []
+        return [v for m in messages if (v := self._views(m)) is not None]
 
     def _views(self, frames: Sequence[Any] | None) -> list[Buffer] | None:
         """What the inbox gets from one call's ``frames``: views, not copies (numpy
@@ -282,7 +344,7 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         # memoryviews, which the shared mode copies from and never maps.
         return [f if isinstance(f, bytes) else memoryview(f) for f in frames]
 
-    def _in_order(self, seq: int, views: list[Buffer] | None) -> None:
+    def _in_order(self, seq: int, views: list[list[Buffer]]) -> None:
         """Queue call ``seq``'s messages in the hub's order (caller holds the lock)."""
         expected = self._next_seq
         if expected is not None and seq > expected:
@@ -302,12 +364,11 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             self._queue(waiting)
             self._next_seq += 1
 
-    def _queue(self, views: list[Buffer] | None) -> None:
-        if views is None:
-            return
-        self._counters["read_only_views"] += sum(_read_only(v) for v in views)
-        self._delivered += 1
-        self._inbox.put(views)
+    def _queue(self, messages: list[list[Buffer]]) -> None:
+        for views in messages:
+            self._counters["read_only_views"] += sum(_read_only(v) for v in views)
+            self._delivered += 1
+            self._inbox.put(views)
 
     def counters(self) -> dict[str, int]:
         """``dropped_sends`` (the hub stopped calling), ``order_gaps`` (calls whose
@@ -374,5 +435,6 @@ class WeightSyncActorMixin:
     def zmqsync_deliver(
         self, channel: str, peer_index: int, frames: list[Any] | None, seq: int | None = None
     ) -> list[list[bytes]]:
-        """Receive one message from the hub (or a poll) and return this actor's replies."""
+        """Receive messages from the hub (one, a batch, or none: a poll) and return this
+        actor's replies."""
         return deliver(channel, peer_index, frames, seq)

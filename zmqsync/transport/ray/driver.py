@@ -27,7 +27,7 @@ from zmqsync.transport.base import (
     Stream,
 )
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
-from zmqsync.transport.ray.actor import DELIVER_METHOD, owned
+from zmqsync.transport.ray.actor import DELIVER_METHOD, MAX_BATCH, batch, owned
 from zmqsync.transport.ray.lending import ActorLending, LentPayload
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 from zmqsync.transport.shm.records import RecordError, is_record
@@ -45,7 +45,8 @@ INLINE_BYTES: Final = 64 * 1024
 MAX_IN_FLIGHT: Final = 16
 #: Chunk calls under way to one actor at once: enough to keep it busy while the next
 #: is submitted. The rest wait in the hub, in order (a newer version's first chunk drops
-#: the waiting chunks of older ones), at most MAX_WAITING of them.
+#: the waiting chunks of older ones), at most MAX_WAITING of them; those that travel in
+#: the call (leases, small chunks) go together in the next call (see ``actor.batch``).
 CHUNK_CALLS: Final = 2
 MAX_WAITING: Final = 64
 #: Default longest gap between polls of an idle actor; it bounds how late a new worker
@@ -171,6 +172,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             "shared_sends": 0,
             "behind_sends": 0,
             "bad_releases": 0,
+            "batched_messages": 0,
         }
         self._lending = ActorLending() if shared_memory and SHM_AVAILABLE else None
         items = actors.items() if isinstance(actors, Mapping) else enumerate(actors)
@@ -232,15 +234,16 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             self._counters["object_store_puts"] += 1
         return ref
 
-    def _call(self, actor: _Actor, payload: Any, *, frames: Any = None) -> None:
+    def _call(self, actor: _Actor, payload: Any, *, frames: Any = None, lent: bool = False) -> None:
         """Start one call (caller holds the lock); its result arrives as an event.
-        ``frames``: a chunk's, kept until its call is done."""
+        ``frames``: a chunk's, kept until its call is done; ``lent``: the payload
+        carries a lease on the hub's blocks."""
         seq = actor.next_seq
         if frames is not None:
             actor.chunk_calls[seq] = frames
         actor.next_seq += 1
         actor.in_flight += 1
-        if isinstance(payload, LentPayload):
+        if lent or isinstance(payload, LentPayload):
             actor.lent_seqs.add(seq)
             payload = list(payload)  # Ray pickles what it is given: plain bytes only
         try:
@@ -256,7 +259,23 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         (caller holds the lock)."""
         while actor.waiting and len(actor.chunk_calls) < CHUNK_CALLS and actor.lost is None:
             message, frames = actor.waiting.popleft()
-            self._call(actor, message, frames=frames)
+            if not isinstance(message, list) or not actor.waiting:
+                self._call(actor, message, frames=frames)  # an object in Ray's store, or one
+                continue
+            # Messages that travel in the call go together: one call, not one each.
+            messages, kept = [message], [frames]
+            while actor.waiting and len(messages) < MAX_BATCH:
+                if not isinstance(actor.waiting[0][0], list):
+                    break
+                more, more_frames = actor.waiting.popleft()
+                messages.append(more)
+                kept.append(more_frames)
+            if len(messages) == 1:
+                self._call(actor, message, frames=frames)
+                continue
+            lent = any(isinstance(m, LentPayload) for m in messages)
+            self._counters["batched_messages"] += len(messages)
+            self._call(actor, batch(messages), frames=kept, lent=lent)
 
     def send_frames(
         self, frames: Sequence[Buffer], *, to: Recipients = None, stream: Stream | None = None
