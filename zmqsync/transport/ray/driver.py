@@ -79,10 +79,12 @@ class _Actor:
     done_seq: int = 0  # next call whose result is handed on (results keep call order)
     finished: dict[int, Any] = field(default_factory=dict, repr=False)
     in_flight: int = 0
-    #: Chunk calls under way, by sequence number, with the frames they were made from
-    #: (kept until the call is done: a sender lets no more chunks go out meanwhile).
-    chunk_calls: dict[int, Any] = field(default_factory=dict, repr=False)
-    #: Chunks waiting for a call: (message, frames).
+    #: Chunk calls under way, by sequence number.
+    chunk_calls: set[int] = field(default_factory=set, repr=False)
+    #: Chunks waiting for a call: (message, frames). The frames are kept until the call
+    #: is made (a sender lets no more chunks go out meanwhile: its window is paced by
+    #: the actor's calls); a call's message needs them no more (bytes, a lease on the
+    #: hub's blocks, or an object in Ray's store).
     waiting: deque[tuple[Any, Any]] = field(default_factory=deque, repr=False)
     next_poll: float = 0.0
     poll_gap: float = FAST_POLL
@@ -234,13 +236,14 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             self._counters["object_store_puts"] += 1
         return ref
 
-    def _call(self, actor: _Actor, payload: Any, *, frames: Any = None, lent: bool = False) -> None:
+    def _call(
+        self, actor: _Actor, payload: Any, *, chunk: bool = False, lent: bool = False
+    ) -> None:
         """Start one call (caller holds the lock); its result arrives as an event.
-        ``frames``: a chunk's, kept until its call is done; ``lent``: the payload
-        carries a lease on the hub's blocks."""
+        ``chunk``: it carries chunks; ``lent``: a lease on the hub's blocks."""
         seq = actor.next_seq
-        if frames is not None:
-            actor.chunk_calls[seq] = frames
+        if chunk:
+            actor.chunk_calls.add(seq)
         actor.next_seq += 1
         actor.in_flight += 1
         if lent or isinstance(payload, LentPayload):
@@ -258,24 +261,22 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         """Call ``actor`` with its waiting chunks, in order, CHUNK_CALLS at a time
         (caller holds the lock)."""
         while actor.waiting and len(actor.chunk_calls) < CHUNK_CALLS and actor.lost is None:
-            message, frames = actor.waiting.popleft()
+            message, _ = actor.waiting.popleft()
             if not isinstance(message, list) or not actor.waiting:
-                self._call(actor, message, frames=frames)  # an object in Ray's store, or one
+                self._call(actor, message, chunk=True)  # an object in Ray's store, or one
                 continue
             # Messages that travel in the call go together: one call, not one each.
-            messages, kept = [message], [frames]
+            messages = [message]
             while actor.waiting and len(messages) < MAX_BATCH:
                 if not isinstance(actor.waiting[0][0], list):
                     break
-                more, more_frames = actor.waiting.popleft()
-                messages.append(more)
-                kept.append(more_frames)
+                messages.append(actor.waiting.popleft()[0])
             if len(messages) == 1:
-                self._call(actor, message, frames=frames)
+                self._call(actor, message, chunk=True)
                 continue
             lent = any(isinstance(m, LentPayload) for m in messages)
             self._counters["batched_messages"] += len(messages)
-            self._call(actor, batch(messages), frames=kept, lent=lent)
+            self._call(actor, batch(messages), chunk=True, lent=lent)
 
     def send_frames(
         self, frames: Sequence[Buffer], *, to: Recipients = None, stream: Stream | None = None
@@ -365,7 +366,8 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             while actor.done_seq in actor.finished:
                 done = actor.finished.pop(actor.done_seq)
                 actor.lent_seqs.discard(actor.done_seq)
-                if actor.chunk_calls.pop(actor.done_seq, None) is not None:
+                if actor.done_seq in actor.chunk_calls:
+                    actor.chunk_calls.discard(actor.done_seq)
                     self._submit_chunks(actor)
                 actor.done_seq += 1
                 actor.in_flight -= 1
