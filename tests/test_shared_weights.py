@@ -166,6 +166,49 @@ def test_a_dict_or_tensordict_model_is_mapped_where_the_user_reads_it(tmp_path, 
         sender.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_parameter_the_user_replaces_or_moves_between_versions_gets_the_next_one(
+    tmp_path: Any,
+) -> None:
+    """The receiver remembers the model's tensors between versions (it re-points them
+    itself, and says so, so it need not walk the model each version); a parameter the
+    user replaced, or gave new storage, is still found and mapped at the next version."""
+    learner, worker = shared_model(0), shared_model(1)
+    hub = PubSubHub(f"ipc://{tmp_path}/replaced")
+    sender = WeightSender(hub, model=learner, num_workers=1, timeout=10)
+    receiver = WeightReceiver(
+        PubSubSpoke(hub.endpoint, identity="0"), model=worker, apply_mode="shared", worker_idx=0
+    )
+    try:
+        receiver.connect(timeout=10)
+        receiver.start()
+
+        def send_and_check() -> None:
+            mapped = receiver.stats["shared_mapped"]
+            _bump(learner)
+            sender.send()
+            with receiver.lock:
+                assert zmqsync.checksum(worker) == zmqsync.checksum(learner)
+            assert receiver.stats["shared_mapped"] == mapped + 1  # mapped, not copied
+
+        send_and_check()
+        send_and_check()
+        first = next(worker.parameters())
+        with receiver.lock:
+            first.data = torch.zeros_like(first)  # new storage behind the same Parameter
+        send_and_check()
+        assert next(worker.parameters()) is first
+        layer = next(m for m in worker.modules() if isinstance(m, nn.Linear))
+        with receiver.lock:
+            layer.weight = nn.Parameter(torch.zeros_like(layer.weight))  # replaced
+        replaced = layer.weight
+        send_and_check()
+        assert layer.weight is replaced
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def leaves_of(model: Any) -> list[torch.Tensor]:
     """A (nested) dict's or a TensorDict's tensors, depth first: the objects it holds."""
     if not isinstance(model, dict):

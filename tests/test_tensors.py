@@ -189,6 +189,37 @@ def test_model_tensors_cache_follows_the_model() -> None:
 
 
 @pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
+def test_storage_the_caller_moved_is_remembered_and_a_later_change_still_seen(
+    strategy: str,
+) -> None:
+    """The shared mode re-points every tensor at each version (``t.data = view``): it
+    says so, and the next walk is spared; anything changed after that is still seen."""
+    from zmqsync.tensors.model_tensors import ModelTensors
+
+    for model in (_model(), {"a": torch.zeros(3), "inner": {"b": torch.ones(2)}}):
+        cache = ModelTensors(strategy)
+        first = cache.get(model)
+        owned = (
+            model.parameters()
+            if isinstance(model, nn.Module)
+            else [model["a"], model["inner"]["b"]]
+        )
+        for t in owned:
+            t.data = t.data.clone()  # what the shared mode does, version after version
+        cache.storage_moved()
+        assert cache.get(model) is first  # not walked again
+        for t in first.values():
+            t.data = t.data.clone()  # an alias of the walk (as the shared mode moves too)
+        cache.storage_moved()
+        assert cache.get(model) is first
+        owner = model[0].bias if isinstance(model, nn.Module) else model["a"]
+        owner.data = torch.full_like(owner, 5.0)  # the user's own change, unannounced
+        second = cache.get(model)
+        assert second is not first
+        assert any(t.data_ptr() == owner.data_ptr() for t in second.values())
+
+
+@pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
 def test_model_tensors_cache_follows_a_dict_of_tensors(strategy: str) -> None:
     from zmqsync.tensors.model_tensors import ModelTensors
 

@@ -29,7 +29,7 @@ from zmqsync.protocol.stream import Apply, Broken, ChunkStream, Ignored, Start
 from zmqsync.receiver.lock import WeightsLock
 from zmqsync.receiver.observer import PendingAck, ReceiverObserver
 from zmqsync.receiver.rejections import Rejections
-from zmqsync.receiver.shared import SHARED_MODE, SharedVersion, check_shareable, owned_tensors
+from zmqsync.receiver.shared import SHARED_MODE, SharedVersion
 from zmqsync.tensors.apply import ApplyPlan, materialize
 from zmqsync.tensors.extract import as_weights_object
 from zmqsync.tensors.fit import check_fits
@@ -399,7 +399,7 @@ class Applier:
         target = self._model_tensors.get(self.model)
         if self._shared is not None:
             try:
-                check_shareable(schema, target, self.strategy)
+                self._shared.check(schema, target, self.strategy)
             except SchemaMismatchError as exc:
                 self._stream.abandon("refused")
                 self._refuse(chunk, exc)
@@ -497,7 +497,8 @@ class Applier:
             elif writing == "shared":
                 assert self._shared is not None and self._schema is not None
                 target = self._model_tensors.get(self.model)
-                self._shared.install(self._schema, owned_tensors(self.model, target))
+                self._shared.install(self._schema, self.model, target)
+                self._model_tensors.storage_moved()  # re-pointed just now, by us
             elif self.model is not None and self._delta_spans is not None:
                 assert self._in_place is not None
                 staged = self.staging.array

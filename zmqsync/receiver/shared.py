@@ -177,6 +177,22 @@ class SharedVersion:
         self._frames: list[Buffer] = []
         #: What keeps the held version's memory (its frames, or the private copy).
         self._held: np.ndarray | None = None
+        #: The schema and model walk last found shareable, and the tensors to re-point
+        #: for that walk (both the same objects from version to version while the model
+        #: and the layout stay as they are: checked and gathered once, not per version).
+        self._checked: tuple[WeightsSchema, Mapping[KeyPath, torch.Tensor]] | None = None
+        self._owned: tuple[Mapping[KeyPath, torch.Tensor], dict[str, list[torch.Tensor]]] | None
+        self._owned = None
+
+    def check(
+        self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], strategy: str
+    ) -> None:
+        """:func:`check_shareable`, unless this schema and this walk of the model passed
+        it already."""
+        checked = self._checked
+        if checked is None or checked[0] is not schema or checked[1] is not target:
+            check_shareable(schema, target, strategy)
+            self._checked = (schema, target)
 
     def start(self, total: int) -> None:
         """A version of ``total`` bytes begins."""
@@ -223,10 +239,18 @@ class SharedVersion:
         self._stats["shared_copied"] += 1
         return _read_only_copy(pieces, total)
 
-    def install(self, schema: WeightsSchema, target: Mapping[str, Sequence[torch.Tensor]]) -> None:
-        """Re-point every tensor of ``target`` (by dotted name, see
-        :func:`owned_tensors`) at its bytes of the version just completed (call under
+    def install(
+        self, schema: WeightsSchema, model: Any, target: Mapping[KeyPath, torch.Tensor]
+    ) -> None:
+        """Re-point every tensor of ``model`` and of ``target``, its walk (see
+        :func:`owned_tensors`), at its bytes of the version just completed (call under
         the worker's lock). The tensors stay the same objects."""
+        owned = self._owned
+        if owned is None or owned[0] is not target:
+            owned = self._owned = (target, owned_tensors(model, target))
+        self._repoint(schema, owned[1])
+
+    def _repoint(self, schema: WeightsSchema, target: Mapping[str, Sequence[torch.Tensor]]) -> None:
         whole = self._whole()
         views: list[tuple[Sequence[torch.Tensor], torch.Tensor]] = []
         with warnings.catch_warnings():
@@ -244,6 +268,7 @@ class SharedVersion:
     def close(self) -> None:
         self.abandon()
         self._held = None
+        self._checked = self._owned = None
 
 
 def _let_go(frames: list[Buffer]) -> None:

@@ -58,6 +58,13 @@ class ModelTensors:
             self._model = model
         return self._tensors
 
+    def storage_moved(self) -> None:
+        """The caller gave the tensors :meth:`get` last returned new storage
+        (``t.data = view``: the shared mode re-points them at each version) right after
+        that call: remember where they are now, so the next :meth:`get` need not walk
+        the model again."""
+        self._owners.remember()
+
     def owners(self, model: Any) -> list[torch.Tensor] | None:
         """The tensor objects ``model`` itself holds (its parameters and buffers, or its
         dict's values), as :meth:`get` last walked them; None if not known."""
@@ -111,6 +118,11 @@ class _Owners:
         self.tables = [table for table, _, _ in owners]
         self.keys = [key for _, key, _ in owners]
         self.tensors = [t for _, _, t in owners]
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
+        self.shapes = [t.shape for t in self.tensors]
+
+    def remember(self) -> None:
+        """Take each tensor's storage and shape as they are now."""
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
         self.shapes = [t.shape for t in self.tensors]
 
