@@ -118,8 +118,9 @@ class _Owners:
         self.tables = [table for table, _, _ in owners]
         self.keys = [key for _, key, _ in owners]
         self.tensors = [t for _, _, t in owners]
-        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
-        self.shapes = [t.shape for t in self.tensors]
+        self.ptrs: list[int] = []
+        self.shapes: list[torch.Size] = []
+        self.remember()
 
     def remember(self) -> None:
         """Take each tensor's storage and shape as they are now."""
