@@ -12,6 +12,7 @@ import queue
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -38,6 +39,7 @@ from zmqsync.transport.shm.records import (
 __all__ = [
     "DELIVER_METHOD",
     "MAX_BATCH",
+    "SEQ_SPAN",
     "RaySpoke",
     "WeightSyncActorMixin",
     "batch",
@@ -55,6 +57,16 @@ ORDER_WAIT: Final = 30.0
 #: Calls that overtook an earlier one whose messages the spoke keeps; more than that and
 #: the gap is given up (the hub has at most this many calls to one actor under way).
 MAX_EARLY: Final = 16
+#: A hub numbers its calls to an actor within a numbering of its own (a random epoch,
+#: new with each hub and each actor it serves): a call's ``seq`` is ``epoch * SEQ_SPAN``
+#: plus its place in it. A spoke tells a new numbering (a restarted learner) from the
+#: epoch, not from a call numbered 0, which a threaded actor may run after call 1. A
+#: ``seq`` under ``SEQ_SPAN`` is an untagged numbering, new whenever a call is numbered 0.
+SEQ_SPAN: Final = 1 << 32
+#: Numberings a spoke gave up for a newer one and remembers: a late call from one of
+#: them (an older hub's, overtaken by the new hub's) is dropped, not taken for yet
+#: another new hub.
+MAX_RETIRED: Final = 8
 #: The actor method a hub calls (what :class:`WeightSyncActorMixin` defines).
 DELIVER_METHOD: Final = "zmqsync_deliver"
 #: Messages an actor's spoke keeps for the hub before dropping new ones.
@@ -115,7 +127,25 @@ _spokes: dict[str, RaySpoke] = {}
 #: What a spoke that closed had not handed to its hub yet (its goodbye), by channel: the
 #: hub's next call takes it, as it would have taken the outbox.
 _last_words: dict[str, list[list[bytes]]] = {}
+#: By channel with no spoke open, the last call of the hub's numbering that reached
+#: this process (epoch, number): dropped (no spoke yet), or the last a spoke that closed
+#: had queued. A spoke opened later goes on from there; with nothing here, a numbering
+#: starts at 0. Bounded: the hub names the channels.
+_heard: dict[str, tuple[int, int]] = {}
+#: Channels :data:`_heard` remembers at most (the oldest is forgotten first).
+MAX_HEARD: Final = 64
 _spokes_lock = threading.Lock()
+
+
+def _hear(channel: str, epoch: int, number: int) -> None:
+    """Remember call ``number`` of numbering ``epoch`` on ``channel`` (holding the
+    spokes' lock)."""
+    last = _heard.pop(channel, None)
+    if last is not None and last[0] == epoch:
+        number = max(number, last[1])
+    _heard[channel] = (epoch, number)
+    while len(_heard) > MAX_HEARD:
+        del _heard[next(iter(_heard))]
 
 
 class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
@@ -139,6 +169,8 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         self._taken = 0  # ... and recv_frames took
         self._reader_idle = False  # a reader waits in recv_frames on an empty inbox
         self._next_seq: int | None = None  # the hub's next call, by its number
+        self._epoch: int | None = None  # the numbering of the hub's calls (see SEQ_SPAN)
+        self._retired: deque[int] = deque(maxlen=MAX_RETIRED)
         #: Messages of calls that overtook an earlier one: seq -> (arrived, messages).
         self._early: dict[int, tuple[float, list[list[Buffer]]]] = {}
         self._closed = False
@@ -148,6 +180,7 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             "read_only_views": 0,
             "shared_frames": 0,
             "malformed_batches": 0,
+            "stale_calls": 0,
         }
         self._maps = PeerBlocks()  # the driver's blocks, mapped read-only
         self._keeps = False  # keeps each version mapped until the next (says so on joins)
@@ -165,6 +198,8 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
                     "(scheme.shutdown()) before creating another"
                 )
             _spokes[channel] = self
+            #: Where the hub's numbering stood before this spoke opened (see _heard).
+            self._heard = _heard.pop(channel, None)
 
     @property
     def endpoint(self) -> str:
@@ -291,18 +326,29 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         """
         if self._closed:
             return []
+        epoch, number = (0, 0) if seq is None else divmod(seq, SEQ_SPAN)
+        if epoch:
+            with self._cond:
+                stale = epoch in self._retired
+                if stale:
+                    self._counters["stale_calls"] += 1
+            if stale:  # an older hub's, late: its replies are not for it either
+                return []
         messages = self._messages(frames)
         with self._cond:
-            if seq is not None and (seq == 0 or peer_index != self.peer_index):
+            if seq is not None and self._new_numbering(peer_index, epoch, number):
                 # A new hub (or index): its numbers start anew, and what waited for an
                 # older hub's calls goes.
-                self._next_seq = None
+                if self._epoch:
+                    self._retired.append(self._epoch)
+                self._next_seq = self._first(epoch)
+                self._epoch = epoch
                 self._early.clear()
             self.peer_index = peer_index
             if seq is None:
                 self._queue(messages)
             else:
-                self._in_order(seq, messages)
+                self._in_order(number, messages)
             # The inbox holds the only references now (see _views).
             messages, frames = [], None
         hook = self.on_delivery
@@ -314,6 +360,22 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         with self._cond:
             out, self._outbox = self._outbox, []
         return out
+
+    def _first(self, epoch: int) -> int | None:
+        """The number of the first call of numbering ``epoch`` this spoke takes: 0, or
+        the one after the last this process heard of before the spoke opened (a
+        threaded actor may run call 1 before call 0: call 1 then waits for call 0).
+        None for an untagged numbering: it starts at whichever call comes first."""
+        if not epoch:
+            return None
+        if self._heard is not None and self._heard[0] == epoch:
+            return self._heard[1] + 1
+        return 0
+
+    def _new_numbering(self, peer_index: int, epoch: int, number: int) -> bool:
+        """Whether a call starts a new numbering of the hub's calls (caller holds the
+        lock): another epoch or index, or an untagged call numbered 0."""
+        return epoch != self._epoch or peer_index != self.peer_index or (not epoch and number == 0)
 
     def _messages(self, frames: Sequence[Any] | None) -> list[list[Buffer]]:
         """The inbox's messages from one call's ``frames`` (several, for a batch)."""
@@ -374,8 +436,10 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         """``dropped_sends`` (the hub stopped calling), ``order_gaps`` (calls whose
         messages were queued out of the hub's order, an earlier one not having come in
         time), ``read_only_views`` (frames read in place from Ray's object store or the
-        hub's shared memory, without a copy) and ``shared_frames`` (those of them in the
-        hub's shared memory)."""
+        hub's shared memory, without a copy), ``shared_frames`` (those of them in the
+        hub's shared memory), ``malformed_batches`` (calls whose batch of messages
+        could not be read, dropped) and ``stale_calls`` (late calls of a hub a newer
+        one replaced, dropped)."""
         return dict(self._counters)
 
     def close(self) -> None:
@@ -385,9 +449,12 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         with self._cond:
             words, self._outbox = self._outbox, []
             self._early.clear()
+            heard = (self._epoch, self._next_seq - 1) if self._epoch and self._next_seq else None
         with _spokes_lock:
             if _spokes.get(self.channel) is self:
                 del _spokes[self.channel]
+                if heard is not None:  # a spoke opened next goes on from there
+                    _hear(self.channel, *heard)
             if words:
                 _last_words.setdefault(self.channel, []).extend(words)
                 del _last_words[self.channel][:-MAX_OUTBOX]
@@ -413,6 +480,8 @@ def deliver(
     with _spokes_lock:
         spoke = _spokes.get(channel)
         words = _last_words.pop(channel, [])  # a closed spoke's goodbye comes first
+        if spoke is None and seq is not None and seq >= SEQ_SPAN:
+            _hear(channel, *divmod(seq, SEQ_SPAN))  # dropped: a spoke opened later knows
     if spoke is None:
         return words
     return words + spoke.exchange(peer_index, frames, seq)

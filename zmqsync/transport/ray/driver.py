@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -27,7 +28,7 @@ from zmqsync.transport.base import (
     Stream,
 )
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
-from zmqsync.transport.ray.actor import DELIVER_METHOD, MAX_BATCH, batch, owned
+from zmqsync.transport.ray.actor import DELIVER_METHOD, MAX_BATCH, SEQ_SPAN, batch, owned
 from zmqsync.transport.ray.lending import ActorLending, LentPayload
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 from zmqsync.transport.shm.records import RecordError, is_record
@@ -76,6 +77,9 @@ class _Actor:
     handle: Any = field(repr=False)
     method: Any = field(repr=False)
     next_seq: int = 0  # sequence number of the next call
+    #: This record's numbering of its calls: a call carries ``epoch * SEQ_SPAN + seq``
+    #: (the actor's spoke tells a new hub by it, whichever of its calls runs first).
+    epoch: int = field(default_factory=lambda: 1 + secrets.randbelow(SEQ_SPAN - 1))
     done_seq: int = 0  # next call whose result is handed on (results keep call order)
     finished: dict[int, Any] = field(default_factory=dict, repr=False)
     in_flight: int = 0
@@ -250,7 +254,8 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             actor.lent_seqs.add(seq)
             payload = list(payload)  # Ray pickles what it is given: plain bytes only
         try:
-            future = actor.method.remote(self._channel, actor.index, payload, seq).future()
+            tagged = actor.epoch * SEQ_SPAN + seq
+            future = actor.method.remote(self._channel, actor.index, payload, tagged).future()
         except Exception as exc:  # a failed submission is a failed call
             failed: Any = _Failed(exc)
             self._events.put((actor, seq, failed))
