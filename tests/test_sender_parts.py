@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _faults import until
@@ -56,8 +57,28 @@ class FakeOutlet:
     def lend(self, nbytes: int) -> Any:
         return None
 
+    def all_keep_versions(self) -> bool:
+        return False
+
     def streams(self, copy: Copy | Forwarded) -> bool:
         return any(c is copy for c in self.streaming)
+
+
+class LendingOutlet(FakeOutlet):
+    """A hub that lends memory, whose peers may all keep each version mapped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keeping = False
+
+    def lending(self) -> bool:
+        return True
+
+    def lend(self, nbytes: int) -> Any:
+        return np.zeros(nbytes, dtype=np.uint8)
+
+    def all_keep_versions(self) -> bool:
+        return self.keeping
 
 
 def _store(**options: Any) -> tuple[VersionStore, FakeOutlet, SendStats]:
@@ -128,6 +149,36 @@ def test_without_a_snapshot_the_store_streams_through_its_ring_and_keeps_nothing
 
 
 @pytest.mark.timeout(60)
+def test_versions_go_in_large_chunks_while_every_worker_keeps_its_version_mapped() -> None:
+    """Workers that keep each version mapped (the shared mode) copy nothing out of a
+    chunk while the next is written: a version written into lent memory then goes in
+    chunks of up to KEPT_CHUNK_BYTES; once a worker copies again (it stopped keeping, or
+    one that copies joined), in ``chunk_bytes`` again. The bytes are the same."""
+    from zmqsync.sender.versions import KEPT_CHUNK_BYTES
+
+    outlet = LendingOutlet()
+    store = VersionStore(
+        [outlet],
+        Stamp("policy", 7, checksums=False),
+        strategy="state_dict",
+        chunk_bytes=CHUNK,
+        stats=SendStats(),
+    )
+    weights = _weights(6, 1.0)
+    copies = []
+    for version, keeping in enumerate((False, True, True, False), start=1):
+        outlet.keeping = keeping
+        copy = store.copy_of(weights, version, model=None)
+        assert copy.layout.chunk_bytes == (KEPT_CHUNK_BYTES if keeping else CHUNK)
+        assert copy.layout.count == (1 if keeping else 6)
+        copies.append(copy)
+        store.serve(copy)
+    assert copies[1].layout is copies[2].layout  # reused while the fleet keeps
+    # Without a snapshot the chunks go through the ring's buffers: chunk_bytes.
+    outlet.keeping = True
+    assert store.copy_of(weights, 9, model=None, whole=False).layout.chunk_bytes == CHUNK
+
+
 def test_a_new_life_stamps_new_copies_and_serves_nothing_of_the_old() -> None:
     store, _, _ = _store()
     old = store.copy_of(_weights(1), 1, model=None)

@@ -23,6 +23,7 @@ from torch import nn
 
 import zmqsync
 from zmqsync import SyncTimeout
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES
 from zmqsync.schemes.ray import RayWeightSyncScheme
 from zmqsync.transport.ray import RayHub, WeightSyncActorMixin
 
@@ -187,6 +188,34 @@ def test_actors_map_each_version_read_only_and_exact_and_a_late_joiner_maps_the_
     counts = learner.hub.counters()
     assert counts["shm_bytes"] <= 4 * 2 * model_bytes
     assert counts["bad_releases"] == 0 and counts["actors_not_sharing"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_actors_that_keep_their_versions_mapped_get_each_in_one_chunk() -> None:
+    """Once every actor said it keeps its versions mapped (at the first it maps), each
+    version goes in one chunk, not in ``chunk_bytes`` (64 KiB: the model takes six),
+    and every actor maps it exactly."""
+    learner = Learner(chunk_bytes=MIN_CHUNK_BYTES)
+    try:
+        learner.start(2)
+        learner.wait_joined_lending()
+        model_bytes = sum(t.nbytes for t in learner.model.state_dict().values())
+        assert -(-model_bytes // MIN_CHUNK_BYTES) >= 5
+        counts = []
+        for _ in range(4):
+            sender = learner.scheme.get_sender()
+            before = sender.status()["totals"]["chunks_sent"]
+            version, checksum = learner.send()
+            for state in learner.states([0, 1]):
+                _exact(state, version, checksum)
+            counts.append(sender.status()["totals"]["chunks_sent"] - before)
+        # An actor says it keeps versions in a call's reply, at the first it maps.
+        assert counts[-2:] == [1, 1], counts
+        for state in learner.states([0, 1]):
+            # (Chunks this small travel inside the call, copied: the first versions.)
+            assert state["stats"]["shared_mapped"] >= 2
+    finally:
+        learner.close()
 
 
 @pytest.mark.timeout(300)

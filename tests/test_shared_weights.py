@@ -19,6 +19,7 @@ from torch import nn
 
 import zmqsync
 from zmqsync import SyncTimeout, WeightReceiver, WeightSender
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES
 from zmqsync.status_types import SenderStatus
 from zmqsync.transport._zmq import lending
 from zmqsync.transport.pipe import PipeHub
@@ -84,7 +85,7 @@ def _bump(model: nn.Module) -> None:
 def make_fleet(tmp_path: Any) -> Iterator[Callable[..., Fleet]]:
     fleets: list[Fleet] = []
 
-    def make(kind: str, slots: int, timeout: float = 30) -> Fleet:
+    def make(kind: str, slots: int, timeout: float = 30, **options: Any) -> Fleet:
         if kind == "pipe":
             pairs = [SPAWN.Pipe() for _ in range(slots)]
             hub: Any = PipeHub([p for p, _ in pairs])
@@ -93,7 +94,7 @@ def make_fleet(tmp_path: Any) -> Iterator[Callable[..., Fleet]]:
             hub = (PubSubHub if kind == "pubsub" else RouterHub)(f"ipc://{tmp_path}/hub")
             where = [hub.endpoint] * slots
         model = shared_model(0)
-        sender = WeightSender(hub, model=model, num_workers=None, timeout=timeout)
+        sender = WeightSender(hub, model=model, num_workers=None, timeout=timeout, **options)
         fleet = Fleet(kind, model, sender, hub, where)
         fleets.append(fleet)
         return fleet
@@ -330,6 +331,60 @@ def test_a_stopped_worker_pins_its_version_and_catches_up(
     latest_sum = _send(fleet, [0, 1, 2])
     state = fleet.wait_for(2, fleet.sender.version)
     assert state["checksum"] == latest_sum and state["version"] == fleet.sender.version
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["pubsub", "pipe"])
+def test_versions_go_in_one_chunk_while_every_worker_keeps_its_version_mapped(
+    kind: str, make_fleet: Callable[..., Fleet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers that map copy nothing out of a chunk while the next is written: while
+    every worker keeps its versions mapped (it says so at the first it maps: here the
+    published version 0, before its ack), each version goes in one chunk, not in
+    ``chunk_bytes`` (64 KiB here: the model takes six), and every worker maps it
+    exactly. A stopped worker (sent copies over a pipe; over ZeroMQ dropped from the
+    lending) brings small chunks back."""
+    monkeypatch.setattr(lending, "LEASE_SECONDS", 2.0)  # the ZeroMQ hub's, shortened
+    fleet = make_fleet(kind, 2, timeout=3.0, chunk_bytes=MIN_CHUNK_BYTES)
+    model_bytes = sum(t.nbytes for t in fleet.model.state_dict().values())
+    small = -(-model_bytes // MIN_CHUNK_BYTES)
+    assert small >= 5
+    fleet.sender.publish()
+    for idx in range(2):
+        fleet.spawn(idx)
+        fleet.wait_for(idx, 0)
+
+    def chunks_of_a_version(workers: list[int]) -> int:
+        before = fleet.sender.status()["totals"]["chunks_sent"]
+        version_sum = _send(fleet, workers)
+        for idx in workers:
+            state = fleet.wait_for(idx, fleet.sender.version)
+            assert state["checksum"] == version_sum and state["read_only"]
+        return int(fleet.sender.status()["totals"]["chunks_sent"] - before)
+
+    chunks_of_a_version([0, 1])  # its acks come after what the workers said before
+    assert [chunks_of_a_version([0, 1]) for _ in range(3)] == [1, 1, 1]
+    for idx in range(2):
+        assert fleet.ask(idx)["stats"]["shared_mapped"] >= 3
+    os.kill(fleet.procs[1].pid, signal.SIGSTOP)
+    try:
+        counts: list[int] = []
+        deadline = time.monotonic() + DEADLINE
+        while not counts or counts[-1] < small:
+            assert time.monotonic() < deadline, counts
+            before = fleet.sender.status()["totals"]["chunks_sent"]
+            _bump(fleet.model)
+            try:
+                fleet.sender.send()  # the stopped worker too
+            except SyncTimeout as exc:
+                assert set(exc.missing_workers) == {1}
+            version_sum = zmqsync.checksum(fleet.model)
+            assert fleet.wait_for(0, fleet.sender.version)["checksum"] == version_sum
+            counts.append(int(fleet.sender.status()["totals"]["chunks_sent"] - before))
+            time.sleep(1.2)  # a training step: longer than a pipe waits for a release
+    finally:
+        os.kill(fleet.procs[1].pid, signal.SIGCONT)
+    chunks_of_a_version([0, 1])  # it catches up, exact (checked in there)
 
 
 def _rows(fleet: Fleet) -> dict[int, dict[str, Any]]:

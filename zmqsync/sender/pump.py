@@ -264,6 +264,10 @@ class HubRunner:
         """Whether the hub lends memory its peers read in place, now."""
         return self._lends is not None and self._lends.lending()
 
+    def all_keep_versions(self) -> bool:
+        """Whether the hub lends memory and every peer keeps each version mapped."""
+        return self._lends is not None and self._lends.all_keep_versions()
+
     def lend(self, nbytes: int) -> Any:
         """Memory the hub lends (None: it has none to lend)."""
         return None if self._lends is None else self._lends.lend(nbytes)

@@ -244,6 +244,13 @@ class Lends(Ability):
         it holds. None by default."""
         return {}
 
+    def all_keep_versions(self) -> bool:
+        """Whether every peer now keeps each version mapped until the next (workers
+        in the shared read-only mode say so): none copies a chunk out while the next is
+        written, so a version gains nothing from going in many small chunks. False by
+        default."""
+        return False
+
 
 class ZeroCopy(Ability):
     """A hub that copies small buffers unless told otherwise (pyzmq's threshold)."""

@@ -230,6 +230,12 @@ class ZMQHub(
     def lending(self) -> bool:
         return self._lender is not None and bool(self._lender.members())
 
+    def all_keep_versions(self) -> bool:
+        if self._lender is None:
+            return False
+        peers = set(self._peers)  # the hub thread adds and drops peers
+        return bool(peers) and peers <= self._lender.keeping()
+
     def copying(self) -> dict[PeerId, int]:
         """The peers dropped from the lending for holding a block past its lease (dead,
         stopped, stuck) and not joined again: they are sent every message through the

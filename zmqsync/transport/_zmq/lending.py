@@ -136,6 +136,10 @@ class Lender:
     def members(self) -> set[bytes]:
         return set(self._members)
 
+    def keeping(self) -> set[bytes]:
+        """The members that keep each version mapped until the next."""
+        return {peer for peer, member in list(self._members.items()) if member.keeps}
+
     def on_request(self, peer: bytes, frames: Sequence[Buffer]) -> list[bytes] | None:
         """A join or leave from ``peer`` (over the ROUTER); returns the reply, if any."""
         try:

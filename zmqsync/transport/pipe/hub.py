@@ -247,6 +247,16 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             else:
                 peer.writer.released()
 
+    def all_keep_versions(self) -> bool:
+        with self._lock:
+            live = [p for p in self._peers.values() if p.lost is None]
+        # One sent copies (stopped, stuck) takes each chunk as a private copy: small ones.
+        return (
+            self._shm is not None
+            and bool(live)
+            and all(p.writer.keeps_versions and not p.writer.copying for p in live)
+        )
+
     def wake(self) -> None:
         self._wakeup.wake()
 

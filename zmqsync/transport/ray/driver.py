@@ -217,6 +217,14 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
     def lending(self) -> bool:
         return self._lending is not None
 
+    def all_keep_versions(self) -> bool:
+        lending = self._lending
+        if lending is None:
+            return False
+        with self._lock:
+            live = [a.index for a in self._actors.values() if a.lost is None]
+        return bool(live) and all(index in lending.keeping for index in live)
+
     def lend(self, nbytes: int) -> Any:
         """Shared memory to carve a sender's snapshot from (sent without another copy to
         actors that read the hub's blocks), or None."""
