@@ -381,7 +381,11 @@ def test_versions_go_in_one_chunk_while_every_worker_keeps_its_version_mapped(
             version_sum = zmqsync.checksum(fleet.model)
             assert fleet.wait_for(0, fleet.sender.version)["checksum"] == version_sum
             counts.append(int(fleet.sender.status()["totals"]["chunks_sent"] - before))
-            time.sleep(1.2)  # a training step: longer than a pipe waits for a release
+            # A training step between versions, longer than a pipe waits for a release
+            # before it copies. (Not a readiness wait: sent back to back, versions fill
+            # the stopped worker's pipe and its writer blocks in the middle of a write;
+            # then it is never sent copies, and nothing brings small chunks back.)
+            time.sleep(1.2)
     finally:
         os.kill(fleet.procs[1].pid, signal.SIGCONT)
     chunks_of_a_version([0, 1])  # it catches up, exact (checked in there)
