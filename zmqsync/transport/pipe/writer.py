@@ -165,12 +165,20 @@ class Writer:
         """The peer sent a message (it is not stopped)."""
         with self._cond:
             self._heard_at = time.monotonic()
-            self._cond.notify()
+            self._wake_if_held()
 
     def released(self) -> None:
         """The peer released one lease."""
         with self._cond:
             self._unreleased = max(0, self._unreleased - 1)
+            self._wake_if_held()
+
+    def _wake_if_held(self) -> None:
+        """Wake the thread if it holds a version back for the peer's release (call holding
+        the condition). Only then: the hub hears from each peer twice a version (an ack, a
+        release), and waking an idle writer each time costs the caller a thread switch
+        while it holds the interpreter lock."""
+        if self._held_since is not None:
             self._cond.notify()
 
     def _run(self) -> None:
