@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, Final
 
 import numpy as np
@@ -91,7 +92,6 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         )
         self._max_message_bytes = max_message_bytes
         self._peers: dict[PeerId, _Peer] = {}
-        self._by_conn: dict[Connection, _Peer] = {}
         self._closed = False
         self._dropped = 0
         self._lost = 0
@@ -100,6 +100,10 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         self._endpoint = f"pipe://{os.getpid()}"
         self._rotate = 0
         self._wakeup = Wakeup()  # wakes a recv_frames blocked on the pipes
+        #: What recv_frames waits on, kept while the live pipes stay the same (a
+        #: selector made at each call cost a registration per pipe per message).
+        self._selector: selectors.BaseSelector | None = None
+        self._selected: tuple[Connection, ...] = ()
         self._pool = BufferPool()
         self._shm = BlockPool() if shared_memory and SHM_AVAILABLE else None
         self._bad_releases = 0
@@ -125,9 +129,6 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             writer.put(Outgoing(None, record=HEADER.pack(ASSIGN, index)))
             peer = _Peer(index, pipe, sock, writer)
             self._peers[peer_id(index)] = peer
-            self._by_conn[pipe] = peer
-            if old is not None:
-                del self._by_conn[old.conn]
         if old is not None:
             close_end(old.conn, old.sock, old.writer)
         self.wake()  # a blocked recv_frames starts listening to the new pipe
@@ -203,25 +204,24 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
-                live = [p.conn for p in self._peers.values() if p.lost is None]
-                by_conn = dict(self._by_conn)
-            if live:  # take turns, so one chatty worker cannot starve the others
-                self._rotate = (self._rotate + 1) % len(live)
-                live = live[self._rotate :] + live[: self._rotate]
+                live = {p.conn: p for p in self._peers.values() if p.lost is None}
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                ready = wait([*live, self._wakeup.fileno()], remaining)
+                events = self._selector_for(live).select(remaining)
             except (OSError, ValueError) as exc:
                 if any(conn.closed for conn in live):
                     continue  # add_pipe() replaced a broken pipe meanwhile: look again
                 raise TransportError(f"waiting on worker pipes failed: {exc}") from exc
-            woken = self._wakeup.fileno() in ready
+            ready: list[_Peer] = [key.data for key, _ in events if key.data is not None]
+            woken = len(ready) < len(events)
             if woken:
                 self._wakeup.drain()
-            for conn in ready:
-                if conn == self._wakeup.fileno():
-                    continue
-                peer = by_conn[conn]  # type: ignore[index]
+            if len(ready) > 1:  # take turns, so one chatty worker cannot starve the others
+                self._rotate = (self._rotate + 1) % len(ready)
+                ready = ready[self._rotate :] + ready[: self._rotate]
+            for peer in ready:
+                if peer.lost is not None or peer.conn.closed:
+                    continue  # replaced or lost meanwhile: the next round looks again
                 try:
                     got = read(peer.conn, peer.sock, self._max_message_bytes)
                 except (EOFError, OSError) as exc:
@@ -237,8 +237,23 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
                     # A message beats a wake-up: whoever woke us wants the hub, and gets
                     # it back at once either way.
                     return Incoming(got.frames, peer_id(peer.index))
-            if woken or (not ready and remaining is not None and remaining <= 0):
+            if woken or (not events and remaining is not None and remaining <= 0):
                 return None
+
+    def _selector_for(self, live: dict[Connection, _Peer]) -> selectors.BaseSelector:
+        """The selector of the wake-up and of the ``live`` pipes (made again when they
+        change: a peer lost, a pipe added or replaced)."""
+        conns = tuple(live)
+        if self._selector is None or conns != self._selected:
+            if self._selector is not None:
+                self._selector.close()
+            self._selected = ()
+            self._selector = selectors.PollSelector()
+            self._selector.register(self._wakeup.fileno(), selectors.EVENT_READ, None)
+            for conn, peer in live.items():
+                self._selector.register(conn.fileno(), selectors.EVENT_READ, peer)
+            self._selected = conns
+        return self._selector
 
     def _on_release(self, peer: _Peer, release: Release) -> None:
         for block_id in release.blocks:
@@ -297,4 +312,6 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             close_end(peer.conn, peer.sock, peer.writer)
         if self._shm is not None:
             self._shm.close()
+        if self._selector is not None:
+            self._selector.close()
         self._wakeup.close()
