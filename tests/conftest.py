@@ -147,6 +147,19 @@ def ray_cluster() -> Iterator[None]:
         ray.shutdown()
 
 
+#: How long a new actor may take to start, and to take its first zmqsync call (a process
+#: that imports torch, then zmqsync and tensordict): 1.5 s each on an idle 2-core
+#: machine, 46-57 s each with two busy loops beside it. Set-up, not a promise under test.
+ACTOR_START_TIMEOUT = 180.0
+
+
+def actors_started(actors) -> None:  # type: ignore[no-untyped-def]
+    """Wait until every one of ``actors`` is up (its ``__init__`` has run)."""
+    import ray
+
+    ray.get([a.__ray_ready__.remote() for a in actors], timeout=ACTOR_START_TIMEOUT)
+
+
 def kill_actor(actor, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
     """``ray.kill``, then wait until the actor is really gone (the kill is asynchronous)."""
     import time

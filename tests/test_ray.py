@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 from _workers import bump
-from conftest import kill_actor
+from conftest import actors_started, kill_actor
 from torch import nn
 
 import zmqsync
@@ -121,7 +121,7 @@ def test_ray_transport_conformance(actors) -> None:  # type: ignore[no-untyped-d
     def make_fleet(n: int) -> tuple[RayHub, list[SpokeProxy]]:
         hosts = [SpokeHost.remote("conformance") for _ in range(n)]
         actors.extend(hosts)
-        ray.get([h.__ray_ready__.remote() for h in hosts], timeout=CALL_TIMEOUT)
+        actors_started(hosts)
         return RayHub(hosts, channel="conformance"), [SpokeProxy(h) for h in hosts]
 
     check_transport(make_fleet)
@@ -558,7 +558,7 @@ def test_both_sides_wait_connect_timeout_to_join_not_the_send_timeout(actors) ->
     scheme = RayWeightSyncScheme(timeout=30, connect_timeout=1.0)
     idle = PolicyActor.remote(0)
     actors.append(idle)
-    ray.get(idle.__ray_ready__.remote(), timeout=CALL_TIMEOUT)
+    actors_started([idle])
     scheme.init_on_sender("policy", remote_collectors=[idle], source_model=make_model(0))
     try:
         begun = time.monotonic()
@@ -703,7 +703,7 @@ def test_a_restarted_learners_hub_reaches_a_threaded_actor_in_order(actors) -> N
     in the order sent, with no order gap given up on the way."""
     host = SpokeHost.remote("restarted")
     actors.append(host)
-    ray.get(host.__ray_ready__.remote(), timeout=CALL_TIMEOUT)
+    actors_started([host])
     proxy = SpokeProxy(host)
 
     def deliver(hub: RayHub, tag: bytes, count: int) -> None:
@@ -735,7 +735,7 @@ def test_chunks_that_wait_for_an_actor_go_together_in_its_next_call(actors) -> N
     the actor's receiver one by one, in order."""
     host = SpokeHost.remote("batched")
     actors.append(host)
-    ray.get(host.__ray_ready__.remote(), timeout=CALL_TIMEOUT)
+    actors_started([host])
     hub = RayHub([host], channel="batched", shared_memory=False)
     proxy = SpokeProxy(host)
     try:

@@ -18,7 +18,7 @@ import ray
 import torch
 from _faults import until
 from _shared_workers import _read_only
-from conftest import kill_actor
+from conftest import ACTOR_START_TIMEOUT, actors_started, kill_actor
 from torch import nn
 
 import zmqsync
@@ -103,8 +103,9 @@ class Learner:
 
     def start(self, count: int) -> None:
         self.actors = [SharedActor.remote(100 + i) for i in range(count)]
+        actors_started(self.actors)
         self.pids = ray.get(
-            [a.setup.remote(self.scheme) for a in self.actors], timeout=CALL_TIMEOUT
+            [a.setup.remote(self.scheme) for a in self.actors], timeout=ACTOR_START_TIMEOUT
         )
         self.scheme.init_on_sender("policy", remote_collectors=self.actors, source_model=self.model)
         self.scheme.connect(timeout=CALL_TIMEOUT)
@@ -175,7 +176,8 @@ def test_actors_map_each_version_read_only_and_exact_and_a_late_joiner_maps_the_
     # the next.
     late = SharedActor.remote(200)
     learner.actors.append(late)
-    learner.pids.append(ray.get(late.setup.remote(learner.scheme), timeout=CALL_TIMEOUT))
+    actors_started([late])
+    learner.pids.append(ray.get(late.setup.remote(learner.scheme), timeout=ACTOR_START_TIMEOUT))
     assert learner.scheme.add_remote_collector(late) == 3
     until(lambda: learner.states([3])[0]["version"] == held[0], 60, "the late joiner caught up")
     _exact(learner.states([3])[0], *held)
