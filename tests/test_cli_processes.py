@@ -244,7 +244,17 @@ def test_demo_router_mode_over_tcp(tmp_path: Path, run_id: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_demo_stops_its_workers_on_ctrl_c(spawn: Any, run_id: str) -> None:
-    demo = spawn("demo", "--workers", "2", "--versions", "1000", "--interval", "0.2")
+    # Run in the background by a shell without job control (`cmd &` in a script), pytest
+    # ignores SIGINT, and an ignored signal stays ignored across exec: so would the demo.
+    # Python's own handler in this process is not inherited; the default is.
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        demo = spawn("demo", "--workers", "2", "--versions", "1000", "--interval", "0.2")
+    finally:
+        if previous is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     demo.expect(r"^learner at .*2 workers connected", timeout=240)
     demo.expect(r"^version 1: synced", timeout=30)
     assert len(_marked_pids(run_id)) >= 3  # the learner, its two workers (and a tracker)
