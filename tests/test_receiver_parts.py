@@ -219,6 +219,62 @@ def test_without_a_model_the_applier_keeps_weights_bytes_or_nothing() -> None:
     assert watcher.seen.count(("completed", 1)) == 1
 
 
+def _many_dtypes(seed: int, view_of: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of every kind a model may hold: several dtypes, a scalar, an empty one,
+    and (``view_of`` given) one that is a view of a tensor outside the dict."""
+    g = torch.Generator().manual_seed(seed)
+    row = view_of[1] if view_of is not None else torch.randn(64, generator=g)
+    return {
+        "half": torch.randn(5, 7, generator=g).half(),
+        "bf16": torch.randn(33, generator=g).bfloat16(),
+        "int8": torch.randint(-100, 100, (17,), generator=g, dtype=torch.int8),
+        "mask": torch.rand(9, generator=g) > 0.5,
+        "scalar": torch.tensor(float(seed), dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "steps": torch.arange(3) + seed,
+        "row": row,
+        "big": torch.randn(256, 256, generator=g),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_the_shared_mode_moves_tensors_of_every_dtype_to_each_version() -> None:
+    """``apply_mode="shared"`` gives each tensor the version's memory (here a read-only
+    private copy: chunks this fake host hands over are not lent), each at its place:
+    every dtype, a scalar, an empty tensor and a view of another tensor, each the object
+    it was, with its dtype and shape; version after version."""
+    outside = torch.zeros(4, 64)
+    model = _many_dtypes(0, view_of=outside)
+    objects = {k: (v, v.dtype, v.shape) for k, v in model.items()}
+    applier, _, _, stats = _applier(model, apply_mode="shared")
+    for version in (1, 2):
+        source = _many_dtypes(version)
+        for chunk in _chunks(source, version=version):
+            applier.feed(chunk)
+        assert applier.version == version and applier.mismatch is None
+        assert checksum(model) == checksum(source)
+        for key, (tensor, dtype, shape) in objects.items():
+            assert model[key] is tensor and tensor.dtype == dtype and tensor.shape == shape
+            assert torch.equal(tensor, source[key])
+    assert stats["shared_copied"] == 2
+    assert not outside.any()  # the view moved to the version; the tensor it viewed did not
+
+
+@pytest.mark.timeout(60)
+def test_the_shared_mode_refuses_inference_tensors_and_keeps_the_model() -> None:
+    """Tensors made under ``torch.inference_mode`` cannot be given new storage: the
+    version is refused at its first chunk with a reason that says so (before, the
+    tensors were re-pointed anyway and every later forward pass raised)."""
+    with torch.inference_mode():
+        model = _model(1)
+    before = checksum(model)
+    applier, _, _, _ = _applier(model, apply_mode="shared")
+    ack = applier.feed(_chunks(_model(0), version=1)[0])
+    assert ack is not None and not ack.applied
+    assert applier.mismatch is not None and "inference_mode" in str(applier.mismatch[1])
+    assert checksum(model) == before and applier.version == 0
+
+
 @pytest.mark.timeout(60)
 def test_a_version_that_does_not_fit_is_refused_and_the_model_kept() -> None:
     model = _model(1)

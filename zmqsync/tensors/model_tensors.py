@@ -59,11 +59,11 @@ class ModelTensors:
         return self._tensors
 
     def storage_moved(self) -> None:
-        """The caller gave the tensors :meth:`get` last returned new storage
-        (``t.data = view``: the shared mode re-points them at each version) right after
-        that call: remember where they are now, so the next :meth:`get` need not walk
-        the model again."""
-        self._owners.remember()
+        """The caller gave the tensors :meth:`get` last returned new storage of the same
+        shapes (the shared mode moves them onto each version's bytes) right after that
+        call: remember where they are now, so the next :meth:`get` need not walk the
+        model again."""
+        self._owners.moved()
 
     def owners(self, model: Any) -> list[torch.Tensor] | None:
         """The tensor objects ``model`` itself holds (its parameters and buffers, or its
@@ -124,8 +124,12 @@ class _Owners:
 
     def remember(self) -> None:
         """Take each tensor's storage and shape as they are now."""
+        self.moved()
+        self.shapes = list(map(_SHAPE_OF, self.tensors))
+
+    def moved(self) -> None:
+        """Take each tensor's storage as it is now (its shape is as it was)."""
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
-        self.shapes = [t.shape for t in self.tensors]
 
     def unchanged(self) -> bool:
         """Whether every container still holds the same tensor, in the same storage, of
