@@ -261,6 +261,29 @@ def test_the_shared_mode_moves_tensors_of_every_dtype_to_each_version() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_the_shared_mode_refuses_a_tensor_not_aligned_for_its_dtype() -> None:
+    """A schema (from a broken or forged learner) that puts a float32 tensor at an odd
+    byte: its bytes cannot be viewed where they lie, so the version is refused at its
+    first chunk, counted, and the model kept."""
+    model = _model(1)
+    before = checksum(model)
+    applier, _, _, stats = _applier(model, apply_mode="shared")
+    chunks = _chunks(_model(0), version=1)
+    schema = chunks[0].schema
+    assert schema is not None
+    entries = tuple(
+        dataclasses.replace(e, offset=e.offset + 1) if e.key == ("small",) else e
+        for e in schema.entries
+    )
+    forged = dataclasses.replace(chunks[0], schema=dataclasses.replace(schema, entries=entries))
+    ack = applier.feed(forged)
+    assert ack is not None and not ack.applied
+    assert applier.mismatch is not None and "not aligned" in str(applier.mismatch[1])
+    assert stats["rejected_frames"] == 1
+    assert checksum(model) == before and applier.version == 0
+
+
+@pytest.mark.timeout(60)
 def test_the_shared_mode_refuses_inference_tensors_and_keeps_the_model() -> None:
     """Tensors made under ``torch.inference_mode`` cannot be given new storage: the
     version is refused at its first chunk with a reason that says so (before, the

@@ -273,19 +273,14 @@ class SharedVersion:
         placed = self._placed
         if placed is None or placed[0] is not schema or placed[1] is not target:
             placed = self._placed = (schema, target, _Placements(schema, target))
-        plan = placed[2]
-        whole = self._whole()
-        if plan.end > whole.nbytes:  # before any tensor moves
-            raise SchemaMismatchError(
-                f"the schema's tensors end at byte {plan.end}; the version has {whole.nbytes}"
-            )
+        whole = self._whole()  # the schema spans it exactly (checked when decoded)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only on purpose: a write faults
             storage = torch.from_numpy(whole).untyped_storage()
         with torch.no_grad():
             # One call per tensor: a model of many small tensors re-points in a fraction
             # of the time that making a view of each entry for ``.data`` took.
-            for tensor, offset, shape, strides in plan.moves:
+            for tensor, offset, shape, strides in placed[2].moves:
                 tensor.set_(storage, offset, shape, strides)
         self._held = whole  # the previous version's memory is let go of here
 
@@ -299,15 +294,13 @@ class _Placements:
     """Where each tensor to re-point (per dotted name, ``target``) lies in a version of
     ``schema`` (which :func:`check_shareable` passed: dtypes and shapes fit, offsets
     aligned): ``moves``, per tensor its offset in its own elements, its shape and its
-    contiguous strides; ``end``, the byte the last entry ends at."""
+    contiguous strides."""
 
-    __slots__ = ("end", "moves")
+    __slots__ = ("moves",)
 
     def __init__(self, schema: WeightsSchema, target: Mapping[str, Sequence[torch.Tensor]]) -> None:
         self.moves: list[tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]] = []
-        self.end = 0
         for e in schema.entries:
-            self.end = max(self.end, e.offset + e.nbytes)
             shape = tuple(int(n) for n in e.shape)
             strides = [1] * len(shape)
             for i in range(len(shape) - 2, -1, -1):
