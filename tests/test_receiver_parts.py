@@ -260,6 +260,46 @@ def test_the_shared_mode_moves_tensors_of_every_dtype_to_each_version() -> None:
     assert not outside.any()  # the view moved to the version; the tensor it viewed did not
 
 
+def _linear(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+
+
+@pytest.mark.timeout(60)
+def test_the_shared_mode_moves_every_tensor_and_view_at_once_after_the_first_version() -> None:
+    """From the second version on, the shared mode moves the one storage every tensor
+    lies in rather than each tensor: the parameters stay the objects they were and read
+    each version, a view taken of one after the first version reads the new one too, a
+    backward pass through a graph saved before the move raises (torch counts the move
+    as an in-place change), and a parameter the user replaced between versions is
+    found and moved with the rest."""
+    model = _linear(1)
+    weight = model[0].weight
+    applier, _, _, _ = _applier(model, apply_mode="shared")
+    for chunk in _chunks(_linear(10), version=1):
+        applier.feed(chunk)
+    assert checksum(model) == checksum(_linear(10))
+    row = model[0].weight.detach()[1]  # a view, after the first version
+    x = torch.randn(3, 8)
+    saved = model(x).sum()  # saves the weights of version 1 for backward
+    for version in (2, 3):
+        source = _linear(10 + version)
+        for chunk in _chunks(source, version=version):
+            applier.feed(chunk)
+        assert applier.version == version and applier.mismatch is None
+        assert model[0].weight is weight and checksum(model) == checksum(source)
+        assert torch.equal(row, source[0].weight[1])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+    # The user swaps in a parameter of their own: the next version reaches it too.
+    model[1].weight = torch.nn.Parameter(torch.zeros(2, 4))
+    source = _linear(14)
+    for chunk in _chunks(source, version=4):
+        applier.feed(chunk)
+    assert applier.version == 4 and checksum(model) == checksum(source)
+    assert torch.equal(model(x), source(x))
+
+
 @pytest.mark.timeout(60)
 def test_the_shared_mode_refuses_a_tensor_not_aligned_for_its_dtype() -> None:
     """A schema (from a broken or forged learner) that puts a float32 tensor at an odd

@@ -2,14 +2,17 @@
 
 On the learner's host a version already lies whole in one shared-memory block the hub
 lends (the sender's snapshot), and every worker maps that block read-only. A worker in
-this mode copies nothing: once the last chunk is in, each of the model's tensors is
-re-pointed (``tensor.data = view``) at its bytes in the block, under the worker's lock.
-The tensors stay the objects they were; their memory is the learner's one copy.
+this mode copies nothing: once the last chunk is in, the model's tensors are moved onto
+their bytes in the block, under the worker's lock. The first version moves each tensor
+(``tensor.set_(storage, offset, shape, strides)``), onto one storage; later versions move
+that storage onto the new block in one step, and every tensor (and view of one) on it
+follows. The tensors stay the objects they were; their memory is the learner's one copy.
 
 The block stays leased while any view of it lives: the views made here hold the frames
 the transport lent (and the transport tells the hub a block is free only once every such
-frame is garbage), so the hub never rewrites a version a worker still holds, even one an
-old view the user kept still reads. Moving on to the next version lets go of the last.
+frame is garbage), so the hub never rewrites a version a worker still holds, even one a
+tensor left off the storage that moves still reads. Moving on to the next version lets go
+of the last.
 
 A version that did not come whole in one block (sent inline: the hub had no block free,
 or dropped this worker) is copied once into private memory that is then made read-only,
@@ -41,6 +44,8 @@ __all__ = ["SHARED_MODE", "SharedVersion", "check_shareable", "owned_tensors"]
 #: The ``apply_mode`` that turns this on.
 SHARED_MODE: Final = "shared"
 _PROT_READ: Final = 0x1
+#: torch can move a storage onto other bytes in place (every tensor on it follows).
+_SWAP: Final = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 def check_shareable(
@@ -202,6 +207,9 @@ class SharedVersion:
         self._placed: (
             tuple[WeightsSchema, Mapping[str, Sequence[torch.Tensor]], _Placements] | None
         ) = None
+        #: The storage every tensor of ``_placed`` lies in, since the install that moved
+        #: them all onto it (None until then): later versions move it, not each tensor.
+        self._storage: torch.UntypedStorage | None = None
 
     def check(
         self, schema: WeightsSchema, target: Mapping[KeyPath, torch.Tensor], strategy: str
@@ -273,21 +281,34 @@ class SharedVersion:
         placed = self._placed
         if placed is None or placed[0] is not schema or placed[1] is not target:
             placed = self._placed = (schema, target, _Placements(schema, target))
+            self._storage = None  # these tensors do not all lie in one storage of ours yet
         whole = self._whole()  # the schema spans it exactly (checked when decoded)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only on purpose: a write faults
             storage = torch.from_numpy(whole).untyped_storage()
-        with torch.no_grad():
-            # One call per tensor: a model of many small tensors re-points in a fraction
-            # of the time that making a view of each entry for ``.data`` took.
-            for tensor, offset, shape, strides in placed[2].moves:
-                tensor.set_(storage, offset, shape, strides)
+        current = self._storage
+        if current is not None and _SWAP and current.nbytes() == storage.nbytes():
+            # Every tensor lies in ``current`` where the last install put it (the model's
+            # tensors were checked unchanged since: same objects, same addresses, else
+            # this is a new walk and ``_storage`` was reset). Moving that one storage onto
+            # the new bytes moves them all, and any view of them, in one step; ``storage``
+            # leaves with the old bytes, which are let go of with it. Torch counts it as
+            # an in-place change of each tensor, as set_ is counted: a backward pass
+            # through a graph that saved one before the move raises.
+            current._swap_data_ptr_(storage)  # type: ignore[attr-defined]
+            torch.autograd.graph.increment_version(placed[2].tensors)
+        else:
+            with torch.no_grad():
+                for tensor, offset, shape, strides in placed[2].moves:
+                    tensor.set_(storage, offset, shape, strides)
+            self._storage = storage
         self._held = whole  # the previous version's memory is let go of here
 
     def close(self) -> None:
         self.abandon()
         self._held = None
         self._checked = self._owned = self._placed = None
+        self._storage = None
 
 
 class _Placements:
@@ -296,7 +317,7 @@ class _Placements:
     aligned): ``moves``, per tensor its offset in its own elements, its shape and its
     contiguous strides."""
 
-    __slots__ = ("moves",)
+    __slots__ = ("moves", "tensors")
 
     def __init__(self, schema: WeightsSchema, target: Mapping[str, Sequence[torch.Tensor]]) -> None:
         self.moves: list[tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]] = []
@@ -307,6 +328,8 @@ class _Placements:
                 strides[i] = strides[i + 1] * max(shape[i + 1], 1)
             offset = e.offset // torch_dtype(e.dtype).itemsize
             self.moves.extend((t, offset, shape, tuple(strides)) for t in target[e.dotted_key])
+        #: Each tensor once (a tied weight has two names).
+        self.tensors = list({id(t): t for t, _, _, _ in self.moves}.values())
 
 
 def _let_go(frames: list[Buffer]) -> None:
