@@ -44,8 +44,22 @@ __all__ = ["SHARED_MODE", "SharedVersion", "check_shareable", "owned_tensors"]
 #: The ``apply_mode`` that turns this on.
 SHARED_MODE: Final = "shared"
 _PROT_READ: Final = 0x1
-#: torch can move a storage onto other bytes in place (every tensor on it follows).
-_SWAP: Final = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def _can_swap() -> bool:
+    """Whether this torch can move a storage onto other bytes in place (every tensor on
+    it follows) and count that as an in-place change of many tensors in one call; older
+    releases get each tensor moved on its own."""
+    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        return False
+    try:
+        torch.autograd.graph.increment_version([torch.empty(0)])
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+_SWAP: Final = _can_swap()
 
 
 def check_shareable(
