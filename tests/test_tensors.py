@@ -184,6 +184,9 @@ def test_model_tensors_cache_follows_the_model() -> None:
     model[0].bias.data = torch.ones(4)  # new storage behind the same Parameter
     third = cache.get(model)
     assert third is not second and third[("0.bias",)].data_ptr() == model[0].bias.data_ptr()
+    model[0].weight.data = model[0].weight.data.view(3, 4)  # same memory, new shape
+    fourth = cache.get(model)
+    assert fourth is not third and fourth[("0.weight",)].shape == (3, 4)
     model.append(nn.Linear(2, 2))  # module added
     assert ("3.weight",) in cache.get(model)
 

@@ -136,10 +136,13 @@ class _Owners:
         the same shape."""
         try:
             held = map(operator.getitem, self.tables, self.keys)
+            # Compared one by one, each shape let go of at once: a list of thousands of
+            # ``torch.Size`` objects (tuples, which the garbage collector tracks) set off
+            # a few collections of a learner's whole heap on every check.
             return (
                 all(map(operator.is_, held, self.tensors))
-                and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
-                and list(map(_SHAPE_OF, self.tensors)) == self.shapes
+                and all(map(operator.eq, map(torch.Tensor.data_ptr, self.tensors), self.ptrs))
+                and all(map(operator.eq, map(_SHAPE_OF, self.tensors), self.shapes))
             )
         except KeyError:
             return False
