@@ -137,8 +137,9 @@ class _Owners:
         try:
             held = map(operator.getitem, self.tables, self.keys)
             # Compared one by one, each shape let go of at once: a list of thousands of
-            # ``torch.Size`` objects (tuples, which the garbage collector tracks) set off
-            # a few collections of a learner's whole heap on every check.
+            # ``torch.Size`` objects (tuples, which the garbage collector tracks) lived
+            # through the young collections it set off, was promoted, and brought on a
+            # full collection of the heap now and then.
             return (
                 all(map(operator.is_, held, self.tensors))
                 and all(map(operator.eq, map(torch.Tensor.data_ptr, self.tensors), self.ptrs))
