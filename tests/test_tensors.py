@@ -14,7 +14,7 @@ from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Weights
 from zmqsync.tensors.apply import apply_weights, materialize
 from zmqsync.tensors.extract import as_weights_object, checksum, extract
-from zmqsync.tensors.flatten import Flattener
+from zmqsync.tensors.flatten import Flattener, PackReader
 
 ALL_DTYPES = [
     torch.bool,
@@ -354,6 +354,49 @@ def test_flattener_reuses_a_layout_and_still_sends_current_values() -> None:
     with torch.no_grad():
         module.weight.data = module.weight.data.reshape(2, 8)
     assert cache.get(module)[("weight",)].shape == (2, 8)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 4099, 1 << 20])
+def test_small_tensors_read_where_they_lie_make_the_packs_stream(chunk_bytes: int) -> None:
+    torch.manual_seed(0)
+    tensors: dict[tuple[str, ...], torch.Tensor] = {
+        ("f", str(i)): torch.randn(i % 7 + 1) for i in range(300)
+    }
+    tensors.update(  # another dtype group (padding before it), empty tensors among them
+        {("i", str(i)): torch.randint(0, 100, (i % 5,), dtype=torch.int64) for i in range(50)}
+    )
+    tensors[("h",)] = torch.ones(3, dtype=torch.float16)
+    tensors[("big",)] = torch.randn(300)  # over the threshold: its own buffer
+    flattener = Flattener("state_dict", pack_threshold=1024)
+    packed = flattener.flatten(tensors)
+    in_place = flattener.flatten(tensors, pack=False)
+    assert isinstance(in_place.buffers[-1], PackReader)
+    assert in_place.sizes == packed.sizes and in_place.nbytes == packed.nbytes
+    layout = StreamLayout(packed, chunk_bytes)
+    assert layout.fits(in_place, chunk_bytes)
+
+    def stream(flat):  # type: ignore[no-untyped-def]
+        out = np.full(layout.total, 7, dtype=np.uint8)
+        sources = layout.sources(flat)
+        for index in range(layout.count):
+            offset, length = layout.span(index)
+            layout.write(index, sources, out[offset : offset + length])
+        return out
+
+    assert np.array_equal(stream(in_place), stream(packed))
+    # What a delta's digests read, without writing the stream: the same bytes.
+    step = max(chunk_bytes, 1000)
+    for lo in range(0, layout.total, step):
+        hi = min(lo + step, layout.total)
+        here = layout.stretches(layout.sources(in_place), lo, hi)
+        there = layout.stretches(layout.sources(packed), lo, hi)
+        assert here is not None and there is not None
+        assert b"".join(map(bytes, here)) == b"".join(map(bytes, there))
+    # Read where they lie: a change made after flatten() is in the stream, as for a
+    # large tensor (the pack copied it at flatten()).
+    tensors[("f", "3")].fill_(5.0)
+    assert not np.array_equal(stream(in_place), stream(packed))
+    assert np.array_equal(stream(in_place), stream(flattener.flatten(tensors)))
 
 
 def _decoded(flat):  # type: ignore[no-untyped-def]

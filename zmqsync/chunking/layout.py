@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Final, Protocol, TypeAlias
+from typing import Final, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
@@ -65,6 +65,14 @@ class BufferReader(Protocol):
 
     def write(self, start: int, stop: int, out: np.ndarray) -> None:
         """Its stream bytes ``[start, stop)`` into ``out``."""
+
+
+@runtime_checkable
+class InPlaceReader(BufferReader, Protocol):
+    """A buffer whose bytes lie in memory as they are, in parts (small tensors)."""
+
+    def bytes_in(self, start: int, stop: int) -> list[Buffer]:
+        """Its bytes ``[start, stop)``, part by part, without a copy."""
 
 
 class ChunkReader(Protocol):
@@ -172,9 +180,12 @@ class StreamLayout:
             if end <= lo:
                 continue
             source = sources[b]
-            if not isinstance(source, np.ndarray):
+            if isinstance(source, np.ndarray):
+                out.append(source[max(lo, start) - start : min(hi, end) - start].data)
+            elif isinstance(source, InPlaceReader):
+                out.extend(source.bytes_in(max(lo, start) - start, min(hi, end) - start))
+            else:
                 return None
-            out.append(source[max(lo, start) - start : min(hi, end) - start].data)
         return out
 
     def span(self, index: int) -> tuple[int, int]:

@@ -192,7 +192,7 @@ class VersionStore:
             else:
                 self.share_problem = "send() was given weights that are not the model's"
         # Tensors on a GPU stay there: each chunk is copied to the host as it is written.
-        flat = self._flattener.flatten(tensors, stage=False)
+        flat = self._flattener.flatten(tensors, stage=False, pack=False)
         shared = self._lender()
         chunk_bytes = self._chunk_bytes(shared if whole else None)
         if self.layout is None or not self.layout.fits(flat, chunk_bytes):
@@ -335,7 +335,7 @@ class VersionStore:
         self._pinned = [r for r in self._pinned if r() is not None]
         if why is None:
             assert owners is not None
-            flat = self._flattener.flatten(tensors)
+            flat = self._flattener.flatten(tensors, pack=False)
             if self.layout is None or not self.layout.fits(flat, self.chunk_bytes):
                 self.layout = StreamLayout(flat, self.chunk_bytes)
             data = None

@@ -7,6 +7,8 @@ thousands of frames. Tensors on an accelerator are copied to the host, or left t
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -45,7 +47,8 @@ class Flat:
     schema: WeightsSchema
     schema_bytes: bytes
     #: Host memory; or, ``on_device``, uint8 tensors on an accelerator (see
-    #: :meth:`Flattener.flatten`'s ``stage``).
+    #: :meth:`Flattener.flatten`'s ``stage``); or, for the small tensors, a
+    #: :class:`PackReader` of them (``pack=False``).
     buffers: list[Any]
     nbytes: int
     keepalive: list[torch.Tensor] = field(repr=False)
@@ -67,6 +70,8 @@ class Flat:
                 out.append(int(b.numel()) * wire.itemsize)
             elif self.on_device:
                 out.append(int(b.numel()))
+            elif isinstance(b, PackReader):
+                out.append(b.nbytes)
             else:
                 out.append(len(memoryview(b)))
         return out
@@ -78,9 +83,54 @@ class Flat:
         if self.on_device:
             return DeviceReader(layout, self.buffers, self.casts)
         return [
-            WireCast(b, self.casts[i]) if i in self.casts else np.frombuffer(b, dtype=np.uint8)
+            WireCast(b, self.casts[i])
+            if i in self.casts
+            else b
+            if isinstance(b, PackReader)
+            else np.frombuffer(b, dtype=np.uint8)
             for i, b in enumerate(self.buffers)
         ]
+
+
+class PackReader:
+    """The small tensors' bytes (and the padding between dtype groups) read where they
+    lie as the stream is written: the packed buffer without its copy.
+
+    Like a large tensor's bytes, they are read while the send lasts.
+    """
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts  # uint8, one per small tensor or padding
+        self.starts = list(itertools.accumulate((p.nbytes for p in parts), initial=0))
+        self.nbytes = self.starts[-1]
+
+    def write(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Bytes ``[start, stop)`` of the pack into ``out``: the parts that lie whole in
+        that stretch in one ``concatenate``, the parts cut at its ends copied apart."""
+        parts, starts = self.parts, self.starts
+        first = bisect.bisect_right(starts, start) - 1
+        if start > starts[first]:  # the stretch begins inside a part
+            end = min(stop, starts[first + 1])
+            np.copyto(out[: end - start], parts[first][start - starts[first] : end - starts[first]])
+            first += 1
+        last = bisect.bisect_right(starts, stop) - 1  # parts [first, last) end by stop
+        if last > first:
+            np.concatenate(parts[first:last], out=out[starts[first] - start : starts[last] - start])
+        if first <= last < len(parts) and starts[last] < stop:  # it ends inside a part
+            np.copyto(out[starts[last] - start :], parts[last][: stop - starts[last]])
+
+    def bytes_in(self, start: int, stop: int) -> list[Buffer]:
+        """Bytes ``[start, stop)`` of the pack as they lie, part by part (what a delta's
+        digests read)."""
+        parts, starts = self.parts, self.starts
+        out: list[Buffer] = []
+        i = bisect.bisect_right(starts, start) - 1
+        while i < len(parts) and starts[i] < stop:
+            lo, hi = max(start, starts[i]) - starts[i], min(stop, starts[i + 1]) - starts[i]
+            if hi > lo:
+                out.append(parts[i][lo:hi].data)
+            i += 1
+        return out
 
 
 def _aligned(n: int) -> int:
@@ -141,13 +191,20 @@ class Flattener:
         self._big_views: list[Any] = []  # memoryviews; cast ones: tensors
         self._big_nbytes = 0
         self._pack: list[np.ndarray | None] = []  # None: a cast group, made per version
+        self._pack_reader: PackReader | None = None  # ``_pack`` read in place, once made
         self._staged: _StagePlan | None = None  # set while the tensors live on a GPU
 
-    def flatten(self, tensors: Mapping[KeyPath, torch.Tensor], *, stage: bool = True) -> Flat:
+    def flatten(
+        self, tensors: Mapping[KeyPath, torch.Tensor], *, stage: bool = True, pack: bool = True
+    ) -> Flat:
         """``tensors`` as a Flat. Tensors on an accelerator are copied to host memory
         (``stage``), or left there: the Flat's buffers are then their bytes on the device
         (small ones gathered there into one), for a reader that copies them to the host
-        a chunk at a time (:class:`~zmqsync.tensors.device_reader.DeviceReader`)."""
+        a chunk at a time (:class:`~zmqsync.tensors.device_reader.DeviceReader`).
+
+        ``pack=False``: the small host tensors are not copied into one buffer but read
+        where they lie (a :class:`PackReader`), for a caller that writes the stream with
+        :meth:`~zmqsync.chunking.layout.StreamLayout.write` while the send lasts."""
         if tensors is not self._source:
             self._prepare(tensors)
         if self._staged is not None:
@@ -157,7 +214,12 @@ class Flattener:
         keepalive = list(self._big)
         buffers: list[Any] = list(self._big_views)
         nbytes = self._big_nbytes
-        if self._pack:
+        if self._pack and not pack and not self._pack_casts:
+            if self._pack_reader is None:
+                self._pack_reader = PackReader(self._pack)  # type: ignore[arg-type]  # no None
+            buffers.append(self._pack_reader)
+            nbytes += self._pack_reader.nbytes
+        elif self._pack:
             # A fresh buffer every version: an earlier one may still be in flight. One
             # memcpy per small tensor from views kept between versions (numpy's: torch's
             # cat would reshape each tensor again and may wake its thread pool).
@@ -216,6 +278,7 @@ class Flattener:
         ]
         self._big_nbytes = sum(self._wire_nbytes(t) for _, t in big)
         self._pack = []
+        self._pack_reader = None
         self._pack_casts = []
         offset = 0
         for (_, wire), group in small.items():
