@@ -418,7 +418,8 @@ def test_reading_names_a_slow_reader_that_may_hold_a_chunk_and_still_reads() -> 
     limit: whether a worker it went to (of that hub, among its addressees) that has not
     said it read that chunk says it reads slowly, and was heard from within two of its
     gaps. A stopped worker goes quiet; one that read the chunk, left, or notes from
-    another life of the sender, does not count; a claimed gap counts for 10 s at most."""
+    another life of the sender, does not count; a claimed gap counts for 10 s at most.
+    Given up on for quiet, a worker is believed again once it read that chunk, once."""
     core = Fleet("policy", 7, mode="zmq", strategy="state_dict", transports=["zmq", "zmq"])
     a, b, c = Origin(0, b"a"), Origin(0, b"b"), Origin(1, b"c")
     sessions: dict[Origin, str] = {}
@@ -465,3 +466,17 @@ def test_reading_names_a_slow_reader_that_may_hold_a_chunk_and_still_reads() -> 
     # Gone: it holds nothing.
     core.handle(Goodbye("policy", 4, 7, 0, sessions[a]), a, 21.0)
     assert not core.reading(0, None, (4, 2), 20.0, 21.5)
+    # c went quiet while it held chunk 2 (its link slowed past the pace it told): given
+    # up on, then believed again once it says it read that chunk, once in its session.
+    core.handle(Reading("policy", 4, 7, 2, sessions[c], 1, 0.2), c, 30.0)
+    assert core.reading(1, None, (4, 2), 30.0, 30.3)
+    core.read_stalled(1, None, (4, 2), quiet=True)
+    assert not core.workers[2].read_doubted and not core.reading(1, None, (4, 2), 30.0, 30.3)
+    core.handle(Reading("policy", 4, 7, 2, sessions[c], 1, 0.9), c, 31.0)  # not chunk 2 yet
+    assert not core.reading(1, None, (4, 3), 31.0, 31.1)
+    core.handle(Reading("policy", 4, 7, 2, sessions[c], 2, 0.9), c, 31.5)
+    assert core.workers[2].read == (4, 2) and core.reading(1, None, (4, 3), 31.5, 31.6)
+    core.read_stalled(1, None, (4, 3), quiet=True)  # quiet again: not believed again
+    assert core.workers[2].read_doubted
+    core.handle(Reading("policy", 4, 7, 2, sessions[c], 3, 0.9), c, 33.0)
+    assert not core.reading(1, None, (4, 4), 33.0, 33.1)

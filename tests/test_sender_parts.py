@@ -327,8 +327,10 @@ class FakeHost:
         #: by default none does (a stopped peer's). The chunks asked about, in turn.
         self.still_reading = False
         self.asked: list[InFlight] = []
-        #: The chunks given up on at STALL_MAX though workers said they read them.
+        #: The chunks given up on though workers said they read them, and whether it
+        #: was because they went quiet (else: at STALL_MAX).
         self.read_stalled_on: list[InFlight] = []
+        self.read_stalled_quiet: list[bool] = []
 
     def housekeeping(self, runner: HubRunner) -> None:
         self.turns += 1
@@ -348,8 +350,9 @@ class FakeHost:
         self.asked.append(chunk)
         return self.still_reading
 
-    def read_stalled(self, runner: HubRunner, chunk: InFlight) -> None:
+    def read_stalled(self, runner: HubRunner, chunk: InFlight, quiet: bool) -> None:
         self.read_stalled_on.append(chunk)
+        self.read_stalled_quiet.append(quiet)
 
 
 class KeepingHub(HubTransport):
@@ -492,6 +495,15 @@ def test_a_chunk_a_slow_reader_still_reads_is_waited_for_up_to_stall_max(
         assert time.monotonic() - started >= 3.0
         # The host hears whose word held it, so that it takes it no more.
         assert host.read_stalled_on[0].read == (1, 0)
+        assert host.read_stalled_quiet[0] is False  # held to STALL_MAX, not quiet
+    with _pump() as (runner, hub, host, stats):
+        host.still_reading = True
+        runner.begin(Transfer(_copy(2 * WINDOW), None))
+        limit = runner.clock.limit(time.monotonic())
+        time.sleep(limit + 0.3)
+        host.still_reading = False  # the workers went quiet: given up on before STALL_MAX
+        until(lambda: stats.totals["stalls"] >= 1, 20, "the window gave up on quiet workers")
+        assert host.read_stalled_on[0].read == (1, 0) and host.read_stalled_quiet[0] is True
 
 
 @pytest.mark.timeout(60)

@@ -173,12 +173,20 @@ class Fleet(FleetSends):
         return False
 
     def read_stalled(
-        self, hub: int, peers: Collection[PeerId] | None, chunk: tuple[int, int]
+        self,
+        hub: int,
+        peers: Collection[PeerId] | None,
+        chunk: tuple[int, int],
+        quiet: bool = False,
     ) -> None:
         """The window waited for ``chunk`` on the word of workers that said they read it,
-        as long as it waits for any chunk, and gave up: whoever of them has not read it
-        yet is not believed again (its session waits as a stopped worker's would). A
-        worker that lies about its pace holds the fleet up once, not at every chunk."""
+        and gave up: as long as it waits for any chunk, or (``quiet``) once they had been
+        quiet for two of their gaps. Whoever of them has not read it yet is not believed
+        again (its session waits as a stopped worker's would): a worker that lies about
+        its pace holds the fleet up once, not at every chunk. But one that went quiet,
+        for the first time in its session, is believed again once it says it read the
+        chunk: its link had become slower than the pace it last told (a stopped worker
+        says nothing, and stays doubted)."""
         for s in list(self.workers.values()):
             if (
                 s.read_gap > 0.0
@@ -186,7 +194,11 @@ class Fleet(FleetSends):
                 and (peers is None or s.origin.peer in peers)
                 and s.read < chunk
             ):
-                s.read_gap, s.read_doubted = 0.0, True
+                s.read_gap = 0.0
+                if quiet and not s.read_forgiven:
+                    s.read_quiet = chunk
+                else:
+                    s.read_doubted = True
 
     def expire(self, now: float) -> list[Effect]:
         """Drop sessions quiet for :data:`EXPIRE_HEARTBEATS` heartbeats (or gone that
@@ -498,9 +510,14 @@ class Fleet(FleetSends):
         """A worker reads a version's chunks slowly (or says its pace is back): kept for
         the window (:meth:`reading`), never answered. A note of another life of this
         sender says nothing of what it reads now."""
-        if note.epoch == self.epoch and not s.read_doubted:
-            s.read = (note.version, note.index)
-            s.read_gap = min(max(note.gap, 0.0), READ_GAP_MAX)
+        if note.epoch != self.epoch or s.read_doubted:
+            return []
+        read = (note.version, note.index)
+        if s.read_quiet is not None:
+            if read < s.read_quiet:
+                return []  # not yet read what it held while quiet
+            s.read_quiet, s.read_forgiven = None, True
+        s.read, s.read_gap = read, min(max(note.gap, 0.0), READ_GAP_MAX)
         return []
 
     def repair_turned_down(self, origin: Origin, now: float) -> None:

@@ -132,8 +132,13 @@ class Session:
     #: longest seconds between two of its chunks of late (0.0: it reads fast).
     read: tuple[int, int] = (0, -1)
     read_gap: float = 0.0
-    #: Whether its word that it reads once held a chunk to STALL_MAX: not believed again.
+    #: Whether its word that it reads once held a chunk to STALL_MAX, or held one while
+    #: it was quiet once more after it was forgiven: not believed again.
     read_doubted: bool = False
+    #: The chunk it held while quiet past two of its gaps, if so: its notes count again
+    #: once one says it read that chunk (its pace had changed), once in its session.
+    read_quiet: tuple[int, int] | None = None
+    read_forgiven: bool = False
 
 
 @dataclass

@@ -141,9 +141,9 @@ class _Pumps:
     def reading(self, runner: HubRunner, chunk: InFlight, now: float) -> bool:
         return self._sender.fleet.reading(runner.index, chunk.to, chunk.read, chunk.sent_at, now)
 
-    def read_stalled(self, runner: HubRunner, chunk: InFlight) -> None:
+    def read_stalled(self, runner: HubRunner, chunk: InFlight, quiet: bool) -> None:
         with self._sender._cond:
-            self._sender.fleet.read_stalled(runner.index, chunk.to, chunk.read)
+            self._sender.fleet.read_stalled(runner.index, chunk.to, chunk.read, quiet)
 
 
 class WeightSender:

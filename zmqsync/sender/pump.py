@@ -132,9 +132,10 @@ class PumpHost(Protocol):
         """Whether a worker that ``chunk`` went to through ``runner``'s hub, and that has
         not read it yet, says it still reads (slowly), at ``now`` (from any thread)."""
 
-    def read_stalled(self, runner: HubRunner, chunk: InFlight) -> None:
-        """The window waited for ``chunk`` on workers' word that they read it, up to
-        :data:`STALL_MAX`, and gave up: their word is not to be taken again."""
+    def read_stalled(self, runner: HubRunner, chunk: InFlight, quiet: bool) -> None:
+        """The window waited for ``chunk`` on workers' word that they read it, and gave
+        up: at :data:`STALL_MAX` (their word is not to be taken again), or (``quiet``)
+        once they went quiet, which a worker whose link slowed down may do once."""
 
 
 class InFlight(NamedTuple):
@@ -372,7 +373,7 @@ class HubRunner:
                 totals["stalls"] += 1
                 clock.stalled(now)
                 if self._read_wait >= oldest.sent_at:  # waited for on a worker's word
-                    self._host.read_stalled(self, oldest)
+                    self._host.read_stalled(self, oldest, held_for <= STALL_MAX)
                 continue
             transfer = self.transfers[0]
             if not transfer.copy.readable:
