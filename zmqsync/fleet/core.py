@@ -156,10 +156,13 @@ class Fleet(FleetSends):
     ) -> bool:
         """Whether a worker of ``hub`` (among ``peers``; None: any) that has not yet said
         it read ``chunk`` (version, index) sent at ``since`` reads slowly and still reads
-        at ``now``: it says so as chunks come (Reading notes), and was heard from, since
-        the chunk was sent, within :data:`READ_SILENCE` of its gaps between chunks. Such
-        a worker may hold the chunk on a slow link; a stopped one goes quiet. Safe from
-        any thread (it reads a snapshot)."""
+        at ``now``: it says so as chunks come (Reading notes), and its last note, or the
+        chunk if sent later, is within :data:`READ_SILENCE` of its gaps between chunks.
+        Such a worker may hold the chunk on a slow link; a stopped one goes quiet. Its
+        heartbeats do not count: a worker that waits for the next chunk (it read this one
+        but has not said so yet: notes come at most every 50 ms, and not for a version's
+        last chunk) sends them too, and would hold the window to STALL_MAX. Safe from any
+        thread (it reads a snapshot)."""
         for s in list(self.workers.values()):
             if (
                 s.read_gap > 0.0
@@ -167,7 +170,7 @@ class Fleet(FleetSends):
                 and s.origin.hub == hub
                 and (peers is None or s.origin.peer in peers)
                 and s.read < chunk
-                and now - max(s.last_seen, since) <= READ_SILENCE * s.read_gap
+                and now - max(s.read_at, since) <= READ_SILENCE * s.read_gap
             ):
                 return True
         return False
@@ -184,9 +187,11 @@ class Fleet(FleetSends):
         quiet for two of their gaps. Whoever of them has not read it yet is not believed
         again (its session waits as a stopped worker's would): a worker that lies about
         its pace holds the fleet up once, not at every chunk. But one that went quiet,
-        for the first time in its session, is believed again once it says it read the
-        chunk: its link had become slower than the pace it last told (a stopped worker
-        says nothing, and stays doubted)."""
+        for the first time in its session, is believed again once it reads a later
+        version: its link may have become slower than the pace it last told (a stopped
+        worker says nothing, and stays doubted). Not within the same version: its chunks
+        came slowly there because the window waited, and its word would hold the window
+        again for chunks that another worker holds."""
         for s in list(self.workers.values()):
             if (
                 s.read_gap > 0.0
@@ -274,7 +279,7 @@ class Fleet(FleetSends):
                 )
             session.last_seen = now
             if isinstance(message, Reading):
-                return self._on_reading(message, session)
+                return self._on_reading(message, session, now)
             if isinstance(message, SnapshotRequest):
                 return self._on_snapshot_request(message, session, now)
             if isinstance(message, ProbeRequest):
@@ -506,7 +511,7 @@ class Fleet(FleetSends):
             return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, True))]
         return [Reply(s.origin, UpToDate(self.model_id, self.version, self.epoch, False))]
 
-    def _on_reading(self, note: Reading, s: Session) -> list[Effect]:
+    def _on_reading(self, note: Reading, s: Session, now: float) -> list[Effect]:
         """A worker reads a version's chunks slowly (or says its pace is back): kept for
         the window (:meth:`reading`), never answered. A note of another life of this
         sender says nothing of what it reads now."""
@@ -514,10 +519,11 @@ class Fleet(FleetSends):
             return []
         read = (note.version, note.index)
         if s.read_quiet is not None:
-            if read < s.read_quiet:
-                return []  # not yet read what it held while quiet
+            if note.version <= s.read_quiet[0]:
+                return []  # the version it went quiet in: the window gave up on it
             s.read_quiet, s.read_forgiven = None, True
         s.read, s.read_gap = read, min(max(note.gap, 0.0), READ_GAP_MAX)
+        s.read_at = now
         return []
 
     def repair_turned_down(self, origin: Origin, now: float) -> None:

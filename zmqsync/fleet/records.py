@@ -128,15 +128,17 @@ class Session:
     #: Whether it may claim workers below it: its hub authenticated nobody, or
     #: authenticated it as a relay.
     may_relay: bool = True
-    #: From its Reading notes: the chunk it last said it read (version, index), and the
-    #: longest seconds between two of its chunks of late (0.0: it reads fast).
+    #: From its Reading notes: the chunk it last said it read (version, index), the
+    #: longest seconds between two of its chunks of late (0.0: it reads fast), and when
+    #: the last note came (its heartbeats say it lives, not that it reads).
     read: tuple[int, int] = (0, -1)
     read_gap: float = 0.0
+    read_at: float = 0.0
     #: Whether its word that it reads once held a chunk to STALL_MAX, or held one while
     #: it was quiet once more after it was forgiven: not believed again.
     read_doubted: bool = False
     #: The chunk it held while quiet past two of its gaps, if so: its notes count again
-    #: once one says it read that chunk (its pace had changed), once in its session.
+    #: from the next version on (its pace had changed), once in its session.
     read_quiet: tuple[int, int] | None = None
     read_forgiven: bool = False
 
