@@ -170,6 +170,7 @@ class Fleet(FleetSends):
                 and s.origin.hub == hub
                 and (peers is None or s.origin.peer in peers)
                 and s.read < chunk
+                and (s.read_quiet is None or chunk[0] > s.read_quiet[0])
                 and now - max(s.read_at, since) <= READ_SILENCE * s.read_gap
             ):
                 return True
@@ -187,23 +188,24 @@ class Fleet(FleetSends):
         quiet for two of their gaps. Whoever of them has not read it yet is not believed
         again (its session waits as a stopped worker's would): a worker that lies about
         its pace holds the fleet up once, not at every chunk. But one that went quiet,
-        for the first time in its session, is believed again once it reads a later
-        version: its link may have become slower than the pace it last told (a stopped
-        worker says nothing, and stays doubted). Not within the same version: its chunks
-        came slowly there because the window waited, and its word would hold the window
-        again for chunks that another worker holds."""
+        for the first time in its session, is believed again for the chunks of later
+        versions, at the pace its notes tell meanwhile: its link may have become slower
+        than the pace it last told (a stopped worker says nothing, and its word counts
+        for two of its old gaps once more). Not within the same version: its chunks may
+        have come slowly there because the window waited, and its word would hold the
+        window again for chunks that another worker holds."""
         for s in list(self.workers.values()):
             if (
                 s.read_gap > 0.0
                 and s.origin.hub == hub
                 and (peers is None or s.origin.peer in peers)
                 and s.read < chunk
+                and (s.read_quiet is None or chunk[0] > s.read_quiet[0])
             ):
-                s.read_gap = 0.0
                 if quiet and not s.read_forgiven:
-                    s.read_quiet = chunk
+                    s.read_quiet, s.read_forgiven = chunk, True
                 else:
-                    s.read_doubted = True
+                    s.read_gap, s.read_doubted = 0.0, True
 
     def expire(self, now: float) -> list[Effect]:
         """Drop sessions quiet for :data:`EXPIRE_HEARTBEATS` heartbeats (or gone that
@@ -517,12 +519,7 @@ class Fleet(FleetSends):
         sender says nothing of what it reads now."""
         if note.epoch != self.epoch or s.read_doubted:
             return []
-        read = (note.version, note.index)
-        if s.read_quiet is not None:
-            if note.version <= s.read_quiet[0]:
-                return []  # the version it went quiet in: the window gave up on it
-            s.read_quiet, s.read_forgiven = None, True
-        s.read, s.read_gap = read, min(max(note.gap, 0.0), READ_GAP_MAX)
+        s.read, s.read_gap = (note.version, note.index), min(max(note.gap, 0.0), READ_GAP_MAX)
         s.read_at = now
         return []
 

@@ -137,8 +137,9 @@ class Session:
     #: Whether its word that it reads once held a chunk to STALL_MAX, or held one while
     #: it was quiet once more after it was forgiven: not believed again.
     read_doubted: bool = False
-    #: The chunk it held while quiet past two of its gaps, if so: its notes count again
-    #: from the next version on (its pace had changed), once in its session.
+    #: The chunk the window gave up on once it was quiet past two of its gaps, if so:
+    #: its word counts again for later versions' chunks (its pace may have changed);
+    #: and whether that was forgiven already (once in its session).
     read_quiet: tuple[int, int] | None = None
     read_forgiven: bool = False
 
