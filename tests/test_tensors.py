@@ -9,7 +9,7 @@ from _wire import through_the_wire
 from tensordict import TensorDict
 from torch import nn
 
-from zmqsync.chunking.layout import MIN_CHUNK_BYTES, StreamLayout
+from zmqsync.chunking.layout import MIN_CHUNK_BYTES, POOLED_PIECE_BYTES, Sources, StreamLayout
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Weights
 from zmqsync.tensors.apply import apply_weights, materialize
@@ -397,6 +397,42 @@ def test_small_tensors_read_where_they_lie_make_the_packs_stream(chunk_bytes: in
     tensors[("f", "3")].fill_(5.0)
     assert not np.array_equal(stream(in_place), stream(packed))
     assert np.array_equal(stream(in_place), stream(flattener.flatten(tensors)))
+
+
+@pytest.mark.parametrize("chunk_bytes", [100_003, 1 << 20, 64 << 20])
+def test_a_pooled_write_makes_the_same_stream(chunk_bytes: int) -> None:
+    """The shared mode's learner writes large pieces with torch's thread pool (one
+    ``_foreach_copy_`` a chunk): byte for byte the stream numpy's copies make, at chunk
+    sizes that cut the large tensors, with gaps zeroed in a reused buffer; a source
+    torch cannot take (read-only memory) is copied by numpy."""
+    torch.manual_seed(1)
+    tensors: dict[tuple[str, ...], torch.Tensor] = {
+        (f"w{i}",): torch.randn(70_000 + 13 * i)
+        for i in range(6)  # 280 KB and up
+    }
+    tensors[("half",)] = torch.randn(200_001).to(torch.float16)  # pads the next buffer
+    for i in range(40):
+        tensors[("s", str(i))] = torch.randn(i + 1)
+    flat = Flattener("state_dict").flatten(tensors, pack=False)
+    layout = StreamLayout(flat, chunk_bytes)
+    sources = layout.sources(flat)
+    assert isinstance(sources, list)
+    assert sum(isinstance(x, np.ndarray) and x.nbytes >= POOLED_PIECE_BYTES for x in sources) >= 6
+
+    def stream(pooled: bool, sources: Sources) -> np.ndarray:
+        out = np.full(layout.total, 7, dtype=np.uint8)  # stale bytes: gaps must be zeroed
+        for index in range(layout.count):
+            offset, length = layout.span(index)
+            layout.write(index, sources, out[offset : offset + length], pooled)
+        return out
+
+    plain = stream(False, sources)
+    assert np.array_equal(stream(True, sources), plain)
+    frozen = [x.copy() if isinstance(x, np.ndarray) else x for x in sources]
+    for x in frozen:
+        if isinstance(x, np.ndarray):
+            x.flags.writeable = False
+    assert np.array_equal(stream(True, frozen), plain)
 
 
 def _decoded(flat):  # type: ignore[no-untyped-def]

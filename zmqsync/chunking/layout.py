@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
+import torch
 
 from zmqsync.protocol import Buffer, TensorEntry, WeightsSchema, encode_schema
 from zmqsync.protocol.codec import layout_digest
@@ -21,6 +22,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "MAX_REMEMBERED_CHUNKS",
     "MIN_CHUNK_BYTES",
+    "POOLED_PIECE_BYTES",
     "STREAM_ALIGN",
     "BufferReader",
     "ChunkReader",
@@ -41,6 +43,13 @@ MIN_CHUNK_BYTES: Final = 64 * 1024
 #: Each buffer of a Flat starts on this boundary in the stream (a cache line), so a
 #: receiver can view any tensor at its natural alignment.
 STREAM_ALIGN: Final = 64
+#: Pieces at least this large are copied by torch's thread pool when a chunk is written
+#: ``pooled``: where nobody copies alongside the writer (workers that map each version
+#: instead of copying it), the pool's threads take every core. Where workers copy each
+#: chunk as the next is written, the pool's halves wait for cores the workers hold, and
+#: one numpy copy on the writing thread is faster (benchmarks/README.md, "Why the one-host
+#: targets are missed"). Below it, torch's per-tensor cost outweighs the threads.
+POOLED_PIECE_BYTES: Final = 256 * 1024
 #: What a receiver remembers per stretch of a stream (views made once) is kept for at most
 #: this many stretches: one per chunk of any stream, and bounded whatever comes.
 MAX_REMEMBERED_CHUNKS: Final = 1 << 16
@@ -201,27 +210,38 @@ class StreamLayout:
     def pieces(self, index: int) -> list[Piece]:
         return self._pieces[index]
 
-    def write(self, index: int, sources: Sources, out: np.ndarray) -> None:
+    def write(self, index: int, sources: Sources, out: np.ndarray, pooled: bool = False) -> None:
         """Fill ``out`` (at least the chunk's length) with chunk ``index``'s bytes.
 
         Alignment gaps between buffers are zeroed: a reused buffer never sends stale bytes.
+        ``pooled``: large pieces are copied by torch's thread pool, in one
+        ``_foreach_copy_`` (for a writer that nobody copies alongside: see
+        :data:`POOLED_PIECE_BYTES`), else each by one numpy copy on this thread.
         """
         _, length = self.span(index)
         if not isinstance(sources, list):
             sources.write(index, out[:length])
             return
         pos = 0
+        dests: list[torch.Tensor] = []
+        froms: list[torch.Tensor] = []
         for p in self._pieces[index]:
             if p.at > pos:
                 out[pos : p.at] = 0
             source = sources[p.buffer]
-            if isinstance(source, np.ndarray):
-                np.copyto(out[p.at : p.at + p.stop - p.start], source[p.start : p.stop])
+            into = out[p.at : p.at + p.stop - p.start]
+            if not isinstance(source, np.ndarray):
+                source.write(p.start, p.stop, into)
+            elif pooled and p.stop - p.start >= POOLED_PIECE_BYTES and source.flags.writeable:
+                dests.append(torch.from_numpy(into))
+                froms.append(torch.from_numpy(source[p.start : p.stop]))
             else:
-                source.write(p.start, p.stop, out[p.at : p.at + p.stop - p.start])
+                np.copyto(into, source[p.start : p.stop])
             pos = p.at + p.stop - p.start
         if length > pos:
             out[pos:length] = 0
+        if dests:
+            torch._foreach_copy_(dests, froms)
 
 
 def overlapping(

@@ -202,8 +202,12 @@ class Copy:
         ring: Ring | None = None,
         live: bool = False,
         metadata: Metadata | None = None,
+        pooled: bool = False,
     ) -> None:
         self.version = version
+        #: Whether its chunks are written by torch's thread pool (nobody copies them as
+        #: they are written: see StreamLayout.write).
+        self.pooled = pooled
         #: What the learner attached to the version (its first chunk carries it).
         self.metadata = metadata
         self.layout = layout
@@ -252,7 +256,8 @@ class Copy:
             while self._written <= index:
                 assert self._sources is not None
                 offset, length = self.layout.span(self._written)
-                self.layout.write(self._written, self._sources, self.data[offset : offset + length])
+                out = self.data[offset : offset + length]
+                self.layout.write(self._written, self._sources, out, self.pooled)
                 self._written += 1
             if self._written == self.layout.count:
                 self._let_go()  # the caller's memory is read no more
@@ -264,7 +269,8 @@ class Copy:
         with self._lock:
             for index in indices:
                 offset, length = self.layout.span(index)
-                self.layout.write(index, self._sources, self.data[offset : offset + length])
+                out = self.data[offset : offset + length]
+                self.layout.write(index, self._sources, out, self.pooled)
             self._written = self.layout.count
             self._let_go()
 

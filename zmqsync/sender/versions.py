@@ -211,7 +211,11 @@ class VersionStore:
             # into memory it lent, IS the transfer (workers copy chunk i out while the
             # next one is written).
             with shared.holding():
-                return self._own(version, flat, self.layout, alloc=shared.lend)
+                owned = self._own(version, flat, self.layout, alloc=shared.lend)
+            # Workers that map each version copy nothing while it is written: the
+            # learner's write may take every core.
+            owned.pooled = self._all_keep(shared)
+            return owned
         return self._own(version, flat, self.layout)
 
     def rendezvous(self, weights: Any, model: Any) -> Copy:
@@ -367,14 +371,19 @@ class VersionStore:
         """The chunks of a version written into memory ``lender`` lends: up to
         :data:`KEPT_CHUNK_BYTES` when it is the only hub and every worker keeps each
         version mapped (the shared mode), else ``chunk_bytes``."""
-        if (
-            lender is None
-            or len(self._outlets) != 1
-            or self._part is not None
-            or not lender.all_keep_versions()
-        ):
+        if not self._all_keep(lender):
             return self.chunk_bytes
         return max(self.chunk_bytes, KEPT_CHUNK_BYTES)
+
+    def _all_keep(self, lender: Outlet | None) -> bool:
+        """Whether ``lender`` is the only hub and every worker of it keeps each version
+        mapped (the shared mode): they copy nothing out of the stream."""
+        return (
+            lender is not None
+            and len(self._outlets) == 1
+            and self._part is None
+            and lender.all_keep_versions()
+        )
 
     def _lender(self) -> Outlet | None:
         """The first hub that lends shared memory to send from, if any."""
