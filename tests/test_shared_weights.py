@@ -20,6 +20,7 @@ from torch import nn
 import zmqsync
 from zmqsync import SyncTimeout, WeightReceiver, WeightSender
 from zmqsync.chunking.layout import MIN_CHUNK_BYTES
+from zmqsync.fleet import core as fleet_core
 from zmqsync.status_types import SenderStatus
 from zmqsync.transport._zmq import lending
 from zmqsync.transport.pipe import PipeHub
@@ -476,6 +477,10 @@ def test_a_stopped_zeromq_worker_is_dropped_from_the_lending_and_status_says_so(
     counted: it is sent copies through the socket, and status() names it with the
     retired blocks it may still map; continued, it joins the lending again and maps."""
     monkeypatch.setattr(lending, "LEASE_SECONDS", 2.0)
+    # The stopped worker's session must outlive the loop below (up to DEADLINE): expired,
+    # it is no longer waited for, and a send would not time out (seen once in CI, on a
+    # loaded 2-core machine, where its silence passed the 30 s expiry first).
+    monkeypatch.setattr(fleet_core, "EXPIRE_MIN_SECONDS", 10 * DEADLINE)
     fleet = make_fleet("pubsub", 3, timeout=3.0)
     _three_mapping_then_stop_one(fleet)
     try:
