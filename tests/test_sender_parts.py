@@ -499,8 +499,7 @@ def test_a_chunk_a_slow_reader_still_reads_is_waited_for_up_to_stall_max(
     with _pump() as (runner, hub, host, stats):
         host.still_reading = True
         runner.begin(Transfer(_copy(2 * WINDOW), None))
-        limit = runner.clock.limit(time.monotonic())
-        time.sleep(limit + 0.3)
+        until(lambda: host.asked, 20, "the window, past its limit, waits on the workers' word")
         host.still_reading = False  # the workers went quiet: given up on before STALL_MAX
         until(lambda: stats.totals["stalls"] >= 1, 20, "the window gave up on quiet workers")
         assert host.read_stalled_on[0].read == (1, 0) and host.read_stalled_quiet[0] is True

@@ -187,7 +187,8 @@ class Fleet(FleetSends):
         and gave up: as long as it waits for any chunk, or (``quiet``) once they had been
         quiet for two of their gaps. Whoever of them has not read it yet is not believed
         again (its session waits as a stopped worker's would): a worker that lies about
-        its pace holds the fleet up once, not at every chunk. But one that went quiet,
+        its pace holds the fleet up once or twice in its session, not at every chunk
+        (twice: quiet, forgiven, quiet again). But one that went quiet,
         for the first time in its session, is believed again for the chunks of later
         versions, at the pace its notes tell meanwhile: its link may have become slower
         than the pace it last told (a stopped worker says nothing, and its word counts

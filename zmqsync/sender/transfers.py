@@ -202,12 +202,11 @@ class Copy:
         ring: Ring | None = None,
         live: bool = False,
         metadata: Metadata | None = None,
-        pooled: bool = False,
     ) -> None:
         self.version = version
         #: Whether its chunks are written by torch's thread pool (nobody copies them as
         #: they are written: see StreamLayout.write).
-        self.pooled = pooled
+        self.pooled = False
         #: What the learner attached to the version (its first chunk carries it).
         self.metadata = metadata
         self.layout = layout
