@@ -54,7 +54,11 @@ WINDOW: Final = 4
 MAX_REPAIRS: Final = 8
 #: A peer that was sent a relay's version this lately (seconds), or within the time the
 #: stream took, may still be reading it: what it asks for meanwhile is not sent again.
-READING_GRACE: Final = 0.25
+#: Its heartbeats go on while the last chunks wait in the transport and while it applies
+#: them, and on a busy host one sent then arrives a good while after the stream ended
+#: (0.25 s was too short: a relay without a snapshot fetched a version again for such a
+#: heartbeat). The sender's default ``repair_after`` (1 s) waits as long after a send.
+READING_GRACE: Final = 1.0
 #: How long a transfer blocked on its window waits for transports before looking again
 #: (a ZeroMQ hub waits whole milliseconds: one).
 WINDOW_WAIT: Final = 0.0005
