@@ -41,16 +41,23 @@ def stopped(pid: int) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
+#: How long a raw socket's send may wait for a connection to queue to.
+RAW_SEND_TIMEOUT_MS = 10_000
+
+
 @contextlib.contextmanager
 def raw_sockets(*targets: tuple[int, str], keys: Any = None) -> Iterator[list[zmq.Socket[Any]]]:
     """Plain pyzmq sockets connected where a hostile local process would connect
-    (with CURVE client ``keys``, if given)."""
+    (with CURVE client ``keys``, if given). A send that cannot be queued within
+    :data:`RAW_SEND_TIMEOUT_MS` raises ``zmq.Again`` (a DEALER with no connection, as
+    after a refused handshake, blocks its sends): the test fails, never hangs."""
     ctx = zmq.Context.instance()
     socks = []
     try:
         for kind, address in targets:
             sock = ctx.socket(kind)
             sock.linger = 0
+            sock.sndtimeo = RAW_SEND_TIMEOUT_MS
             if keys is not None:
                 keys.apply(sock)
             sock.connect(address)
