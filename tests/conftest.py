@@ -6,6 +6,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import threading
@@ -19,9 +20,28 @@ SPAWN = mp.get_context("spawn")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port ``p``, with ``p + 1`` free too (a ZeroMQ hub binds its data socket
+    there), below the kernel's ephemeral range.
+
+    A port the kernel hands out (``bind`` to port 0) lies in the ephemeral range, and
+    until the test binds it any outgoing connection (a worker reconnecting, say) may
+    take it, or the port after it, as its local port: the test's bind then fails, or a
+    restarted learner's bind of the same address does. Outgoing connections never take
+    a port below that range.
+    """
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 20000), low - 2)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two free ports below the ephemeral range")
 
 
 @pytest.fixture

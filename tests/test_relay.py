@@ -457,9 +457,15 @@ def _fields(chunk):  # type: ignore[no-untyped-def]
 
 @pytest.mark.timeout(120)
 def test_a_restarted_learner_is_followed_through_a_relay() -> None:
+    from conftest import free_port
+
     model = _model()
-    first = WeightSender(_hub(), model=model, strategy="state_dict", timeout=30)
-    endpoint = first.endpoint  # the new learner binds the same address
+    # A fixed address, as a restarted learner has: its control port and the data port
+    # after it, both outside the range outgoing connections take their ports from.
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = WeightSender(
+        PubSubHub(endpoint, insecure=True), model=model, strategy="state_dict", timeout=30
+    )
     relay = Relay(_spoke(endpoint, "relay"), _hub(), strategy="state_dict", heartbeat=0.2)
     models: dict[int, dict[str, torch.Tensor]] = {}
     second = None
