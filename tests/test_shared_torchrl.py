@@ -171,8 +171,9 @@ def check_tagged_logits(
 
 
 def _collect(collector: Any, policy: TensorDictModule) -> tuple[list[TensorDictBase], list[Actor]]:
-    """A batch, then ``UPDATES`` updates each followed by batches until every worker's
-    frames come from it. Returns the frames and each version's reference weights."""
+    """A batch, then ``UPDATES`` updates each followed by batches until every worker has
+    collected frames (root and next tag) wholly from it. Returns the frames and each
+    version's reference weights."""
     references = [_reference(policy)]
     batches = iter(collector)
     frames = _frames(next(batches))
@@ -184,8 +185,12 @@ def _collect(collector: Any, policy: TensorDictModule) -> tuple[list[TensorDictB
         for _ in range(20):
             batch = _frames(next(batches))
             frames += batch
+            # A frame whose step straddled the update is tagged with the new version but
+            # may hold the old one's logits: wait for frames wholly of the new version.
             latest |= {
-                int(f["worker"]) for f in batch if int(f["next", "policy_version"]) == step + 1
+                int(f["worker"])
+                for f in batch
+                if int(f["policy_version"]) == int(f["next", "policy_version"]) == step + 1
             }
             if len(latest) == NUM_WORKERS:
                 break
