@@ -753,7 +753,12 @@ def test_status_and_worker_with_curve_keys(runner: CliRunner, tmp_path: Path) ->
             ):
                 refused = runner.invoke(app, ["status", pub.endpoint, "--timeout", "0.5", *extra])
                 assert refused.exit_code == 2
-                assert "no zmqsync sender answered" in _one_error_line(refused)
+                # The refused handshake leaves the request unanswered, or (when the
+                # learner refused it before the request was queued, as on a busy host)
+                # with no connection to queue it to: either way, no status.
+                line = _one_error_line(refused)
+                assert "no zmqsync sender answered" in line or "could not reach" in line, line
+                assert f"{pub.endpoint} within 0.5s" in line
 
 
 def test_the_verdict_counts_every_worker_of_a_trimmed_status() -> None:
