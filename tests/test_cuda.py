@@ -58,6 +58,12 @@ def _wire(flat) -> Weights:  # type: ignore[no-untyped-def]
     return through_the_wire(flat)
 
 
+def _apply(message: Weights, dest: dict) -> None:  # type: ignore[type-arg]
+    """Apply ``message`` as a worker does: planned from the schema it came with (the
+    stream's layout, not the learner's flat buffers)."""
+    ApplyPlan(message.schema, dest, "state_dict").apply(message)
+
+
 def _equal(a: dict, b: dict) -> None:  # type: ignore[type-arg]
     assert a.keys() == b.keys()
     for k in a:
@@ -79,7 +85,7 @@ def test_flatten_and_apply_across_devices(source: str, target: str) -> None:
         assert all(isinstance(b, memoryview) and b.readonly for b in flat.buffers)
     dest = {k: torch.zeros_like(v, device=target) for k, v in _weights(target).items()}
     dest[("transposed",)] = torch.zeros(64, 48, device=target).t()  # non-contiguous target
-    ApplyPlan(flat.schema, dest, "state_dict").apply(_wire(flat))
+    _apply(_wire(flat), dest)
     _equal(dest, sent)
 
 
@@ -118,11 +124,10 @@ def test_a_staged_flat_does_not_follow_later_changes() -> None:
         if v.numel() and v.dtype != torch.bool and v.is_contiguous():
             _bytes(v).add_(1)  # bytewise: some dtypes (float8) have no add on CUDA
     dest = {k: torch.zeros_like(v) for k, v in sent.items()}
-    ApplyPlan(flat.schema, dest, "state_dict").apply(_wire(flat))
+    _apply(_wire(flat), dest)
     _equal(dest, before)
     # The next flatten (same mapping, layout cached) reads the new values.
-    again = flattener.flatten(sent)
-    ApplyPlan(again.schema, dest, "state_dict").apply(_wire(again))
+    _apply(_wire(flattener.flatten(sent)), dest)
     _equal(dest, sent)
 
 
