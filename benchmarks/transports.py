@@ -218,18 +218,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
     run = Run(PROG, argv)
-    import ray
     import torchrl
 
     run.machine["torchrl"] = torchrl.__version__
-    run.machine["ray"] = ray.__version__
-    run.announce("torch", "torchrl", "ray")
+    needs_ray = any(WHERE[v] == "ray" for v in args.variants)
+    if needs_ray:  # a machine without Ray (the optional extra) runs the other variants
+        import ray
+
+        run.machine["ray"] = ray.__version__
+    run.announce("torch", "torchrl", *(("ray",) if needs_ray else ()))
     zmqsync_options = {"retain_snapshot": False} if args.no_retain else {}
     models = {size: LearnerModel.make(size) for size in args.sizes}
     cells: list[Cell] = []
     failed_zmqsync = False
     fleet: RayFleet | None = None
-    needs_ray = any(WHERE[v] == "ray" for v in args.variants)
     with command.scratch_dir() as workdir:
         try:
             if needs_ray:
