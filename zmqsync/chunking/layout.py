@@ -15,6 +15,7 @@ from typing import Final, Protocol, TypeAlias, runtime_checkable
 import numpy as np
 import torch
 
+from zmqsync.chunking.copier import copier
 from zmqsync.protocol import Buffer, TensorEntry, WeightsSchema, encode_schema
 from zmqsync.protocol.codec import layout_digest
 
@@ -225,6 +226,7 @@ class StreamLayout:
         pos = 0
         dests: list[torch.Tensor] = []
         froms: list[torch.Tensor] = []
+        copy = copier().copy  # large pieces over the copy threads, where there are cores
         for p in self._pieces[index]:
             if p.at > pos:
                 out[pos : p.at] = 0
@@ -236,7 +238,7 @@ class StreamLayout:
                 dests.append(torch.from_numpy(into))
                 froms.append(torch.from_numpy(source[p.start : p.stop]))
             else:
-                np.copyto(into, source[p.start : p.stop])
+                copy(into, source[p.start : p.stop])
             pos = p.at + p.stop - p.start
         if length > pos:
             out[pos:length] = 0

@@ -15,6 +15,7 @@ from typing import Final
 import numpy as np
 import torch
 
+from zmqsync.chunking.copier import copier
 from zmqsync.chunking.layout import MAX_REMEMBERED_CHUNKS, overlapping
 from zmqsync.protocol import Buffer, WeightsSchema
 from zmqsync.tensors.casts import CastPlan
@@ -75,6 +76,8 @@ class InPlace(TargetPlan):
                 self._special[i] = (dest, torch.empty(e.nbytes, dtype=torch.uint8))
         self._spans: dict[tuple[int, int], _Span] = {}
         self._scratch: np.ndarray | None = None
+        #: Large pieces are split over the process's copy threads, where it has cores.
+        self._copier = copier()
         self._devices = sorted(
             {t.device for t, _ in self._special.values()} - {torch.device("cpu")}, key=str
         )
@@ -114,13 +117,14 @@ class InPlace(TargetPlan):
         """Write the chunk that starts at stream byte ``offset`` into the tensors."""
         source = np.frombuffer(payload, dtype=np.uint8)
         span = self._span(offset, len(source))
+        copy = self._copier.copy
         if span.views is not None:
             assert self._scratch is not None
-            np.copyto(self._scratch[: len(source)], source)
+            copy(self._scratch[: len(source)], source)
             collections.deque(map(np.copyto, span.dests, span.views), maxlen=0)
         else:
             for dest, start in zip(span.dests, span.starts, strict=True):
-                np.copyto(dest, source[start : start + dest.nbytes])
+                copy(dest, source[start : start + dest.nbytes])
         if self._cast is not None:
             chunk = read_view(source)
             if chunk is not None:

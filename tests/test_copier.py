@@ -1,0 +1,71 @@
+"""Large copies split over threads (zmqsync.chunking.copier): the same bytes whatever
+the split, a thread count read from the environment or the cores, and a forked child
+that copies with threads of its own."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from zmqsync.chunking import copier as copier_module
+from zmqsync.chunking.copier import COPY_THREADS_ENV, SPLIT_MIN_BYTES, Copier, default_threads
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize(
+    "n", [0, 1, SPLIT_MIN_BYTES - 1, SPLIT_MIN_BYTES, SPLIT_MIN_BYTES + 63, 9 * SPLIT_MIN_BYTES + 5]
+)
+def test_every_byte_lands_once_whatever_the_split(threads: int, n: int) -> None:
+    rng = np.random.default_rng(n)
+    source = rng.integers(0, 256, n + 128, dtype=np.uint8)
+    dest = np.zeros(n + 128, dtype=np.uint8)
+    # Unaligned views of bigger arrays, as a chunk's piece of a tensor is.
+    Copier(threads).copy(dest[3 : 3 + n], source[5 : 5 + n])
+    assert np.array_equal(dest[3 : 3 + n], source[5 : 5 + n])
+    assert not dest[:3].any() and not dest[3 + n :].any()  # nothing outside
+
+
+def test_the_thread_count_comes_from_the_environment_or_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(COPY_THREADS_ENV, "3")
+    assert default_threads() == 3
+    monkeypatch.setenv(COPY_THREADS_ENV, "1000")
+    assert default_threads() == copier_module.MAX_THREADS
+    monkeypatch.setenv(COPY_THREADS_ENV, "many")
+    with pytest.raises(ValueError, match=COPY_THREADS_ENV):
+        default_threads()
+    monkeypatch.delenv(COPY_THREADS_ENV)
+    monkeypatch.setattr(copier_module.os, "sched_getaffinity", lambda _: set(range(2)))
+    assert default_threads() == 1  # two cores: the calling thread alone, as before
+    monkeypatch.setattr(copier_module.os, "sched_getaffinity", lambda _: set(range(16)))
+    assert default_threads() == 4
+
+
+def _copy_in_child(result: mp.Queue) -> None:  # type: ignore[type-arg]
+    source = np.arange(4 * SPLIT_MIN_BYTES, dtype=np.uint8)
+    dest = np.zeros_like(source)
+    copier_module.copier().copy(dest, source)
+    result.put(bool(np.array_equal(dest, source)))
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_copies_with_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's helper threads do not exist in a forked child: slices handed to them
+    would never be copied. The child makes its own."""
+    monkeypatch.setattr(copier_module, "_copier", Copier(3))
+    big = np.ones(4 * SPLIT_MIN_BYTES, dtype=np.uint8)
+    copier_module.copier().copy(np.empty_like(big), big)  # the parent's threads run
+    ctx = mp.get_context("fork")
+    result = ctx.Queue()
+    child = ctx.Process(target=_copy_in_child, args=(result,))
+    child.start()
+    try:
+        assert result.get(timeout=30) is True
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0

@@ -1,0 +1,122 @@
+"""Large byte copies split over a few threads, where the process has cores to spare.
+
+A learner writing a chunk and a worker copying one out each copy on one thread by
+default: on a 2-core host, the learner and its workers already take every core. On a
+host with many cores that leaves most of them idle while a version crosses (16 cores:
+one thread copies at about a sixth of what torch's pooled ``copy_`` does). numpy lets go
+of the GIL while it copies plain bytes, so a large piece cut into slices, one per
+thread, copies at several threads' speed; the threads wait on a queue between copies,
+never spinning, so they take no core from the model's own work.
+
+How many threads: a quarter of the cores this process may run on
+(``os.sched_getaffinity``), at most :data:`MAX_THREADS`: one on up to 7 cores (the
+calling thread alone, as before), 4 on 16. The learner and each worker count alike,
+since a learner streaming to K workers shares the host with them. ``ZMQSYNC_COPY_THREADS``
+sets the number for a process (1: never split).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from typing import Final
+
+import numpy as np
+
+__all__ = ["COPY_THREADS_ENV", "Copier", "copier", "default_threads"]
+
+#: The environment variable that sets how many threads a process copies with.
+COPY_THREADS_ENV: Final = "ZMQSYNC_COPY_THREADS"
+#: Most threads one copy is split over.
+MAX_THREADS: Final = 8
+#: Cores per copy thread: a quarter of the cores, so that the learner and its workers on
+#: one host together stay near the core count.
+CORES_PER_THREAD: Final = 4
+#: Pieces smaller than this are copied on the calling thread (handing a slice to another
+#: thread costs tens of microseconds); each slice of a split copy is at least half of it.
+SPLIT_MIN_BYTES: Final = 1 << 20
+#: Slices start on this boundary (a cache line).
+_ALIGN: Final = 64
+#: A slice not copied within this many seconds means the process is wedged: raise.
+_TIMEOUT: Final = 60.0
+
+
+def default_threads() -> int:
+    """Threads this process copies large pieces with (see the module)."""
+    env = os.environ.get(COPY_THREADS_ENV, "").strip()
+    if env:
+        try:
+            return max(1, min(MAX_THREADS, int(env)))
+        except ValueError:
+            raise ValueError(f"{COPY_THREADS_ENV}={env!r}: expected a whole number") from None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cores // CORES_PER_THREAD))
+
+
+class Copier:
+    """Copies byte arrays, splitting large ones over ``threads`` threads (the calling
+    one included). Its helper threads start at the first split copy."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def copy(self, dest: np.ndarray, source: np.ndarray) -> None:
+        """``dest[:] = source``: two 1-d byte arrays of one length."""
+        n = dest.nbytes
+        if self.threads == 1 or n < SPLIT_MIN_BYTES:
+            np.copyto(dest, source)
+            return
+        parts = min(self.threads, n // (SPLIT_MIN_BYTES // 2))
+        per_part = -(-n // parts)
+        step = -(-per_part // _ALIGN) * _ALIGN
+        pool = self._executor()
+        futures = [
+            pool.submit(np.copyto, dest[at : at + step], source[at : at + step])
+            for at in range(step, n, step)
+        ]
+        np.copyto(dest[:step], source[:step])
+        done, late = concurrent.futures.wait(futures, timeout=_TIMEOUT)
+        if late:
+            raise TimeoutError(f"a {n}-byte copy's slices took over {_TIMEOUT:g}s")
+        for future in done:
+            future.result()  # a slice's error is the copy's
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads - 1, thread_name_prefix="zmqsync-copy"
+                )
+            return self._pool
+
+    def forget_threads(self) -> None:
+        """In a forked child: the parent's threads are not there; make new ones when
+        needed (the old executor would queue slices nobody takes)."""
+        self._pool = None
+        self._lock = threading.Lock()
+
+
+_copier: Copier | None = None
+
+
+def copier() -> Copier:
+    """This process's copier, with :func:`default_threads` threads."""
+    global _copier
+    if _copier is None:
+        _copier = Copier(default_threads())
+    return _copier
+
+
+def _after_fork() -> None:
+    if _copier is not None:
+        _copier.forget_threads()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
