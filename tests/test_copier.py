@@ -5,6 +5,7 @@ that copies with threads of its own."""
 from __future__ import annotations
 
 import multiprocessing as mp
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,11 @@ def test_every_byte_lands_once_whatever_the_split(threads: int, n: int) -> None:
     source = rng.integers(0, 256, n + 128, dtype=np.uint8)
     dest = np.zeros(n + 128, dtype=np.uint8)
     # Unaligned views of bigger arrays, as a chunk's piece of a tensor is.
-    Copier(threads).copy(dest[3 : 3 + n], source[5 : 5 + n])
+    copier = Copier(threads)
+    try:
+        copier.copy(dest[3 : 3 + n], source[5 : 5 + n])
+    finally:
+        copier.close()
     assert np.array_equal(dest[3 : 3 + n], source[5 : 5 + n])
     assert not dest[:3].any() and not dest[3 + n :].any()  # nothing outside
 
@@ -55,9 +60,10 @@ def _copy_in_child(result: mp.Queue) -> None:  # type: ignore[type-arg]
 def test_a_forked_child_copies_with_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The parent's helper threads do not exist in a forked child: slices handed to them
     would never be copied. The child makes its own."""
-    monkeypatch.setattr(copier_module, "_copier", Copier(3))
+    parent = Copier(3)
+    monkeypatch.setattr(copier_module, "_copier", parent)
     big = np.ones(4 * SPLIT_MIN_BYTES, dtype=np.uint8)
-    copier_module.copier().copy(np.empty_like(big), big)  # the parent's threads run
+    parent.copy(np.empty_like(big), big)  # the parent's threads run
     ctx = mp.get_context("fork")
     result = ctx.Queue()
     child = ctx.Process(target=_copy_in_child, args=(result,))
@@ -68,4 +74,46 @@ def test_a_forked_child_copies_with_threads_of_its_own(monkeypatch: pytest.Monke
         child.join(10)
         if child.is_alive():
             child.kill()
+        parent.close()
     assert child.exitcode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_versions_arrive_exact_through_split_copies(
+    fleet: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 32 MiB model to two pipe workers with 3 copy threads in the learner and in each
+    worker (set through the environment, as on a many-core host): every version exact,
+    through the shared blocks, large pieces split on both sides."""
+    from _workers import bump, make_model
+
+    import zmqsync
+    from zmqsync import MultiProcessWeightSyncScheme
+
+    monkeypatch.setenv(COPY_THREADS_ENV, "3")  # the spawned workers inherit it
+    monkeypatch.setattr(copier_module, "_copier", None)  # the learner reads it anew
+    model = make_model("big", seed=0)
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender("policy", pipes=[p for p, _ in pipes], model=model, num_workers=2)
+    try:
+        for i, (_, child) in enumerate(pipes):
+            fleet.start(scheme, i, kind="big", init_kwargs={"pipe": child, "worker_idx": None})
+            child.close()
+        for i in range(2):
+            fleet.wait_ready(i, timeout=120)
+        for version in (1, 2, 3):
+            bump(model)
+            scheme.send()
+            expected = zmqsync.checksum(model)
+            for i in range(2):
+                state = fleet.ask(i, "state")
+                assert (state["version"], state["checksum"]) == (version, expected), i
+        assert copier_module.copier().threads == 3
+        assert scheme.get_sender().transport.counters()["shm_bytes"] > 0
+    finally:
+        scheme.shutdown()
+        copier_module.copier().close()
+        monkeypatch.setattr(copier_module, "_copier", None)

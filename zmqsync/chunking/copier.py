@@ -95,6 +95,14 @@ class Copier:
                 )
             return self._pool
 
+    def close(self) -> None:
+        """Let the helper threads end (they finish the slices they hold); a later split
+        copy starts new ones."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
+
     def forget_threads(self) -> None:
         """In a forked child: the parent's threads are not there; make new ones when
         needed (the old executor would queue slices nobody takes)."""
