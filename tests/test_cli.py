@@ -759,6 +759,7 @@ def test_status_and_worker_with_curve_keys(runner: CliRunner, tmp_path: Path) ->
                 line = _one_error_line(refused)
                 assert "no zmqsync sender answered" in line or "could not reach" in line, line
                 assert f"{pub.endpoint} within 0.5s" in line
+                assert "keys it accepts" in line or "accept these keys" in line, line
 
 
 def test_the_verdict_counts_every_worker_of_a_trimmed_status() -> None:

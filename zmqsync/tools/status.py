@@ -97,7 +97,7 @@ def _ask_each(
         for i, endpoint in enumerate(endpoints):
             try:
                 asked[_asking(ctx, endpoint, timeout, curve)] = i
-                answers.append(_silent(endpoint, timeout))
+                answers.append(_silent(endpoint, timeout, curve))
             except ZMQSyncError as exc:
                 answers.append(exc)
         _collect(asked, answers, endpoints, timeout)
@@ -127,7 +127,9 @@ def _asking(
             try:
                 sock.send_multipart(encode(StatusRequest()))
             except zmq.Again as exc:  # the request could not even be queued
-                raise SyncTimeout(f"could not reach {endpoint} within {timeout:g}s") from exc
+                raise SyncTimeout(
+                    f"could not reach {endpoint} within {timeout:g}s: {_hint(curve)}"
+                ) from exc
     except BaseException:
         sock.close(linger=0)
         raise
@@ -166,11 +168,24 @@ def _collect(
                 answers[i] = exc
 
 
-def _silent(endpoint: str, timeout: float) -> SyncTimeout:
+def _silent(endpoint: str, timeout: float, curve: CurveClient | None) -> SyncTimeout:
     """The error of a sender that has not answered (yet)."""
     return SyncTimeout(
-        f"no zmqsync sender answered at {endpoint} within {timeout:g}s: is the "
-        "learner running, and is this the endpoint it printed?"
+        f"no zmqsync sender answered at {endpoint} within {timeout:g}s: {_hint(curve)}"
+    )
+
+
+def _hint(curve: CurveClient | None) -> str:
+    """What to check when nothing answered: a learner with CURVE keys refuses, silently,
+    a client without keys it accepts."""
+    if curve is None:
+        return (
+            "is the learner running, and is this the endpoint it printed? (a learner "
+            "with CURVE keys answers only clients given keys it accepts)"
+        )
+    return (
+        "is the learner running, is this the endpoint it printed, and does it accept "
+        "these keys (its server key, a client key in its clients folder)?"
     )
 
 
