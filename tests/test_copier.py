@@ -5,6 +5,7 @@ that copies with threads of its own."""
 from __future__ import annotations
 
 import multiprocessing as mp
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ def test_every_byte_lands_once_whatever_the_split(threads: int, n: int) -> None:
 
 
 def test_the_thread_count_comes_from_the_environment_or_the_cores(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv(COPY_THREADS_ENV, "3")
     assert default_threads() == 3
@@ -46,7 +47,12 @@ def test_the_thread_count_comes_from_the_environment_or_the_cores(
     monkeypatch.setattr(copier_module.os, "sched_getaffinity", lambda _: set(range(2)))
     assert default_threads() == 1  # two cores: the calling thread alone, as before
     monkeypatch.setattr(copier_module.os, "sched_getaffinity", lambda _: set(range(16)))
-    assert default_threads() == 4
+    monkeypatch.setattr(copier_module, "CGROUP_CPU_MAX", str(tmp_path / "cpu.max"))
+    assert default_threads() == 4  # no quota file: the affinity
+    for quota, threads in (("max 100000", 4), ("1600000 100000", 4), ("250000 100000", 1)):
+        (tmp_path / "cpu.max").write_text(quota + "\n")
+        assert default_threads() == threads, quota  # a container's --cpus 2.5: 3 cores
+    assert copier_module.usable_cores() == 3
 
 
 def _copy_in_child(result: mp.Queue) -> None:  # type: ignore[type-arg]

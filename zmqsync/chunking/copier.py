@@ -1,18 +1,18 @@
 """Large byte copies split over a few threads, where the process has cores to spare.
 
-A learner writing a chunk and a worker copying one out each copy on one thread by
-default: on a 2-core host, the learner and its workers already take every core. On a
-host with many cores that leaves most of them idle while a version crosses (16 cores:
-one thread copies at about a sixth of what torch's pooled ``copy_`` does). numpy lets go
+On a 2-core host a learner writing a chunk and a worker copying one out each copy on
+one thread: the learner and its workers already take every core. On a host with many
+cores one thread leaves most of them idle while a version crosses (16 cores: one thread
+copies at about a sixth of what torch's pooled ``copy_`` does). numpy lets go
 of the GIL while it copies plain bytes, so a large piece cut into slices, one per
 thread, copies at several threads' speed; the threads wait on a queue between copies,
 never spinning, so they take no core from the model's own work.
 
-How many threads: a quarter of the cores this process may run on
-(``os.sched_getaffinity``), at most :data:`MAX_THREADS`: one on up to 7 cores (the
-calling thread alone, as before), 4 on 16. The learner and each worker count alike,
-since a learner streaming to K workers shares the host with them. ``ZMQSYNC_COPY_THREADS``
-sets the number for a process (1: never split).
+How many threads: a quarter of the cores this process may run on (its affinity, and no
+more than a container's CPU quota), at most :data:`MAX_THREADS`: one on up to 7 cores
+(the calling thread alone, as before), 4 on 16. The learner and each worker count
+alike, since a learner streaming to K workers shares the host with them.
+``ZMQSYNC_COPY_THREADS`` sets the number for a process (1: never split).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["COPY_THREADS_ENV", "Copier", "copier", "default_threads"]
+__all__ = ["COPY_THREADS_ENV", "Copier", "copier", "default_threads", "usable_cores"]
 
 #: The environment variable that sets how many threads a process copies with.
 COPY_THREADS_ENV: Final = "ZMQSYNC_COPY_THREADS"
@@ -38,6 +38,8 @@ CORES_PER_THREAD: Final = 4
 SPLIT_MIN_BYTES: Final = 1 << 20
 #: Slices start on this boundary (a cache line).
 _ALIGN: Final = 64
+#: Where a cgroup v2 system keeps the process's CPU quota ("max" or "QUOTA PERIOD").
+CGROUP_CPU_MAX: Final = "/sys/fs/cgroup/cpu.max"
 #: A slice not copied within this many seconds means the process is wedged: raise.
 _TIMEOUT: Final = 60.0
 
@@ -50,11 +52,35 @@ def default_threads() -> int:
             return max(1, min(MAX_THREADS, int(env)))
         except ValueError:
             raise ValueError(f"{COPY_THREADS_ENV}={env!r}: expected a whole number") from None
+    return max(1, min(MAX_THREADS, usable_cores() // CORES_PER_THREAD))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity, and no more than its cgroup's
+    CPU quota (a container started with ``--cpus 2`` on a 64-core host has 2)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cores // CORES_PER_THREAD))
+    quota = _cgroup_quota()
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def _cgroup_quota() -> int | None:
+    """Whole cores the cgroup (v2) this process runs in may use, rounded up; None when
+    it has no quota (or this is no cgroup v2 system)."""
+    try:
+        with open(CGROUP_CPU_MAX) as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    try:
+        quota, period = int(fields[0]), int(fields[1])
+    except ValueError:
+        return None
+    return -(-quota // period) if quota > 0 and period > 0 else None
 
 
 class Copier:
