@@ -226,7 +226,7 @@ class StreamLayout:
         pos = 0
         dests: list[torch.Tensor] = []
         froms: list[torch.Tensor] = []
-        copy = copier().copy  # large pieces over the copy threads, where there are cores
+        copy = copier().copy_function()  # large pieces over the copy threads, if any
         for p in self._pieces[index]:
             if p.at > pos:
                 out[pos : p.at] = 0

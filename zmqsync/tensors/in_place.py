@@ -117,7 +117,7 @@ class InPlace(TargetPlan):
         """Write the chunk that starts at stream byte ``offset`` into the tensors."""
         source = np.frombuffer(payload, dtype=np.uint8)
         span = self._span(offset, len(source))
-        copy = self._copier.copy
+        copy = self._copier.copy_function()
         if span.views is not None:
             assert self._scratch is not None
             copy(self._scratch[: len(source)], source)
