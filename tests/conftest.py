@@ -110,6 +110,43 @@ class Fleet:
         reply = conn.recv()  # type: ignore[attr-defined]
         assert reply == "ready", f"worker {worker_idx}: {reply}"
 
+    def over_pipes(self, model, kind: str, workers: int = 2):  # type: ignore[no-untyped-def]
+        """A ``MultiProcessWeightSyncScheme`` sending ``model`` to ``workers`` pipe
+        workers of ``kind`` (started here, ready when it returns); shut it down after."""
+        from zmqsync import MultiProcessWeightSyncScheme
+
+        pipes = [SPAWN.Pipe() for _ in range(workers)]
+        scheme = MultiProcessWeightSyncScheme(timeout=30)
+        ends = [p for p, _ in pipes]
+        scheme.init_on_sender("policy", pipes=ends, model=model, num_workers=workers)
+        try:
+            for i, (_, child) in enumerate(pipes):
+                self.start(scheme, i, kind=kind, init_kwargs={"pipe": child, "worker_idx": None})
+                child.close()
+            for i in range(workers):
+                self.wait_ready(i, timeout=120)
+        except BaseException:
+            scheme.shutdown()
+            raise
+        return scheme
+
+    def each_version_exact(self, scheme, model, workers: int, versions: int = 3) -> list:  # type: ignore[no-untyped-def]
+        """Bump ``model`` and send it ``versions`` times: after each send every worker
+        holds exactly that version. Returns the workers' last states."""
+        from _workers import bump
+
+        import zmqsync
+
+        states: list = []
+        for version in range(1, versions + 1):
+            bump(model)
+            scheme.send()
+            expected = zmqsync.checksum(model)
+            states = [self.ask(i, "state") for i in range(workers)]
+            for i, state in enumerate(states):
+                assert (state["version"], state["checksum"]) == (version, expected), i
+        return states
+
     def stop(self, worker_idx: int, timeout: float = 30.0) -> None:
         """Stop a worker the polite way: it shuts its scheme down and exits."""
         self.conns[worker_idx].send("stop")  # type: ignore[attr-defined]

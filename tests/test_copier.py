@@ -92,31 +92,14 @@ def test_versions_arrive_exact_through_split_copies(
     """A 32 MiB model to two pipe workers with 3 copy threads in the learner and in each
     worker (set through the environment, as on a many-core host): every version exact,
     through the shared blocks, large pieces split on both sides."""
-    from _workers import bump, make_model
-
-    import zmqsync
-    from zmqsync import MultiProcessWeightSyncScheme
+    from _workers import make_model
 
     monkeypatch.setenv(COPY_THREADS_ENV, "3")  # the spawned workers inherit it
     monkeypatch.setattr(copier_module, "_copier", None)  # the learner reads it anew
     model = make_model("big", seed=0)
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe() for _ in range(2)]
-    scheme = MultiProcessWeightSyncScheme(timeout=30)
-    scheme.init_on_sender("policy", pipes=[p for p, _ in pipes], model=model, num_workers=2)
+    scheme = fleet.over_pipes(model, "big", workers=2)
     try:
-        for i, (_, child) in enumerate(pipes):
-            fleet.start(scheme, i, kind="big", init_kwargs={"pipe": child, "worker_idx": None})
-            child.close()
-        for i in range(2):
-            fleet.wait_ready(i, timeout=120)
-        for version in (1, 2, 3):
-            bump(model)
-            scheme.send()
-            expected = zmqsync.checksum(model)
-            for i in range(2):
-                state = fleet.ask(i, "state")
-                assert (state["version"], state["checksum"]) == (version, expected), i
+        fleet.each_version_exact(scheme, model, workers=2)
         assert copier_module.copier().threads == 3
         assert scheme.get_sender().transport.counters()["shm_bytes"] > 0
     finally:

@@ -7,8 +7,6 @@ since nothing can stand in for a GPU. The CPU paths they share are covered every
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import numpy as np
 import pytest
 import torch
@@ -17,7 +15,7 @@ from _workers import bump, make_model
 from test_tensors import ALL_DTYPES
 
 import zmqsync
-from zmqsync import MultiProcessWeightSyncScheme, ZMQWeightSyncScheme
+from zmqsync import ZMQWeightSyncScheme
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Weights
 from zmqsync.tensors.apply import ApplyPlan
@@ -27,8 +25,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.cuda,
 ]
-
-SPAWN = mp.get_context("spawn")
 
 
 def _weights(device: str) -> dict[tuple[str, ...], torch.Tensor]:
@@ -184,23 +180,10 @@ def test_cuda_learner_and_workers_over_zeromq(fleet, ipc_endpoint, mode) -> None
 def test_cuda_workers_over_pipes_and_shared_memory(fleet) -> None:  # type: ignore[no-untyped-def]
     """The pipe transport's shared blocks between a CUDA learner and CUDA workers."""
     model = make_model("mlp@cuda", seed=0)
-    pipes = [SPAWN.Pipe() for _ in range(2)]
-    scheme = MultiProcessWeightSyncScheme(timeout=30)
-    scheme.init_on_sender("policy", pipes=[p for p, _ in pipes], model=model, num_workers=2)
+    scheme = fleet.over_pipes(model, "mlp@cuda", workers=2)
     try:
-        for i, (_, child) in enumerate(pipes):
-            fleet.start(scheme, i, kind="mlp@cuda", init_kwargs={"pipe": child, "worker_idx": None})
-            child.close()
-        for i in range(2):
-            fleet.wait_ready(i, timeout=120)
-        for version in (1, 2, 3):
-            bump(model)
-            scheme.send()
-            expected = zmqsync.checksum(model)
-            for i in range(2):
-                state = fleet.ask(i, "state")
-                assert (state["version"], state["checksum"]) == (version, expected)
-                assert state["devices"] == ["cuda:0"]
+        states = fleet.each_version_exact(scheme, model, workers=2)
+        assert [s["devices"] for s in states] == [["cuda:0"]] * 2
         hub = scheme.get_sender().transport
         assert hub.counters()["shm_bytes"] > 0  # the shared blocks carried the versions
     finally:
