@@ -1,17 +1,18 @@
 """A learner's version to K workers on its own GPU: zmqsync's pipes against hand-written
 CUDA IPC, in one run (issue 35, item 3).
 
-zmqsync moves a GPU learner's version through the host today: each chunk is copied to
-pinned host memory, written into the pipe hub's shared memory, and copied from there
-onto each worker's device. Code written by hand for workers on the learner's own GPU can
-skip the host: one flat device buffer shared once through CUDA IPC (torch's
+zmqsync's pipe hub lends workers on the learner's GPU blocks of device memory: the
+version is written once into one on the device, and each worker copies it from there
+device to device (see docs/gpus.md). Code written by hand for such workers does the
+least there is: one flat device buffer shared once through CUDA IPC (torch's
 ``reduce_tensor`` handles, as ``torch.multiprocessing`` pickles a CUDA tensor), one
 device-to-device copy into it per version, and one out of it per worker. This script
-measures both, so that what device-side version buffers would buy has a figure:
+measures both:
 
 - ``zmqsync-pipe``: ``MultiProcessWeightSyncScheme("state_dict")`` with its defaults, the
   learner's and every worker's state_dict on the device; ``send()`` returns once every
-  worker applied the version (its device synchronized before the ack);
+  worker applied the version (its device synchronized before the ack); the table's
+  ``device chunks`` is the fewest chunks any worker copied from the hub's device blocks;
 - ``cuda-ipc``: the learner copies its tensors into the shared buffer with one
   ``_foreach_copy_``, synchronizes, and tells each worker over a pipe; each worker copies
   the buffer into its own tensors with one ``_foreach_copy_``, synchronizes, and acks.
@@ -94,7 +95,8 @@ def _worker(
                 control.send("done")
             elif what == "sums":
                 with scheme.lock:
-                    control.send((_sums(zmq_model), _sums(ipc_model)))
+                    lent = scheme.get_receiver().stats["device_chunks"]
+                    control.send((_sums(zmq_model), _sums(ipc_model), lent))
             else:
                 return
     finally:
@@ -138,6 +140,8 @@ def run_cell(size: str, workers: int, repeats: int, device: str) -> dict[str, An
         for i in range(workers)
     ]
     times: dict[str, list[float]] = {"zmqsync-pipe": [], "cuda-ipc": []}
+    #: Per worker: chunks it took from device memory the hub lent (CUDA IPC).
+    device_chunks: list[int] = []
     try:
         for p in procs:
             p.start()
@@ -174,7 +178,8 @@ def run_cell(size: str, workers: int, repeats: int, device: str) -> dict[str, An
         for c, _ in controls:
             if not c.poll(TIMEOUT):
                 raise TimeoutError("a worker did not answer")
-            got_zmq, got_ipc = c.recv()
+            got_zmq, got_ipc, lent = c.recv()
+            device_chunks.append(lent)
             for name, got in (("zmqsync-pipe", got_zmq), ("cuda-ipc", got_ipc)):
                 if got != expected:
                     raise AssertionError(f"{name}: a worker's tensors differ from the learner's")
@@ -194,6 +199,7 @@ def run_cell(size: str, workers: int, repeats: int, device: str) -> dict[str, An
         "bytes": nbytes,
         "median_ms": med,
         "ratio": med["zmqsync-pipe"] / med["cuda-ipc"],
+        "device_chunks": device_chunks,
         "times_ms": times,
     }
 
@@ -212,8 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"unknown size {s}: one of {', '.join(SIZES)}")
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(f"# {name}, torch {torch.__version__}, {args.repeats} sends each", file=sys.stderr)
-    print("| size | K | zmqsync-pipe ms | cuda-ipc ms | zmqsync / cuda-ipc |")
-    print("|---|---:|---:|---:|---:|")
+    print("| size | K | zmqsync-pipe ms | cuda-ipc ms | zmqsync / cuda-ipc | device chunks |")
+    print("|---|---:|---:|---:|---:|---:|")
     cells = []
     for size in sizes:
         for k in (int(w) for w in args.workers.split(",")):
@@ -222,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             m = cell["median_ms"]
             print(
                 f"| {size} | {k} | {m['zmqsync-pipe']:.2f} | {m['cuda-ipc']:.2f} "
-                f"| {cell['ratio']:.2f} |",
+                f"| {cell['ratio']:.2f} | {min(cell['device_chunks'])} |",
                 flush=True,
             )
     if args.json:

@@ -7,6 +7,9 @@ since nothing can stand in for a GPU. The CPU paths they share are covered every
 
 from __future__ import annotations
 
+import multiprocessing
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -177,15 +180,62 @@ def test_cuda_learner_and_workers_over_zeromq(fleet, ipc_endpoint, mode) -> None
 
 
 @pytest.mark.timeout(240)
-def test_cuda_workers_over_pipes_and_shared_memory(fleet) -> None:  # type: ignore[no-untyped-def]
-    """The pipe transport's shared blocks between a CUDA learner and CUDA workers."""
-    model = make_model("mlp@cuda", seed=0)
-    scheme = fleet.over_pipes(model, "mlp@cuda", workers=2)
+def test_cuda_workers_on_the_learners_gpu_copy_each_version_device_to_device(fleet) -> None:  # type: ignore[no-untyped-def]
+    """Over pipes, workers whose model lives on the learner's GPU get each version from
+    device memory the hub lends through CUDA IPC: written once on the device, copied
+    device to device by each worker, nothing through the host."""
+    model = make_model("big@cuda", seed=0)
+    scheme = fleet.over_pipes(model, "big@cuda", workers=2)
     try:
-        states = fleet.each_version_exact(scheme, model, workers=2)
+        before = [fleet.ask(i, "state")["stats"]["device_chunks"] for i in range(2)]
+        # More versions than device blocks: each block is lent again once released.
+        states = fleet.each_version_exact(scheme, model, workers=2, versions=6)
         assert [s["devices"] for s in states] == [["cuda:0"]] * 2
-        hub = scheme.get_sender().transport
-        assert hub.counters()["shm_bytes"] > 0  # the shared blocks carried the versions
+        # Each version (32 MiB) came as one chunk lent on the device, to each worker.
+        lent = [s["stats"]["device_chunks"] - b for s, b in zip(states, before, strict=True)]
+        assert lent == [6, 6]
+        counters = scheme.get_sender().transport.counters()
+        assert counters["device_bytes"] >= 32 << 20
+        assert counters["bad_releases"] == 0
+        # A later change on the learner reaches no worker until it is sent.
+        bump(model)
+        torch.cuda.synchronize()
+        assert [fleet.ask(i, "state")["checksum"] for i in range(2)] == [
+            s["checksum"] for s in states
+        ]
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_cpu_worker_joins_a_fleet_lent_device_memory(fleet) -> None:  # type: ignore[no-untyped-def]
+    """A CPU worker that joins late is served the latest version, held in device memory,
+    as host bytes; while it is there the versions go through the host's shared memory
+    to everyone, and every worker holds each whole."""
+    model = make_model("big@cuda", seed=0)
+    scheme = fleet.over_pipes(model, "big@cuda", workers=2)
+    try:
+        fleet.each_version_exact(scheme, model, workers=2, versions=2)
+        hub_end, child = multiprocessing.get_context("spawn").Pipe()
+        fleet.start(scheme, 2, kind="big", init_kwargs={"pipe": child, "worker_idx": None})
+        child.close()
+        scheme.add_pipe(hub_end, 2)
+        fleet.wait_ready(2, timeout=120)
+        late = fleet.ask(2, "state")
+        assert (late["version"], late["checksum"]) == (2, zmqsync.checksum(model))
+        assert late["devices"] == ["cpu"] and late["stats"]["device_chunks"] == 0
+        before = [fleet.ask(i, "state")["stats"]["device_chunks"] for i in range(3)]
+        bump(model)
+        scheme.send()
+        want = (3, zmqsync.checksum(model))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            states = [fleet.ask(i, "state") for i in range(3)]
+            if all((s["version"], s["checksum"]) == want for s in states):
+                break
+            time.sleep(0.1)
+        assert [(s["version"], s["checksum"]) for s in states] == [want] * 3
+        assert [s["stats"]["device_chunks"] for s in states] == before  # through the host
     finally:
         scheme.shutdown()
 

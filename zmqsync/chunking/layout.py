@@ -220,6 +220,10 @@ class StreamLayout:
         :data:`POOLED_PIECE_BYTES`), else each by one numpy copy on this thread.
         """
         _, length = self.span(index)
+        if isinstance(out, torch.Tensor):  # device memory a hub lends: device to device
+            assert not isinstance(sources, list) and hasattr(sources, "write_device")
+            sources.write_device(index, out[:length])
+            return
         if not isinstance(sources, list):
             sources.write(index, out[:length])
             return

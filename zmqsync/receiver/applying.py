@@ -14,6 +14,7 @@ and asks for the whole version.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Final, Literal, Protocol
 
 import numpy as np
+import torch
 
 from zmqsync.chunking.staging import Staging
 from zmqsync.errors import SchemaMismatchError
@@ -38,6 +40,7 @@ from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.tensors.views import byte_view
 from zmqsync.transport.base import Borrows, SpokeTransport
+from zmqsync.transport.cuda.handles import lendable
 from zmqsync.vocabulary import Metadata
 
 __all__ = ["APPLY_MODES", "KEEPS", "STAGED_MAX_BYTES", "Applier", "ApplyHost", "Keep"]
@@ -167,6 +170,21 @@ class Applier:
             if apply_mode == SHARED_MODE and model is not None and sink is None
             else None
         )
+
+    def device_to_take(self) -> torch.device | None:
+        """The GPU the model lives on, when versions lent on it can be applied from it
+        as they are (in place, device to device): every tensor on that one GPU, no sink,
+        not the shared mode."""
+        if (
+            self.model is None
+            or self.sink is not None
+            or self._shared is not None
+            or self.apply_mode not in ("auto", "in_place")
+        ):
+            return None
+        devices = {t.device for t in self._model_tensors.get(self.model).values()}
+        device = next(iter(devices)) if len(devices) == 1 else None
+        return device if lendable(device) else None
 
     @property
     def torn(self) -> bool:
@@ -448,10 +466,15 @@ class Applier:
     def _on_piece(self, chunk: Chunk) -> None:
         if self._writing:
             self._observer.chunk_arrived(chunk)  # before it is written: cut-through
-        if self._delta_spans is not None and chunk.payload:
+        if self._writing not in ("in_place", "") and isinstance(chunk.payload, torch.Tensor):
+            # A device block's bytes, for a version not applied in place: on the host.
+            chunk = dataclasses.replace(chunk, payload=chunk.payload.cpu().numpy())
+        if self._delta_spans is not None and len(chunk.payload):
             self._delta_spans.append((chunk.offset, len(chunk.payload)))
         if self._writing == "in_place":
             assert self._in_place is not None
+            if isinstance(chunk.payload, torch.Tensor):
+                self.stats["device_chunks"] += 1  # lent on the device: device to device
             self._in_place.apply(chunk.offset, chunk.payload)
         elif self._writing == "staged":
             self.staging.write(chunk.offset, chunk.payload)

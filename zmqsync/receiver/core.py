@@ -51,7 +51,7 @@ from zmqsync.receiver.rejections import Rejections
 from zmqsync.receiver.session import UpstreamSession
 from zmqsync.receiver.stats import new_stats
 from zmqsync.tensors.slices import SliceSpec, declare_slices
-from zmqsync.transport.base import SpokeTransport, has_input
+from zmqsync.transport.base import Borrows, SpokeTransport, has_input
 from zmqsync.vocabulary import Metadata, Strategy
 
 __all__ = ["WeightReceiver"]
@@ -349,6 +349,9 @@ class WeightReceiver:
         upstream, applier = self._upstream, self._applier
         deadline = time.monotonic() + timeout
         endpoint = getattr(upstream.spoke, "endpoint", "")
+        device = applier.device_to_take()
+        if device is not None and isinstance(upstream.spoke, Borrows):
+            upstream.spoke.take_device(device)  # versions on its GPU come device to device
         upstream.new_attempt()
         upstream.welcomed = False  # welcomed anew: a new session for this attempt
         # A refusal from before this call stands unless a version that fits comes: a

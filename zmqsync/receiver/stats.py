@@ -22,4 +22,5 @@ def new_stats() -> dict[str, Any]:
         "deltas": 0,
         "deltas_skipped": 0,
         "failovers": 0,
+        "device_chunks": 0,
     }

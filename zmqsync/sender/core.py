@@ -318,6 +318,7 @@ class WeightSender:
             wire_dtype=wire_dtype,
             pack_threshold=pack_threshold,
             part=part,
+            delta=delta,
         )
         self._metadata: Metadata | None = None  # the latest version's
         #: Whether versions go as parts (boxes travel only in parts of two or more).

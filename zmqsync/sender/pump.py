@@ -277,6 +277,14 @@ class HubRunner:
         """Memory the hub lends (None: it has none to lend)."""
         return None if self._lends is None else self._lends.lend(nbytes)
 
+    def takes_device(self, device: Any) -> bool:
+        """Whether every peer of the hub reads versions lent on GPU ``device``."""
+        return self._lends is not None and self._lends.takes_device(device)
+
+    def lend_device(self, nbytes: int, device: Any) -> Any:
+        """Memory on GPU ``device`` the hub lends (None: none)."""
+        return None if self._lends is None else self._lends.lend_device(nbytes, device)
+
     def repair(self, copy: Copy, peer: PeerId) -> bool:
         """Stream ``copy`` to ``peer`` alone (holding the baton); False if the hub already
         streams it to that peer or streams too many repairs."""

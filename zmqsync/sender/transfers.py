@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
 import numpy as np
+import torch
 
 from zmqsync.chunking.layout import Sources, StreamLayout
 from zmqsync.fleet import Send
@@ -79,7 +80,7 @@ class Lent(NamedTuple):
     them: while one is alive, a transport still holds that memory."""
 
     frames: list[Any]
-    views: list[weakref.ref[np.ndarray]]
+    views: list[weakref.ref[Any]]
 
 
 class ViewLease:
@@ -93,7 +94,7 @@ class ViewLease:
     __slots__ = ("_refs",)
 
     def __init__(self) -> None:
-        self._refs: list[weakref.ref[np.ndarray]] = []
+        self._refs: list[weakref.ref[Any]] = []
 
     def lend(self, frames: Sequence[Buffer]) -> Lent:
         """``frames`` with every buffer after the header and body as a fresh view, and
@@ -101,7 +102,9 @@ class ViewLease:
         out: list[Any] = list(frames)
         refs = []
         for i in range(2, len(out)):
-            view = np.frombuffer(out[i], dtype=np.uint8)
+            frame = out[i]
+            # A device block's bytes stay a tensor (the hub leases them as they are).
+            view = frame[:] if isinstance(frame, torch.Tensor) else np.frombuffer(frame, np.uint8)
             ref = weakref.ref(view)
             refs.append(ref)
             out[i] = view
@@ -342,7 +345,7 @@ class Copy:
                 return None
             layout.write(index, self._sources, taken)
             buffer = taken
-        payload = buffer.data.toreadonly()
+        payload = buffer if isinstance(buffer, torch.Tensor) else buffer.data.toreadonly()
         crc = checksum(payload) if self._checksums or self.expected is not None else 0
         if self.expected is not None and crc != self.expected[index]:
             # Changed since it was published, and no copy of it is kept: this version

@@ -26,6 +26,7 @@ from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD, Flat, Flattener
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.shared_params import SharedParams, why_not_shared
 from zmqsync.transport.base import PeerId
+from zmqsync.transport.cuda.handles import lendable
 
 __all__ = ["Outlet", "VersionStore"]
 
@@ -59,6 +60,12 @@ class Outlet(Protocol):
     def all_keep_versions(self) -> bool:
         """Whether the hub lends memory and every peer keeps each version mapped."""
 
+    def takes_device(self, device: Any) -> bool:
+        """Whether every peer of the hub reads versions lent on GPU ``device``."""
+
+    def lend_device(self, nbytes: int, device: Any) -> Any:
+        """``nbytes`` of memory on GPU ``device`` the hub lends (None: none)."""
+
     def streams(self, copy: Copy | Forwarded) -> bool:
         """Whether a transfer streams ``copy`` to the hub now."""
 
@@ -78,6 +85,7 @@ class VersionStore:
         retain_snapshot: keep the latest version whole once sent.
         share_params: send the model's own tensors from shared memory a hub lends.
         part: a sharded learner's rank: it streams its own part of each version only.
+        delta: versions are digested and sent as deltas (never from device memory).
         stats: where moves of the model's tensors are counted (``params_moved``).
     """
 
@@ -94,8 +102,10 @@ class VersionStore:
         wire_dtype: torch.dtype | None = None,
         pack_threshold: int = DEFAULT_PACK_THRESHOLD,
         part: LocalPart | None = None,
+        delta: bool = False,
     ) -> None:
         self.stamp = stamp
+        self.delta = delta
         self.strategy = strategy
         self.chunk_bytes = chunk_bytes
         self.retain_snapshot = retain_snapshot
@@ -195,6 +205,10 @@ class VersionStore:
         flat = self._flattener.flatten(tensors, stage=False, pack=False)
         shared = self._lender()
         chunk_bytes = self._chunk_bytes(shared if whole else None)
+        device = self._device_to_lend(flat, shared) if whole else None
+        if device is not None:
+            # Workers copy each version device to device (no host, no overlap to gain).
+            chunk_bytes = max(chunk_bytes, KEPT_CHUNK_BYTES)
         if self.layout is None or not self.layout.fits(flat, chunk_bytes):
             self.layout = StreamLayout(flat, chunk_bytes)
         if not whole:
@@ -206,6 +220,18 @@ class VersionStore:
             else:
                 ring = self.ring
             return Copy(self.stamp, version, self.layout, None, flat, ring=ring)
+        if shared is not None and device is not None:
+            # Every worker's model is on the learner's GPU: the version is written once
+            # into device memory the hub lends through CUDA IPC, and nothing crosses to
+            # the host (while no device block is free, into shared memory as usual).
+            lender = shared
+
+            def on_device(nbytes: int) -> Any:
+                lent = lender.lend_device(nbytes, device)
+                return lender.lend(nbytes) if lent is None else lent
+
+            with shared.holding():
+                return self._own(version, flat, self.layout, alloc=on_device)
         if shared is not None:
             # A hub whose workers read shared memory in place: the stream, written once
             # into memory it lent, IS the transfer (workers copy chunk i out while the
@@ -384,6 +410,28 @@ class VersionStore:
             and self._part is None
             and lender.all_keep_versions()
         )
+
+    def _device_to_lend(self, flat: Flat, lender: Outlet | None) -> torch.device | None:
+        """The GPU ``flat`` lies on, if its version may be written into device memory
+        ``lender`` lends: the only hub, every worker on that GPU, the version sent
+        whole and as it is (no cast, no checksum, no delta, not a sharded part)."""
+        if (
+            lender is None
+            or not flat.on_device
+            or len(self._outlets) != 1
+            or self._part is not None
+            or self.wire_dtype is not None
+            or self.stamp.checksums
+            or self.delta
+        ):
+            return None
+        devices = {getattr(b, "device", None) for b in flat.buffers}
+        if len(devices) != 1:
+            return None
+        device = next(iter(devices))
+        if not lendable(device) or not lender.takes_device(device):
+            return None
+        return device
 
     def _lender(self) -> Outlet | None:
         """The first hub that lends shared memory to send from, if any."""

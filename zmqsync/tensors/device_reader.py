@@ -6,6 +6,7 @@ What a sender writes its chunks from when its flattened weights stay on their de
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -108,6 +109,28 @@ class DeviceReader:
         for s in range(len(self._held)):
             self._wait(s)
             self._held[s] = (-1, None)
+
+    def write_device(self, index: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (device memory, the chunk's length) with chunk ``index``, device
+        to device, and wait until it is there (a worker may read it once this returns)."""
+        with torch.no_grad(), contextlib.ExitStack() as on:
+            if self._stream is not None:
+                on.enter_context(torch.cuda.stream(self._stream))
+            pos = 0
+            for p in self.layout.pieces(index):
+                if p.at > pos:
+                    out[pos : p.at].zero_()
+                end = p.at + p.stop - p.start
+                source = self._buffers[p.buffer]
+                if isinstance(source, WireCast):
+                    source.write(p.start, p.stop, out[p.at : end])
+                else:
+                    out[p.at : end].copy_(source[p.start : p.stop], non_blocking=True)
+                pos = end
+            if len(out) > pos:
+                out[pos:].zero_()
+            if self._stream is not None:
+                self._stream.synchronize()
 
     def write(self, index: int, out: np.ndarray) -> None:
         """Fill ``out`` (the chunk's length) with chunk ``index``, and start the next."""

@@ -115,6 +115,9 @@ class InPlace(TargetPlan):
 
     def apply(self, offset: int, payload: Buffer) -> None:
         """Write the chunk that starts at stream byte ``offset`` into the tensors."""
+        if isinstance(payload, torch.Tensor):
+            self._apply_tensor(offset, payload)
+            return
         source = np.frombuffer(payload, dtype=np.uint8)
         span = self._span(offset, len(source))
         copy = self._copier.copy_function()
@@ -137,6 +140,22 @@ class InPlace(TargetPlan):
                 for i, at, start, n in span.others:
                     _, buf = self._special[i]
                     buf[at : at + n].copy_(chunk[start : start + n], non_blocking=True)
+
+    def _apply_tensor(self, offset: int, payload: torch.Tensor) -> None:
+        """:meth:`apply` from a uint8 tensor (a device block the hub lends): one
+        ``_foreach_copy_`` per chunk, device to device where the tensors are on its
+        device, waited for in :meth:`finish`."""
+        span = self._span(offset, len(payload))
+        dests: list[torch.Tensor] = [torch.from_numpy(d) for d in span.dests]
+        froms = [payload[s : s + d.nbytes] for s, d in zip(span.starts, span.dests, strict=True)]
+        for i, at, start, n in span.others or ():
+            dests.append(self._special[i][1][at : at + n])
+            froms.append(payload[start : start + n])
+        with torch.no_grad():
+            if dests:
+                torch._foreach_copy_(dests, froms, non_blocking=True)
+            if self._cast is not None:
+                self._cast.apply(payload, offset, copy=True)
 
     def finish(self) -> None:
         """After the last chunk: put non-contiguous tensors in place, and wait for

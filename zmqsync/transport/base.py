@@ -251,6 +251,17 @@ class Lends(Ability):
         default."""
         return False
 
+    def takes_device(self, device: Any) -> bool:
+        """Whether every peer reads versions lent on GPU ``device`` in place (its model
+        lives on that GPU of this host: CUDA IPC). False by default."""
+        return False
+
+    def lend_device(self, nbytes: int, device: Any) -> Any:
+        """``nbytes`` of memory on GPU ``device`` (a uint8 tensor) that frames are later
+        sent from as they are, or None (by default: no hub lends device memory but the
+        pipe's)."""
+        return None
+
 
 class ZeroCopy(Ability):
     """A hub that copies small buffers unless told otherwise (pyzmq's threshold)."""
@@ -349,6 +360,11 @@ class Borrows(Ability):
         """Tell the hub this worker keeps each version's frames until the next version
         is in (its weights are views of them), so that a hub that holds back a version
         from a worker still reading the last one does not wait for it."""
+
+    def take_device(self, device: Any) -> None:
+        """Tell the hub this worker's model lives on GPU ``device``: versions the hub
+        lends on that GPU come as device tensors, copied device to device. Nothing by
+        default (the hub lends it no device memory)."""
 
 
 class Follows(Ability):

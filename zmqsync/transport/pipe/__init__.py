@@ -12,8 +12,11 @@ Large frames skip the pipe where the platform has ``memfd`` (Linux): the hub put
 once into a shared-memory block (:mod:`zmqsync.transport.shm`), passes each worker the
 block's descriptor once (``SCM_RIGHTS``), and then only sends leases naming where each
 frame lies; the worker releases a block once its frames are garbage.
-``PipeHub(shared_memory=False)`` keeps every byte on the pipe. A worker learns its index
-from the first record on its pipe (:attr:`PipeSpoke.peer_index`).
+``PipeHub(shared_memory=False)`` keeps every byte on the pipe. A version on the
+learner's GPU, for workers whose models live on that GPU, is written once into a block
+of device memory the hub lends instead (:mod:`zmqsync.transport.cuda`): each worker
+opens it once from its CUDA IPC handle and copies each version device to device.
+A worker learns its index from the first record on its pipe (:attr:`PipeSpoke.peer_index`).
 
 Example::
 

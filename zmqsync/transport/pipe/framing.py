@@ -4,8 +4,9 @@ Each unit on the pipe starts with one record written with ``Connection.send_byte
 
 - a header (:data:`HEADER`: magic and a count): a message (``MESSAGE``: every frame's
   length follows in a second record, then the frames' bytes, raw), a worker's index
-  (``ASSIGN``), or a block's descriptor (``BLOCK``: one byte follows, the descriptor
-  attached to it with ``SCM_RIGHTS``);
+  (``ASSIGN``), a block's descriptor (``BLOCK``: one byte follows, the descriptor
+  attached to it with ``SCM_RIGHTS``), or a device block's CUDA IPC handle (``DEVICE``:
+  one record follows, :class:`~zmqsync.transport.cuda.handles.DeviceHandle`);
 - or a shared-memory record (:mod:`~zmqsync.transport.shm.records`): a lease from the
   hub (its inline frames' bytes follow, raw), or a release from a worker.
 
@@ -37,6 +38,7 @@ from zmqsync.transport.shm.records import (
     Lease,
     RecordError,
     Release,
+    TakesDevice,
     decode,
     encode,
     is_record,
@@ -51,6 +53,7 @@ __all__ = [
     "shutdown",
     "socket_of",
     "write_block",
+    "write_device_block",
     "write_lease",
     "write_message",
 ]
@@ -63,6 +66,8 @@ MESSAGE: Final = b"ZSP2"
 ASSIGN: Final = b"ZSPI"
 #: Hub to worker: block ``count`` follows, its file descriptor attached to one byte.
 BLOCK: Final = b"ZSPB"
+#: Hub to worker: device block ``count``'s CUDA IPC handle follows, in one record.
+DEVICE: Final = b"ZSPD"
 #: Frames per message: the protocol's buffer limit plus the header and schema frames.
 MAX_FRAMES: Final = MAX_BUFFERS + 2
 #: The frames of one message follow its first record at once. A peer silent for this
@@ -123,6 +128,12 @@ def write_block(conn: Connection, sock: socket.socket, block_id: int, fd: int) -
     socket.send_fds(sock, [b"B"], [fd])
 
 
+def write_device_block(conn: Connection, block_id: int, handle: bytes) -> None:
+    """Pass device block ``block_id``'s encoded CUDA IPC handle to the peer."""
+    conn.send_bytes(HEADER.pack(DEVICE, block_id))
+    conn.send_bytes(handle)
+
+
 # --- reading ------------------------------------------------------------------------------
 
 
@@ -137,6 +148,8 @@ class Received:
     release: Release | None = None
     #: The worker keeps each version mapped until the next (a :class:`Keeps` record).
     keeps: bool = False
+    #: The GPU the worker's model lives on (a :class:`TakesDevice` record).
+    device: bytes | None = None
 
 
 def _stall(conn: Connection, what: str) -> None:
@@ -175,6 +188,18 @@ def _recv_block(conn: Connection, sock: socket.socket, block_id: int) -> np.ndar
     finally:
         os.close(fd)
     return np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
+
+
+def _recv_device_block(conn: Connection, block_id: int) -> Any:
+    """Open the device block whose handle is the next record."""
+    from zmqsync.transport.cuda.handles import DeviceHandle, open_handle
+
+    _stall(conn, f"before sending device block {block_id}")
+    raw = conn.recv_bytes(DeviceHandle.max_size())
+    try:
+        return open_handle(DeviceHandle.decode(raw))
+    except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
+        raise OSError(f"device block {block_id} cannot be opened here: {exc}") from exc
 
 
 def _inline_frames(raw: Any, sizes: list[int], pool: BufferPool | None) -> list[Buffer]:
@@ -242,6 +267,8 @@ def read(
             return Received(release=record)
         if isinstance(record, Keeps) and blocks is None:
             return Received(keeps=True)
+        if isinstance(record, TakesDevice) and blocks is None:
+            return Received(device=record.uuid)
         if not isinstance(record, Lease) or blocks is None:
             raise OSError(f"a {type(record).__name__} record where none belongs")
         if len(record.entries) > MAX_FRAMES:
@@ -260,6 +287,9 @@ def read(
         return Received(index=count)
     if magic == BLOCK and blocks is not None:
         blocks.add(count, _recv_block(conn, sock, count))
+        return Received()
+    if magic == DEVICE and blocks is not None:
+        blocks.add(count, _recv_device_block(conn, count))
         return Received()
     if magic != MESSAGE:
         raise OSError(f"bad pipe record magic {magic!r}: is someone else writing on this pipe?")

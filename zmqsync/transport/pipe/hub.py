@@ -27,6 +27,8 @@ from zmqsync.transport.base import (
     Recipients,
     Stream,
 )
+from zmqsync.transport.cuda.blocks import DevicePool
+from zmqsync.transport.cuda.handles import DEVICE_IDS, is_device, lendable, uuid_of
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import ASSIGN, HEADER, read, socket_of
@@ -106,6 +108,8 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         self._selected: tuple[Connection, ...] = ()
         self._pool = BufferPool()
         self._shm = BlockPool() if shared_memory and SHM_AVAILABLE else None
+        #: Device blocks: versions on the learner's GPU, lent to workers on that GPU.
+        self._device = DevicePool() if self._shm is not None else None
         self._bad_releases = 0
         try:
             for index, conn in items:
@@ -124,7 +128,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             if old is not None and old.lost is None:
                 raise ValueError(f"worker {index} already has a working pipe")
             sock = socket_of(pipe, f"pipe of worker {index}")
-            writer = Writer(pipe, sock, f"hub-{index}", self._shm)
+            writer = Writer(pipe, sock, f"hub-{index}", self._shm, self._device)
             # Before anything else on this pipe: tell the worker who it is.
             writer.put(Outgoing(None, record=HEADER.pack(ASSIGN, index)))
             peer = _Peer(index, pipe, sock, writer)
@@ -142,8 +146,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             peer.lost = why
             self._lost += 1
             peer.writer.stop()
-            if self._shm is not None:
-                self._shm.forget(peer.writer)  # it reads no block any more
+            for pool in (self._shm, self._device):
+                if pool is not None:
+                    pool.forget(peer.writer)  # it reads no block any more
             if peer.left:  # a worker that closed after its goodbye: nothing went wrong
                 log.debug("worker %d closed its pipe after its goodbye (%s)", peer.index, why)
             else:
@@ -183,9 +188,13 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             peer.writer.put(item)
 
     def _place(self, frames: Sequence[Buffer]) -> tuple[list[Buffer | Ref], list[Any]]:
+        kept: list[Any] = []
+        if self._device is not None and any(is_device(f) for f in frames):
+            frames, kept = self._device.place_device(frames)
         if self._shm is None:
-            return list(frames), []
-        return self._shm.place(frames)
+            return list(frames), kept
+        placed, keep = self._shm.place(frames)
+        return placed, keep + kept
 
     def lending(self) -> bool:
         return self._shm is not None
@@ -197,6 +206,26 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         if self._shm is None:
             return None
         lent = self._shm.lend(nbytes)
+        return None if lent is None else lent[1]
+
+    def takes_device(self, device: Any) -> bool:
+        """Whether every worker said its model lives on ``device`` (a CUDA device of
+        this host) and reads each version in place (none is sent copies)."""
+        if self._device is None or not lendable(device):
+            return False
+        uuid = uuid_of(device)
+        with self._lock:
+            live = [p for p in self._peers.values() if p.lost is None]
+        return bool(live) and all(p.writer.device == uuid and not p.writer.copying for p in live)
+
+    def lend_device(self, nbytes: int, device: Any) -> Any:
+        """``nbytes`` of memory on ``device`` that frames are later sent from as they
+        are, leased to workers on that GPU through CUDA IPC; None when some worker is
+        not on it (:meth:`takes_device`) or no device block is free."""
+        self._check_open()
+        if self._device is None or not self.takes_device(device):
+            return None
+        lent = self._device.lend_on(nbytes, device)
         return None if lent is None else lent[1]
 
     def recv_frames(self, timeout: float | None) -> Incoming | None:
@@ -232,6 +261,8 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
                     self._on_release(peer, got.release)
                 elif got.keeps:
                     peer.writer.keeps_versions = True
+                elif got.device is not None:
+                    peer.writer.device = got.device
                 elif got.frames is not None:
                     peer.left = False  # back after its goodbye (a hello), or never gone
                     # A message beats a wake-up: whoever woke us wants the hub, and gets
@@ -257,7 +288,8 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
 
     def _on_release(self, peer: _Peer, release: Release) -> None:
         for block_id in release.blocks:
-            if self._shm is None or not self._shm.release(block_id, peer.writer):
+            pool = self._device if block_id >= DEVICE_IDS else self._shm
+            if pool is None or not pool.release(block_id, peer.writer):
                 self._bad_releases += 1
             else:
                 peer.writer.released()
@@ -290,6 +322,8 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             counts["shm_copying"] = len(copying)
             counts["shm_pinned"] = sum(copying.values())
             counts["shm_copies"] = sum(p.writer.copies for p in peers)
+        if self._device is not None and self._device.nbytes():
+            counts["device_bytes"] = self._device.nbytes()
         return counts
 
     def copying(self) -> dict[PeerId, int]:
@@ -310,8 +344,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             peers = list(self._peers.values())
         for peer in peers:
             close_end(peer.conn, peer.sock, peer.writer)
-        if self._shm is not None:
-            self._shm.close()
+        for pool in (self._shm, self._device):
+            if pool is not None:
+                pool.close()
         if self._selector is not None:
             self._selector.close()
         self._wakeup.close()

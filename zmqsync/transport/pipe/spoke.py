@@ -8,16 +8,20 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
 
 from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import Borrows, Counted, SpokeTransport
+from zmqsync.transport.cuda.handles import DEVICE_IDS, lendable, uuid_of
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import read, socket_of
 from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, close_end
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
-from zmqsync.transport.shm.records import MAX_LIVE, Keeps, Release, encode
+from zmqsync.transport.shm.records import MAX_LIVE, Keeps, Release, TakesDevice, encode
 
 __all__ = ["PipeSpoke"]
 
@@ -48,6 +52,9 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         #: evicted: the hub passes each one once).
         self._blocks = PeerBlocks(limit=None)
         self._keeps = False  # told the hub it keeps each version mapped
+        #: The GPU this worker told the hub its model lives on (device blocks come as
+        #: tensors on it, and each is released only once the device is synchronized).
+        self._device: Any = None
         #: Blocks let go of and not yet told to the hub, and whether a record that will
         #: tell it is queued: a version's chunks, let go of together, go in one record.
         self._releases: list[int] = []
@@ -79,6 +86,15 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         if not self._keeps:
             self._keeps = True
             self._writer.put(Outgoing(None, record=encode(Keeps())))
+
+    def take_device(self, device: Any) -> None:
+        device = torch.device(device)
+        if not lendable(device) or self._device == device:
+            return
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        self._writer.put(Outgoing(None, record=encode(TakesDevice(uuid_of(device)))))
 
     def _gone(self, why: str) -> None:
         if self._hub_gone is None:
@@ -117,6 +133,9 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         writer gets to the record go with it."""
         if self._closed:
             return
+        if block_id >= DEVICE_IDS and self._device is not None:
+            # The copies out of it may still be queued on the device: they end first.
+            torch.cuda.synchronize(self._device)
         with self._release_lock:
             self._releases.append(block_id)
             if self._release_queued:

@@ -16,11 +16,18 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import Stream
-from zmqsync.transport.pipe.framing import shutdown, write_block, write_lease, write_message
+from zmqsync.transport.cuda.handles import DEVICE_IDS
+from zmqsync.transport.pipe.framing import (
+    shutdown,
+    write_block,
+    write_device_block,
+    write_lease,
+    write_message,
+)
 from zmqsync.transport.shm.blocks import BlockPool, Ref
 from zmqsync.transport.shm.lending import lease_of
 from zmqsync.transport.shm.records import Lease
@@ -61,14 +68,23 @@ class Outgoing:
 
 class Writer:
     """Writes one connection's outgoing messages; leases the blocks a message names to
-    the peer (``pool``) as it writes it."""
+    the peer (``pool``; device blocks: ``devices``) as it writes it."""
 
     def __init__(
-        self, conn: Connection, sock: socket.socket, name: str, pool: BlockPool | None = None
+        self,
+        conn: Connection,
+        sock: socket.socket,
+        name: str,
+        pool: BlockPool | None = None,
+        devices: BlockPool | None = None,
     ) -> None:
         self._conn = conn
         self._sock = sock
         self._pool = pool
+        self._devices = devices
+        #: The GPU the peer's model lives on, as it said (a UUID digest): device blocks
+        #: of that GPU are leased to it; of any other, their bytes go through the pipe.
+        self.device: bytes | None = None
         self._known: set[int] = set()  # blocks whose descriptor the peer has
         self._unreleased = 0  # leases written and not released yet
         self._held_since: float | None = None
@@ -188,11 +204,14 @@ class Writer:
                     self._conn.send_bytes(item.record if item.make is None else item.make())
                     continue
                 frames = item.frames
-                if item.lent and self.copying:
+                if any(_on_device(f) and f.block.uuid != self.device for f in frames):  # type: ignore[union-attr]
+                    frames = [host_bytes(f) if _on_device(f) else f for f in frames]  # type: ignore[arg-type]
+                lent = any(isinstance(f, Ref) for f in frames)
+                if lent and self.copying:
                     frames = list(_copied(frames))
                     item = None  # its blocks are free to go
                     write_message(self._conn, frames)  # type: ignore[arg-type]
-                elif item.lent:
+                elif lent:
                     lease = self._lease(frames)
                     if lease is None:
                         continue
@@ -216,26 +235,35 @@ class Writer:
         """Count a lease to the peer on each block the message names, pass it the
         descriptor of any block it has not seen, and return the lease to write. None:
         drop the message."""
-        assert self._pool is not None
         blocks = {f.block.id: f.block for f in frames if isinstance(f, Ref)}
-        leased: list[int] = []
+        leased: list[Any] = []
         for block in blocks.values():
-            if not self._pool.lease(block, self):  # retired: cannot be, while a frame views it
-                for block_id in leased:
-                    self._pool.release(block_id, self)
+            pool = self._pool_of(block.id)
+            if not pool.lease(block, self):  # retired: cannot be, while a frame views it
+                for b in leased:
+                    self._pool_of(b.id).release(b.id, self)
                 self.dropped += 1
                 return None
-            leased.append(block.id)
+            leased.append(block)
         with self._cond:
             self._unreleased += 1
             self._version_leases += 1
             self._leased_at = time.monotonic()
         for block in blocks.values():
             if block.id not in self._known:
-                write_block(self._conn, self._sock, block.id, block.fd)
+                if block.id >= DEVICE_IDS:
+                    write_device_block(self._conn, block.id, cast(Any, block).handle_for_peer())
+                else:
+                    write_block(self._conn, self._sock, block.id, block.fd)
                 self._known.add(block.id)
+        live = [i for pool in (self._pool, self._devices) if pool for i in pool.live_ids()]
         # The peer maps blocks by descriptor, never through /proc: no pid.
-        return lease_of(frames, pid=0, live=self._pool.live_ids())[0]
+        return lease_of(frames, pid=0, live=live)[0]
+
+    def _pool_of(self, block_id: int) -> BlockPool:
+        pool = self._devices if block_id >= DEVICE_IDS else self._pool
+        assert pool is not None
+        return pool
 
     def drain(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds for everything queued to be written (False:
@@ -261,9 +289,24 @@ def _copied(frames: list[Buffer | Ref]) -> list[Buffer | Ref]:
     """``frames`` with each place in a block replaced by a private copy of its bytes: a
     write that blocks on a peer that does not read holds no block meanwhile."""
     return [
-        f.block.array[f.offset : f.offset + f.length].tobytes() if isinstance(f, Ref) else f
+        f if not isinstance(f, Ref) else host_bytes(f) if _on_device(f) else _bytes_of(f)
         for f in frames
     ]
+
+
+def _bytes_of(ref: Ref) -> bytes:
+    return ref.block.array[ref.offset : ref.offset + ref.length].tobytes()
+
+
+def _on_device(frame: Any) -> bool:
+    """Whether ``frame`` is a place in a device block."""
+    return isinstance(frame, Ref) and frame.block.id >= DEVICE_IDS
+
+
+def host_bytes(ref: Ref) -> bytes:
+    """The bytes of a place in a device block, copied to the host."""
+    view: Any = ref.block.array[ref.offset : ref.offset + ref.length]
+    return bytes(view.cpu().numpy().tobytes())
 
 
 def close_end(conn: Connection, sock: socket.socket, writer: Writer) -> None:

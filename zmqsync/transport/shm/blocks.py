@@ -70,6 +70,9 @@ class Block:
         self.leases: Counter[Any] = Counter()
         self._own_refs = sys.getrefcount(self.array)
 
+    #: Where its memory is: the host (a device block says which device).
+    kind: Any = None
+
     def viewed_here(self) -> bool:
         """True while some object in this process views the block."""
         return sys.getrefcount(self.array) > self._own_refs
@@ -125,10 +128,14 @@ class BlockPool:
     def lend(self, nbytes: int) -> tuple[Block, np.ndarray] | None:
         """A free block of at least ``nbytes`` and a writable view of its first ``nbytes``,
         or None when every block is busy and no more may be made (send inline then)."""
+        return self._lend(nbytes, None)
+
+    def _lend(self, nbytes: int, kind: Any) -> Any:
+        """:meth:`lend`, of a block of ``kind`` (a subclass's: where its memory is)."""
         with self._lock:
             free = [b for b in self._blocks.values() if b.free()]
             for block in free:
-                if nbytes <= block.size <= 2 * nbytes:
+                if block.kind == kind and nbytes <= block.size <= 2 * nbytes:
                     return block, block.array[:nbytes]
             # No free block fits: give back a free one of the wrong size, then make one.
             if len(self._blocks) >= self._max_blocks and free:
@@ -136,11 +143,14 @@ class BlockPool:
             if len(self._blocks) >= self._max_blocks:
                 self.fallbacks += 1
                 return None
-            block = Block(next(self._ids), max(nbytes, 1))
+            block = self._make(next(self._ids), max(nbytes, 1), kind)
             self._blocks[block.id] = block
             view = block.array[:nbytes]  # viewed now: _trim keeps it
             self._trim()
             return block, view
+
+    def _make(self, block_id: int, size: int, kind: Any) -> Any:
+        return Block(block_id, size)
 
     def locate(self, frame: Any) -> tuple[Block, int] | None:
         """The block ``frame`` lies in and its offset there, or None."""
@@ -172,6 +182,8 @@ class BlockPool:
         keep: list[Any] = []
         to_copy: list[tuple[int, int]] = []
         for i, frame in enumerate(frames):
+            if isinstance(frame, Ref):  # placed already (in a device block)
+                continue
             n = memoryview(frame).nbytes
             if n < LEND_MIN_FRAME:
                 continue

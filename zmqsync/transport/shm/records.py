@@ -8,6 +8,9 @@
 - :class:`Keeps` (peer to hub): this peer keeps the version it holds mapped until the
   next one is in (its weights are views of the block: ``apply_mode="shared"``), so a
   block still held is no reason to hold back the next version.
+- :class:`TakesDevice` (peer to hub): this peer's model lives on the GPU of that UUID
+  digest, on the hub's host: a version in a device block of that GPU may be lent to it
+  as it is (:mod:`zmqsync.transport.cuda`).
 - :class:`Release` (peer to hub): one lease on each named block ends (ordered channels:
   pipes, Ray calls). :class:`Holding` (peer to hub): which blocks a peer still views,
   as of the messages it has seen (lossy channels: ZeroMQ, where a message a peer never
@@ -42,6 +45,7 @@ __all__ = [
     "Record",
     "RecordError",
     "Release",
+    "TakesDevice",
     "decode",
     "encode",
     "is_record",
@@ -67,6 +71,8 @@ _LEASE: Final = b"ZLle"
 _RELEASE: Final = b"ZLre"
 _HOLDING: Final = b"ZLho"
 _KEEPS: Final = b"ZLke"
+_DEVICE: Final = b"ZLdv"
+_DEVICE_BODY: Final = struct.Struct("<16s")
 _MAGIC_BYTES: Final = 4
 
 _OFFER_BODY: Final = struct.Struct("<qqQ")  # pid, fd, inode of the probe block
@@ -191,9 +197,18 @@ class Holding:
     held: frozenset[int]
 
 
-Record = Offer | Join | Leave | Joined | Lease | Release | Holding | Keeps
+@dataclass(frozen=True, slots=True)
+class TakesDevice:
+    """The peer's model lives on the GPU ``uuid`` names (a 16-byte digest)."""
 
-_MAGICS: Final = frozenset({_OFFER, _JOIN, _LEAVE, _JOINED, _LEASE, _RELEASE, _HOLDING, _KEEPS})
+    uuid: bytes
+
+
+Record = Offer | Join | Leave | Joined | Lease | Release | Holding | Keeps | TakesDevice
+
+_MAGICS: Final = frozenset(
+    {_OFFER, _JOIN, _LEAVE, _JOINED, _LEASE, _RELEASE, _HOLDING, _KEEPS, _DEVICE}
+)
 
 
 def is_record(frames: Sequence[Buffer]) -> bool:
@@ -219,6 +234,8 @@ def encode(record: Record) -> bytes:
         return _LEAVE
     if isinstance(record, Keeps):
         return _KEEPS
+    if isinstance(record, TakesDevice):
+        return _DEVICE + _DEVICE_BODY.pack(record.uuid)
     if isinstance(record, Joined):
         return _JOINED + _JOINED_BODY.pack(record.slot, record.first_seq, record.secret)
     if isinstance(record, Lease):
@@ -290,6 +307,9 @@ def decode(frame: Buffer) -> Record:
         if body:
             raise RecordError("a keeps record carries nothing")
         return Keeps()
+    if magic == _DEVICE:
+        (uuid,) = _fixed(body, _DEVICE_BODY)
+        return TakesDevice(bytes(uuid))
     if magic == _LEAVE:
         if body:
             raise RecordError("a leave record carries nothing")

@@ -1,0 +1,147 @@
+"""CUDA IPC handles as bytes: what a worker needs to open a device block of its hub.
+
+``UntypedStorage._share_cuda_()`` gives a storage's handle as plain values (the memory
+handle, sizes, the reference counter's file and the event's handle); they travel as one
+record of fixed fields and bounded byte strings, and the worker rebuilds the storage
+with ``UntypedStorage._new_shared_cuda`` (what ``torch.multiprocessing`` does, without
+its pickle). GPUs are named by their UUID: two processes may number the same GPU
+differently (``CUDA_VISIBLE_DEVICES``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+__all__ = [
+    "DEVICE_IDS",
+    "MAX_HANDLE_BYTES",
+    "DeviceHandle",
+    "is_device",
+    "lendable",
+    "local_index",
+    "open_handle",
+    "share",
+    "uuid_of",
+]
+
+#: Device blocks are numbered from here (shared-memory blocks from 1): one lease names
+#: both kinds, and a release says which pool it is for by the id alone.
+DEVICE_IDS: Final = 1 << 30
+#: Bytes of each handle field (CUDA's are 64; the reference counter's is a file name).
+MAX_HANDLE_BYTES: Final = 512
+#: GPU UUID digest, storage bytes, offset, reference counter offset, event sync, and the
+#: lengths of the memory handle, the reference counter's handle and the event handle.
+_HEAD: Final = struct.Struct("<16sQQQ?HHH")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceHandle:
+    """What opens one device block in another process."""
+
+    uuid: bytes
+    handle: bytes
+    size: int
+    offset: int
+    ref_handle: bytes
+    ref_offset: int
+    event_handle: bytes
+    event_sync: bool
+
+    @staticmethod
+    def max_size() -> int:
+        return _HEAD.size + 3 * MAX_HANDLE_BYTES
+
+    def encode(self) -> bytes:
+        head = _HEAD.pack(
+            self.uuid,
+            self.size,
+            self.offset,
+            self.ref_offset,
+            self.event_sync,
+            len(self.handle),
+            len(self.ref_handle),
+            len(self.event_handle),
+        )
+        return head + self.handle + self.ref_handle + self.event_handle
+
+    @classmethod
+    def decode(cls, raw: bytes) -> DeviceHandle:
+        """The handle in ``raw``; ValueError if it is malformed."""
+        if len(raw) < _HEAD.size:
+            raise ValueError(f"a device handle of {len(raw)} bytes")
+        uuid, size, offset, ref_offset, sync, n_handle, n_ref, n_event = _HEAD.unpack_from(raw)
+        if max(n_handle, n_ref, n_event) > MAX_HANDLE_BYTES:
+            raise ValueError("a device handle over the limits")
+        if len(raw) != _HEAD.size + n_handle + n_ref + n_event:
+            raise ValueError(f"a device handle of {len(raw)} bytes does not match its fields")
+        at = _HEAD.size
+        handle, ref = raw[at : at + n_handle], raw[at + n_handle : at + n_handle + n_ref]
+        event = raw[at + n_handle + n_ref :]
+        return cls(bytes(uuid), handle, size, offset, ref, ref_offset, event, bool(sync))
+
+
+def lendable(device: Any) -> bool:
+    """Whether versions on ``device`` may be lent through its IPC handles (a GPU)."""
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def is_device(frame: Any) -> bool:
+    """Whether ``frame`` is a tensor on a CUDA device (a device block's bytes)."""
+    return isinstance(frame, torch.Tensor) and frame.is_cuda
+
+
+def uuid_of(device: torch.device | int) -> bytes:
+    """A 16-byte name of the GPU ``device`` is, the same in every process of the host."""
+    props = torch.cuda.get_device_properties(device)
+    return hashlib.blake2b(str(props.uuid).encode(), digest_size=16).digest()
+
+
+def local_index(uuid: bytes) -> int | None:
+    """This process's index of the GPU named ``uuid`` (None: it sees no such GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        if uuid_of(index) == uuid:
+            return index
+    return None
+
+
+def share(tensor: torch.Tensor) -> DeviceHandle:
+    """The handle of ``tensor``'s storage (a whole block: it starts at byte 0)."""
+    storage = tensor.untyped_storage()
+    device, handle, size, offset, ref, ref_offset, event, sync = storage._share_cuda_()
+    return DeviceHandle(
+        uuid_of(device),
+        bytes(handle),
+        int(size),
+        int(offset),
+        bytes(ref),
+        int(ref_offset),
+        bytes(event or b""),
+        bool(sync),
+    )
+
+
+def open_handle(handle: DeviceHandle) -> torch.Tensor:
+    """The block ``handle`` names, as a 1-D uint8 tensor on this process's index of its
+    GPU; ValueError if this process sees no such GPU."""
+    index = local_index(handle.uuid)
+    if index is None:
+        raise ValueError("a device block on a GPU this process does not see")
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index,
+        handle.handle,
+        handle.size,
+        handle.offset,
+        handle.ref_handle,
+        handle.ref_offset,
+        handle.event_handle,
+        handle.event_sync,
+    )
+    out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+    return out.set_(storage, 0, (handle.size,), (1,))
