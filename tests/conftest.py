@@ -77,14 +77,16 @@ class Fleet:
         kind: str = "mlp",
         connect_timeout: float = 30.0,  # type: ignore[no-untyped-def]
         init_kwargs: dict | None = None,
+        target=None,  # type: ignore[no-untyped-def]
     ):
         """Start worker ``worker_idx`` (the harness's key for it); ``init_kwargs`` go to
-        its ``init_on_receiver`` (a pipe worker's ``pipe=``, ``worker_idx=None``...)."""
+        its ``init_on_receiver`` (a pipe worker's ``pipe=``, ``worker_idx=None``...).
+        ``target``: another entry point taking ``run_worker``'s arguments."""
         from _workers import run_worker
 
         parent, child = SPAWN.Pipe()
         proc = SPAWN.Process(
-            target=run_worker,
+            target=target or run_worker,
             args=(scheme, worker_idx, kind, child, connect_timeout, init_kwargs),
             daemon=True,
         )

@@ -12,22 +12,39 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
 import torch
+from _device_standin import CpuIpc, run_worker_on_the_device, run_worker_that_cannot_open
+from _workers import bump, make_model
 
+import zmqsync
 from zmqsync.chunking.layout import StreamLayout
+from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
 from zmqsync.tensors.device_reader import DeviceReader
 from zmqsync.tensors.flatten import Flattener
 from zmqsync.tensors.in_place import InPlace
-from zmqsync.transport.cuda import DEVICE_IDS, DeviceHandle, DevicePool
-from zmqsync.transport.cuda.handles import MAX_HANDLE_BYTES, lendable
+from zmqsync.transport.cuda import DEVICE_IDS, DeviceHandle, DevicePool, handles
+from zmqsync.transport.cuda.handles import IPC, MAX_HANDLE_BYTES
 from zmqsync.transport.pipe import PipeSpoke
-from zmqsync.transport.pipe.framing import DEVICE, HEADER
-from zmqsync.transport.shm.records import RecordError, TakesDevice, decode, encode
+from zmqsync.transport.pipe.framing import DEVICE, HEADER, socket_of, write_lease, write_message
+from zmqsync.transport.shm.records import (
+    NO_DEVICE,
+    Entry,
+    Lease,
+    RecordError,
+    Release,
+    TakesDevice,
+    decode,
+    encode,
+)
 
 pytestmark = pytest.mark.timeout(60)
+
+SPAWN = mp.get_context("spawn")
 
 
 def _handle(**change: object) -> DeviceHandle:
@@ -64,30 +81,40 @@ def test_a_worker_names_its_gpu_in_a_record_of_fixed_size() -> None:
     with pytest.raises(RecordError):
         decode(encode(record) + b"x")
     # Only GPUs are lent through their handles.
-    assert not lendable("cpu") and not lendable(None) and lendable("cuda:0")
+    assert not IPC.lendable("cpu") and not IPC.lendable(None) and IPC.lendable("cuda:0")
 
 
-def test_a_worker_refuses_a_device_block_it_cannot_open(caplog: pytest.LogCaptureFixture) -> None:
-    """A hub's handle record that is malformed (or names a GPU the worker does not see)
-    ends that pipe on the worker's side: logged, nothing raised, nothing received."""
+def _record(conn: Connection) -> object:
+    assert conn.poll(5), "nothing came from the worker"
+    return decode(conn.recv_bytes())
+
+
+@pytest.mark.parametrize("handle", [b"not a handle", _handle().encode()])
+def test_a_worker_refuses_a_device_block_it_cannot_open(
+    handle: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handle record that is malformed, or of a GPU this process does not see: the
+    worker logs it, tells its hub it takes no device blocks, releases the lease of a
+    message that lies in that block (the message is lost, its version repaired), and
+    its pipe goes on working."""
     hub_end, worker_end = mp.Pipe()
     spoke = PipeSpoke(worker_end)
     try:
         hub_end.send_bytes(HEADER.pack(DEVICE, DEVICE_IDS))
-        hub_end.send_bytes(b"not a handle")
+        hub_end.send_bytes(handle)
+        entry = Entry(DEVICE_IDS, size=1 << 20, offset=0, length=4096)
+        write_lease(hub_end, Lease(0, (entry,), live=(DEVICE_IDS,)))
         with caplog.at_level(logging.WARNING, logger="zmqsync.transport.pipe"):
             assert spoke.recv_frames(1.0) is None
-        assert "cannot be opened" in caplog.text
-        # A well-formed handle of a GPU this process does not have: refused alike.
-        hub_end2, worker_end2 = mp.Pipe()
-        spoke2 = PipeSpoke(worker_end2)
-        try:
-            hub_end2.send_bytes(HEADER.pack(DEVICE, DEVICE_IDS))
-            hub_end2.send_bytes(_handle().encode())
-            assert spoke2.recv_frames(1.0) is None
-        finally:
-            spoke2.close()
-            hub_end2.close()
+        assert "cannot be opened here" in caplog.text
+        assert _record(hub_end) == TakesDevice(NO_DEVICE)
+        assert _record(hub_end) == Release((DEVICE_IDS,))
+        assert spoke.counters()["unread_device"] == 1
+        write_message(hub_end, [b"still", b"here"])
+        raw = socket_of(hub_end, "the hub's end")
+        raw.sendall(b"stillhere")  # a message's frames follow its records raw
+        raw.close()
+        assert [bytes(f) for f in spoke.recv_frames(5.0) or []] == [b"still", b"here"]
     finally:
         spoke.close()
         hub_end.close()
@@ -164,3 +191,125 @@ def test_a_worker_applies_chunks_lent_as_tensors() -> None:
     plan.finish()
     for key, value in sent.items():
         assert torch.equal(target[key], value), key
+
+
+# --- end to end, with CPU shared memory standing in for CUDA IPC ---------------------
+
+
+@pytest.fixture
+def on_the_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process (the learner) lends "device" blocks of the stand-in's
+    (``tests/_device_standin.py``), and flattens its CPU model as a GPU's is: left where
+    it is, written into the lent block a chunk at a time."""
+    monkeypatch.setattr(handles, "IPC", CpuIpc())
+    monkeypatch.setattr(Flattener, "_prepare", lambda self, tensors: self._prepare_staged(tensors))
+
+
+def _over_pipes(fleet, model, targets):  # type: ignore[no-untyped-def]
+    """A ``MultiProcessWeightSyncScheme`` to one pipe worker per entry point of
+    ``targets`` (each a 32 MiB model), ready when it returns."""
+    pipes = [SPAWN.Pipe() for _ in targets]
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(
+        "policy", pipes=[p for p, _ in pipes], model=model, num_workers=len(targets)
+    )
+    try:
+        for i, ((_, child), target) in enumerate(zip(pipes, targets, strict=True)):
+            kwargs = {"pipe": child, "worker_idx": None}
+            fleet.start(scheme, i, kind="big", init_kwargs=kwargs, target=target)
+            child.close()
+        for i in range(len(targets)):
+            fleet.wait_ready(i, timeout=120)
+    except BaseException:
+        scheme.shutdown()
+        raise
+    return scheme
+
+
+def _chunks(fleet, workers: int) -> list[int]:  # type: ignore[no-untyped-def]
+    return [fleet.ask(i, "state")["stats"]["device_chunks"] for i in range(workers)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_versions_go_through_device_blocks_to_workers_on_the_learners_device(
+    fleet, on_the_stand_in: None
+) -> None:  # type: ignore[no-untyped-def]
+    model = make_model("big", seed=0)
+    scheme = _over_pipes(fleet, model, [run_worker_on_the_device] * 2)
+    try:
+        before = _chunks(fleet, 2)
+        # More versions than device blocks: each is lent again once released.
+        states = fleet.each_version_exact(scheme, model, workers=2, versions=6)
+        lent = [s["stats"]["device_chunks"] - b for s, b in zip(states, before, strict=True)]
+        assert lent == [6, 6]  # each version one chunk, lent on the device
+        counters = scheme.get_sender().transport.counters()
+        assert 32 << 20 <= counters["device_bytes"] <= 3 * (33 << 20)
+        assert counters["bad_releases"] == counters["peers_lost"] == 0
+        bump(model)  # not sent: no worker sees it
+        assert [fleet.ask(i, "state")["checksum"] for i in range(2)] == [
+            s["checksum"] for s in states
+        ]
+    finally:
+        scheme.shutdown()
+
+
+def _all_hold(fleet, workers: int, want: tuple[int, str]) -> list:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 30
+    while True:
+        states = [fleet.ask(i, "state") for i in range(workers)]
+        if all((s["version"], s["checksum"]) == want for s in states):
+            return states
+        assert time.monotonic() < deadline, [(s["version"], s["checksum"]) for s in states]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_worker_off_the_device_joins_and_is_sent_host_bytes(fleet, on_the_stand_in: None) -> None:  # type: ignore[no-untyped-def]
+    """A worker whose model is not on the learner's device joins late: it is sent the
+    latest version, held in a device block, as host bytes; then every version goes
+    through the host's shared memory, to every worker, whole."""
+    model = make_model("big", seed=0)
+    scheme = _over_pipes(fleet, model, [run_worker_on_the_device] * 2)
+    try:
+        fleet.each_version_exact(scheme, model, workers=2, versions=2)
+        hub_end, child = SPAWN.Pipe()
+        fleet.start(scheme, 2, kind="big", init_kwargs={"pipe": child, "worker_idx": None})
+        child.close()
+        scheme.add_pipe(hub_end, 2)
+        fleet.wait_ready(2, timeout=120)
+        late = _all_hold(fleet, 3, (2, zmqsync.checksum(model)))[2]
+        assert late["stats"]["device_chunks"] == 0
+        before = _chunks(fleet, 3)
+        bump(model)
+        scheme.send()
+        _all_hold(fleet, 3, (3, zmqsync.checksum(model)))
+        assert _chunks(fleet, 3) == before
+        assert scheme.get_sender().transport.counters()["bad_releases"] == 0
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_worker_that_cannot_open_the_blocks_gets_every_version_through_the_host(
+    fleet, on_the_stand_in: None
+) -> None:  # type: ignore[no-untyped-def]
+    """A worker that names the learner's device but cannot open its blocks (a confused
+    peer): it loses the message that lay in one, says it takes none, is repaired
+    through the host, and so is every later version; the other worker keeps its own."""
+    model = make_model("big", seed=0)
+    scheme = _over_pipes(fleet, model, [run_worker_on_the_device, run_worker_that_cannot_open])
+    try:
+        for version in range(1, 4):
+            bump(model)
+            scheme.send()
+            _all_hold(fleet, 2, (version, zmqsync.checksum(model)))
+        confused = fleet.ask(1, "state")
+        assert confused["stats"]["device_chunks"] == 0
+        assert confused["transport"]["unread_device"] >= 1
+        counters = scheme.get_sender().transport.counters()
+        assert counters["peers_lost"] == 0 and counters["bad_releases"] == 0
+    finally:
+        scheme.shutdown()

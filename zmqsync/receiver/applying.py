@@ -40,7 +40,7 @@ from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.tensors.views import byte_view
 from zmqsync.transport.base import Borrows, SpokeTransport
-from zmqsync.transport.cuda.handles import lendable
+from zmqsync.transport.cuda import handles
 from zmqsync.vocabulary import Metadata
 
 __all__ = ["APPLY_MODES", "KEEPS", "STAGED_MAX_BYTES", "Applier", "ApplyHost", "Keep"]
@@ -184,7 +184,7 @@ class Applier:
             return None
         devices = {t.device for t in self._model_tensors.get(self.model).values()}
         device = next(iter(devices)) if len(devices) == 1 else None
-        return device if lendable(device) else None
+        return device if handles.IPC.lendable(device) else None
 
     @property
     def torn(self) -> bool:

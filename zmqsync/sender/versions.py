@@ -26,7 +26,7 @@ from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD, Flat, Flattener
 from zmqsync.tensors.model_tensors import ModelTensors
 from zmqsync.tensors.shared_params import SharedParams, why_not_shared
 from zmqsync.transport.base import PeerId
-from zmqsync.transport.cuda.handles import lendable
+from zmqsync.transport.cuda import handles
 
 __all__ = ["Outlet", "VersionStore"]
 
@@ -429,7 +429,7 @@ class VersionStore:
         if len(devices) != 1:
             return None
         device = next(iter(devices))
-        if not lendable(device) or not lender.takes_device(device):
+        if not handles.IPC.lendable(device) or not lender.takes_device(device):
             return None
         return device
 

@@ -16,7 +16,8 @@ from typing import Any, Final
 
 import torch
 
-from zmqsync.transport.cuda.handles import DEVICE_IDS, is_device, share, uuid_of
+from zmqsync.transport.cuda import handles
+from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.shm.blocks import BlockPool, Ref
 
 __all__ = ["DeviceBlock", "DevicePool"]
@@ -49,20 +50,22 @@ class DeviceBlock:
         self.id = block_id
         self.size = size
         self.kind = device
-        #: The GPU it is on, as workers name theirs (:func:`~.handles.uuid_of`).
-        self.uuid = uuid_of(device) if device.type == "cuda" else b""
-        self.array: torch.Tensor = torch.empty(size, dtype=torch.uint8, device=device)
+        ipc = handles.IPC
+        lent = ipc.lendable(device)
+        #: The GPU it is on, as workers name theirs (``uuid_of``).
+        self.uuid = ipc.uuid_of(device) if lent else b""
+        self.array: torch.Tensor = ipc.allocate(size, device)
         self.address: int = self.array.data_ptr()
         self.leases: Counter[Any] = Counter()
         # The first handle is made now, before the block's own references are counted.
-        self._first: bytes | None = share(self.array).encode() if device.type == "cuda" else None
+        self._first: bytes | None = ipc.share(self.array).encode() if lent else None
         self._own = _uses(self.array)
 
     def handle_for_peer(self) -> bytes:
         """An encoded :class:`~.handles.DeviceHandle` for one more worker to open the
         block with (see the class)."""
         first, self._first = self._first, None
-        return first if first is not None else share(self.array).encode()
+        return first if first is not None else handles.IPC.share(self.array).encode()
 
     def viewed_here(self) -> bool:
         return _uses(self.array) > self._own
@@ -118,7 +121,7 @@ class DevicePool(BlockPool):
         out: list[Any] = list(frames)
         keep: list[Any] = []
         for i, frame in enumerate(frames):
-            if not is_device(frame):
+            if not handles.IPC.is_device(frame):
                 continue
             found = self.locate(frame)
             if found is None:

@@ -17,17 +17,7 @@ from typing import Any, Final
 
 import torch
 
-__all__ = [
-    "DEVICE_IDS",
-    "MAX_HANDLE_BYTES",
-    "DeviceHandle",
-    "is_device",
-    "lendable",
-    "local_index",
-    "open_handle",
-    "share",
-    "uuid_of",
-]
+__all__ = ["DEVICE_IDS", "IPC", "MAX_HANDLE_BYTES", "CudaIpc", "DeviceHandle", "local_index"]
 
 #: Device blocks are numbered from here (shared-memory blocks from 1): one lease names
 #: both kinds, and a release says which pool it is for by the id alone.
@@ -85,63 +75,78 @@ class DeviceHandle:
         return cls(bytes(uuid), handle, size, offset, ref, ref_offset, event, bool(sync))
 
 
-def lendable(device: Any) -> bool:
-    """Whether versions on ``device`` may be lent through its IPC handles (a GPU)."""
-    return device is not None and torch.device(device).type == "cuda"
-
-
-def is_device(frame: Any) -> bool:
-    """Whether ``frame`` is a tensor on a CUDA device (a device block's bytes)."""
-    return isinstance(frame, torch.Tensor) and frame.is_cuda
-
-
-def uuid_of(device: torch.device | int) -> bytes:
-    """A 16-byte name of the GPU ``device`` is, the same in every process of the host."""
-    props = torch.cuda.get_device_properties(device)
-    return hashlib.blake2b(str(props.uuid).encode(), digest_size=16).digest()
-
-
 def local_index(uuid: bytes) -> int | None:
     """This process's index of the GPU named ``uuid`` (None: it sees no such GPU)."""
     if not torch.cuda.is_available():
         return None
     for index in range(torch.cuda.device_count()):
-        if uuid_of(index) == uuid:
+        if IPC.uuid_of(index) == uuid:
             return index
     return None
 
 
-def share(tensor: torch.Tensor) -> DeviceHandle:
-    """The handle of ``tensor``'s storage (a whole block: it starts at byte 0)."""
-    storage = tensor.untyped_storage()
-    device, handle, size, offset, ref, ref_offset, event, sync = storage._share_cuda_()
-    return DeviceHandle(
-        uuid_of(device),
-        bytes(handle),
-        int(size),
-        int(offset),
-        bytes(ref),
-        int(ref_offset),
-        bytes(event or b""),
-        bool(sync),
-    )
+class CudaIpc:
+    """What device lending asks of the device, and the only part of it that knows
+    CUDA: which devices are lent, naming a GPU, allocating, sharing and opening a
+    block, waiting for the device. (Where there is no GPU, a test stands CPU shared
+    memory in for it, and everything around it runs as it is.)"""
+
+    def lendable(self, device: Any) -> bool:
+        """Whether versions on ``device`` may be lent through its IPC handles (a GPU)."""
+        return device is not None and torch.device(device).type == "cuda"
+
+    def is_device(self, frame: Any) -> bool:
+        """Whether ``frame`` is a tensor on a lent device (a device block's bytes)."""
+        return isinstance(frame, torch.Tensor) and frame.is_cuda
+
+    def uuid_of(self, device: torch.device | int) -> bytes:
+        """A 16-byte name of the GPU ``device`` is, the same in every process of the host."""
+        props = torch.cuda.get_device_properties(device)
+        return hashlib.blake2b(str(props.uuid).encode(), digest_size=16).digest()
+
+    def allocate(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A block: ``nbytes`` of memory on ``device``."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def share(self, tensor: torch.Tensor) -> DeviceHandle:
+        """A handle of ``tensor``'s storage (a whole block: it starts at byte 0), for
+        one process to open; each call counts one more opener (torch's counter)."""
+        storage = tensor.untyped_storage()
+        device, handle, size, offset, ref, ref_offset, event, sync = storage._share_cuda_()
+        return DeviceHandle(
+            self.uuid_of(device),
+            bytes(handle),
+            int(size),
+            int(offset),
+            bytes(ref),
+            int(ref_offset),
+            bytes(event or b""),
+            bool(sync),
+        )
+
+    def open_handle(self, handle: DeviceHandle) -> torch.Tensor:
+        """The block ``handle`` names, as a 1-D uint8 tensor on this process's index of
+        its GPU; ValueError if this process sees no such GPU."""
+        index = local_index(handle.uuid)
+        if index is None:
+            raise ValueError("a device block on a GPU this process does not see")
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index,
+            handle.handle,
+            handle.size,
+            handle.offset,
+            handle.ref_handle,
+            handle.ref_offset,
+            handle.event_handle,
+            handle.event_sync,
+        )
+        out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+        return out.set_(storage, 0, (handle.size,), (1,))
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait for everything queued on ``device``."""
+        torch.cuda.synchronize(device)
 
 
-def open_handle(handle: DeviceHandle) -> torch.Tensor:
-    """The block ``handle`` names, as a 1-D uint8 tensor on this process's index of its
-    GPU; ValueError if this process sees no such GPU."""
-    index = local_index(handle.uuid)
-    if index is None:
-        raise ValueError("a device block on a GPU this process does not see")
-    storage = torch.UntypedStorage._new_shared_cuda(
-        index,
-        handle.handle,
-        handle.size,
-        handle.offset,
-        handle.ref_handle,
-        handle.ref_offset,
-        handle.event_handle,
-        handle.event_sync,
-    )
-    out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
-    return out.set_(storage, 0, (handle.size,), (1,))
+#: The device side of lending (see :class:`CudaIpc`).
+IPC = CudaIpc()

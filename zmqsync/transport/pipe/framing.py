@@ -19,6 +19,7 @@ each message once and fills it with ``recv_into``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import socket
@@ -31,6 +32,8 @@ from typing import Any, Final
 import numpy as np
 
 from zmqsync.protocol import MAX_BUFFERS, Buffer
+from zmqsync.transport.cuda import handles
+from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.pipe.buffers import POOL_MIN_BYTES, BufferPool
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow
 from zmqsync.transport.shm.records import (
@@ -43,6 +46,8 @@ from zmqsync.transport.shm.records import (
     encode,
     is_record,
 )
+
+log = logging.getLogger("zmqsync.transport.pipe")
 
 __all__ = [
     "ASSIGN",
@@ -150,6 +155,12 @@ class Received:
     keeps: bool = False
     #: The GPU the worker's model lives on (a :class:`TakesDevice` record).
     device: bytes | None = None
+    #: A device block this worker could not open (its handle was malformed, or of a GPU
+    #: this process does not see).
+    refused: int | None = None
+    #: The blocks a lease named that this worker could not read (it never opened them):
+    #: the message is dropped, and its lease on each is to be released.
+    unread: tuple[int, ...] = ()
 
 
 def _stall(conn: Connection, what: str) -> None:
@@ -191,15 +202,19 @@ def _recv_block(conn: Connection, sock: socket.socket, block_id: int) -> np.ndar
 
 
 def _recv_device_block(conn: Connection, block_id: int) -> Any:
-    """Open the device block whose handle is the next record."""
-    from zmqsync.transport.cuda.handles import DeviceHandle, open_handle
-
+    """Open the device block whose handle is the next record (None: it cannot be
+    opened here; logged)."""
     _stall(conn, f"before sending device block {block_id}")
-    raw = conn.recv_bytes(DeviceHandle.max_size())
+    raw = conn.recv_bytes(handles.DeviceHandle.max_size())
     try:
-        return open_handle(DeviceHandle.decode(raw))
+        return handles.IPC.open_handle(handles.DeviceHandle.decode(raw))
     except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
-        raise OSError(f"device block {block_id} cannot be opened here: {exc}") from exc
+        log.warning(
+            "device block %d cannot be opened here (%s): versions come through the host",
+            block_id,
+            exc,
+        )
+        return None
 
 
 def _inline_frames(raw: Any, sizes: list[int], pool: BufferPool | None) -> list[Buffer]:
@@ -278,6 +293,10 @@ def read(
         try:
             frames, views = borrow(record, iter(inline), blocks)
         except (RecordError, ValueError) as exc:
+            named = {e.block for e in record.entries if e.block >= 0}
+            if any(b >= DEVICE_IDS and b not in blocks for b in named):
+                # A device block it refused: the stream is whole, only this message lost.
+                return Received(unread=tuple(sorted(named)))
             raise OSError(f"a lease this worker cannot read: {exc}") from exc
         return Received(frames, views)
     if len(first) != HEADER.size:
@@ -289,7 +308,10 @@ def read(
         blocks.add(count, _recv_block(conn, sock, count))
         return Received()
     if magic == DEVICE and blocks is not None:
-        blocks.add(count, _recv_device_block(conn, count))
+        opened = _recv_device_block(conn, count)
+        if opened is None:
+            return Received(refused=count)
+        blocks.add(count, opened)
         return Received()
     if magic != MESSAGE:
         raise OSError(f"bad pipe record magic {magic!r}: is someone else writing on this pipe?")

@@ -27,8 +27,9 @@ from zmqsync.transport.base import (
     Recipients,
     Stream,
 )
+from zmqsync.transport.cuda import handles
 from zmqsync.transport.cuda.blocks import DevicePool
-from zmqsync.transport.cuda.handles import DEVICE_IDS, is_device, lendable, uuid_of
+from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import ASSIGN, HEADER, read, socket_of
@@ -189,7 +190,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
 
     def _place(self, frames: Sequence[Buffer]) -> tuple[list[Buffer | Ref], list[Any]]:
         kept: list[Any] = []
-        if self._device is not None and any(is_device(f) for f in frames):
+        if self._device is not None and any(handles.IPC.is_device(f) for f in frames):
             frames, kept = self._device.place_device(frames)
         if self._shm is None:
             return list(frames), kept
@@ -211,9 +212,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
     def takes_device(self, device: Any) -> bool:
         """Whether every worker said its model lives on ``device`` (a CUDA device of
         this host) and reads each version in place (none is sent copies)."""
-        if self._device is None or not lendable(device):
+        if self._device is None or not handles.IPC.lendable(device):
             return False
-        uuid = uuid_of(device)
+        uuid = handles.IPC.uuid_of(device)
         with self._lock:
             live = [p for p in self._peers.values() if p.lost is None]
         return bool(live) and all(p.writer.device == uuid and not p.writer.copying for p in live)

@@ -15,13 +15,21 @@ import torch
 from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import Borrows, Counted, SpokeTransport
-from zmqsync.transport.cuda.handles import DEVICE_IDS, lendable, uuid_of
+from zmqsync.transport.cuda import handles
+from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import read, socket_of
 from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, close_end
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
-from zmqsync.transport.shm.records import MAX_LIVE, Keeps, Release, TakesDevice, encode
+from zmqsync.transport.shm.records import (
+    MAX_LIVE,
+    NO_DEVICE,
+    Keeps,
+    Release,
+    TakesDevice,
+    encode,
+)
 
 __all__ = ["PipeSpoke"]
 
@@ -62,6 +70,7 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         # Reentrant: a frame's finalizer may run inside it (a garbage collection).
         self._release_lock = threading.RLock()
         self._released = 0  # leases released
+        self._unread = 0  # messages dropped: they lay in a device block it could not open
         self._release_records = 0  # ... in so many records
         #: This worker's index, as the hub assigned it (``None`` until it has arrived).
         self.peer_index: int | None = None
@@ -89,12 +98,18 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
 
     def take_device(self, device: Any) -> None:
         device = torch.device(device)
-        if not lendable(device) or self._device == device:
+        if not handles.IPC.lendable(device) or self._device == device:
             return
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
-        self._writer.put(Outgoing(None, record=encode(TakesDevice(uuid_of(device)))))
+        self._writer.put(Outgoing(None, record=encode(TakesDevice(handles.IPC.uuid_of(device)))))
+
+    def _refuse_device(self) -> None:
+        """A device block could not be opened here: the hub is told this worker takes
+        none (its versions then come through the host, and what it missed is repaired)."""
+        self._device = None
+        self._writer.put(Outgoing(None, record=encode(TakesDevice(NO_DEVICE))))
 
     def _gone(self, why: str) -> None:
         if self._hub_gone is None:
@@ -122,6 +137,12 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
                 if until_index:
                     return None
                 continue
+            if got.refused is not None:
+                self._refuse_device()
+                continue
+            for block_id in got.unread:  # a message in a block it could not open: lost
+                self._unread += 1
+                self._release(block_id)
             if got.frames is None:
                 continue  # a block's descriptor
             release_when_gone(got.views, self._release)
@@ -135,7 +156,7 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             return
         if block_id >= DEVICE_IDS and self._device is not None:
             # The copies out of it may still be queued on the device: they end first.
-            torch.cuda.synchronize(self._device)
+            handles.IPC.synchronize(self._device)
         with self._release_lock:
             self._releases.append(block_id)
             if self._release_queued:
@@ -190,12 +211,14 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
     def counters(self) -> dict[str, int]:
         """``dropped_sends``: messages this spoke dropped (the hub gone, or not
         reading); ``releases``: leases on the hub's blocks it released, in so many
-        ``release_records``."""
+        ``release_records``; ``unread_device``: messages it dropped because they lay in a
+        device block it could not open (each one's version is repaired)."""
         with self._release_lock:
             return {
                 "dropped_sends": self._writer.dropped,
                 "releases": self._released,
                 "release_records": self._release_records,
+                "unread_device": self._unread,
             }
 
     def close(self) -> None:

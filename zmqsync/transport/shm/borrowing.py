@@ -65,6 +65,9 @@ class PeerBlocks:
         self._owner = 0  # the hub's pid
         self._limit = limit
 
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._maps
+
     def add(self, block_id: int, mapped: np.ndarray) -> None:
         self._maps[block_id] = (0, mapped)  # handed over on its own pipe: no inode named
 

@@ -33,6 +33,7 @@ from zmqsync.protocol import Buffer
 __all__ = [
     "ADDRESSED",
     "FAN_OUT",
+    "NO_DEVICE",
     "TOKEN_BYTES",
     "Entry",
     "Holding",
@@ -199,9 +200,14 @@ class Holding:
 
 @dataclass(frozen=True, slots=True)
 class TakesDevice:
-    """The peer's model lives on the GPU ``uuid`` names (a 16-byte digest)."""
+    """The peer's model lives on the GPU ``uuid`` names (a 16-byte digest);
+    :data:`NO_DEVICE`: on none the hub may lend (it could not open a block)."""
 
     uuid: bytes
+
+
+#: The GPU of a peer that takes no device blocks.
+NO_DEVICE: Final = bytes(16)
 
 
 Record = Offer | Join | Leave | Joined | Lease | Release | Holding | Keeps | TakesDevice
