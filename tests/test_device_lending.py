@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import signal
 import time
 from multiprocessing.connection import Connection
 
@@ -22,6 +24,7 @@ from _device_standin import CpuIpc, run_worker_on_the_device, run_worker_that_ca
 from _workers import bump, make_model
 
 import zmqsync
+from zmqsync import SyncTimeout
 from zmqsync.chunking.layout import StreamLayout
 from zmqsync.schemes.multiprocess import MultiProcessWeightSyncScheme
 from zmqsync.tensors.device_reader import DeviceReader
@@ -205,11 +208,11 @@ def on_the_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Flattener, "_prepare", lambda self, tensors: self._prepare_staged(tensors))
 
 
-def _over_pipes(fleet, model, targets):  # type: ignore[no-untyped-def]
+def _over_pipes(fleet, model, targets, timeout: float = 30.0):  # type: ignore[no-untyped-def]
     """A ``MultiProcessWeightSyncScheme`` to one pipe worker per entry point of
     ``targets`` (each a 32 MiB model), ready when it returns."""
     pipes = [SPAWN.Pipe() for _ in targets]
-    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme = MultiProcessWeightSyncScheme(timeout=timeout)
     scheme.init_on_sender(
         "policy", pipes=[p for p, _ in pipes], model=model, num_workers=len(targets)
     )
@@ -309,6 +312,40 @@ def test_a_worker_that_cannot_open_the_blocks_gets_every_version_through_the_hos
         confused = fleet.ask(1, "state")
         assert confused["stats"]["device_chunks"] == 0
         assert confused["transport"]["unread_device"] >= 1
+        counters = scheme.get_sender().transport.counters()
+        assert counters["peers_lost"] == 0 and counters["bad_releases"] == 0
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_stopped_worker_pins_a_bounded_number_of_device_blocks(
+    fleet, on_the_stand_in: None
+) -> None:  # type: ignore[no-untyped-def]
+    """A worker stopped (SIGSTOP) while versions keep coming holds the device blocks it
+    was leased: the pool lends no more than its bound (then versions go through the
+    host's shared memory), the others hold every version whole, and once continued the
+    stopped one catches up with the latest."""
+    model = make_model("big", seed=0)
+    scheme = _over_pipes(fleet, model, [run_worker_on_the_device] * 3, timeout=3.0)
+    try:
+        fleet.each_version_exact(scheme, model, workers=3, versions=1)
+        os.kill(fleet.procs[2].pid, signal.SIGSTOP)
+        try:
+            for version in range(2, 7):
+                bump(model)
+                with pytest.raises(SyncTimeout) as missed:
+                    scheme.send()
+                assert set(missed.value.missing_workers) == {2}
+                _all_hold(fleet, 2, (version, zmqsync.checksum(model)))
+                counters = scheme.get_sender().transport.counters()
+                assert counters["device_bytes"] <= 3 * (33 << 20)  # the pool's bound
+        finally:
+            os.kill(fleet.procs[2].pid, signal.SIGCONT)
+        bump(model)
+        scheme.send()
+        _all_hold(fleet, 3, (7, zmqsync.checksum(model)))
         counters = scheme.get_sender().transport.counters()
         assert counters["peers_lost"] == 0 and counters["bad_releases"] == 0
     finally:
