@@ -208,11 +208,11 @@ def on_the_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Flattener, "_prepare", lambda self, tensors: self._prepare_staged(tensors))
 
 
-def _over_pipes(fleet, model, targets, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+def _over_pipes(fleet, model, targets, timeout: float = 30.0, **options):  # type: ignore[no-untyped-def]
     """A ``MultiProcessWeightSyncScheme`` to one pipe worker per entry point of
     ``targets`` (each a 32 MiB model), ready when it returns."""
     pipes = [SPAWN.Pipe() for _ in targets]
-    scheme = MultiProcessWeightSyncScheme(timeout=timeout)
+    scheme = MultiProcessWeightSyncScheme(timeout=timeout, **options)
     scheme.init_on_sender(
         "policy", pipes=[p for p, _ in pipes], model=model, num_workers=len(targets)
     )
@@ -348,5 +348,44 @@ def test_a_stopped_worker_pins_a_bounded_number_of_device_blocks(
         _all_hold(fleet, 3, (7, zmqsync.checksum(model)))
         counters = scheme.get_sender().transport.counters()
         assert counters["peers_lost"] == 0 and counters["bad_releases"] == 0
+    finally:
+        scheme.shutdown()
+
+
+class _NoRoom(CpuIpc):
+    """A device with no room left for a block."""
+
+    def allocate(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        raise torch.OutOfMemoryError("out of memory (the stand-in's)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("why", ["turned off", "no room"])
+def test_versions_go_through_the_host_when_no_device_memory_is_lent(
+    why: str,
+    fleet,  # type: ignore[no-untyped-def]
+    on_the_stand_in: None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``device_memory=False``, or a device with no room for a block (the learner's own
+    work comes first): every version goes through the host, whole, and the hub says
+    why."""
+    options = {"device_memory": False} if why == "turned off" else {}
+    if why == "no room":
+        monkeypatch.setattr(handles, "IPC", _NoRoom())
+    model = make_model("big", seed=0)
+    scheme = _over_pipes(fleet, model, [run_worker_on_the_device] * 2, **options)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zmqsync.transport.cuda"):
+            states = fleet.each_version_exact(scheme, model, workers=2, versions=3)
+        assert [s["stats"]["device_chunks"] for s in states] == [0, 0]
+        counters = scheme.get_sender().transport.counters()
+        if why == "turned off":
+            assert "device_bytes" not in counters
+        else:
+            assert counters["device_bytes"] == 0 and counters["device_refused"] >= 3
+            assert caplog.text.count("no device block") == 1  # said once
     finally:
         scheme.shutdown()

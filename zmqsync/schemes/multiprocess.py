@@ -33,6 +33,9 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         connect_timeout: seconds ``connect()`` waits by default: the sender for its
             workers, a worker for the sender (and ``init_on_worker`` without a
             ``worker_idx`` for the index its pipe assigns).
+        device_memory: a learner on a GPU writes each version into device memory lent to
+            workers on that GPU (up to three model-sized blocks there; see
+            ``docs/gpus.md``); False: versions go through the host.
         **sender_options: passed to :class:`~zmqsync.WeightSender` (``retain_snapshot``,
             ``heartbeat``, ``repair_after``, ...).
 
@@ -66,11 +69,13 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         *,
         timeout: float = 10.0,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        device_memory: bool = True,
         **sender_options: Any,
     ) -> None:
         super().__init__(
             strategy, timeout=timeout, connect_timeout=connect_timeout, **sender_options
         )
+        self.device_memory = device_memory
 
     # --- transports ------------------------------------------------------------------
 
@@ -132,7 +137,8 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         super().init_on_sender(model_id, context, pipes=pipes, **kwargs)
 
     def _open_hub(self, context: Any, kwargs: dict[str, Any], *, first_index: int = 0) -> PipeHub:
-        return PipeHub(numbered(self._pipes(context, kwargs), first_index))
+        pipes = numbered(self._pipes(context, kwargs), first_index)
+        return PipeHub(pipes, device_memory=self.device_memory)
 
     def _pipes(self, context: Any, kwargs: dict[str, Any]) -> Pipes:
         """The workers' pipes, from ``pipes=`` (popped) or ``context.pipes``."""

@@ -10,6 +10,7 @@ from :data:`~.handles.DEVICE_IDS`, so leases and releases name both kinds alike.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Final
@@ -21,6 +22,8 @@ from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.shm.blocks import BlockPool, Ref
 
 __all__ = ["DeviceBlock", "DevicePool"]
+
+log = logging.getLogger("zmqsync.transport.cuda")
 
 #: Device blocks alive at once: each is model-sized device memory (the version being
 #: written, the one served to late joiners, one a slow worker still reads).
@@ -90,6 +93,8 @@ class DevicePool(BlockPool):
     ) -> None:
         super().__init__(max_blocks=max_blocks, keep_free=keep_free)
         self._ids = itertools.count(DEVICE_IDS)
+        #: Blocks it could not allocate: the device had no room.
+        self.refused = 0
 
     def lend_on(self, nbytes: int, device: torch.device) -> tuple[DeviceBlock, torch.Tensor] | None:
         """A free block of at least ``nbytes`` on ``device`` and a view of its first
@@ -97,7 +102,20 @@ class DevicePool(BlockPool):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return self._lend(nbytes, device)
+        try:
+            return self._lend(nbytes, device)
+        except torch.OutOfMemoryError as exc:
+            # The learner's own work comes first: this version goes through the host.
+            self.refused += 1
+            if self.refused == 1:
+                log.warning(
+                    "no device block of %d bytes on %s (%s): versions go through the host "
+                    "while the device has no room",
+                    nbytes,
+                    device,
+                    str(exc).splitlines()[0] if str(exc) else "out of memory",
+                )
+            return None
 
     def _make(self, block_id: int, size: int, kind: Any) -> DeviceBlock:
         return DeviceBlock(block_id, size, kind)

@@ -73,6 +73,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         max_message_bytes: the largest message accepted from a worker.
         shared_memory: send large frames through shared-memory blocks (Linux), written
             once and read by every worker in place, instead of through each pipe.
+        device_memory: lend blocks of device memory to workers on the learner's GPU
+            (with ``shared_memory``): a version there is written once into one and
+            copied device to device by each worker (:mod:`zmqsync.transport.cuda`).
 
     Peer ids are ``b"pipe:<index>"`` (:func:`peer_id`). A worker whose pipe breaks (it
     exited or was killed) is counted in ``counters()["peers_lost"]``; sends to it are
@@ -89,6 +92,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         shared_memory: bool = True,
+        device_memory: bool = True,
     ) -> None:
         items: Iterable[tuple[int, Connection]] = (
             pipes.items() if isinstance(pipes, Mapping) else enumerate(pipes)
@@ -110,7 +114,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         self._pool = BufferPool()
         self._shm = BlockPool() if shared_memory and SHM_AVAILABLE else None
         #: Device blocks: versions on the learner's GPU, lent to workers on that GPU.
-        self._device = DevicePool() if self._shm is not None else None
+        self._device = DevicePool() if self._shm is not None and device_memory else None
         self._bad_releases = 0
         try:
             for index, conn in items:
@@ -323,8 +327,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             counts["shm_copying"] = len(copying)
             counts["shm_pinned"] = sum(copying.values())
             counts["shm_copies"] = sum(p.writer.copies for p in peers)
-        if self._device is not None and self._device.nbytes():
+        if self._device is not None and (self._device.nbytes() or self._device.refused):
             counts["device_bytes"] = self._device.nbytes()
+            counts["device_refused"] = self._device.refused
         return counts
 
     def copying(self) -> dict[PeerId, int]:
