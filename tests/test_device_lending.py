@@ -389,3 +389,31 @@ def test_versions_go_through_the_host_when_no_device_memory_is_lent(
             assert caplog.text.count("no device block") == 1  # said once
     finally:
         scheme.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_killed_worker_lets_go_of_its_device_blocks(fleet, on_the_stand_in: None) -> None:  # type: ignore[no-untyped-def]
+    """A worker SIGKILLed while it is lent device blocks: its pipe breaks, the hub
+    forgets its leases (its blocks are lent again), and the living worker keeps
+    getting every version through device memory."""
+    model = make_model("big", seed=0)
+    scheme = _over_pipes(fleet, model, [run_worker_on_the_device] * 2, timeout=10.0)
+    try:
+        fleet.each_version_exact(scheme, model, workers=2, versions=2)
+        fleet.kill(1)
+        bump(model)
+        with pytest.raises(SyncTimeout) as missed:
+            scheme.send()
+        assert missed.value.missing_workers == [1]
+        before = fleet.ask(0, "state")["stats"]["device_chunks"]
+        for version in range(4, 10):  # more versions than device blocks
+            bump(model)
+            scheme.send(worker_ids=[0])
+            state = fleet.ask(0, "state")
+            assert (state["version"], state["checksum"]) == (version, zmqsync.checksum(model))
+        assert fleet.ask(0, "state")["stats"]["device_chunks"] - before == 6
+        counters = scheme.get_sender().transport.counters()
+        assert counters["peers_lost"] == 1 and counters["device_bytes"] <= 3 * (33 << 20)
+    finally:
+        scheme.shutdown()
