@@ -98,7 +98,8 @@ class DevicePool(BlockPool):
 
     def lend_on(self, nbytes: int, device: torch.device) -> tuple[DeviceBlock, torch.Tensor] | None:
         """A free block of at least ``nbytes`` on ``device`` and a view of its first
-        ``nbytes``; None when every block is busy and no more may be made."""
+        ``nbytes``; None when every block is busy and no more may be made, or the
+        device has no room for one."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

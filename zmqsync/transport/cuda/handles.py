@@ -112,6 +112,8 @@ class CudaIpc:
         """A handle of ``tensor``'s storage (a whole block: it starts at byte 0), for
         one process to open; each call counts one more opener (torch's counter)."""
         storage = tensor.untyped_storage()
+        # torch's one way to a CUDA IPC handle that is not a pickle (torch.multiprocessing
+        # calls it too, then pickles the fields: here they travel as DeviceHandle bytes).
         device, handle, size, offset, ref, ref_offset, event, sync = storage._share_cuda_()
         return DeviceHandle(
             self.uuid_of(device),
