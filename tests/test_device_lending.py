@@ -35,7 +35,9 @@ from zmqsync.transport.cuda.handles import IPC, MAX_HANDLE_BYTES
 from zmqsync.transport.pipe import PipeSpoke
 from zmqsync.transport.pipe.framing import DEVICE, HEADER, socket_of, write_lease, write_message
 from zmqsync.transport.shm.records import (
+    MAX_DEVICE_HANDLE,
     NO_DEVICE,
+    DeviceGrant,
     Entry,
     Lease,
     RecordError,
@@ -43,6 +45,7 @@ from zmqsync.transport.shm.records import (
     TakesDevice,
     decode,
     encode,
+    is_record,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,6 +79,20 @@ def test_a_handle_travels_as_bytes_and_malformed_ones_are_refused() -> None:
             DeviceHandle.decode(bad)
     with pytest.raises(ValueError, match="limits"):
         DeviceHandle.decode(_handle(handle=b"h" * (MAX_HANDLE_BYTES + 1)).encode())
+
+
+def test_a_device_blocks_handle_for_one_peer_is_a_bounded_record() -> None:
+    """Where no pipe passes a device block's handle on its own (Ray calls), it travels
+    as a record: the block, the hub's pid and the encoded handle, bounded."""
+    raw = _handle().encode()
+    assert DeviceHandle.max_size() <= MAX_DEVICE_HANDLE
+    grant = DeviceGrant(DEVICE_IDS + 2, 4321, raw)
+    assert decode(encode(grant)) == grant
+    assert is_record([encode(grant)])
+    frame = encode(grant)
+    for bad in (frame[:20], frame[: -len(raw)], frame + b"x" * MAX_DEVICE_HANDLE):
+        with pytest.raises(RecordError):
+            decode(bad)
 
 
 def test_a_worker_names_its_gpu_in_a_record_of_fixed_size() -> None:

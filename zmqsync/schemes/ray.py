@@ -156,6 +156,10 @@ class RayWeightSyncScheme(WeightSyncScheme):
             shared-memory blocks the sender reuses, instead of a new object in Ray's
             store per version (each actor is asked first whether it can; the others get
             the object store).
+        device_memory: a learner on a GPU writes each version into device memory lent to
+            the actors whose model lives on that same GPU, which copy it device to device
+            (CUDA IPC: nothing crosses to the host). Actors elsewhere, on another GPU or
+            on the CPU get it through the host, as without it.
         **sender_options: passed to :class:`~zmqsync.WeightSender`.
 
     Example::
@@ -186,6 +190,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         method: str = DELIVER_METHOD,
         poll_interval: float = POLL_INTERVAL,
         shared_memory: bool = True,
+        device_memory: bool = True,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         **sender_options: Any,
     ) -> None:
@@ -195,6 +200,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         self.method = method
         self.poll_interval = poll_interval
         self.shared_memory = shared_memory
+        self.device_memory = device_memory
         self._actor_side: _ActorReceiver | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -234,7 +240,11 @@ class RayWeightSyncScheme(WeightSyncScheme):
             channel=self._model_id or "policy",
             method=self.method,
             poll_interval=self.poll_interval,
-            **{"shared_memory": self.shared_memory, **options},
+            **{
+                "shared_memory": self.shared_memory,
+                "device_memory": self.device_memory,
+                **options,
+            },
         )
 
     # --- sender side -----------------------------------------------------------------

@@ -253,10 +253,10 @@ class RayWeightSyncScheme(_CollectorScheme):
         **options: every other keyword :class:`zmqsync.RayWeightSyncScheme` takes,
             meaning the same: ``timeout`` (seconds ``send()`` waits for the acks before
             raising :class:`zmqsync.SyncTimeout`, a killed actor for one),
-            ``poll_interval``, ``shared_memory``, ``connect_timeout`` (seconds the
-            learner's ``connect()``, which torchrl calls before the first update, waits
-            for every actor to hold the latest version) and the sender's options
-            (``heartbeat``, ``repair_after``, ...; ``retain_snapshot`` must stay
+            ``poll_interval``, ``shared_memory``, ``device_memory``, ``connect_timeout``
+            (seconds the learner's ``connect()``, which torchrl calls before the first
+            update, waits for every actor to hold the latest version) and the sender's
+            options (``heartbeat``, ``repair_after``, ...; ``retain_snapshot`` must stay
             ``True``).
 
     A remote collector applies versions between its own method calls (a plain Ray actor

@@ -259,7 +259,7 @@ class Lends(Ability):
     def lend_device(self, nbytes: int, device: Any) -> Any:
         """``nbytes`` of memory on GPU ``device`` (a uint8 tensor) that frames are later
         sent from as they are, or None (by default: no hub lends device memory but the
-        pipe's)."""
+        pipe's and Ray's)."""
         return None
 
 

@@ -17,13 +17,18 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
+import torch
 
 from zmqsync.errors import EndpointError
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import Borrows, Counted, SpokeTransport
+from zmqsync.transport.cuda import handles
+from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
 from zmqsync.transport.shm.records import (
+    NO_DEVICE,
+    DeviceGrant,
     Join,
     Keeps,
     Lease,
@@ -31,6 +36,7 @@ from zmqsync.transport.shm.records import (
     Offer,
     RecordError,
     Release,
+    TakesDevice,
     decode,
     encode,
     is_record,
@@ -181,10 +187,14 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             "shared_frames": 0,
             "malformed_batches": 0,
             "stale_calls": 0,
+            "unread_device": 0,
         }
         self._maps = PeerBlocks()  # the driver's blocks, mapped read-only
         self._keeps = False  # keeps each version mapped until the next (says so on joins)
         self._joined = False  # answered the hub's offer: it reads the hub's blocks
+        #: The GPU this actor told the hub its model lives on (device blocks come as
+        #: tensors on it, each released only once the device is synchronized).
+        self._device: torch.device | None = None
         #: This actor's index at its hub (``None`` until the hub's first call).
         self.peer_index: int | None = None
         #: Called on each of the hub's calls, after its frames are queued and before the
@@ -229,6 +239,32 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             self._keeps = True
             if self._joined:
                 self._reply([encode(Keeps())])
+
+    def take_device(self, device: Any) -> None:
+        """Tell the hub (in a reply, now if joined and on every join) that this actor's
+        model lives on GPU ``device``: versions the hub lends on it come as device
+        tensors, copied device to device."""
+        device = torch.device(device)
+        if not handles.IPC.lendable(device) or self._device == device or self._closed:
+            return
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        if self._joined:
+            self._reply([encode(self._takes_device())])
+
+    def _takes_device(self) -> TakesDevice:
+        device = self._device
+        return TakesDevice(NO_DEVICE if device is None else handles.IPC.uuid_of(device))
+
+    def _refuse_device(self, why: object) -> None:
+        """A device block could not be opened here: the hub is told this actor takes
+        none (its versions then come through the host; what it missed is repaired)."""
+        log.warning(
+            "a device block cannot be opened here (%s): versions come through the host", why
+        )
+        self._device = None
+        self._reply([encode(TakesDevice(NO_DEVICE))])
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         self._check_open()
@@ -279,10 +315,23 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
                 self._reply([encode(answer)])
                 if self._joined and self._keeps:
                     self._reply([encode(Keeps())])
+                if self._joined and self._device is not None:
+                    self._reply([encode(self._takes_device())])
+                return None
+            if isinstance(record, DeviceGrant):
+                self._open_device_block(record)
                 return None
             if not isinstance(record, Lease):
                 raise RecordError(f"a {type(record).__name__} record from the hub")
-            # Views, not copies: bytes inline, numpy arrays of blocks.
+            unread = {e.block for e in record.entries if e.block >= 0}
+            if any(b >= DEVICE_IDS and b not in self._maps for b in unread):
+                # In a device block it could not open: this message is lost (repaired),
+                # and each lease it counted ends.
+                self._counters["unread_device"] += 1
+                self._reply([encode(Release(tuple(sorted(unread))))])
+                return None
+            # Views, not copies: bytes inline, numpy arrays of blocks (device blocks:
+            # tensors on this actor's GPU).
             frames, views = borrow(
                 record,
                 (f if isinstance(f, bytes) else memoryview(f) for f in inline),
@@ -296,6 +345,16 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         release_when_gone(views, self._release)
         self._counters["shared_frames"] += sum(len(v) for v in views.values())
         return frames
+
+    def _open_device_block(self, grant: DeviceGrant) -> None:
+        if self._device is None:
+            return  # it took none, or refused one already: the hub is told so
+        try:
+            opened = handles.IPC.open_handle(handles.DeviceHandle.decode(grant.handle))
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
+            self._refuse_device(exc)
+            return
+        self._maps.add(grant.block, opened, owner=grant.pid)
 
     @staticmethod
     def _answer(offer: Offer) -> Join | Leave:
@@ -311,8 +370,13 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             return Leave()
 
     def _release(self, block_id: int) -> None:
-        if not self._closed:
-            self._reply([encode(Release((block_id,)))])
+        if self._closed:
+            return
+        device = self._device
+        if block_id >= DEVICE_IDS and device is not None:
+            # The copies out of it may still be queued on the device: they end first.
+            handles.IPC.synchronize(device)
+        self._reply([encode(Release((block_id,)))])
 
     def exchange(
         self, peer_index: int, frames: Sequence[Any] | None, seq: int | None = None
@@ -438,8 +502,9 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         time), ``read_only_views`` (frames read in place from Ray's object store or the
         hub's shared memory, without a copy), ``shared_frames`` (those of them in the
         hub's shared memory), ``malformed_batches`` (calls whose batch of messages
-        could not be read, dropped) and ``stale_calls`` (late calls of a hub a newer
-        one replaced, dropped)."""
+        could not be read, dropped), ``stale_calls`` (late calls of a hub a newer one
+        replaced, dropped) and ``unread_device`` (messages that lay in a device block
+        this actor could not open, dropped: their version is repaired)."""
         return dict(self._counters)
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from zmqsync.transport.base import (
     Recipients,
     Stream,
 )
+from zmqsync.transport.cuda import handles
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.ray.actor import DELIVER_METHOD, MAX_BATCH, SEQ_SPAN, batch, owned
 from zmqsync.transport.ray.lending import ActorLending, LentPayload
@@ -137,6 +138,10 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             shared-memory blocks (read in place, reused once released) instead of a new
             object in Ray's store per message. Each actor is offered them first, and
             those that cannot open them (elsewhere) get the object store.
+        device_memory: a learner on a GPU writes each version into device memory lent to
+            the actors whose model lives on that GPU (the same host), which copy it
+            device to device (:mod:`zmqsync.transport.cuda`); needs ``shared_memory``
+            (it proves an actor is on this host).
 
     Peer ids are ``b"ray:<index>"`` (:func:`peer_id`). Ray must be initialised
     (``ray.init()``) by the caller. Besides the contract it has the
@@ -155,6 +160,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         poll_interval: float = POLL_INTERVAL,
         inline_bytes: int = INLINE_BYTES,
         shared_memory: bool = True,
+        device_memory: bool = True,
     ) -> None:
         self._ray = _ray()
         if poll_interval <= 0:
@@ -179,8 +185,11 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             "behind_sends": 0,
             "bad_releases": 0,
             "batched_messages": 0,
+            "device_sends": 0,
         }
-        self._lending = ActorLending() if shared_memory and SHM_AVAILABLE else None
+        self._lending = (
+            ActorLending(device_memory=device_memory) if shared_memory and SHM_AVAILABLE else None
+        )
         items = actors.items() if isinstance(actors, Mapping) else enumerate(actors)
         for index, handle in items:
             self.add_actor(handle, index=index)
@@ -230,6 +239,44 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         actors that read the hub's blocks), or None."""
         self._check_open()
         return None if self._lending is None else self._lending.lend(nbytes)
+
+    def takes_device(self, device: Any) -> bool:
+        """Whether every actor reads this host's blocks and said its model lives on GPU
+        ``device``, and none keeps its versions mapped (those read host blocks)."""
+        lending = self._lending
+        if lending is None or lending.devices is None or not handles.IPC.lendable(device):
+            return False
+        with self._lock:
+            live = [a for a in self._actors.values() if a.lost is None]
+            return bool(live) and all(
+                a.shared and a.index not in lending.keeping and lending.takes(a.index, device)
+                for a in live
+            )
+
+    def lend_device(self, nbytes: int, device: Any) -> Any:
+        """``nbytes`` of memory on ``device`` that frames are later sent from as they
+        are, leased to the actors on that GPU through CUDA IPC; None when some actor is
+        not on it (:meth:`takes_device`) or no device block is free."""
+        self._check_open()
+        if self._lending is None or not self.takes_device(device):
+            return None
+        return self._lending.lend_device(nbytes, device)
+
+    def _on_device(
+        self, frames: Sequence[Any], live: list[_Actor], lend_to: set[int]
+    ) -> tuple[LentPayload | None, set[int], Sequence[Any]]:
+        """For frames that lie on a GPU: the lease of their device blocks, the actors it
+        goes to (those of ``lend_to`` on that GPU), and the frames as host bytes where
+        some actor is not one of them (else as they are)."""
+        lending = self._lending
+        if lending is None or not any(handles.IPC.is_device(f) for f in frames):
+            return None, set(), frames
+        lent = lending.payload(frames) if lending.devices is not None else None
+        device = None if lent is None else lent.device
+        takers = {i for i in lend_to if device is not None and lending.device_of.get(i) == device}
+        if len(takers) < len(live):
+            frames = [_host(f) if handles.IPC.is_device(f) else f for f in frames]
+        return (lent if takers else None), takers, frames
 
     def _payload(self, frames: Sequence[Buffer]) -> Any:
         if sum(len(f) for f in frames) < self._inline_bytes:
@@ -313,15 +360,25 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         with self._lock:
             lend_to = {a.index for a in live if a.shared and not self._via_store(a, chunk, first)}
         big = sum(len(f) for f in frames) >= self._inline_bytes
+        on_device, takers, frames = self._on_device(frames, live, lend_to)
+        lend_to -= takers
         lent = lending.payload(frames) if lending is not None and lend_to and big else None
-        others = [a for a in live if lent is None or a.index not in lend_to]
+        others = [
+            a for a in live if a.index not in takers and (lent is None or a.index not in lend_to)
+        ]
         payload = self._payload(frames) if others else None
         with self._lock:
             for actor in live:
                 message = payload if lent is None or actor.index not in lend_to else lent
-                if big and actor.shared and actor.index not in lend_to:
+                if big and actor.shared and actor.index not in lend_to | takers:
                     self._counters["behind_sends"] += 1  # behind: the object store for it
-                if lending is not None and lent is not None and message is lent:
+                if lending is not None and on_device is not None and actor.index in takers:
+                    message = on_device
+                    for grant in lending.grants(actor.index, on_device):
+                        self._call(actor, grant)  # called first: it comes first
+                    lending.lease(actor.index, on_device)
+                    self._counters["device_sends"] += 1
+                elif lending is not None and lent is not None and message is lent:
                     lending.lease(actor.index, lent)
                     self._counters["shared_sends"] += 1
                 if not chunk:
@@ -505,6 +562,10 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             counts = dict(self._counters)
         if self._lending is not None:
             counts["shm_bytes"] = self._lending.pool.nbytes()
+            devices = self._lending.devices
+            if devices is not None and (devices.nbytes() or devices.refused):
+                counts["device_bytes"] = devices.nbytes()
+                counts["device_refused"] = devices.refused
             counts["bad_releases"] += self._lending.bad_releases
             with self._lock:
                 shared = [a.shared for a in self._actors.values() if a.lost is None]
@@ -524,6 +585,11 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
 
 
 _WOKEN: Final = object()
+
+
+def _host(frame: Any) -> Any:
+    """A frame on a GPU as host bytes (a numpy array)."""
+    return frame.detach().cpu().numpy()
 
 
 class _Failed:

@@ -68,8 +68,17 @@ class PeerBlocks:
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._maps
 
-    def add(self, block_id: int, mapped: np.ndarray) -> None:
-        self._maps[block_id] = (0, mapped)  # handed over on its own pipe: no inode named
+    def add(self, block_id: int, mapped: Any, owner: int | None = None) -> None:
+        """A block handed over (a descriptor on a pipe, a device block's handle): no
+        inode named. ``owner``: the pid of the hub it is from, where leases name one (a
+        new hub's block makes this forget the blocks of the one before)."""
+        if owner is not None and owner != self._owner:
+            self._maps.clear()
+            self._owner = owner
+        self._maps.pop(block_id, None)
+        while self._limit is not None and len(self._maps) >= self._limit:
+            del self._maps[next(iter(self._maps))]
+        self._maps[block_id] = (0, mapped)
 
     def keep_only(self, pid: int, live: Sequence[int]) -> None:
         """Forget every mapping but those of ``pid``'s blocks in ``live`` (the others

@@ -11,6 +11,8 @@
 - :class:`TakesDevice` (peer to hub): this peer's model lives on the GPU of that UUID
   digest, on the hub's host: a version in a device block of that GPU may be lent to it
   as it is (:mod:`zmqsync.transport.cuda`).
+- :class:`DeviceGrant` (hub to peer, where no pipe passes it on its own): device block
+  ``block``'s CUDA IPC handle, for that peer alone (:mod:`zmqsync.transport.cuda`).
 - :class:`Release` (peer to hub): one lease on each named block ends (ordered channels:
   pipes, Ray calls). :class:`Holding` (peer to hub): which blocks a peer still views,
   as of the messages it has seen (lossy channels: ZeroMQ, where a message a peer never
@@ -33,8 +35,10 @@ from zmqsync.protocol import Buffer
 __all__ = [
     "ADDRESSED",
     "FAN_OUT",
+    "MAX_DEVICE_HANDLE",
     "NO_DEVICE",
     "TOKEN_BYTES",
+    "DeviceGrant",
     "Entry",
     "Holding",
     "Join",
@@ -74,6 +78,10 @@ _HOLDING: Final = b"ZLho"
 _KEEPS: Final = b"ZLke"
 _DEVICE: Final = b"ZLdv"
 _DEVICE_BODY: Final = struct.Struct("<16s")
+_HANDLE: Final = b"ZLdh"
+_HANDLE_HEAD: Final = struct.Struct("<qq")  # block id, the hub's pid; the handle follows
+#: Bytes of an encoded device handle a :class:`DeviceGrant` may carry.
+MAX_DEVICE_HANDLE: Final = 2048
 _MAGIC_BYTES: Final = 4
 
 _OFFER_BODY: Final = struct.Struct("<qqQ")  # pid, fd, inode of the probe block
@@ -206,14 +214,27 @@ class TakesDevice:
     uuid: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceGrant:
+    """Device block ``block`` of the hub in process ``pid``: its encoded CUDA IPC
+    handle (:class:`~zmqsync.transport.cuda.handles.DeviceHandle`), made for the one
+    peer it is sent to."""
+
+    block: int
+    pid: int
+    handle: bytes
+
+
 #: The GPU of a peer that takes no device blocks.
 NO_DEVICE: Final = bytes(16)
 
 
-Record = Offer | Join | Leave | Joined | Lease | Release | Holding | Keeps | TakesDevice
+Record = (
+    Offer | Join | Leave | Joined | Lease | Release | Holding | Keeps | TakesDevice | DeviceGrant
+)
 
 _MAGICS: Final = frozenset(
-    {_OFFER, _JOIN, _LEAVE, _JOINED, _LEASE, _RELEASE, _HOLDING, _KEEPS, _DEVICE}
+    {_OFFER, _JOIN, _LEAVE, _JOINED, _LEASE, _RELEASE, _HOLDING, _KEEPS, _DEVICE, _HANDLE}
 )
 
 
@@ -242,6 +263,8 @@ def encode(record: Record) -> bytes:
         return _KEEPS
     if isinstance(record, TakesDevice):
         return _DEVICE + _DEVICE_BODY.pack(record.uuid)
+    if isinstance(record, DeviceGrant):
+        return _HANDLE + _HANDLE_HEAD.pack(record.block, record.pid) + record.handle
     if isinstance(record, Joined):
         return _JOINED + _JOINED_BODY.pack(record.slot, record.first_seq, record.secret)
     if isinstance(record, Lease):
@@ -316,6 +339,11 @@ def decode(frame: Buffer) -> Record:
     if magic == _DEVICE:
         (uuid,) = _fixed(body, _DEVICE_BODY)
         return TakesDevice(bytes(uuid))
+    if magic == _HANDLE:
+        if not _HANDLE_HEAD.size < len(body) <= _HANDLE_HEAD.size + MAX_DEVICE_HANDLE:
+            raise RecordError(f"a device block record of {len(body)} bytes")
+        block, pid = _HANDLE_HEAD.unpack_from(body)
+        return DeviceGrant(int(block), int(pid), body[_HANDLE_HEAD.size :])
     if magic == _LEAVE:
         if body:
             raise RecordError("a leave record carries nothing")
