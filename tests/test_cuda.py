@@ -208,6 +208,44 @@ def test_cuda_workers_on_the_learners_gpu_copy_each_version_device_to_device(fle
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["pubsub", "router"])
+def test_cuda_workers_over_ipc_on_the_learners_gpu_copy_device_to_device(
+    fleet,  # type: ignore[no-untyped-def]
+    ipc_endpoint: str,
+    mode: str,
+) -> None:
+    """Over ZeroMQ's ipc://, workers whose model lives on the learner's GPU get each
+    version from device memory the hub lends (a handle each, on the ROUTER)."""
+    model = make_model("big@cuda", seed=0)
+    scheme = ZMQWeightSyncScheme("state_dict", mode=mode, endpoint=ipc_endpoint, timeout=30)
+    scheme.init_on_sender("policy", model=model, num_workers=2)
+    try:
+        for i in range(2):
+            fleet.start(scheme, i, kind="big@cuda")
+        for i in range(2):
+            fleet.wait_ready(i, timeout=120)
+        hub = scheme.get_sender().transport
+        deadline = time.monotonic() + 60
+        while hub.counters().get("shm_peers", 0) < 2:  # both joined the hub's lending
+            assert time.monotonic() < deadline, hub.counters()
+            time.sleep(0.05)
+        bump(model)  # the first version may still go through the host (see the docs)
+        scheme.send()
+        before = [fleet.ask(i, "state")["stats"]["device_chunks"] for i in range(2)]
+        for _ in range(6):  # more versions than device blocks
+            bump(model)
+            scheme.send()
+            want = (scheme.get_sender().version, zmqsync.checksum(model))
+            states = [fleet.ask(i, "state") for i in range(2)]
+            assert [(s["version"], s["checksum"]) for s in states] == [want] * 2
+        lent = [s["stats"]["device_chunks"] - b for s, b in zip(states, before, strict=True)]
+        assert lent == [6, 6]
+        assert 32 << 20 <= hub.counters()["device_bytes"] <= 3 * (33 << 20)
+    finally:
+        scheme.shutdown()
+
+
+@pytest.mark.timeout(240)
 def test_a_cpu_worker_joins_a_fleet_lent_device_memory(fleet) -> None:  # type: ignore[no-untyped-def]
     """A CPU worker that joins late is served the latest version, held in device memory,
     as host bytes; while it is there the versions go through the host's shared memory

@@ -36,6 +36,9 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
             (same host and pid namespace) read each version there in place, instead of
             through the socket. ``None`` (default): over ``ipc://`` only. Workers that
             cannot get every byte inline either way.
+        device_memory: a learner on a GPU writes each version into device memory lent to
+            the workers (among those reading shared memory) whose model lives on that
+            same GPU, which copy it device to device (CUDA IPC).
         **sender_options: ``retain_snapshot``, ``heartbeat``, ``repair_after``, ...
 
     Example::
@@ -60,10 +63,12 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
         curve_client: CurveClient | None = None,
         insecure: bool = False,
         shared_memory: bool | None = None,
+        device_memory: bool = True,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         **sender_options: Any,
     ) -> None:
         self.shared_memory = shared_memory
+        self.device_memory = device_memory
         self.curve_server = curve_server
         self.curve_client = curve_client
         self.insecure = insecure
@@ -89,6 +94,7 @@ class ZMQWeightSyncScheme(WeightSyncScheme):
             "curve": self.curve_server,
             "insecure": self.insecure,
             "shared_memory": self.shared_memory,
+            "device_memory": self.device_memory,
         }
 
     def _spoke_options(self) -> dict[str, Any]:

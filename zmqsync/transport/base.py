@@ -258,8 +258,8 @@ class Lends(Ability):
 
     def lend_device(self, nbytes: int, device: Any) -> Any:
         """``nbytes`` of memory on GPU ``device`` (a uint8 tensor) that frames are later
-        sent from as they are, or None (by default: no hub lends device memory but the
-        pipe's and Ray's)."""
+        sent from as they are, or None (by default: no hub lends device memory but those
+        that lend shared memory)."""
         return None
 
 

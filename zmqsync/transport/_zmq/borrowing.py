@@ -7,10 +7,17 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
 
 from zmqsync.protocol import Buffer
+from zmqsync.transport.cuda import handles
+from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
 from zmqsync.transport.shm.records import (
+    NO_DEVICE,
+    DeviceGrant,
     Holding,
     Join,
     Joined,
@@ -19,6 +26,7 @@ from zmqsync.transport.shm.records import (
     Leave,
     Offer,
     RecordError,
+    TakesDevice,
     decode,
     encode,
 )
@@ -49,6 +57,9 @@ class Borrower:
         self._held: Counter[int] = Counter()  # block id -> leases whose views live
         self._dirty = False
         self._keeps = False  # keeps each version mapped until the next: tell each join
+        #: The GPU this spoke's model lives on (told on each join; device blocks come as
+        #: tensors on it, each let go of only once the device is synchronized).
+        self._device: torch.device | None = None
         self.counters: Counter[str] = Counter()
 
     @property
@@ -72,11 +83,15 @@ class Borrower:
                 self._seen = [max(s, self._first_seq - 1) for s in self._seen]
                 if self._keeps:
                     self._request([encode(Keeps())])
+                if self._device is not None:
+                    self._request([encode(self._takes_device())])
                 early, self._early = self._early, None
                 if early is not None:
                     return self._resolve(*early)
             elif isinstance(record, Lease):
                 return self._resolve(record, list(frames[1:]))
+            elif isinstance(record, DeviceGrant) and self._offer is not None:
+                self._open_device_block(record)
             else:
                 self.counters["bad_records"] += 1
         except (RecordError, ValueError, OSError) as exc:
@@ -92,6 +107,37 @@ class Borrower:
             self._keeps = True
             if self._slot is not None:
                 self._request([encode(Keeps())])
+
+    def take_device(self, device: Any) -> None:
+        """This spoke's model lives on GPU ``device``: say so to the hub now (if joined)
+        and on every join."""
+        device = torch.device(device)
+        if not handles.IPC.lendable(device) or self._device == device:
+            return
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        if self._slot is not None:
+            self._request([encode(self._takes_device())])
+
+    def _takes_device(self) -> TakesDevice:
+        device = self._device
+        return TakesDevice(NO_DEVICE if device is None else handles.IPC.uuid_of(device))
+
+    def _open_device_block(self, grant: DeviceGrant) -> None:
+        if self._device is None:
+            return  # it took none, or refused one already: the hub is told so
+        try:
+            opened = handles.IPC.open_handle(handles.DeviceHandle.decode(grant.handle))
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
+            log.warning(
+                "a device block cannot be opened here (%s): versions come through the host", exc
+            )
+            self._device = None
+            self.counters["device_refused"] += 1
+            self._request([encode(TakesDevice(NO_DEVICE))])
+            return
+        self._maps.add(grant.block, opened, owner=grant.pid)
 
     def _on_offer(self, offer: Offer) -> None:
         if self._offer is not None and self._offer == offer and self._joining:
@@ -127,6 +173,12 @@ class Borrower:
                 self._join()  # not counted any more (the hub dropped us): for the next ones
             return None
         self._seen[lease.channel] = max(self._seen[lease.channel], lease.seq)  # told once views die
+        if any(e.block >= DEVICE_IDS and e.block not in self._maps for e in lease.entries):
+            # In a device block it could not open: this message is lost (repaired); the
+            # hub ends its leases once it hears this lease was seen.
+            self.counters["unread_device"] += 1
+            self._dirty = True
+            return None
         if self._keeps:
             # Told at once: the hub holds the sender's frames (its window) until it hears
             # this; the block's lease, not those frames, keeps what is mapped here.
@@ -139,6 +191,10 @@ class Borrower:
         return frames
 
     def _let_go(self, block_id: int) -> None:
+        device = self._device
+        if block_id >= DEVICE_IDS and device is not None:
+            # The copies out of it may still be queued on the device: they end first.
+            handles.IPC.synchronize(device)
         with self._lock:
             self._held[block_id] -= 1
             if self._held[block_id] <= 0:

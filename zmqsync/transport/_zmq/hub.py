@@ -49,6 +49,7 @@ from zmqsync.transport.base import (
     Waitable,
     ZeroCopy,
 )
+from zmqsync.transport.cuda import handles
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 from zmqsync.transport.shm.records import ADDRESSED, FAN_OUT, is_record
@@ -81,7 +82,9 @@ class ZMQHub(
 
     Subclasses choose how ``send_frames(to=None)`` fans out. Besides the contract it
     has the abilities it subclasses (see :mod:`zmqsync.transport.base`); it lends
-    memory to ``ipc://`` peers, or as ``shared_memory`` says.
+    memory to ``ipc://`` peers, or as ``shared_memory`` says; and, unless
+    ``device_memory=False``, device memory to the peers among them whose model lives on
+    the learner's GPU (:mod:`zmqsync.transport.cuda`).
 
     Anyone who can connect may send to the ROUTER under a spoke's routing id: the hub
     keeps a peer (fans out to it, offers it shared memory) only once the sender admitted
@@ -101,6 +104,7 @@ class ZMQHub(
         curve: CurveServer | None = None,
         insecure: bool = False,
         shared_memory: bool | None = None,
+        device_memory: bool = True,
     ) -> None:
         self._tmpdir: str | None = None
         self._lender: Lender | None = None
@@ -145,7 +149,7 @@ class ZMQHub(
         self._closed = False
         self._monitors: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
         if (scheme == "ipc" if shared_memory is None else shared_memory) and SHM_AVAILABLE:
-            self._lender = Lender()
+            self._lender = Lender(device_memory=device_memory)
         try:
             with translated(f"binding {endpoint}"):
                 self._router = self._new_router()
@@ -221,6 +225,22 @@ class ZMQHub(
             out.update(self._lender.stats())
         return out
 
+    def takes_device(self, device: Any) -> bool:
+        """Whether every admitted spoke reads this host's blocks and said its model
+        lives on GPU ``device`` (and none keeps its versions mapped)."""
+        if self._lender is None or not handles.IPC.lendable(device):
+            return False
+        return self._lender.takes_device(list(self._peers | self._away), device)
+
+    def lend_device(self, nbytes: int, device: Any) -> Any:
+        """``nbytes`` of memory on ``device`` that frames are later sent from as they
+        are, leased to the spokes on that GPU through CUDA IPC; None when some spoke is
+        not on it (:meth:`takes_device`) or no device block is free."""
+        self._check_open()
+        if self._lender is None or not self.takes_device(device):
+            return None
+        return self._lender.lend_device(nbytes, device)
+
     def lend(self, nbytes: int) -> Any:
         """Shared memory to carve a sender's snapshot from, while some peer reads this
         hub's blocks (``ipc://`` peers on this host); else None."""
@@ -262,6 +282,8 @@ class ZMQHub(
         with translated(f"sending from {self._endpoint}"):
             if self._lender is not None and self._send_lent(frames, to):
                 return
+            if any(handles.IPC.is_device(f) for f in frames):
+                frames = _on_host(frames)  # (a repair from a device block, say)
             if to is None:
                 self._fan_out(frames)
             else:
@@ -287,16 +309,42 @@ class ZMQHub(
         else:
             counted = [p for p in to if p in members]
             others = [p for p in to if p not in members]
+        if any(handles.IPC.is_device(f) for f in frames):
+            return self._send_on_device(frames, counted if to is not None else known, others)
         leased = self._lender.lease(frames, counted, channel) if counted else None
         if leased is None:
             return False
         if channel == FAN_OUT:
-            self._fan_out(leased)
+            self._fan_out(leased.frames)
         else:
             for peer in counted:
-                self._send_to(peer, leased)
+                self._send_to(peer, leased.frames)
         for peer in others:
             self._send_to(peer, frames)
+        return True
+
+    def _send_on_device(
+        self, frames: Sequence[Any], members: list[PeerId], others: list[PeerId]
+    ) -> bool:
+        """Frames that lie on a GPU: a lease of their device blocks to the ``members``
+        that said their model lives on it, addressed (each peer's handles of the blocks
+        go ahead of it, on the same socket), and host bytes to everyone else."""
+        assert self._lender is not None
+        device = next(f.device for f in frames if handles.IPC.is_device(f))
+        takers = [p for p in members if self._lender.takes_device([p], device)]
+        leased = self._lender.lease(frames, takers, ADDRESSED) if takers else None
+        if leased is None:
+            takers = []
+        for peer in takers:
+            assert leased is not None
+            for grant in self._lender.grants(peer, leased):
+                self._send_to(peer, [grant])
+            self._send_to(peer, leased.frames)
+        rest = [p for p in [*members, *others] if p not in takers]
+        if rest:
+            host = _on_host(frames)
+            for peer in rest:
+                self._send_to(peer, host)
         return True
 
     def _send_to(self, peer: PeerId, frames: Sequence[Buffer]) -> None:
@@ -446,3 +494,8 @@ class ZMQHub(
             self._context.term()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def _on_host(frames: Sequence[Any]) -> list[Any]:
+    """``frames`` with each one on a GPU copied to the host (a numpy array)."""
+    return [f.detach().cpu().numpy() if handles.IPC.is_device(f) else f for f in frames]

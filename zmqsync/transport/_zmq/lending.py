@@ -2,7 +2,9 @@
 
 Over ``ipc://`` every worker is on the learner's host, so a version need not cross a
 socket at all: the hub sends a lease naming where each large frame lies in its blocks
-(a sender's snapshot already lies in one), and each worker copies from there.
+(a sender's snapshot already lies in one), and each worker copies from there. A learner
+on a GPU lends device blocks the same way to the workers whose model lives on that GPU
+(:mod:`zmqsync.transport.cuda`).
 """
 
 from __future__ import annotations
@@ -17,17 +19,23 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from zmqsync.protocol import Buffer
+from zmqsync.transport.cuda import handles
+from zmqsync.transport.cuda.blocks import DevicePool
+from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.shm.blocks import BlockPool, Ref
 from zmqsync.transport.shm.lending import ProbeBlock, lease_of
 from zmqsync.transport.shm.records import (
     ADDRESSED,
     FAN_OUT,
+    NO_DEVICE,
+    DeviceGrant,
     Holding,
     Join,
     Joined,
     Keeps,
     Leave,
     RecordError,
+    TakesDevice,
     decode,
     encode,
 )
@@ -50,6 +58,17 @@ MAX_KEPT: Final = 256
 MAX_EXPIRED: Final = 1024
 #: The largest slot number; a hub gives each join a new one.
 _MAX_SLOT: Final = 1 << 31
+#: Device blocks whose handle one peer is given at most before the oldest it was given
+#: are forgotten (at most 3 are alive; retired ones are never named again).
+MAX_GRANTED: Final = 16
+
+
+@dataclass(frozen=True)
+class Leased:
+    """One message as a lease (its frames), and the device blocks it names."""
+
+    frames: list[Any]
+    devices: list[Any]
 
 
 @dataclass
@@ -72,6 +91,10 @@ class _Member:
     keeps: bool = False
     #: Block id -> when a later lease than the one naming it was counted for the peer.
     superseded_at: dict[int, float] = field(default_factory=dict)
+    #: The GPU the peer's model lives on, as it said (a UUID digest), or None.
+    device: bytes | None = None
+    #: Device blocks whose handle the peer was given (oldest first).
+    granted: list[int] = field(default_factory=list)
 
 
 class Lender:
@@ -106,8 +129,10 @@ class Lender:
     Not thread-safe: the hub calls it under its own use.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, device_memory: bool = True) -> None:
         self.pool = BlockPool()
+        #: Device blocks, for peers that said their model lives on the learner's GPU.
+        self.devices = DevicePool() if device_memory else None
         self._probe = ProbeBlock()
         self._members: dict[bytes, _Member] = {}
         self._by_slot: dict[int, _Member] = {}
@@ -158,6 +183,9 @@ class Lender:
             self._members[peer].keeps = True
             self.counters["keeping"] += 1
             return None
+        if isinstance(record, TakesDevice) and peer in self._members:
+            self._members[peer].device = None if record.uuid == NO_DEVICE else record.uuid
+            return None
         if isinstance(record, Leave):
             self.counters["declined"] += 1
             self.drop(peer, "left")
@@ -176,7 +204,9 @@ class Lender:
             return
         del self._by_slot[member.slot]
         self._release_kept(peer)
-        self.pool.retire(member.leased)
+        self.pool.retire(i for i in member.leased if i < DEVICE_IDS)
+        if self.devices is not None:
+            self.devices.retire(i for i in member.leased if i >= DEVICE_IDS)
         if member.leased:
             log.info(
                 "shared memory: dropped a peer holding %d block(s): %s", len(member.leased), why
@@ -209,7 +239,7 @@ class Lender:
         self._release_kept(member.peer, seen, frozenset() if member.keeps else record.held)
         for block_id, by_channel in list(member.leased.items()):
             if block_id not in record.held and all(q <= seen[c] for c, q in by_channel.items()):
-                self.pool.release_all(block_id, member.peer)
+                self._pool_of(block_id).release_all(block_id, member.peer)
                 del member.leased[block_id]
                 del member.lent_at[block_id]
                 member.superseded_at.pop(block_id, None)
@@ -231,7 +261,7 @@ class Lender:
 
     def lease(
         self, frames: Sequence[Buffer], peers: Sequence[bytes], channel: int
-    ) -> list[bytes | Any] | None:
+    ) -> Leased | None:
         """``frames`` as one lease, to go out on ``channel``, counted for ``peers`` (the
         joined ones among them). None: nobody joined, a large frame not in a block
         (memory from :meth:`lend`), or a block retired meanwhile; then send ``frames``
@@ -239,6 +269,9 @@ class Lender:
         members = [self._members[p] for p in peers if p in self._members]
         if not members:
             return None
+        keep_device: list[Any] = []
+        if self.devices is not None and any(handles.IPC.is_device(f) for f in frames):
+            frames, keep_device = self.devices.place_device(frames)
         # Only memory lent by lend() goes as it is: copying the caller's frames into a
         # block would be the serialised copy zero-copy sends avoid.
         found = self.pool.place(frames, copy=False)
@@ -258,23 +291,68 @@ class Lender:
                     keeper.superseded_at.setdefault(block_id, now)
         for member in members:
             for block in blocks.values():
-                if self.pool.lease(block, member.peer):
+                if self._pool_of(block.id).lease(block, member.peer):
                     member.leased.setdefault(block.id, {})[channel] = self._seq
                     member.lent_at.setdefault(block.id, now)  # a block held on keeps its lease
-        del keep  # the leases keep the blocks now
+        del keep, keep_device  # the leases keep the blocks now
         self._kept[self._seq] = (list(frames), channel, set(blocks), {m.peer for m in members})
         while len(self._kept) > MAX_KEPT:
             del self._kept[next(iter(self._kept))]
         lease, inline = lease_of(
             placed,
             pid=os.getpid(),
-            live=self.pool.live_ids(),
+            live=self._live(),
             seq=self._seq,
             channel=channel,
             slots=[m.slot for m in members],
         )
         self.counters["shared_sends"] += 1
-        return [encode(lease), *inline]
+        devices = [b for i, b in blocks.items() if i >= DEVICE_IDS]
+        return Leased([encode(lease), *inline], devices)
+
+    def grants(self, peer: bytes, leased: Leased) -> list[bytes]:
+        """The records ``peer`` needs before ``leased``: a handle of each device block
+        it names that the peer was not given yet (one handle per peer: see
+        :class:`~zmqsync.transport.cuda.blocks.DeviceBlock`)."""
+        member = self._members.get(peer)
+        if member is None:
+            return []
+        out = []
+        for block in leased.devices:
+            if block.id in member.granted:
+                continue
+            handle = block.handle_for_peer()
+            out.append(encode(DeviceGrant(block.id, os.getpid(), handle)))
+            member.granted.append(block.id)
+            del member.granted[:-MAX_GRANTED]
+        return out
+
+    def takes_device(self, peers: Sequence[bytes], device: Any) -> bool:
+        """Whether every one of ``peers`` joined and said its model lives on GPU
+        ``device``, and none keeps its versions mapped or is sent copies."""
+        if self.devices is None or not peers:
+            return False
+        uuid = handles.IPC.uuid_of(device)
+        for peer in peers:
+            member = self._members.get(peer)
+            if member is None or member.keeps or member.device != uuid:
+                return False
+        return True
+
+    def lend_device(self, nbytes: int, device: Any) -> Any:
+        if self.devices is None:
+            return None
+        lent = self.devices.lend_on(nbytes, device)
+        return None if lent is None else lent[1]
+
+    def _pool_of(self, block_id: int) -> BlockPool:
+        if block_id >= DEVICE_IDS and self.devices is not None:
+            return self.devices
+        return self.pool
+
+    def _live(self) -> list[int]:
+        devices = [] if self.devices is None else self.devices.live_ids()
+        return self.pool.live_ids() + devices
 
     def expire(self) -> None:
         """Drop the peers that held a block past :data:`LEASE_SECONDS` since it was lent
@@ -306,6 +384,9 @@ class Lender:
     def stats(self) -> dict[str, int]:
         out = {f"shm_{k}": v for k, v in self.counters.items()}
         out["shm_bytes"] = self.pool.nbytes()
+        if self.devices is not None and (self.devices.nbytes() or self.devices.refused):
+            out["device_bytes"] = self.devices.nbytes()
+            out["device_refused"] = self.devices.refused
         out["shm_peers"] = len(self._members)
         out["shm_copying"] = len(self._expired)
         out["shm_pinned"] = sum(self._expired.values())
@@ -314,6 +395,8 @@ class Lender:
     def close(self) -> None:
         self._kept.clear()
         self.pool.close()
+        if self.devices is not None:
+            self.devices.close()
         self._probe.close()
         self._members.clear()
         self._by_slot.clear()

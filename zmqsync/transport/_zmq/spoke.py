@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import numpy as np
+import torch
 import zmq
 
 from zmqsync.endpoints import connect_address, parse_endpoint
@@ -89,6 +90,9 @@ class ZMQSpoke(OpenEnd, SpokeTransport, Peekable, Borrows, Follows, Counted):
     def keep_versions(self) -> None:
         self._borrower.keep_versions()
 
+    def take_device(self, device: Any) -> None:
+        self._borrower.take_device(device)
+
     def _request(self, frames: list[bytes]) -> None:
         with contextlib.suppress(zmq.ZMQError):  # lost: the hub offers again, or never
             send_parts(self._dealer, frames)
@@ -165,7 +169,7 @@ class ZMQSpoke(OpenEnd, SpokeTransport, Peekable, Borrows, Follows, Counted):
         # Block views are numpy arrays; frames off the socket are memoryviews. A version
         # that came through the socket is freed after the ack (off the critical path),
         # even while this spoke reads other versions from the hub's blocks.
-        return any(isinstance(b, np.ndarray) for b in buffers)
+        return any(isinstance(b, np.ndarray | torch.Tensor) for b in buffers)
 
     def has_input(self) -> bool:
         if self._closed:
