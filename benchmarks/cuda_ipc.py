@@ -1,7 +1,8 @@
-"""A learner's version to K workers on its own GPU: zmqsync's pipes against hand-written
-CUDA IPC, in one run (issue 35, item 3).
+"""A learner's version to K workers on its own GPU: zmqsync's pipes and ZeroMQ ``ipc://``
+against hand-written CUDA IPC, in one run (issue 35, item 3).
 
-zmqsync's pipe hub lends workers on the learner's GPU blocks of device memory: the
+zmqsync's pipe and ``ipc://`` hubs lend workers on the learner's GPU blocks of device
+memory: the
 version is written once into one on the device, and each worker copies it from there
 device to device (see docs/gpus.md). Code written by hand for such workers does the
 least there is: one flat device buffer shared once through CUDA IPC (torch's
@@ -13,6 +14,8 @@ measures both:
   learner's and every worker's state_dict on the device; ``send()`` returns once every
   worker applied the version (its device synchronized before the ack); the table's
   ``device chunks`` is the fewest chunks any worker copied from the hub's device blocks;
+- ``zmqsync-ipc``: ``ZMQWeightSyncScheme("state_dict")`` over ``ipc://`` (pubsub, its
+  defaults), the same way, into a third state_dict of each worker;
 - ``cuda-ipc``: the learner copies its tensors into the shared buffer with one
   ``_foreach_copy_``, synchronizes, and tells each worker over a pipe; each worker copies
   the buffer into its own tensors with one ``_foreach_copy_``, synchronizes, and acks.
@@ -33,8 +36,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, Final
@@ -42,7 +47,7 @@ from typing import Any, Final
 import torch
 import torch.multiprocessing as tmp
 
-from zmqsync import MultiProcessWeightSyncScheme
+from zmqsync import MultiProcessWeightSyncScheme, ZMQWeightSyncScheme
 
 #: name -> (tensor count, shape of each float32 tensor)
 SIZES: Final[dict[str, tuple[int, tuple[int, int]]]] = {
@@ -73,15 +78,27 @@ def _sync(device: str) -> None:
 
 
 def _worker(
-    control: Any, pipe: Any, scheme: Any, flat: torch.Tensor, size: str, device: str
+    control: Any,
+    pipe: Any,
+    scheme: Any,
+    zscheme: Any,
+    index: int,
+    flat: torch.Tensor,
+    size: str,
+    device: str,
 ) -> None:
-    """One worker: a zmqsync receiver on its background thread, and a hand-written CUDA
-    IPC reader of ``flat`` driven over ``control``."""
+    """One worker: two zmqsync receivers on their background threads (a pipe's, an
+    ``ipc://`` one's), and a hand-written CUDA IPC reader of ``flat`` driven over
+    ``control``."""
     zmq_model = _state_dict(size, device, seed=None)
     ipc_model = _state_dict(size, device, seed=None)
+    z_model = _state_dict(size, device, seed=None)
     scheme.init_on_worker("policy", pipe=pipe, model=zmq_model)
     scheme.connect(timeout=TIMEOUT)
     scheme.start_receiver_thread()
+    zscheme.init_on_receiver(model_id="policy", model=z_model, worker_idx=index)
+    zscheme.connect(timeout=TIMEOUT)
+    zscheme.start_receiver_thread()
     views = _views(flat, ipc_model)
     targets = list(ipc_model.values())
     try:
@@ -94,13 +111,15 @@ def _worker(
                 _sync(device)
                 control.send("done")
             elif what == "sums":
-                with scheme.lock:
+                with scheme.lock, zscheme.lock:
                     lent = scheme.get_receiver().stats["device_chunks"]
-                    control.send((_sums(zmq_model), _sums(ipc_model), lent))
+                    zlent = zscheme.get_receiver().stats["device_chunks"]
+                    control.send((_sums(zmq_model), _sums(z_model), _sums(ipc_model), lent, zlent))
             else:
                 return
     finally:
         scheme.shutdown()
+        zscheme.shutdown()
 
 
 def _views(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -131,21 +150,26 @@ def run_cell(size: str, workers: int, repeats: int, device: str) -> dict[str, An
     pipes = [ctx.Pipe() for _ in range(workers)]
     controls = [ctx.Pipe() for _ in range(workers)]
     scheme.init_on_sender("policy", pipes=[p[0] for p in pipes], model=model, num_workers=workers)
+    where = tempfile.mkdtemp(prefix="zmqsync-bench-")
+    zscheme = ZMQWeightSyncScheme("state_dict", endpoint=f"ipc://{where}/learner")
+    zscheme.init_on_sender("policy", model=model, num_workers=workers)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(controls[i][1], pipes[i][1], scheme, flat, size, device),
+            args=(controls[i][1], pipes[i][1], scheme, zscheme, i, flat, size, device),
             daemon=True,
         )
         for i in range(workers)
     ]
-    times: dict[str, list[float]] = {"zmqsync-pipe": [], "cuda-ipc": []}
-    #: Per worker: chunks it took from device memory the hub lent (CUDA IPC).
-    device_chunks: list[int] = []
+    times: dict[str, list[float]] = {"zmqsync-pipe": [], "zmqsync-ipc": [], "cuda-ipc": []}
+    #: Per worker: chunks it took from device memory the hub lent (CUDA IPC), per
+    #: zmqsync variant.
+    device_chunks: dict[str, list[int]] = {"zmqsync-pipe": [], "zmqsync-ipc": []}
     try:
         for p in procs:
             p.start()
         scheme.connect(timeout=TIMEOUT)
+        zscheme.connect(timeout=TIMEOUT)
 
         def ipc_send() -> None:
             torch._foreach_copy_(views, list(model.values()))
@@ -156,7 +180,7 @@ def run_cell(size: str, workers: int, repeats: int, device: str) -> dict[str, An
                 if not c.poll(TIMEOUT) or c.recv() != "done":
                     raise TimeoutError("a cuda-ipc worker did not answer")
 
-        sends = {"zmqsync-pipe": scheme.send, "cuda-ipc": ipc_send}
+        sends = {"zmqsync-pipe": scheme.send, "zmqsync-ipc": zscheme.send, "cuda-ipc": ipc_send}
         step = 0
         for i in range(repeats + 2):  # two untimed warm-ups
             order = list(sends) if i % 2 == 0 else list(reversed(sends))
@@ -172,15 +196,18 @@ def run_cell(size: str, workers: int, repeats: int, device: str) -> dict[str, An
         # Each variant sends the model as it is now once more, then every worker's two
         # state_dicts must equal it.
         scheme.send()
+        zscheme.send()
         ipc_send()
         for c, _ in controls:
             c.send("sums")
         for c, _ in controls:
             if not c.poll(TIMEOUT):
                 raise TimeoutError("a worker did not answer")
-            got_zmq, got_ipc, lent = c.recv()
-            device_chunks.append(lent)
-            for name, got in (("zmqsync-pipe", got_zmq), ("cuda-ipc", got_ipc)):
+            got_pipe, got_z, got_ipc, lent, zlent = c.recv()
+            device_chunks["zmqsync-pipe"].append(lent)
+            device_chunks["zmqsync-ipc"].append(zlent)
+            got_all = (("zmqsync-pipe", got_pipe), ("zmqsync-ipc", got_z), ("cuda-ipc", got_ipc))
+            for name, got in got_all:
                 if got != expected:
                     raise AssertionError(f"{name}: a worker's tensors differ from the learner's")
     finally:
@@ -192,6 +219,8 @@ def run_cell(size: str, workers: int, repeats: int, device: str) -> dict[str, An
             if p.is_alive():
                 p.kill()
         scheme.shutdown()
+        zscheme.shutdown()
+        shutil.rmtree(where, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "size": size,
@@ -199,6 +228,7 @@ def run_cell(size: str, workers: int, repeats: int, device: str) -> dict[str, An
         "bytes": nbytes,
         "median_ms": med,
         "ratio": med["zmqsync-pipe"] / med["cuda-ipc"],
+        "ratio_ipc": med["zmqsync-ipc"] / med["cuda-ipc"],
         "device_chunks": device_chunks,
         "times_ms": times,
     }
@@ -218,17 +248,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"unknown size {s}: one of {', '.join(SIZES)}")
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(f"# {name}, torch {torch.__version__}, {args.repeats} sends each", file=sys.stderr)
-    print("| size | K | zmqsync-pipe ms | cuda-ipc ms | zmqsync / cuda-ipc | device chunks |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| size | K | zmqsync-pipe ms | zmqsync-ipc ms | cuda-ipc ms | pipe / cuda-ipc "
+        "| ipc / cuda-ipc | device chunks (pipe, ipc) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     cells = []
     for size in sizes:
         for k in (int(w) for w in args.workers.split(",")):
             cell = run_cell(size, k, args.repeats, args.device)
             cells.append(cell)
             m = cell["median_ms"]
+            chunks = cell["device_chunks"]
             print(
-                f"| {size} | {k} | {m['zmqsync-pipe']:.2f} | {m['cuda-ipc']:.2f} "
-                f"| {cell['ratio']:.2f} | {min(cell['device_chunks'])} |",
+                f"| {size} | {k} | {m['zmqsync-pipe']:.2f} | {m['zmqsync-ipc']:.2f} "
+                f"| {m['cuda-ipc']:.2f} | {cell['ratio']:.2f} | {cell['ratio_ipc']:.2f} "
+                f"| {min(chunks['zmqsync-pipe'])}, {min(chunks['zmqsync-ipc'])} |",
                 flush=True,
             )
     if args.json:
