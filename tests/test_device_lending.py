@@ -40,6 +40,7 @@ from zmqsync.transport.shm.records import (
     DeviceGrant,
     Entry,
     Lease,
+    Leave,
     RecordError,
     Release,
     TakesDevice,
@@ -434,3 +435,39 @@ def test_a_killed_worker_lets_go_of_its_device_blocks(fleet, on_the_stand_in: No
         assert counters["peers_lost"] == 1 and counters["device_bytes"] <= 3 * (33 << 20)
     finally:
         scheme.shutdown()
+
+
+def test_a_ray_hubs_lending_believes_a_gpu_only_from_its_actor_and_grants_once(
+    on_the_stand_in: None,
+) -> None:
+    """The Ray hub's lending, alone: an actor's GPU as it said (forgotten when it
+    answers an offer anew, or says it takes none), a handle of each device block given
+    to each actor once, and records only a hub sends counted, not believed."""
+    from zmqsync.transport.ray.lending import ActorLending
+
+    lending = ActorLending()
+    try:
+        device = torch.device("cpu")
+        lending.on_reply(0, encode(TakesDevice(b"another gpu 1234")))
+        assert not lending.takes(0, device)  # another GPU
+        lending.on_reply(0, encode(TakesDevice(handles.IPC.uuid_of(device))))
+        assert lending.takes(0, device)
+        block = lending.lend_device(1 << 20, device)
+        assert block is not None
+        payload = lending.payload([b"head", block])
+        assert payload is not None and payload.device == handles.IPC.uuid_of(device)
+        del block
+        first = lending.grants(0, payload)
+        assert len(first) == 1 and isinstance(decode(first[0][0]), DeviceGrant)
+        assert lending.grants(0, payload) == []  # once per actor
+        assert len(lending.grants(1, payload)) == 1  # each actor its own handle
+        lending.on_reply(0, encode(DeviceGrant(DEVICE_IDS, 1, b"h" * 8)))  # a hub's record
+        assert lending.bad_releases == 1
+        lending.on_reply(0, encode(TakesDevice(NO_DEVICE)))
+        assert not lending.takes(0, device)
+        lending.on_reply(1, encode(TakesDevice(handles.IPC.uuid_of(device))))
+        lending.on_reply(1, encode(Leave()))  # it answers an offer anew: it starts afresh
+        assert not lending.takes(1, device)
+        assert len(lending.grants(1, payload)) == 1
+    finally:
+        lending.close()

@@ -311,11 +311,15 @@ def test_forged_and_malformed_records_are_counted_and_change_nothing(
         push.send_multipart([forged[1], b"behind"])
         dealer.send(records.encode(records.Join(bytes(records.TOKEN_BYTES))))  # a wrong token
         dealer.send(records.encode(records.Offer(0, 0, 0)))  # an offer, which only a hub makes
+        # A device block's handle, which only a hub gives, and a GPU named by a peer that
+        # never joined the lending (nothing proves it is on this host).
+        dealer.send(records.encode(records.DeviceGrant(1 << 30, 1, b"h" * 64)))
+        dealer.send(records.encode(records.TakesDevice(bytes(range(16)))))
         bad = 0
         reached: list[Any] = []
         deadline = time.monotonic() + DEADLINE
-        while bad < 6:
-            assert time.monotonic() < deadline, f"{bad} of 6 bad records counted"
+        while bad < 8:
+            assert time.monotonic() < deadline, f"{bad} of 8 bad records counted"
             incoming = hub.recv_frames(0.05)
             if incoming is not None:
                 reached.append([bytes(f) for f in incoming.frames])
