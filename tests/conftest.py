@@ -149,6 +149,19 @@ class Fleet:
                 assert (state["version"], state["checksum"]) == (version, expected), i
         return states
 
+    def all_hold(self, workers: int, want: tuple[int, str], within: float = 30.0) -> list:
+        """Wait until workers ``0 .. workers - 1`` all hold ``want`` (version,
+        checksum); returns their states."""
+        import time
+
+        deadline = time.monotonic() + within
+        while True:
+            states = [self.ask(i, "state") for i in range(workers)]
+            if all((s["version"], s["checksum"]) == want for s in states):
+                return states
+            assert time.monotonic() < deadline, [(s["version"], s["checksum"]) for s in states]
+            time.sleep(0.1)
+
     def stop(self, worker_idx: int, timeout: float = 30.0) -> None:
         """Stop a worker the polite way: it shuts its scheme down and exits."""
         self.conns[worker_idx].send("stop")  # type: ignore[attr-defined]
@@ -181,6 +194,20 @@ def fleet() -> Iterator[Fleet]:
         yield f
     finally:
         f.close()
+
+
+@pytest.fixture
+def on_the_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process (the learner) lends "device" blocks of the stand-in for CUDA IPC
+    (``tests/_device_standin.py``), and flattens its CPU model as a GPU's is: left where
+    it is, written into the lent block a chunk at a time."""
+    from _device_standin import CpuIpc
+
+    from zmqsync.tensors.flatten import Flattener
+    from zmqsync.transport.cuda import handles
+
+    monkeypatch.setattr(handles, "IPC", CpuIpc())
+    monkeypatch.setattr(Flattener, "_prepare", lambda self, tensors: self._prepare_staged(tensors))
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import time
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -217,15 +216,6 @@ def test_a_worker_applies_chunks_lent_as_tensors() -> None:
 # --- end to end, with CPU shared memory standing in for CUDA IPC ---------------------
 
 
-@pytest.fixture
-def on_the_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process (the learner) lends "device" blocks of the stand-in's
-    (``tests/_device_standin.py``), and flattens its CPU model as a GPU's is: left where
-    it is, written into the lent block a chunk at a time."""
-    monkeypatch.setattr(handles, "IPC", CpuIpc())
-    monkeypatch.setattr(Flattener, "_prepare", lambda self, tensors: self._prepare_staged(tensors))
-
-
 def _over_pipes(fleet, model, targets, timeout: float = 30.0, **options):  # type: ignore[no-untyped-def]
     """A ``MultiProcessWeightSyncScheme`` to one pipe worker per entry point of
     ``targets`` (each a 32 MiB model), ready when it returns."""
@@ -275,16 +265,6 @@ def test_versions_go_through_device_blocks_to_workers_on_the_learners_device(
         scheme.shutdown()
 
 
-def _all_hold(fleet, workers: int, want: tuple[int, str]) -> list:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + 30
-    while True:
-        states = [fleet.ask(i, "state") for i in range(workers)]
-        if all((s["version"], s["checksum"]) == want for s in states):
-            return states
-        assert time.monotonic() < deadline, [(s["version"], s["checksum"]) for s in states]
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_worker_off_the_device_joins_and_is_sent_host_bytes(fleet, on_the_stand_in: None) -> None:  # type: ignore[no-untyped-def]
@@ -300,12 +280,12 @@ def test_a_worker_off_the_device_joins_and_is_sent_host_bytes(fleet, on_the_stan
         child.close()
         scheme.add_pipe(hub_end, 2)
         fleet.wait_ready(2, timeout=120)
-        late = _all_hold(fleet, 3, (2, zmqsync.checksum(model)))[2]
+        late = fleet.all_hold(3, (2, zmqsync.checksum(model)))[2]
         assert late["stats"]["device_chunks"] == 0
         before = _chunks(fleet, 3)
         bump(model)
         scheme.send()
-        _all_hold(fleet, 3, (3, zmqsync.checksum(model)))
+        fleet.all_hold(3, (3, zmqsync.checksum(model)))
         assert _chunks(fleet, 3) == before
         assert scheme.get_sender().transport.counters()["bad_releases"] == 0
     finally:
@@ -326,7 +306,7 @@ def test_a_worker_that_cannot_open_the_blocks_gets_every_version_through_the_hos
         for version in range(1, 4):
             bump(model)
             scheme.send()
-            _all_hold(fleet, 2, (version, zmqsync.checksum(model)))
+            fleet.all_hold(2, (version, zmqsync.checksum(model)))
         confused = fleet.ask(1, "state")
         assert confused["stats"]["device_chunks"] == 0
         assert confused["transport"]["unread_device"] >= 1
@@ -356,14 +336,14 @@ def test_a_stopped_worker_pins_a_bounded_number_of_device_blocks(
                 with pytest.raises(SyncTimeout) as missed:
                     scheme.send()
                 assert set(missed.value.missing_workers) == {2}
-                _all_hold(fleet, 2, (version, zmqsync.checksum(model)))
+                fleet.all_hold(2, (version, zmqsync.checksum(model)))
                 counters = scheme.get_sender().transport.counters()
                 assert counters["device_bytes"] <= 3 * (33 << 20)  # the pool's bound
         finally:
             os.kill(fleet.procs[2].pid, signal.SIGCONT)
         bump(model)
         scheme.send()
-        _all_hold(fleet, 3, (7, zmqsync.checksum(model)))
+        fleet.all_hold(3, (7, zmqsync.checksum(model)))
         counters = scheme.get_sender().transport.counters()
         assert counters["peers_lost"] == 0 and counters["bad_releases"] == 0
     finally:

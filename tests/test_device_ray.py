@@ -26,8 +26,6 @@ from torch import nn
 
 import zmqsync
 from zmqsync.schemes.ray import RayWeightSyncScheme
-from zmqsync.tensors.flatten import Flattener
-from zmqsync.transport.cuda import handles
 from zmqsync.transport.ray import RayHub, WeightSyncActorMixin
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
@@ -83,14 +81,6 @@ class DeviceActor(WeightSyncActorMixin):
                 "stats": dict(receiver.stats),
                 "transport": receiver.transport.counters(),
             }
-
-
-@pytest.fixture
-def on_the_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process (the learner) lends "device" blocks of the stand-in's, and flattens
-    its CPU model as a GPU's is (left where it is, written into the lent block)."""
-    monkeypatch.setattr(handles, "IPC", _device_standin.CpuIpc())
-    monkeypatch.setattr(Flattener, "_prepare", lambda self, tensors: self._prepare_staged(tensors))
 
 
 class Learner:

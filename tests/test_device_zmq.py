@@ -16,28 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _device_standin import CpuIpc, run_worker_on_the_device, run_worker_that_cannot_open
+from _device_standin import run_worker_on_the_device, run_worker_that_cannot_open
 from _workers import bump, make_model
 
 import zmqsync
 from zmqsync import SyncTimeout
 from zmqsync.schemes.zmq import ZMQWeightSyncScheme
-from zmqsync.tensors.flatten import Flattener
-from zmqsync.transport.cuda import handles
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 MODES = ["pubsub", "router"]
 #: The "big" model (32 MiB) and a few blocks of it: the device pool's bound.
 BLOCKS_BOUND = 3 * (33 << 20)
-
-
-@pytest.fixture
-def on_the_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process (the learner) lends "device" blocks of the stand-in's, and flattens
-    its CPU model as a GPU's is (left where it is, written into the lent block)."""
-    monkeypatch.setattr(handles, "IPC", CpuIpc())
-    monkeypatch.setattr(Flattener, "_prepare", lambda self, tensors: self._prepare_staged(tensors))
 
 
 def _over_ipc(fleet, model, targets, tmp_path: Path, mode: str, **options: Any):  # type: ignore[no-untyped-def]
@@ -80,16 +70,6 @@ def _versions(fleet, scheme, model, workers: int, count: int) -> list:  # type: 
 
 def _chunks(fleet, workers: int) -> list[int]:  # type: ignore[no-untyped-def]
     return [fleet.ask(i, "state")["stats"]["device_chunks"] for i in range(workers)]
-
-
-def _all_hold(fleet, workers: int, want: tuple[int, str]) -> list:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + 30
-    while True:
-        states = [fleet.ask(i, "state") for i in range(workers)]
-        if all((s["version"], s["checksum"]) == want for s in states):
-            return states
-        assert time.monotonic() < deadline, [(s["version"], s["checksum"]) for s in states]
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -137,7 +117,7 @@ def test_an_ipc_worker_that_cannot_open_a_device_block_is_repaired_through_the_h
         for version in range(1, 4):
             bump(model)
             scheme.send()
-            _all_hold(fleet, 2, (version, zmqsync.checksum(model)))
+            fleet.all_hold(2, (version, zmqsync.checksum(model)))
         confused = fleet.ask(1, "state")
         assert confused["stats"]["device_chunks"] == 0
         assert confused["transport"]["shm_device_refused"] == 1

@@ -16,7 +16,6 @@ from zmqsync.transport.cuda import handles
 from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
 from zmqsync.transport.shm.records import (
-    NO_DEVICE,
     DeviceGrant,
     Holding,
     Join,
@@ -84,7 +83,7 @@ class Borrower:
                 if self._keeps:
                     self._request([encode(Keeps())])
                 if self._device is not None:
-                    self._request([encode(self._takes_device())])
+                    self._request([encode(TakesDevice(handles.gpu_name(self._device)))])
                 early, self._early = self._early, None
                 if early is not None:
                     return self._resolve(*early)
@@ -111,31 +110,21 @@ class Borrower:
     def take_device(self, device: Any) -> None:
         """This spoke's model lives on GPU ``device``: say so to the hub now (if joined)
         and on every join."""
-        device = torch.device(device)
-        if not handles.IPC.lendable(device) or self._device == device:
+        lent = handles.lent_device(device)
+        if lent is None or self._device == lent:
             return
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._device = device
+        self._device = lent
         if self._slot is not None:
-            self._request([encode(self._takes_device())])
-
-    def _takes_device(self) -> TakesDevice:
-        device = self._device
-        return TakesDevice(NO_DEVICE if device is None else handles.IPC.uuid_of(device))
+            self._request([encode(TakesDevice(handles.gpu_name(lent)))])
 
     def _open_device_block(self, grant: DeviceGrant) -> None:
         if self._device is None:
             return  # it took none, or refused one already: the hub is told so
-        try:
-            opened = handles.IPC.open_handle(handles.DeviceHandle.decode(grant.handle))
-        except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
-            log.warning(
-                "a device block cannot be opened here (%s): versions come through the host", exc
-            )
+        opened = handles.open_block(grant.block, grant.handle)
+        if opened is None:
             self._device = None
             self.counters["device_refused"] += 1
-            self._request([encode(TakesDevice(NO_DEVICE))])
+            self._request([encode(TakesDevice(handles.gpu_name(None)))])
             return
         self._maps.add(grant.block, opened, owner=grant.pid)
 

@@ -11,13 +11,28 @@ differently (``CUDA_VISIBLE_DEVICES``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
 
-__all__ = ["DEVICE_IDS", "IPC", "MAX_HANDLE_BYTES", "CudaIpc", "DeviceHandle", "local_index"]
+from zmqsync.transport.shm.records import NO_DEVICE
+
+__all__ = [
+    "DEVICE_IDS",
+    "IPC",
+    "MAX_HANDLE_BYTES",
+    "CudaIpc",
+    "DeviceHandle",
+    "gpu_name",
+    "lent_device",
+    "local_index",
+    "open_block",
+]
+
+log = logging.getLogger("zmqsync.transport.cuda")
 
 #: Device blocks are numbered from here (shared-memory blocks from 1): one lease names
 #: both kinds, and a release says which pool it is for by the id alone.
@@ -152,3 +167,34 @@ class CudaIpc:
 
 #: The device side of lending (see :class:`CudaIpc`).
 IPC = CudaIpc()
+
+
+def lent_device(device: Any) -> torch.device | None:
+    """``device`` as a worker names it to its hub (a GPU with its index), or None where
+    versions are not lent on it (the CPU)."""
+    device = torch.device(device)
+    if not IPC.lendable(device):
+        return None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def gpu_name(device: torch.device | None) -> bytes:
+    """What a worker tells its hub its model lives on: the UUID digest of ``device``, or
+    :data:`~zmqsync.transport.shm.records.NO_DEVICE` (None: it takes no device blocks)."""
+    return NO_DEVICE if device is None else IPC.uuid_of(device)
+
+
+def open_block(block_id: int, raw: bytes) -> torch.Tensor | None:
+    """Device block ``block_id`` opened from its encoded handle ``raw``; None when it
+    cannot be opened here (logged: a malformed handle, a GPU this process does not see)."""
+    try:
+        return IPC.open_handle(DeviceHandle.decode(raw))
+    except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
+        log.warning(
+            "device block %d cannot be opened here (%s): versions come through the host",
+            block_id,
+            exc,
+        )
+        return None

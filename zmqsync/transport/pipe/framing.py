@@ -205,16 +205,7 @@ def _recv_device_block(conn: Connection, block_id: int) -> Any:
     """Open the device block whose handle is the next record (None: it cannot be
     opened here; logged)."""
     _stall(conn, f"before sending device block {block_id}")
-    raw = conn.recv_bytes(handles.DeviceHandle.max_size())
-    try:
-        return handles.IPC.open_handle(handles.DeviceHandle.decode(raw))
-    except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
-        log.warning(
-            "device block %d cannot be opened here (%s): versions come through the host",
-            block_id,
-            exc,
-        )
-        return None
+    return handles.open_block(block_id, conn.recv_bytes(handles.DeviceHandle.max_size()))
 
 
 def _inline_frames(raw: Any, sizes: list[int], pool: BufferPool | None) -> list[Buffer]:

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
-
 from zmqsync.errors import TransportError
 from zmqsync.protocol import Buffer
 from zmqsync.transport.base import Borrows, Counted, SpokeTransport
@@ -24,7 +22,6 @@ from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, clos
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
 from zmqsync.transport.shm.records import (
     MAX_LIVE,
-    NO_DEVICE,
     Keeps,
     Release,
     TakesDevice,
@@ -97,19 +94,17 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             self._writer.put(Outgoing(None, record=encode(Keeps())))
 
     def take_device(self, device: Any) -> None:
-        device = torch.device(device)
-        if not handles.IPC.lendable(device) or self._device == device:
+        lent = handles.lent_device(device)
+        if lent is None or self._device == lent:
             return
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._device = device
-        self._writer.put(Outgoing(None, record=encode(TakesDevice(handles.IPC.uuid_of(device)))))
+        self._device = lent
+        self._writer.put(Outgoing(None, record=encode(TakesDevice(handles.gpu_name(lent)))))
 
     def _refuse_device(self) -> None:
         """A device block could not be opened here: the hub is told this worker takes
         none (its versions then come through the host, and what it missed is repaired)."""
         self._device = None
-        self._writer.put(Outgoing(None, record=encode(TakesDevice(NO_DEVICE))))
+        self._writer.put(Outgoing(None, record=encode(TakesDevice(handles.gpu_name(None)))))
 
     def _gone(self, why: str) -> None:
         if self._hub_gone is None:

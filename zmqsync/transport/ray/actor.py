@@ -27,7 +27,6 @@ from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
 from zmqsync.transport.shm.records import (
-    NO_DEVICE,
     DeviceGrant,
     Join,
     Keeps,
@@ -244,27 +243,12 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         """Tell the hub (in a reply, now if joined and on every join) that this actor's
         model lives on GPU ``device``: versions the hub lends on it come as device
         tensors, copied device to device."""
-        device = torch.device(device)
-        if not handles.IPC.lendable(device) or self._device == device or self._closed:
+        lent = handles.lent_device(device)
+        if lent is None or self._device == lent or self._closed:
             return
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._device = device
+        self._device = lent
         if self._joined:
-            self._reply([encode(self._takes_device())])
-
-    def _takes_device(self) -> TakesDevice:
-        device = self._device
-        return TakesDevice(NO_DEVICE if device is None else handles.IPC.uuid_of(device))
-
-    def _refuse_device(self, why: object) -> None:
-        """A device block could not be opened here: the hub is told this actor takes
-        none (its versions then come through the host; what it missed is repaired)."""
-        log.warning(
-            "a device block cannot be opened here (%s): versions come through the host", why
-        )
-        self._device = None
-        self._reply([encode(TakesDevice(NO_DEVICE))])
+            self._reply([encode(TakesDevice(handles.gpu_name(lent)))])
 
     def recv_frames(self, timeout: float | None) -> list[Buffer] | None:
         self._check_open()
@@ -316,7 +300,7 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
                 if self._joined and self._keeps:
                     self._reply([encode(Keeps())])
                 if self._joined and self._device is not None:
-                    self._reply([encode(self._takes_device())])
+                    self._reply([encode(TakesDevice(handles.gpu_name(self._device)))])
                 return None
             if isinstance(record, DeviceGrant):
                 self._open_device_block(record)
@@ -349,10 +333,12 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
     def _open_device_block(self, grant: DeviceGrant) -> None:
         if self._device is None:
             return  # it took none, or refused one already: the hub is told so
-        try:
-            opened = handles.IPC.open_handle(handles.DeviceHandle.decode(grant.handle))
-        except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
-            self._refuse_device(exc)
+        opened = handles.open_block(grant.block, grant.handle)
+        if opened is None:
+            # The hub is told this actor takes none: its versions then come through the
+            # host, and what it missed is repaired.
+            self._device = None
+            self._reply([encode(TakesDevice(handles.gpu_name(None)))])
             return
         self._maps.add(grant.block, opened, owner=grant.pid)
 
