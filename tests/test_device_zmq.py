@@ -11,6 +11,8 @@ learner and the workers stand CPU shared memory in for CUDA IPC
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -154,5 +156,51 @@ def test_a_killed_ipc_worker_pins_a_bounded_number_of_device_blocks(
             state = fleet.ask(0, "state")
             assert (state["version"], state["checksum"]) == want
             assert scheme.get_sender().transport.counters()["device_bytes"] <= BLOCKS_BOUND
+    finally:
+        scheme.shutdown()
+
+
+def test_a_stopped_ipc_worker_pins_device_blocks_until_its_lease_runs_out(
+    fleet,  # type: ignore[no-untyped-def]
+    on_the_stand_in: None,
+    tmp_path: Path,
+) -> None:
+    """A worker SIGSTOPped while versions keep coming holds the device blocks it was
+    leased: the pool lends no more than its bound (then versions go through the host),
+    the hub drops the worker once its lease runs out (its blocks retired, never
+    rewritten), the other worker holds every version whole, and once continued the
+    stopped one joins the lending again and catches up with the latest."""
+    model = make_model("big", seed=0)
+    scheme = _over_ipc(
+        fleet, model, [run_worker_on_the_device] * 2, tmp_path, "pubsub", timeout=3.0
+    )
+    hub = scheme.get_sender().transport
+    try:
+        _versions(fleet, scheme, model, 2, 2)
+        os.kill(fleet.procs[1].pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while hub.counters().get("shm_expired", 0) < 1:  # its lease ran out
+                assert time.monotonic() < deadline, hub.counters()
+                bump(model)
+                with pytest.raises(SyncTimeout) as missed:
+                    scheme.send()
+                assert missed.value.missing_workers == [1]
+                fleet.all_hold(1, (scheme.get_sender().version, zmqsync.checksum(model)))
+                assert hub.counters().get("device_bytes", 0) <= BLOCKS_BOUND
+        finally:
+            os.kill(fleet.procs[1].pid, signal.SIGCONT)
+        bump(model)
+        scheme.send()
+        fleet.all_hold(2, (scheme.get_sender().version, zmqsync.checksum(model)))
+        # It joins the lending again and is lent device blocks once more.
+        before = _chunks(fleet, 2)
+        deadline = time.monotonic() + 60
+        while True:
+            states = _versions(fleet, scheme, model, 2, 1)
+            if all(s["stats"]["device_chunks"] > b for s, b in zip(states, before, strict=True)):
+                break
+            assert time.monotonic() < deadline, hub.counters()
+        assert hub.counters().get("device_bytes", 0) <= BLOCKS_BOUND
     finally:
         scheme.shutdown()

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -31,6 +31,10 @@ from zmqsync.transport.shm.records import (
 )
 
 __all__ = ["Borrower"]
+
+#: Device blocks in a row a spoke's device refuses to open before the spoke says it
+#: takes none (each one's lease is lost and repaired meanwhile).
+MAX_GONE: Final = 3
 
 log = logging.getLogger("zmqsync.transport")
 
@@ -59,6 +63,7 @@ class Borrower:
         #: The GPU this spoke's model lives on (told on each join; device blocks come as
         #: tensors on it, each let go of only once the device is synchronized).
         self._device: torch.device | None = None
+        self._gone = 0  # device blocks in a row that could not be opened (see below)
         self.counters: Counter[str] = Counter()
 
     @property
@@ -120,12 +125,22 @@ class Borrower:
     def _open_device_block(self, grant: DeviceGrant) -> None:
         if self._device is None:
             return  # it took none, or refused one already: the hub is told so
-        opened = handles.open_block(grant.block, grant.handle)
+        opened = handles.open_block(grant.block, grant.handle, gone_ok=True)
+        if isinstance(opened, str):
+            # The hub may have retired the block since (this spoke was stopped, and
+            # dropped): the lease naming it is lost, not the device. Only a device that
+            # refuses block after block is refused for good.
+            self.counters["device_gone"] += 1
+            self._gone += 1
+            if self._gone < MAX_GONE:
+                return
+            opened = None
         if opened is None:
             self._device = None
             self.counters["device_refused"] += 1
             self._request([encode(TakesDevice(handles.gpu_name(None)))])
             return
+        self._gone = 0
         self._maps.add(grant.block, opened, owner=grant.pid)
 
     def _on_offer(self, offer: Offer) -> None:

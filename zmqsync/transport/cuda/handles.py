@@ -22,6 +22,7 @@ from zmqsync.transport.shm.records import NO_DEVICE
 
 __all__ = [
     "DEVICE_IDS",
+    "GONE",
     "IPC",
     "MAX_HANDLE_BYTES",
     "CudaIpc",
@@ -186,12 +187,23 @@ def gpu_name(device: torch.device | None) -> bytes:
     return NO_DEVICE if device is None else IPC.uuid_of(device)
 
 
-def open_block(block_id: int, raw: bytes) -> torch.Tensor | None:
+#: What :func:`open_block` returns, with ``gone_ok``, for a block the device could not
+#: open although it names a GPU this process sees.
+GONE: Final = "gone"
+
+
+def open_block(block_id: int, raw: bytes, *, gone_ok: bool = False) -> torch.Tensor | str | None:
     """Device block ``block_id`` opened from its encoded handle ``raw``; None when it
-    cannot be opened here (logged: a malformed handle, a GPU this process does not see)."""
+    cannot be opened here (logged: a malformed handle, a GPU this process does not see,
+    or the device refused it). ``gone_ok``: where the hub may have freed the block
+    since it sent the handle (a worker that was stopped), the device refusing it gives
+    :data:`GONE` instead, and is not logged as a warning."""
     try:
         return IPC.open_handle(DeviceHandle.decode(raw))
     except (ValueError, RuntimeError) as exc:  # RuntimeError: what CUDA raises
+        if gone_ok and isinstance(exc, RuntimeError):
+            log.info("device block %d could not be opened (%s): gone meanwhile?", block_id, exc)
+            return GONE
         log.warning(
             "device block %d cannot be opened here (%s): versions come through the host",
             block_id,
