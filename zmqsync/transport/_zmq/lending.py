@@ -269,6 +269,7 @@ class Lender:
         members = [self._members[p] for p in peers if p in self._members]
         if not members:
             return None
+        given = list(frames)  # what the sender watches (kept below)
         keep_device: list[Any] = []
         if self.devices is not None and any(handles.IPC.is_device(f) for f in frames):
             frames, keep_device = self.devices.place_device(frames)
@@ -295,7 +296,7 @@ class Lender:
                     member.leased.setdefault(block.id, {})[channel] = self._seq
                     member.lent_at.setdefault(block.id, now)  # a block held on keeps its lease
         del keep, keep_device  # the leases keep the blocks now
-        self._kept[self._seq] = (list(frames), channel, set(blocks), {m.peer for m in members})
+        self._kept[self._seq] = (given, channel, set(blocks), {m.peer for m in members})
         while len(self._kept) > MAX_KEPT:
             del self._kept[next(iter(self._kept))]
         lease, inline = lease_of(
