@@ -360,6 +360,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         with self._lock:
             lend_to = {a.index for a in live if a.shared and not self._via_store(a, chunk, first)}
         big = sum(len(f) for f in frames) >= self._inline_bytes
+        given = list(frames)  # what the sender watches: kept until each call is made
         on_device, takers, frames = self._on_device(frames, live, lend_to)
         lend_to -= takers
         lent = lending.payload(frames) if lending is not None and lend_to and big else None
@@ -394,7 +395,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
                     self._counters["dropped_sends"] += 1
                     self._release(actor, message)
                     continue
-                actor.waiting.append((message, list(frames)))
+                actor.waiting.append((message, given))
                 self._submit_chunks(actor)
 
     def _via_store(self, actor: _Actor, chunk: bool, first: bool) -> bool:
