@@ -27,9 +27,12 @@ STAND_IN_UUID = b"stand-in device!"
 class CpuIpc(CudaIpc):
     """CUDA IPC's operations on CPU tensors in torch's shared memory (see the module)."""
 
-    def __init__(self, *, opens: bool = True) -> None:
+    def __init__(self, *, opens: bool = True, refuses: int = 0) -> None:
         #: False: a worker that names the device but cannot open its blocks.
         self.opens = opens
+        #: How many blocks the device refuses to open first (a RuntimeError, as CUDA
+        #: raises for a handle of memory freed meanwhile).
+        self.refuses = refuses
 
     def lendable(self, device: Any) -> bool:
         return device is not None and torch.device(device).type == "cpu"
@@ -52,6 +55,9 @@ class CpuIpc(CudaIpc):
     def open_handle(self, handle: DeviceHandle) -> torch.Tensor:
         if handle.uuid != STAND_IN_UUID or not self.opens:
             raise ValueError("a device block on a device this process does not see")
+        if self.refuses > 0:
+            self.refuses -= 1
+            raise RuntimeError("the stand-in's device refuses this block")
         storage = torch.UntypedStorage._new_shared_filename_cpu(
             handle.ref_handle, handle.handle, handle.size
         )
@@ -80,4 +86,13 @@ def run_worker_that_cannot_open(*args: Any) -> None:
     from _workers import run_worker
 
     install(CpuIpc(opens=False))
+    run_worker(*args)
+
+
+def run_worker_whose_device_refuses_once(*args: Any) -> None:
+    """``_workers.run_worker`` in a process whose device refuses the first block it is
+    asked to open (then opens every one)."""
+    from _workers import run_worker
+
+    install(CpuIpc(refuses=1))
     run_worker(*args)

@@ -18,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _device_standin import run_worker_on_the_device, run_worker_that_cannot_open
+from _device_standin import (
+    run_worker_on_the_device,
+    run_worker_that_cannot_open,
+    run_worker_whose_device_refuses_once,
+)
 from _workers import bump, make_model
 
 import zmqsync
@@ -125,6 +129,34 @@ def test_an_ipc_worker_that_cannot_open_a_device_block_is_repaired_through_the_h
         assert confused["transport"]["shm_device_refused"] == 1
         counters = scheme.get_sender().transport.counters()
         assert counters.get("shm_bad_records", 0) == 0
+    finally:
+        scheme.shutdown()
+
+
+def test_an_ipc_worker_whose_device_refuses_a_block_once_is_given_the_handles_anew(
+    fleet,  # type: ignore[no-untyped-def]
+    on_the_stand_in: None,
+    tmp_path: Path,
+) -> None:
+    """A worker's device refuses to open one block (as CUDA may for memory freed
+    meanwhile): the message in it is lost (repaired through the host), the worker says
+    its GPU again and the hub gives it every handle anew; the next versions come device
+    to device. It is never lost for good to device lending (three refusals in a row
+    would be)."""
+    model = make_model("big", seed=0)
+    targets = [run_worker_on_the_device, run_worker_whose_device_refuses_once]
+    scheme = _over_ipc(fleet, model, targets, tmp_path, "pubsub", repair_after=0.5)
+    try:
+        for version in range(1, 3):
+            bump(model)
+            scheme.send()
+            fleet.all_hold(2, (version, zmqsync.checksum(model)))
+        before = _chunks(fleet, 2)
+        _versions(fleet, scheme, model, 2, 3)
+        assert [a - b for a, b in zip(_chunks(fleet, 2), before, strict=True)] == [3, 3]
+        flaky = fleet.ask(1, "state")["transport"]
+        assert flaky["shm_device_gone"] == 1 and flaky["shm_unread_device"] >= 1
+        assert "shm_device_refused" not in flaky
     finally:
         scheme.shutdown()
 

@@ -64,6 +64,9 @@ class Borrower:
         #: tensors on it, each let go of only once the device is synchronized).
         self._device: torch.device | None = None
         self._gone = 0  # device blocks in a row that could not be opened (see below)
+        #: It told the hub its GPU again to be given the handles anew (a lease named a
+        #: block it has none of), and no handle has come since.
+        self._asked_again = False
         self.counters: Counter[str] = Counter()
 
     @property
@@ -125,6 +128,7 @@ class Borrower:
     def _open_device_block(self, grant: DeviceGrant) -> None:
         if self._device is None:
             return  # it took none, or refused one already: the hub is told so
+        self._asked_again = False
         opened = handles.open_block(grant.block, grant.handle, gone_ok=True)
         if isinstance(opened, str):
             # The hub may have retired the block since (this spoke was stopped, and
@@ -182,6 +186,11 @@ class Borrower:
             # hub ends its leases once it hears this lease was seen.
             self.counters["unread_device"] += 1
             self._dirty = True
+            if self._device is not None and not self._asked_again:
+                # The hub believes this spoke has that block's handle (one it could not
+                # open): saying its GPU again makes the hub give every handle anew.
+                self._asked_again = True
+                self._request([encode(TakesDevice(handles.gpu_name(self._device)))])
             return None
         if self._keeps:
             # Told at once: the hub holds the sender's frames (its window) until it hears

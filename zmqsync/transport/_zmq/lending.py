@@ -184,7 +184,10 @@ class Lender:
             self.counters["keeping"] += 1
             return None
         if isinstance(record, TakesDevice) and peer in self._members:
-            self._members[peer].device = None if record.uuid == NO_DEVICE else record.uuid
+            # Said again, it is given every handle anew (it lacked one a lease named).
+            member = self._members[peer]
+            member.device = None if record.uuid == NO_DEVICE else record.uuid
+            member.granted.clear()
             return None
         if isinstance(record, Leave):
             self.counters["declined"] += 1
