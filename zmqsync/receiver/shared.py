@@ -39,7 +39,7 @@ from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.fit import check_fits
 from zmqsync.tensors.views import torch_dtype
 
-__all__ = ["SHARED_MODE", "SharedVersion", "check_shareable", "owned_tensors"]
+__all__ = ["SHARED_MODE", "Placements", "SharedVersion", "check_shareable", "owned_tensors"]
 
 #: The ``apply_mode`` that turns this on.
 SHARED_MODE: Final = "shared"
@@ -219,7 +219,7 @@ class SharedVersion:
         #: Where each tensor goes in a version's bytes, for one schema and one set of
         #: tensors to re-point: worked out once, not at every version.
         self._placed: (
-            tuple[WeightsSchema, Mapping[str, Sequence[torch.Tensor]], _Placements] | None
+            tuple[WeightsSchema, Mapping[str, Sequence[torch.Tensor]], Placements] | None
         ) = None
         #: The storage every tensor of ``_placed`` lies in, since the install that moved
         #: them all onto it (None until then): later versions move it, not each tensor.
@@ -294,7 +294,7 @@ class SharedVersion:
     def _repoint(self, schema: WeightsSchema, target: Mapping[str, Sequence[torch.Tensor]]) -> None:
         placed = self._placed
         if placed is None or placed[0] is not schema or placed[1] is not target:
-            placed = self._placed = (schema, target, _Placements(schema, target))
+            placed = self._placed = (schema, target, Placements(schema, target))
             self._storage = None  # these tensors do not all lie in one storage of ours yet
         whole = self._whole()  # the schema spans it exactly (checked when decoded)
         with warnings.catch_warnings():
@@ -325,7 +325,7 @@ class SharedVersion:
         self._storage = None
 
 
-class _Placements:
+class Placements:
     """Where each tensor to re-point (per dotted name, ``target``) lies in a version of
     ``schema`` (which :func:`check_shareable` passed: dtypes and shapes fit, offsets
     aligned): ``moves``, per tensor its offset in its own elements, its shape and its

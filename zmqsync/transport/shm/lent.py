@@ -1,0 +1,117 @@
+"""Memory a worker lends the learner: its model's tensors, in one memfd the hub writes.
+
+The other way round from the hub's blocks (:mod:`zmqsync.transport.shm.blocks`, which
+the hub writes once and every worker maps read-only): here each worker on the learner's
+host moves its own tensors into one anonymous ``memfd``, laid out as the version's
+stream, and tells the hub where it is (its pid, the descriptor, the file's inode and its
+size). The hub maps it writable through ``/proc`` and writes each version straight into
+it, one copy per worker by the learner, where otherwise the learner writes a copy into
+its own memory and every worker copies that out again.
+
+Trust, both ways:
+
+- The worker trusts the learner with its tensors' memory, as it trusts it with their
+  values already.
+- The hub trusts nothing the worker says about the memory: the file must be the memfd
+  it names (same inode), sealed against shrinking (a worker that could truncate it
+  would make the learner's writes fault, ``SIGBUS``), and exactly the version's size.
+  A worker that lends anything else is refused (:class:`ValueError`), and the hub sends
+  it versions as it sends them to any worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import stat
+from typing import Final, NamedTuple
+
+import numpy as np
+
+__all__ = ["LENT_SEALS", "LentMemory", "Where", "map_lent"]
+
+#: Seals a lent memfd must carry: it can neither shrink under the learner nor grow.
+LENT_SEALS: Final = 0x0002 | 0x0004  # F_SEAL_SHRINK | F_SEAL_GROW
+_F_ADD_SEALS: Final = 1033
+_F_GET_SEALS: Final = 1034
+
+
+class Where(NamedTuple):
+    """What a worker tells the hub of the memory it lends."""
+
+    pid: int
+    fd: int
+    inode: int
+    nbytes: int
+
+
+class LentMemory:
+    """``nbytes`` of this process's memory that a hub on this host may write into: an
+    anonymous memfd sealed against resizing, mapped writable here (:attr:`array`).
+
+    The mapping stays valid as long as :attr:`array` (or any view of it, a tensor's
+    storage) lives; :meth:`close` closes the descriptor, so a hub can no longer open
+    it (one that mapped it already keeps writing into the same memory: a worker that
+    must stop that moves its tensors to other memory)."""
+
+    def __init__(self, nbytes: int, *, name: str = "zmqsync-lent") -> None:
+        import fcntl
+
+        if nbytes <= 0:
+            raise ValueError(f"cannot lend {nbytes} bytes")
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            fcntl.fcntl(self.fd, _F_ADD_SEALS, LENT_SEALS)
+            self._mm = mmap.mmap(self.fd, nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.inode = os.fstat(self.fd).st_ino
+        #: The lent bytes, writable here.
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def where(self) -> Where:
+        """What to tell the hub (:func:`map_lent` takes it)."""
+        if self.fd < 0:
+            raise ValueError("this memory is no longer lent")
+        return Where(os.getpid(), self.fd, self.inode, self.nbytes)
+
+    def close(self) -> None:
+        """Lend it no more: close the descriptor (the mapping lives with its views)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def map_lent(where: Where, nbytes: int) -> np.ndarray:
+    """Map, writable, the memory a worker on this host says it lends (``where``), if it is
+    what a hub may write ``nbytes`` into: the memfd it names (same inode), sealed
+    against shrinking and growing, of exactly ``nbytes``. Raises :class:`ValueError`
+    for anything else, :class:`OSError` if it cannot be opened (the worker is gone, or
+    this process may not look into it)."""
+    pid, fd, inode, size = where
+    if pid <= 0 or fd < 0 or nbytes <= 0 or size != nbytes:
+        raise ValueError(f"lent memory at pid {pid}, fd {fd}: {size} bytes, not {nbytes}")
+    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        import fcntl
+
+        st = os.fstat(handle)
+        if st.st_ino != inode or not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"fd {fd} of pid {pid} is not the memory it lent")
+        try:
+            seals = fcntl.fcntl(handle, _F_GET_SEALS)
+        except OSError as exc:  # not a memfd: no seals at all
+            raise ValueError(f"fd {fd} of pid {pid} is not a sealed memfd") from exc
+        if seals & LENT_SEALS != LENT_SEALS:
+            raise ValueError(f"fd {fd} of pid {pid} may shrink or grow under the learner")
+        if st.st_size != nbytes:
+            raise ValueError(f"fd {fd} of pid {pid} is {st.st_size} bytes, not {nbytes}")
+        mapped = mmap.mmap(handle, nbytes)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(handle)
+    return np.frombuffer(mapped, dtype=np.uint8)
