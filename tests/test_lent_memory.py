@@ -18,6 +18,7 @@ import torch
 from zmqsync.chunking.layout import MIN_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.receiver.lent import LentTensors, stream_bytes
+from zmqsync.sender.lent import LentTarget
 from zmqsync.tensors.extract import extract
 from zmqsync.tensors.flatten import Flattener
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
@@ -139,17 +140,9 @@ def test_memory_no_longer_lent_cannot_be_opened() -> None:
     assert bytes(lent.array[:4]) == b"\x07" * 4  # the mapping lives with its views
 
 
-def _stream(model: torch.nn.Module) -> tuple[StreamLayout, object]:
+def _stream(model: torch.nn.Module) -> StreamLayout:
     flat = Flattener("state_dict").flatten(extract(model, "state_dict"))
-    layout = StreamLayout(flat, MIN_CHUNK_BYTES)
-    return layout, layout.sources(flat)
-
-
-def _write(layout: StreamLayout, sources: object, into: np.ndarray) -> None:
-    """The learner's chunk writes, straight into the memory a worker lent."""
-    for i in range(layout.count):
-        offset, length = layout.span(i)
-        layout.write(i, sources, into[offset : offset + length])  # type: ignore[arg-type]
+    return StreamLayout(flat, MIN_CHUNK_BYTES)
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -164,7 +157,7 @@ def test_a_workers_tensors_move_into_lent_memory_and_the_learner_writes_them() -
     params = list(worker.parameters())
     before = {k: v.clone() for k, v in worker.state_dict().items()}
     optimizer = torch.optim.SGD(worker.parameters(), lr=0.1)
-    layout, sources = _stream(learner)
+    layout = _stream(learner)
     lent = LentTensors(layout.schema, worker, extract(worker, "state_dict"))
     assert stream_bytes(layout.schema) == layout.total
     # The same objects, with their own values, now in the lent memory.
@@ -176,7 +169,8 @@ def test_a_workers_tensors_move_into_lent_memory_and_the_learner_writes_them() -
 
     # The learner writes a version into the worker's own tensors: nothing copies it out.
     mapped = map_lent(lent.where(), layout.total)
-    _write(layout, sources, mapped)
+    target = LentTarget(mapped, layout.schema)
+    target.write(extract(learner, "state_dict"))
     x = torch.randn(5, 64)
     assert torch.equal(worker(x), learner(x))
     # Still the worker's private, writable tensors: its optimizer built before updates them.
@@ -191,8 +185,7 @@ def test_a_workers_tensors_move_into_lent_memory_and_the_learner_writes_them() -
     with torch.no_grad():
         for p in learner.parameters():
             p.add_(1.0)
-    layout, sources = _stream(learner)
-    _write(layout, sources, mapped)
+    target.write(extract(learner, "state_dict"))
     for key, value in worker.state_dict().items():
         assert torch.equal(value, held[key]), key
     assert all(a is b for a, b in zip(params, worker.parameters(), strict=True))
@@ -207,3 +200,13 @@ def test_only_tensors_that_can_lie_in_the_stream_are_lent() -> None:
     cast = StreamLayout(flat, MIN_CHUNK_BYTES).schema
     with pytest.raises(SchemaMismatchError, match="wire_dtype"):
         LentTensors(cast, worker, extract(worker, "state_dict"))
+
+
+def test_the_learner_writes_only_memory_that_fits_the_version() -> None:
+    layout = _stream(_model(1))
+    with pytest.raises(ValueError, match="lent memory of"):
+        LentTarget(np.zeros(layout.total - 4, dtype=np.uint8), layout.schema)
+    read_only = np.zeros(layout.total, dtype=np.uint8)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="lent memory of"):
+        LentTarget(read_only, layout.schema)
