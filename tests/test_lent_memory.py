@@ -21,6 +21,7 @@ from zmqsync.receiver.lent import LentTensors, stream_bytes
 from zmqsync.sender.lent import LentTarget
 from zmqsync.tensors.extract import extract
 from zmqsync.tensors.flatten import Flattener
+from zmqsync.transport.shm import records
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 from zmqsync.transport.shm.lent import LentMemory, Where, map_lent
 
@@ -210,3 +211,38 @@ def test_the_learner_writes_only_memory_that_fits_the_version() -> None:
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="lent memory of"):
         LentTarget(read_only, layout.schema)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        records.Lends(4321, 7, 99, 1 << 20, bytes(range(16))),
+        records.Lends(4321, 7, 99, 0, bytes(16)),
+        records.Ask(3, 2, b"L" * 16),
+        records.Go(3, 2, True),
+        records.Go(3, 2, False),
+        records.Written(3, 2, True, b'{"step": 3}'),
+        records.Written(3, 2, False),
+    ],
+)
+def test_the_lent_tensors_records_round_trip(record: records.Record) -> None:
+    frame = records.encode(record)
+    assert records.is_record([frame])
+    assert records.decode(frame) == record
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        records.encode(records.Lends(4321, 7, 99, 64, bytes(16)))[:-1],  # short
+        records.encode(records.Lends(0, 7, 99, 64, bytes(16))),  # no such process
+        records.encode(records.Lends(4321, -1, 99, 64, bytes(16))),  # no descriptor
+        records.encode(records.Ask(3, 2, bytes(16))) + b"x",  # long
+        records.encode(records.Go(3, 2, True))[:-1] + b"\x02",  # a flag that is neither
+        records.encode(records.Written(3, 2, True)) + b"m" * (records.MAX_WRITTEN_METADATA + 1),
+        records.encode(records.Written(3, 2, True))[:-2],
+    ],
+)
+def test_malformed_lent_tensors_records_are_refused(frame: bytes) -> None:
+    with pytest.raises(records.RecordError):
+        records.decode(frame)

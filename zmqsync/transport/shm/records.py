@@ -13,6 +13,14 @@
   as it is (:mod:`zmqsync.transport.cuda`).
 - :class:`DeviceGrant` (hub to peer, where no pipe passes it on its own): device block
   ``block``'s CUDA IPC handle, for that peer alone (:mod:`zmqsync.transport.cuda`).
+- :class:`Lends` (peer to hub): the peer's tensors lie in its memfd (pid, descriptor,
+  inode, size), laid out as a version of that layout digest: the hub may write each
+  such version straight into it (:mod:`zmqsync.transport.shm.lent`); ``nbytes`` 0: it
+  lends nothing (any more). :class:`Ask` (hub to peer): may the hub write version
+  ``version`` into it now? :class:`Go` (peer to hub): yes, the peer holds its lock (or
+  no: ``ok`` false, send it the stream). :class:`Written` (hub to peer): the version
+  lies in the peer's tensors, with its metadata (or, ``ok`` false, the hub wrote
+  nothing and sends the stream).
 - :class:`Release` (peer to hub): one lease on each named block ends (ordered channels:
   pipes, Ray calls). :class:`Holding` (peer to hub): which blocks a peer still views,
   as of the messages it has seen (lossy channels: ZeroMQ, where a message a peer never
@@ -36,21 +44,26 @@ __all__ = [
     "ADDRESSED",
     "FAN_OUT",
     "MAX_DEVICE_HANDLE",
+    "MAX_WRITTEN_METADATA",
     "NO_DEVICE",
     "TOKEN_BYTES",
+    "Ask",
     "DeviceGrant",
     "Entry",
+    "Go",
     "Holding",
     "Join",
     "Joined",
     "Keeps",
     "Lease",
     "Leave",
+    "Lends",
     "Offer",
     "Record",
     "RecordError",
     "Release",
     "TakesDevice",
+    "Written",
     "decode",
     "encode",
     "is_record",
@@ -83,6 +96,16 @@ _HANDLE_HEAD: Final = struct.Struct("<qq")  # block id, the hub's pid; the handl
 #: Bytes of an encoded device handle a :class:`DeviceGrant` may carry.
 MAX_DEVICE_HANDLE: Final = 2048
 _MAGIC_BYTES: Final = 4
+_LENDS: Final = b"ZLld"
+_LENDS_BODY: Final = struct.Struct("<qqQQ16s")  # pid, fd, inode, nbytes, layout digest
+_ASK: Final = b"ZLas"
+_ASK_BODY: Final = struct.Struct("<qq16s")  # version, epoch, layout digest
+_GO: Final = b"ZLgo"
+_GO_BODY: Final = struct.Struct("<qqB")  # version, epoch, ok
+_WRITTEN: Final = b"ZLwr"
+_WRITTEN_HEAD: Final = struct.Struct("<qqB")  # version, epoch, ok; the metadata follows
+#: Bytes of a version's metadata (JSON) a :class:`Written` may carry.
+MAX_WRITTEN_METADATA: Final = 64 * 1024
 
 _OFFER_BODY: Final = struct.Struct("<qqQ")  # pid, fd, inode of the probe block
 _JOIN_BODY: Final = struct.Struct(f"<{TOKEN_BYTES}s")
@@ -225,16 +248,89 @@ class DeviceGrant:
     handle: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Lends:
+    """The peer's tensors lie in the memfd ``fd`` of process ``pid`` (``inode``, of
+    ``nbytes``), each where a version of ``layout`` (its 16-byte digest) puts it;
+    ``nbytes`` 0: the peer lends nothing."""
+
+    pid: int
+    fd: int
+    inode: int
+    nbytes: int
+    layout: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """May the hub write ``version`` (of ``epoch``, laid out as ``layout``) into the
+    peer's lent tensors now?"""
+
+    version: int
+    epoch: int
+    layout: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Go:
+    """The answer to an :class:`Ask`: ``ok``, the peer holds its lock until
+    :class:`Written`; else the hub sends that version the usual way."""
+
+    version: int
+    epoch: int
+    ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """``ok``: version ``version`` lies in the peer's lent tensors, with its
+    ``metadata`` (JSON, at most :data:`MAX_WRITTEN_METADATA` bytes); else the hub wrote
+    nothing of it."""
+
+    version: int
+    epoch: int
+    ok: bool
+    metadata: bytes = b""
+
+
 #: The GPU of a peer that takes no device blocks.
 NO_DEVICE: Final = bytes(16)
 
 
 Record = (
-    Offer | Join | Leave | Joined | Lease | Release | Holding | Keeps | TakesDevice | DeviceGrant
+    Offer
+    | Join
+    | Leave
+    | Joined
+    | Lease
+    | Release
+    | Holding
+    | Keeps
+    | TakesDevice
+    | DeviceGrant
+    | Lends
+    | Ask
+    | Go
+    | Written
 )
 
 _MAGICS: Final = frozenset(
-    {_OFFER, _JOIN, _LEAVE, _JOINED, _LEASE, _RELEASE, _HOLDING, _KEEPS, _DEVICE, _HANDLE}
+    {
+        _OFFER,
+        _JOIN,
+        _LEAVE,
+        _JOINED,
+        _LEASE,
+        _RELEASE,
+        _HOLDING,
+        _KEEPS,
+        _DEVICE,
+        _HANDLE,
+        _LENDS,
+        _ASK,
+        _GO,
+        _WRITTEN,
+    }
 )
 
 
@@ -265,6 +361,16 @@ def encode(record: Record) -> bytes:
         return _DEVICE + _DEVICE_BODY.pack(record.uuid)
     if isinstance(record, DeviceGrant):
         return _HANDLE + _HANDLE_HEAD.pack(record.block, record.pid) + record.handle
+    if isinstance(record, Lends):
+        body = _LENDS_BODY.pack(record.pid, record.fd, record.inode, record.nbytes, record.layout)
+        return _LENDS + body
+    if isinstance(record, Ask):
+        return _ASK + _ASK_BODY.pack(record.version, record.epoch, record.layout)
+    if isinstance(record, Go):
+        return _GO + _GO_BODY.pack(record.version, record.epoch, record.ok)
+    if isinstance(record, Written):
+        head = _WRITTEN_HEAD.pack(record.version, record.epoch, record.ok)
+        return _WRITTEN + head + record.metadata
     if isinstance(record, Joined):
         return _JOINED + _JOINED_BODY.pack(record.slot, record.first_seq, record.secret)
     if isinstance(record, Lease):
@@ -322,6 +428,12 @@ def _counted_ids(body: bytes, head: struct.Struct, count: int) -> tuple[int, ...
     return _id_list(body, head.size, count)
 
 
+def _flag(value: int | bytes) -> bool:
+    if value not in (0, 1):
+        raise RecordError(f"a flag of {value!r}")
+    return value == 1
+
+
 def decode(frame: Buffer) -> Record:
     """The record in ``frame``; :class:`RecordError` if it is none, or malformed."""
     raw = bytes(frame)
@@ -344,6 +456,22 @@ def decode(frame: Buffer) -> Record:
             raise RecordError(f"a device block record of {len(body)} bytes")
         block, pid = _HANDLE_HEAD.unpack_from(body)
         return DeviceGrant(int(block), int(pid), body[_HANDLE_HEAD.size :])
+    if magic == _LENDS:
+        pid, fd, inode, nbytes, layout = _fixed(body, _LENDS_BODY)
+        if int(pid) <= 0 or int(fd) < 0:
+            raise RecordError(f"lent memory at pid {pid!r}, fd {fd!r}")
+        return Lends(int(pid), int(fd), int(inode), int(nbytes), bytes(layout))
+    if magic == _ASK:
+        version, epoch, layout = _fixed(body, _ASK_BODY)
+        return Ask(int(version), int(epoch), bytes(layout))
+    if magic == _GO:
+        version, epoch, ok = _fixed(body, _GO_BODY)
+        return Go(int(version), int(epoch), _flag(ok))
+    if magic == _WRITTEN:
+        if not _WRITTEN_HEAD.size <= len(body) <= _WRITTEN_HEAD.size + MAX_WRITTEN_METADATA:
+            raise RecordError(f"a written record of {len(body)} bytes")
+        version, epoch, ok = _WRITTEN_HEAD.unpack_from(body)
+        return Written(int(version), int(epoch), _flag(ok), body[_WRITTEN_HEAD.size :])
     if magic == _LEAVE:
         if body:
             raise RecordError("a leave record carries nothing")
