@@ -216,8 +216,8 @@ def test_the_learner_writes_only_memory_that_fits_the_version() -> None:
 @pytest.mark.parametrize(
     "record",
     [
-        records.Lends(4321, 7, 99, 1 << 20, bytes(range(16))),
-        records.Lends(4321, 7, 99, 0, bytes(16)),
+        records.LentAt(4321, 7, 99, 1 << 20, bytes(range(16))),
+        records.LentAt(4321, 7, 99, 0, bytes(16)),
         records.Ask(3, 2, b"L" * 16),
         records.Go(3, 2, True),
         records.Go(3, 2, False),
@@ -234,9 +234,9 @@ def test_the_lent_tensors_records_round_trip(record: records.Record) -> None:
 @pytest.mark.parametrize(
     "frame",
     [
-        records.encode(records.Lends(4321, 7, 99, 64, bytes(16)))[:-1],  # short
-        records.encode(records.Lends(0, 7, 99, 64, bytes(16))),  # no such process
-        records.encode(records.Lends(4321, -1, 99, 64, bytes(16))),  # no descriptor
+        records.encode(records.LentAt(4321, 7, 99, 64, bytes(16)))[:-1],  # short
+        records.encode(records.LentAt(0, 7, 99, 64, bytes(16))),  # no such process
+        records.encode(records.LentAt(4321, -1, 99, 64, bytes(16))),  # no descriptor
         records.encode(records.Ask(3, 2, bytes(16))) + b"x",  # long
         records.encode(records.Go(3, 2, True))[:-1] + b"\x02",  # a flag that is neither
         records.encode(records.Written(3, 2, True)) + b"m" * (records.MAX_WRITTEN_METADATA + 1),
@@ -246,3 +246,114 @@ def test_the_lent_tensors_records_round_trip(record: records.Record) -> None:
 def test_malformed_lent_tensors_records_are_refused(frame: bytes) -> None:
     with pytest.raises(records.RecordError):
         records.decode(frame)
+
+
+def _spoke_lender(conn: Connection, how: str) -> None:
+    """A worker on a real pipe: lends 4 KiB (sealed, or not), answers the hub's asks
+    (yes, or no with ``how == "refuses"``), and once a version is written sends back
+    what its memory holds."""
+    from zmqsync.transport.pipe.spoke import PipeSpoke
+    from zmqsync.transport.shm.records import Ask, decode
+
+    spoke = PipeSpoke(conn)
+    spoke.wait_index(WAIT_S)
+    if how == "unsealed":
+        fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 4096)
+        spoke.lend_tensors(Where(os.getpid(), fd, os.fstat(fd).st_ino, 4096), b"L" * 16)
+        memory = None
+    else:
+        lent = LentMemory(4096)
+        spoke.lend_tensors(lent.where(), b"L" * 16)
+        memory = lent.array
+    try:
+        for _ in range(int(WAIT_S / 0.2)):
+            frames = spoke.recv_frames(0.2)
+            if frames is None:
+                if not spoke.lends_tensors():
+                    return  # the hub is gone
+                continue
+            record = decode(frames[0])
+            if isinstance(record, Ask):
+                spoke.answer(record.version, record.epoch, how != "refuses")
+            elif isinstance(record, records.Written):
+                held = b"" if memory is None else bytes(memory[:4])
+                spoke.send_frames([b"%d" % record.version, record.metadata, held])
+    finally:
+        spoke.close()
+
+
+@pytest.fixture
+def pipe_hub():
+    from zmqsync.transport.pipe.hub import PipeHub
+
+    ctx = mp.get_context("spawn")
+    made: list[tuple[mp.process.BaseProcess, object]] = []
+
+    def start(how: str):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_spoke_lender, args=(there, how), daemon=True)
+        proc.start()
+        hub = PipeHub([here])
+        made.append((proc, hub))
+        return hub
+
+    yield start
+    for proc, hub in made:
+        hub.close()
+        proc.join(WAIT_S)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _until(hub, what, timeout: float = WAIT_S):
+    """Read the hub until ``what()`` is true; what it said meanwhile."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    heard = []
+    while not what():
+        assert time.monotonic() < deadline, "the worker did not answer"
+        got = hub.recv_frames(0.2)
+        if got is not None:
+            heard.append(got)
+    return heard
+
+
+def test_the_pipe_hub_writes_into_a_workers_lent_tensors_after_its_go(pipe_hub) -> None:
+    hub = pipe_hub("lends")
+    layout = b"L" * 16
+    _until(hub, lambda: hub.lent_peers(layout))
+    (peer,) = hub.lent_peers(layout)
+    assert hub.lent_peers(b"M" * 16) == []  # only for the layout it lent for
+    hub.ask_lent(peer, 5, 1, layout)
+    gos: list = []
+    _until(hub, lambda: gos.extend(hub.take_gos()) or gos)
+    assert gos == [(peer, 5, 1, True)]
+    memory = hub.lent_memory(peer, 4096)
+    assert memory is not None and hub.lent_memory(peer, 4096) is memory  # mapped once
+    memory[:4] = [9, 8, 7, 6]
+    hub.written(peer, 5, 1, True, b'{"step": 5}')
+    heard: list = []
+    _until(hub, lambda: heard.append(hub.recv_frames(0.2)) or any(heard))
+    (reply,) = [h for h in heard if h is not None]
+    assert [bytes(f) for f in reply.frames] == [b"5", b'{"step": 5}', bytes([9, 8, 7, 6])]
+    assert hub.counters()["lent_peers"] == 1
+
+
+def test_a_worker_may_refuse_and_memory_that_could_shrink_is_not_written(pipe_hub) -> None:
+    layout = b"L" * 16
+    refuses = pipe_hub("refuses")
+    _until(refuses, lambda: refuses.lent_peers(layout))
+    (peer,) = refuses.lent_peers(layout)
+    refuses.ask_lent(peer, 2, 1, layout)
+    gos: list = []
+    _until(refuses, lambda: gos.extend(refuses.take_gos()) or gos)
+    assert gos == [(peer, 2, 1, False)]
+
+    unsealed = pipe_hub("unsealed")
+    _until(unsealed, lambda: unsealed.lent_peers(layout))
+    (peer,) = unsealed.lent_peers(layout)
+    assert unsealed.lent_memory(peer, 4096) is None
+    assert unsealed.lent_peers(layout) == []  # not asked again until it lends anew
+    assert unsealed.counters()["lent_refused"] == 1

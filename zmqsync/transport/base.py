@@ -262,6 +262,33 @@ class Lends(Ability):
         that lend shared memory)."""
         return None
 
+    # --- lent tensors: peers that lend the memory their tensors lie in -----------------
+
+    def lent_peers(self, layout: bytes) -> list[PeerId]:
+        """The live peers whose tensors lie in memory they lend, laid out as versions
+        of ``layout`` (a layout digest): the sender may write such a version straight
+        into them (:meth:`ask_lent`). None by default."""
+        return []
+
+    def ask_lent(self, peer: PeerId, version: int, epoch: int, layout: bytes) -> None:
+        """Ask ``peer`` whether the sender may write ``version`` into its lent tensors now
+        (its answer comes from :meth:`take_gos`)."""
+
+    def take_gos(self) -> list[tuple[PeerId, int, int, bool]]:
+        """The answers to :meth:`ask_lent` that came since the last call, as ``(peer,
+        version, epoch, ok)``; each wakes a :meth:`recv_frames` waiting meanwhile."""
+        return []
+
+    def lent_memory(self, peer: PeerId, nbytes: int) -> Any:
+        """The memory ``peer`` lends (a writable uint8 numpy array of exactly ``nbytes``),
+        mapped once; None if it lends none, or what it said of it does not hold (counted
+        in ``counters()["lent_refused"]``: it is then sent versions the usual way)."""
+        return None
+
+    def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
+        """Tell ``peer`` that ``version`` lies in its lent tensors (``ok``), or that
+        nothing of it was written there."""
+
 
 class ZeroCopy(Ability):
     """A hub that copies small buffers unless told otherwise (pyzmq's threshold)."""
@@ -365,6 +392,20 @@ class Borrows(Ability):
         """Tell the hub this worker's model lives on GPU ``device``: versions the hub
         lends on that GPU come as device tensors, copied device to device. Nothing by
         default (the hub lends it no device memory)."""
+
+    def lends_tensors(self) -> bool:
+        """Whether this spoke can tell its hub of memory its tensors lie in
+        (:meth:`lend_tensors`). False by default."""
+        return False
+
+    def lend_tensors(self, where: Any, layout: bytes) -> None:
+        """Tell the hub the worker's tensors lie in memory it lends (``where``: a
+        :class:`~zmqsync.transport.shm.lent.Where`, or None: it lends none any more),
+        laid out as versions of ``layout``."""
+
+    def answer(self, version: int, epoch: int, ok: bool) -> None:
+        """Answer the hub's ask to write ``version`` into the lent tensors: ``ok``, the
+        worker holds its lock until the hub says it is written."""
 
 
 class Follows(Ability):

@@ -37,11 +37,15 @@ from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.pipe.buffers import POOL_MIN_BYTES, BufferPool
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow
 from zmqsync.transport.shm.records import (
+    Ask,
+    Go,
     Keeps,
     Lease,
+    LentAt,
     RecordError,
     Release,
     TakesDevice,
+    Written,
     decode,
     encode,
     is_record,
@@ -161,6 +165,9 @@ class Received:
     #: The blocks a lease named that this worker could not read (it never opened them):
     #: the message is dropped, and its lease on each is to be released.
     unread: tuple[int, ...] = ()
+    #: A record of the lent tensors' handshake (a worker's LentAt or Go on the hub; the
+    #: hub's Ask or Written on a worker).
+    lent: LentAt | Go | Ask | Written | None = None
 
 
 def _stall(conn: Connection, what: str) -> None:
@@ -275,6 +282,10 @@ def read(
             return Received(keeps=True)
         if isinstance(record, TakesDevice) and blocks is None:
             return Received(device=record.uuid)
+        if isinstance(record, LentAt | Go) and blocks is None:
+            return Received(lent=record)
+        if isinstance(record, Ask | Written) and blocks is not None:
+            return Received(lent=record)
         if not isinstance(record, Lease) or blocks is None:
             raise OSError(f"a {type(record).__name__} record where none belongs")
         if len(record.entries) > MAX_FRAMES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -22,7 +23,9 @@ from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, clos
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
 from zmqsync.transport.shm.records import (
     MAX_LIVE,
+    Go,
     Keeps,
+    LentAt,
     Release,
     TakesDevice,
     encode,
@@ -100,6 +103,19 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         self._device = lent
         self._writer.put(Outgoing(None, record=encode(TakesDevice(handles.gpu_name(lent)))))
 
+    def lends_tensors(self) -> bool:
+        return not self._closed and self._hub_gone is None
+
+    def lend_tensors(self, where: Any, layout: bytes) -> None:
+        if where is None:
+            record = LentAt(os.getpid(), 0, 0, 0, bytes(16))
+        else:
+            record = LentAt(where.pid, where.fd, where.inode, where.nbytes, layout)
+        self._writer.put(Outgoing(None, record=encode(record)))
+
+    def answer(self, version: int, epoch: int, ok: bool) -> None:
+        self._writer.put(Outgoing(None, record=encode(Go(version, epoch, ok))))
+
     def _refuse_device(self) -> None:
         """A device block could not be opened here: the hub is told this worker takes
         none (its versions then come through the host, and what it missed is repaired)."""
@@ -135,6 +151,8 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             if got.refused is not None:
                 self._refuse_device()
                 continue
+            if got.lent is not None:  # the hub's Ask or Written: the receiver's to act on
+                return [encode(got.lent)]
             for block_id in got.unread:  # a message in a block it could not open: lost
                 self._unread += 1
                 self._release(block_id)

@@ -13,7 +13,7 @@
   as it is (:mod:`zmqsync.transport.cuda`).
 - :class:`DeviceGrant` (hub to peer, where no pipe passes it on its own): device block
   ``block``'s CUDA IPC handle, for that peer alone (:mod:`zmqsync.transport.cuda`).
-- :class:`Lends` (peer to hub): the peer's tensors lie in its memfd (pid, descriptor,
+- :class:`LentAt` (peer to hub): the peer's tensors lie in its memfd (pid, descriptor,
   inode, size), laid out as a version of that layout digest: the hub may write each
   such version straight into it (:mod:`zmqsync.transport.shm.lent`); ``nbytes`` 0: it
   lends nothing (any more). :class:`Ask` (hub to peer): may the hub write version
@@ -57,7 +57,7 @@ __all__ = [
     "Keeps",
     "Lease",
     "Leave",
-    "Lends",
+    "LentAt",
     "Offer",
     "Record",
     "RecordError",
@@ -249,7 +249,7 @@ class DeviceGrant:
 
 
 @dataclass(frozen=True, slots=True)
-class Lends:
+class LentAt:
     """The peer's tensors lie in the memfd ``fd`` of process ``pid`` (``inode``, of
     ``nbytes``), each where a version of ``layout`` (its 16-byte digest) puts it;
     ``nbytes`` 0: the peer lends nothing."""
@@ -308,7 +308,7 @@ Record = (
     | Keeps
     | TakesDevice
     | DeviceGrant
-    | Lends
+    | LentAt
     | Ask
     | Go
     | Written
@@ -361,7 +361,7 @@ def encode(record: Record) -> bytes:
         return _DEVICE + _DEVICE_BODY.pack(record.uuid)
     if isinstance(record, DeviceGrant):
         return _HANDLE + _HANDLE_HEAD.pack(record.block, record.pid) + record.handle
-    if isinstance(record, Lends):
+    if isinstance(record, LentAt):
         body = _LENDS_BODY.pack(record.pid, record.fd, record.inode, record.nbytes, record.layout)
         return _LENDS + body
     if isinstance(record, Ask):
@@ -460,7 +460,7 @@ def decode(frame: Buffer) -> Record:
         pid, fd, inode, nbytes, layout = _fixed(body, _LENDS_BODY)
         if int(pid) <= 0 or int(fd) < 0:
             raise RecordError(f"lent memory at pid {pid!r}, fd {fd!r}")
-        return Lends(int(pid), int(fd), int(inode), int(nbytes), bytes(layout))
+        return LentAt(int(pid), int(fd), int(inode), int(nbytes), bytes(layout))
     if magic == _ASK:
         version, epoch, layout = _fixed(body, _ASK_BODY)
         return Ask(int(version), int(epoch), bytes(layout))
