@@ -28,6 +28,7 @@ from zmqsync.chunking.staging import Staging
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Buffer, Chunk, WeightsSchema
 from zmqsync.protocol.stream import Apply, Broken, ChunkStream, Ignored, Start
+from zmqsync.receiver.lent import LentVersions, stream_bytes
 from zmqsync.receiver.lock import WeightsLock
 from zmqsync.receiver.observer import PendingAck, ReceiverObserver
 from zmqsync.receiver.rejections import Rejections
@@ -104,6 +105,7 @@ class Applier:
         rejections: Rejections,
         observer: ReceiverObserver,
         retired_epochs: int,
+        lend_tensors: bool = False,
     ) -> None:
         self._host = host
         self._rejections = rejections
@@ -170,6 +172,13 @@ class Applier:
             if apply_mode == SHARED_MODE and model is not None and sink is None
             else None
         )
+        #: The model's tensors in memory lent to the hub, which writes each version
+        #: straight into them (see :mod:`~zmqsync.receiver.lent`); None: not lent.
+        self._lent = (
+            LentVersions(stats)
+            if lend_tensors and model is not None and sink is None and self._shared is None
+            else None
+        )
 
     def device_to_take(self) -> torch.device | None:
         """The GPU the model lives on, when versions lent on it can be applied from it
@@ -198,8 +207,9 @@ class Applier:
 
     @property
     def active(self) -> bool:
-        """Whether a version is in progress (its next chunk is awaited)."""
-        return self._stream.active
+        """Whether a version is in progress (its next chunk, or the hub's word that it
+        is written into the lent tensors, is awaited)."""
+        return self._stream.active or (self._lent is not None and self._lent.pending is not None)
 
     @property
     def gap(self) -> float:
@@ -235,6 +245,11 @@ class Applier:
 
     def expire(self, now: float) -> bool:
         """Break the version in progress if its next chunk is overdue; True if it did."""
+        lent = self._lent
+        if lent is not None and lent.pending is not None and now > lent.pending[2]:
+            version = lent.pending[0]
+            self._take_back(version, "the sender went quiet while writing it into the tensors")
+            return True
         broken = self._stream.expire(now)
         if broken is None:
             return False
@@ -252,11 +267,114 @@ class Applier:
         """The receiver closes: half a version in the model leaves it torn for good."""
         if self._shared is not None:
             self._shared.abandon()
+        if self._lent is not None:
+            if self._lent.pending is not None:
+                self._take_back(self._lent.pending[0], "the receiver closed mid-version")
+            else:
+                with self.lock.raw:
+                    self._lent.take_back(count=False)
         if self._writing in ("in_place", "parts"):
             self._writing = ""
             with self.lock.raw:
                 self.lock.tear(self.version + 1, "the receiver closed mid-version")
                 self.lock.end_write()
+
+    # --- lent tensors: the hub writes each version straight into the model ----------
+
+    def _lend(self, layout: bytes) -> None:
+        """A version of ``layout`` is whole in the model (under the lock): lend its
+        tensors to the hub, if the transport can say so and they can lie in the stream."""
+        assert self._lent is not None and self._schema is not None
+        spoke = self._host.transport
+        if not isinstance(spoke, Borrows) or not spoke.lends_tensors():
+            return
+        where = self._lent.lend(
+            self._schema, layout, self.model, self._model_tensors.get(self.model)
+        )
+        if where is not None:
+            self._in_place = self._plan = None  # their views are of the old memory
+            spoke.lend_tensors(where, layout)
+
+    def lent_ask(self, version: int, epoch: int, layout: bytes) -> None:
+        """The hub asks to write ``version`` into the lent tensors: hold the lock and say
+        go, or say no (a version in progress, not newer, the tensors moved)."""
+        spoke = self._host.transport
+        if not isinstance(spoke, Borrows):
+            return
+        lent = self._lent
+        newer = epoch != self.epoch or version > self.version or self.needs_whole()
+        ok = (
+            lent is not None
+            and not self._writing
+            and not self._stream.active
+            and newer
+            and epoch not in self._retired
+            and lent.may_write(layout)
+        )
+        if ok:
+            assert lent is not None
+            self.lock.begin_write()  # forward passes under way finish; new ones wait
+            self._writing = "lent"
+            self._started_at = time.monotonic()
+            lent.pending = (version, epoch, self._started_at + self.gap)
+        elif lent is not None and lent.tensors is not None and not lent.tensors.intact():
+            with self.lock.raw:
+                lent.take_back()  # moved under it: lent again after the next version
+            spoke.lend_tensors(None, b"")
+        spoke.answer(version, epoch, ok)
+
+    def lent_written(self, version: int, epoch: int, ok: bool, metadata: Any) -> PendingAck | None:
+        """The hub says ``version`` is in the lent tensors (``ok``) or that it wrote
+        nothing of it (the version then comes as a stream). Returns its ack."""
+        lent = self._lent
+        if lent is None or lent.pending is None or lent.pending[:2] != (version, epoch):
+            self.stats["stale"] += 1  # an answer to an ask given up on: nothing to do
+            return None
+        if not ok:
+            lent.pending = None
+            self._writing = ""
+            with self.lock.raw:
+                self.lock.end_write()
+            return None
+        assert self._schema is not None
+        total = stream_bytes(self._schema)
+        chunk = Chunk(
+            self.model_id,
+            version,
+            epoch,
+            0,
+            1,
+            0,
+            total,
+            lent.layout,
+            b"",
+            schema=self._schema,
+            metadata=metadata,
+        )
+        self._incoming_metadata = metadata
+        self._wire_of = (self._schema, None)
+        self._delta_spans = None
+        self._fills_staging = False
+        self._staging_holds = None
+        self._complete(chunk)
+        return self._ack_due
+
+    def _take_back(self, version: int, reason: str) -> None:
+        """The hub may still write into the lent tensors: move them away (one copy);
+        the model is torn (the hub may have written part of ``version``) until a
+        whole version repairs it."""
+        assert self._lent is not None
+        self._writing = ""
+        with self.lock.raw:
+            self._lent.take_back()
+            self._in_place = self._plan = None
+            self.lock.tear(version, reason)
+            self.lock.end_write()
+        self.stats["torn"] += 1
+        spoke = self._host.transport
+        if isinstance(spoke, Borrows):
+            spoke.lend_tensors(None, b"")
+        self._host.request_latest()
 
     # --- a sharded learner's versions, written in place as their parts come --------
 
@@ -515,6 +633,10 @@ class Applier:
                 self.lock.end_write()
             elif writing == "parts":
                 self.lock.end_write()  # every box went to its tensor as it came
+            elif writing == "lent":
+                assert self._lent is not None
+                self._lent.written()
+                self.lock.end_write()  # the hub wrote every tensor in place
             elif writing == "sink":
                 pass  # every tensor went to the sink as its chunk came
             elif writing == "shared":
@@ -552,6 +674,8 @@ class Applier:
             self.metadata = self._incoming_metadata
             self.wire_dtype = self._wire_of[1]
             self.lock.mend()
+            if self._lent is not None and writing != "lent":
+                self._lend(chunk.layout)
             for listener in self.on_applied:
                 listener(self.epoch, self.version)
         self.stats["applied"] += 1

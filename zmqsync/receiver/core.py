@@ -10,6 +10,7 @@ drives them from its loop: the session with its upstream
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing.util
 import threading
@@ -52,6 +53,8 @@ from zmqsync.receiver.session import UpstreamSession
 from zmqsync.receiver.stats import new_stats
 from zmqsync.tensors.slices import SliceSpec, declare_slices
 from zmqsync.transport.base import Borrows, SpokeTransport, has_input
+from zmqsync.transport.shm.records import Ask, RecordError, Written, is_record
+from zmqsync.transport.shm.records import decode as decode_record
 from zmqsync.vocabulary import Metadata, Strategy
 
 __all__ = ["WeightReceiver"]
@@ -121,6 +124,12 @@ class WeightReceiver:
             worker only the bytes of its part inside them, and versions are applied
             into the slices (or a sink is handed them). Worked out from the model once,
             here; it needs a sharded learner.
+        lend_tensors: on the learner's host, once a version is whole in the model, move
+            its tensors into memory lent to the hub (they stay the objects they were,
+            private and writable), so that the learner writes later versions straight
+            into them: one copy per version, where the hub's stream takes two (the
+            learner's into shared memory, this worker's out of it). Not yet used by any
+            sender (being built).
     """
 
     def __init__(
@@ -139,6 +148,7 @@ class WeightReceiver:
         keep: Keep = "weights",
         connect_rank: Callable[[str], SpokeTransport] | None = None,
         slices: SliceSpec | None = None,
+        lend_tensors: bool = False,
     ) -> None:
         if apply_mode not in APPLY_MODES:
             raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
@@ -171,6 +181,7 @@ class WeightReceiver:
             rejections=self._rejections,
             observer=self._observers,
             retired_epochs=RETIRED_EPOCHS,
+            lend_tensors=lend_tensors and slices is None,
         )
         self._upstream = UpstreamSession(
             self,
@@ -517,8 +528,12 @@ class WeightReceiver:
         while True:
             if frames is not None:
                 upstream.heard(time.monotonic())
-                message = self._decode(frames)
                 ack = None
+                if is_record(frames):  # the hub's ask or word on the lent tensors
+                    ack = self._on_lent_record(frames[0])
+                    message = None
+                else:
+                    message = self._decode(frames)
                 if isinstance(message, Chunk):
                     ack = self._on_chunk(message)
                     upstream.read(message, time.monotonic())  # a note, if chunks come slowly
@@ -684,6 +699,28 @@ class WeightReceiver:
             )
             ranks.sessions[event.part].ask_again(whole=True)
 
+    def _on_lent_record(self, frame: Any) -> PendingAck | None:
+        """An :class:`Ask` or :class:`Written` from the hub, about the lent tensors."""
+        applier = self._applier
+        try:
+            record = decode_record(frame)
+        except RecordError:
+            record = None
+        if isinstance(record, Ask):
+            applier.lent_ask(record.version, record.epoch, record.layout)
+            return None
+        if not isinstance(record, Written):
+            self._rejections.add(self.worker_idx, "malformed record on the lent tensors")
+            return None
+        metadata = _metadata(record.metadata)
+        epoch = applier.epoch
+        ack = applier.lent_written(record.version, record.epoch, record.ok, metadata)
+        if applier.epoch != epoch:
+            self._upstream.sender_epoch = applier.epoch  # it follows a restarted sender
+        if ack is not None and ack.applied:
+            self._upstream.caught_up = True
+        return ack
+
     def _on_chunk(self, chunk: Chunk) -> PendingAck | None:
         applier = self._applier
         epoch = applier.epoch
@@ -752,6 +789,18 @@ class WeightReceiver:
             self._ranks.close()
         self._upstream.say_goodbye()
         self._upstream.spoke.close()
+
+
+def _metadata(raw: bytes) -> dict[str, Any] | None:
+    """A version's metadata as the hub's word on the lent tensors carries it (JSON of a
+    dict), or None (none, or not such JSON)."""
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _close_at_exit(receiver: weakref.ref[WeightReceiver]) -> None:

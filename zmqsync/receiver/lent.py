@@ -14,18 +14,22 @@ copy into private memory), so nothing the hub writes later reaches them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import WeightsSchema
 from zmqsync.receiver.shared import Placements, check_shareable, owned_tensors
 from zmqsync.tensors.extract import KeyPath
 from zmqsync.transport.shm.lent import LentMemory, Where
 
-__all__ = ["LentTensors", "stream_bytes"]
+__all__ = ["LentTensors", "LentVersions", "stream_bytes"]
+
+log = logging.getLogger("zmqsync.receiver")
 
 
 def stream_bytes(schema: WeightsSchema) -> int:
@@ -63,6 +67,25 @@ class LentTensors:
     def lent(self) -> bool:
         return self.memory is not None
 
+    def intact(self) -> bool:
+        """Whether every tensor still lies where it was moved (nobody gave one other
+        storage, ``p.data = ...``, or another shape since): only then may the hub write."""
+        memory = self.memory
+        if memory is None:
+            return False
+        base = memory.array.__array_interface__["data"][0]
+        return all(
+            t.untyped_storage().data_ptr() == base
+            and t.storage_offset() == offset
+            and tuple(t.shape) == shape
+            and tuple(t.stride()) == strides
+            for t, offset, shape, strides in self._placed.moves
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Each tensor lent, once."""
+        return self._placed.tensors
+
     def take_back(self) -> None:
         """Move every tensor into private memory (their values copied once) and lend
         nothing more: what the hub may still write lands where no tensor reads."""
@@ -82,3 +105,72 @@ class LentTensors:
                     view.copy_(tensor)
             for tensor, offset, shape, strides in self._placed.moves:
                 tensor.set_(storage, offset, shape, strides)
+
+
+class LentVersions:
+    """One worker's lent tensors, as its applier uses them: lent once a version of a
+    layout is held whole, the hub's ask answered (the lock held from the go until the
+    hub says written, or until :attr:`gap` runs out), taken back when it must.
+
+    Counts, in the receiver's stats: ``lent_applied`` (versions the hub wrote in),
+    ``lent_refused`` (asks answered no: the tensors moved, a version in progress, an
+    old version), ``lent_taken_back`` (the hub went quiet mid-write, or the model's
+    tensors moved under it)."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self._stats = stats
+        for key in ("lent_applied", "lent_refused", "lent_taken_back"):
+            stats.setdefault(key, 0)
+        self.tensors: LentTensors | None = None
+        #: The layout digest the tensors are laid out for.
+        self.layout = b""
+        #: ``(version, epoch, deadline)`` from a go until the hub's written.
+        self.pending: tuple[int, int, float] | None = None
+
+    def lend(
+        self, schema: WeightsSchema, layout: bytes, model: Any, target: Mapping[KeyPath, Any]
+    ) -> Where | None:
+        """Move the tensors into lent memory for versions of ``layout`` (call under the
+        worker's lock); where they are now, or None if they cannot be lent."""
+        if self.tensors is not None and self.layout == layout and self.tensors.intact():
+            return None  # lent already, for this layout
+        self.take_back(count=False)
+        try:
+            self.tensors = LentTensors(schema, model, target)
+        except (SchemaMismatchError, ValueError, OSError) as exc:
+            log.debug("the model's tensors cannot be lent: %s", exc)
+            return None
+        self.layout = layout
+        return self.tensors.where()
+
+    def may_write(self, layout: bytes) -> bool:
+        """Whether the hub may write a version of ``layout`` into the tensors now."""
+        ok = (
+            self.pending is None
+            and self.tensors is not None
+            and self.layout == layout
+            and self.tensors.intact()
+        )
+        if not ok:
+            self._stats["lent_refused"] += 1
+        return ok
+
+    def take_back(self, *, count: bool = True) -> bool:
+        """Move the tensors out of the lent memory (one copy); True if they were lent."""
+        tensors, self.tensors, self.pending = self.tensors, None, None
+        if tensors is None:
+            return False
+        tensors.take_back()
+        if count:
+            self._stats["lent_taken_back"] += 1
+        return True
+
+    def written(self) -> None:
+        self.pending = None
+        self._stats["lent_applied"] += 1
+        if self.tensors is not None:
+            # The hub's write bumped no tensor's version counter: a backward pass through
+            # a graph saved before it must raise, as it would after a copy_.
+            bump = getattr(torch.autograd.graph, "increment_version", None)
+            if bump is not None:
+                bump(self.tensors.tensors())

@@ -20,7 +20,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -44,6 +44,7 @@ from zmqsync.protocol import (
     encode_metadata,
     peek_kind,
 )
+from zmqsync.sender.lent import LentTarget
 from zmqsync.sender.pump import HubRunner, InFlight, StallClock, sum_counters
 from zmqsync.sender.slices import SlicedWorkers
 from zmqsync.sender.stats import SendStats
@@ -99,6 +100,11 @@ ERROR_LOG_INTERVAL: Final = 10.0
 #: (pyzmq drops them on its own thread, a moment after ZeroMQ wrote them out); still
 #: held after that (a stopped worker's queue), the model's tensors move on.
 LET_GO_SECONDS: Final = 0.05
+#: How long a send waits for the workers that lent their tensors to take their locks
+#: (say go) before it streams the version to those that did not.
+LENT_GO_WAIT: Final = 0.5
+#: Workers' lent memories kept mapped as tensors, at most (one per worker is expected).
+MAX_LENT_TARGETS: Final = 4096
 
 
 def new_epoch() -> int:
@@ -235,6 +241,7 @@ class WeightSender:
         delta: bool = False,
         part: LocalPart | None = None,
         ranks: Sequence[str] = (),
+        lend_tensors: bool = False,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds; got {timeout}")
@@ -272,6 +279,11 @@ class WeightSender:
         self.strategy = strategy
         self.timeout = float(timeout)
         self.share_params = share_params
+        #: Write each version straight into the tensors of workers that lend them (on
+        #: this host), one copy each, instead of streaming it (see _write_lent).
+        self.lend_tensors = lend_tensors and not share_params and part is None
+        #: The memory each worker lent, as the tensors of the layout it was mapped for.
+        self._lent_targets: dict[PeerId, LentTarget] = {}
         self.retain_snapshot = retain_snapshot and not share_params
         self.heartbeat = heartbeat
         self.repair_after = repair_after
@@ -528,6 +540,11 @@ class WeightSender:
                 s = self.fleet.workers.get(relay)
                 if s is not None and s.origin.peer is not None:
                     routes[s.origin.peer] = behind
+        written = self._write_lent(copy, send, peers, worker_ids) if self._lends(copy) else set()
+        if written:
+            pending.lent = written
+            with self._cond:
+                everyone = everyone or self._peers_of(self.fleet.workers)
         deltas: dict[int, tuple[int, int]] = {}  # base -> (workers, bytes each)
         for runner in self._runners:
             if self.delta:
@@ -546,14 +563,16 @@ class WeightSender:
                 transfers = []
             if routes:
                 transfers = self._routed(transfers, routes)
-            if everyone.get(runner.index):
+            if written:
+                transfers = self._unlent(transfers, everyone.get(runner.index, []), written)
+            if everyone.get(runner.index) and len(self._sliced):
                 transfers = self._unsliced(transfers, runner.index, everyone[runner.index])
             for transfer in transfers:
                 runner.begin(transfer)
                 if transfer.spans is not None:
                     n, _ = deltas.get(transfer.base, (0, 0))
                     deltas[transfer.base] = (n + transfer.workers, transfer.nbytes)
-        if everyone:
+        if targeted:
             self._send_cuts(copy, targeted)
         self._stats.version_sent(
             version, copy.nbytes, len(send.targets), deltas if self.delta else None
@@ -567,6 +586,11 @@ class WeightSender:
         # before send() returns (the caller may change its weights then); a ring copy
         # stops reading them, and its streams still under way stop.
         copy = pending.copy
+        if pending.lent and not copy.written and self._nobody_streams(copy):
+            # Every worker took it into its lent tensors and no stream read it: it is
+            # never written here, and serves nobody (a late joiner gets the next one).
+            copy.forgo()
+            self._versions.serve(None)
         copy.write_through(copy.count - 1)
         if copy.data is None or copy.live:
             copy.end()
@@ -614,6 +638,115 @@ class WeightSender:
                 version=send.version,
             )
         self._stats.synced(time.monotonic() - send.started)
+
+    # --- lent tensors: one copy per worker, straight into its model -----------------
+
+    def _lends(self, copy: Copy) -> bool:
+        """Whether this version may be written into workers' lent tensors: one hub, a
+        whole copy of the model's own bytes (no delta, cast, slices or parts)."""
+        return (
+            self.lend_tensors
+            and len(self._runners) == 1
+            and not self.delta
+            and not len(self._sliced)
+            and copy.data is not None
+            and not copy.live
+            and copy.tensors is not None
+            and not any(e.wire or e.buffer for e in copy.layout.schema.entries)
+        )
+
+    def _write_lent(
+        self,
+        copy: Copy,
+        send: Send,
+        peers: Mapping[int, Sequence[PeerId]],
+        worker_ids: WorkerIds,
+    ) -> set[PeerId]:
+        """Ask every targeted worker that lent its tensors for this layout to hold its
+        lock, and write the version into those that say go, as they do, for at most
+        :data:`LENT_GO_WAIT` seconds; the others are told nothing was written (they get
+        the stream). Returns the workers written."""
+        runner = self._runners[0]
+        hub = runner.hub
+        if not isinstance(hub, Lends):
+            return set()
+        layout = copy.layout.layout
+        asked = hub.lent_peers(layout)
+        if worker_ids is not None:
+            targeted = set(peers.get(runner.index, ()))
+            asked = [p for p in asked if p in targeted]
+        if not asked:
+            return set()
+        epoch, version = self._versions.stamp.epoch, copy.version
+        meta = b"" if copy.metadata is None else encode_metadata(copy.metadata)
+        tensors = copy.tensors
+        assert tensors is not None
+        for peer in asked:
+            hub.ask_lent(peer, version, epoch, layout)
+        waiting, written = set(asked), set()
+        deadline = min(send.deadline, time.monotonic() + LENT_GO_WAIT)
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with runner.holding():
+                incoming = runner.hub.recv_frames(min(remaining, pump.PUMP_TICK))
+                while incoming is not None:
+                    self._handle(incoming, runner)
+                    incoming = runner.hub.recv_frames(0)
+            for peer, v, e, ok in hub.take_gos():
+                if peer not in waiting or (v, e) != (version, epoch):
+                    if ok:  # a go for an ask given up on: it holds its lock, release it
+                        hub.written(peer, v, e, False, b"")
+                    continue
+                waiting.discard(peer)
+                target = self._lent_target(peer, copy) if ok else None
+                if target is None:
+                    if ok:
+                        hub.written(peer, version, epoch, False, b"")
+                    continue
+                target.write(tensors)
+                hub.written(peer, version, epoch, True, meta)
+                written.add(peer)
+        for peer in waiting:
+            hub.written(peer, version, epoch, False, b"")  # it gets the stream instead
+        return written
+
+    def _lent_target(self, peer: PeerId, copy: Copy) -> LentTarget | None:
+        """The memory ``peer`` lent, as the tensors of ``copy``'s layout (kept per peer
+        while the layout stays); None if the hub could not map it."""
+        kept = self._lent_targets.get(peer)
+        if kept is not None and kept.schema is copy.layout.schema:
+            return kept
+        hub = self._runners[0].hub
+        memory = hub.lent_memory(peer, copy.nbytes) if isinstance(hub, Lends) else None
+        if memory is None:
+            self._lent_targets.pop(peer, None)
+            return None
+        target = LentTarget(memory, copy.layout.schema)
+        if len(self._lent_targets) >= MAX_LENT_TARGETS:
+            self._lent_targets.pop(next(iter(self._lent_targets)))
+        self._lent_targets[peer] = target
+        return target
+
+    def _unlent(
+        self, transfers: list[Transfer], everyone: list[PeerId], written: set[PeerId]
+    ) -> list[Transfer]:
+        """``transfers`` without the workers the version was written into: a fan-out
+        is then addressed to the others."""
+        out = []
+        for t in transfers:
+            to = [p for p in (everyone if t.to is None else t.to) if p not in written]
+            if to:
+                out.append(Transfer(t.copy, to, t.spans, t.base, t.workers, t.targets))
+        return out
+
+    def _nobody_streams(self, copy: Copy) -> bool:
+        """Whether no transfer or repair streams ``copy`` (holding every hub)."""
+        with contextlib.ExitStack() as held:
+            for runner in self._runners:
+                held.enter_context(runner.holding())
+            return not copy.reached and not any(r.streams(copy) for r in self._runners)
 
     def _peers_of(self, workers: Iterable[int]) -> dict[int, list[PeerId]]:
         """Per hub, the peers of ``workers`` that have one (holding the condition)."""

@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
@@ -20,6 +20,7 @@ from zmqsync.chunking.layout import Sources, StreamLayout
 from zmqsync.fleet import Send
 from zmqsync.protocol import Buffer, Chunk, checksum, encode
 from zmqsync.tensors.device_reader import DeviceReader
+from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.flatten import Flat
 from zmqsync.transport.base import PeerId
 from zmqsync.vocabulary import Metadata
@@ -231,6 +232,9 @@ class Copy:
         self._epoch = stamp.epoch
         self._checksums = stamp.checksums
         self._flat: Flat | None = flat
+        #: The tensors the stream is made of, by key, while they are read (a version
+        #: written straight into workers' lent tensors is copied from them).
+        self.tensors: Mapping[KeyPath, Any] | None = None
         self._sources = layout.sources(flat) if flat is not None else None
         self._written = 0 if flat is not None else layout.count
         self._ended = False
@@ -290,7 +294,20 @@ class Copy:
     def _let_go(self) -> None:
         if isinstance(self._sources, DeviceReader):
             self._sources.close()  # no copy out of the caller's tensors is still running
-        self._sources = self._flat = None
+        self._sources = self._flat = self.tensors = None
+
+    @property
+    def written(self) -> int:
+        """How many of its chunks are written (whole copies)."""
+        return self._written
+
+    def forgo(self) -> None:
+        """Nothing of this whole copy was written, and nothing will be (every worker
+        took the version another way): it reads the caller's tensors no more, and can
+        serve nobody."""
+        with self._lock:
+            self._let_go()
+            self._ended = True
 
     def reach(self, to: Sequence[PeerId] | None) -> None:
         """Its chunks went to ``to`` (None: every peer)."""
@@ -473,6 +490,8 @@ class Pending:
 
     send: Send
     copy: Copy = field(repr=False)
+    #: The workers the version was written into (their lent tensors), not streamed to.
+    lent: set[PeerId] = field(default_factory=set)
 
 
 @dataclass

@@ -241,6 +241,7 @@ class VersionStore:
             # Workers that map each version copy nothing while it is written: the
             # learner's write may take every core.
             owned.pooled = self._all_keep(shared)
+            owned.tensors = tensors  # workers that lent their tensors are written from them
             return owned
         return self._own(version, flat, self.layout)
 

@@ -133,6 +133,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         #: Answers to asks to write into lent tensors, as (peer, version, epoch, ok).
         self._gos: list[tuple[PeerId, int, int, bool]] = []
         self._lent_refused = 0
+        self._lent_writes = 0
         try:
             for index, conn in items:
                 self.add_pipe(conn, index)
@@ -284,6 +285,8 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         return found.lent
 
     def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
+        if ok:
+            self._lent_writes += 1
         self._record_to(peer, Written(version, epoch, ok, metadata))
 
     def _record_to(self, peer: PeerId, record: Ask | Written) -> None:
@@ -399,9 +402,10 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             counts["shm_pinned"] = sum(copying.values())
             counts["shm_copies"] = sum(p.writer.copies for p in peers)
         lent = sum(p.lends is not None for p in peers if p.lost is None)
-        if lent or self._lent_refused:
+        if lent or self._lent_refused or self._lent_writes:
             counts["lent_peers"] = lent
             counts["lent_refused"] = self._lent_refused
+            counts["lent_writes"] = self._lent_writes
         if self._device is not None and (self._device.nbytes() or self._device.refused):
             counts["device_bytes"] = self._device.nbytes()
             counts["device_refused"] = self._device.refused

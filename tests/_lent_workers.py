@@ -1,0 +1,51 @@
+"""Worker processes for the lent tensors tests (importable under spawn)."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import zmqsync
+
+
+def run_lending_worker(conn: Any, control: Any, worker_idx: int, lend: bool) -> None:
+    """A pipe worker that lends its tensors (``lend``) and applies versions in the
+    background; says, for each question on ``control``, every version it applied with
+    the checksum of what the model held then, and its counts."""
+    from _workers import make_model
+
+    from zmqsync import WeightReceiver
+    from zmqsync.transport.pipe import PipeSpoke
+
+    try:
+        model = make_model("wide", seed=1000 + worker_idx)
+        params = list(model.parameters())
+        receiver = WeightReceiver(
+            PipeSpoke(conn),
+            model=model,
+            strategy="state_dict",
+            worker_idx=worker_idx,
+            lend_tensors=lend,
+            timeout=30,
+        )
+        applied: list[tuple[int, str, Any]] = []
+        receiver.on_applied.append(
+            lambda epoch, version: applied.append(
+                (version, zmqsync.checksum(model, "state_dict"), receiver.metadata)
+            )
+        )
+        receiver.connect(timeout=30)
+        receiver.start()
+        while True:
+            if not control.poll(60):
+                return
+            question = control.recv()
+            if question == "stop":
+                break
+            same = all(a is b for a, b in zip(params, model.parameters(), strict=True))
+            stats = {k: v for k, v in receiver.stats.items() if isinstance(v, int | float)}
+            control.send(("ok", list(applied), stats, same))
+        receiver.close()
+        control.send(("closed", None, None, None))
+    except Exception:
+        control.send(("error", traceback.format_exc(), None, None))
