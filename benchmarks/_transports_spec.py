@@ -46,12 +46,18 @@ class ZmqsyncSpec:
 PIPE_SHARE: Final = "zmqsync-pipe-share"
 #: ``zmqsync-pipe`` whose workers map one read-only copy (``apply_mode="shared"``).
 PIPE_SHARED: Final = "zmqsync-pipe-shared"
+#: ``zmqsync-pipe`` whose workers lend their tensors: the learner writes each version
+#: straight into them, one copy per worker (``lend_tensors=True`` on both sides).
+PIPE_LENT: Final = "zmqsync-pipe-lent"
 #: zmqsync's variants, in the order a cell runs them. Another is one entry, e.g.
 #: ``"zmqsync-pipe-share": ZmqsyncSpec("pipe", TORCHRL_MP, scheme={"share_params": True})``.
 ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
     PIPE: ZmqsyncSpec("pipe", replaces=TORCHRL_MP),
     PIPE_SHARE: ZmqsyncSpec("pipe", replaces=TORCHRL_MP, scheme={"share_params": True}),
     PIPE_SHARED: ZmqsyncSpec("pipe", receiver={"apply_mode": "shared"}, shares=True),
+    PIPE_LENT: ZmqsyncSpec(
+        "pipe", replaces=TORCHRL_MP, sender={"lend_tensors": True}, receiver={"lend_tensors": True}
+    ),
     ZMQSYNC_RAY: ZmqsyncSpec("ray", replaces=TORCHRL_RAY),
     ZMQ: ZmqsyncSpec("zmq"),
 }

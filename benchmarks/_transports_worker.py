@@ -93,11 +93,21 @@ def own_parameters(module: nn.Module) -> None:
 
 
 def ownership(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Whether a worker's tensors are its own: none in shared memory, none aliased."""
+    """Whether a worker's tensors are its own: none in shared memory (torch's), none
+    overlapping another (several may lie apart in one storage: a worker that lent its
+    tensors to the learner keeps them in one memfd of its own, which no other worker
+    maps)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors.values()
+        if t.numel()
+    )
+    apart = all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
     ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
     return {
         "shared": sum(bool(t.is_shared()) for t in tensors.values()),
-        "distinct_storages": len(set(ptrs)) == len(ptrs),
+        "distinct_storages": apart,
+        "storages": len(set(ptrs)),
         "tensors": len(ptrs),
     }
 

@@ -39,7 +39,7 @@ SENDER_OPTIONS: Final = (
 )
 #: What a worker may choose in ``init_on_receiver`` (:class:`~zmqsync.WeightReceiver`'s
 #: options).
-RECEIVER_OPTIONS: Final = ("apply_mode", "chunk_timeout", "sink", "slices")
+RECEIVER_OPTIONS: Final = ("apply_mode", "chunk_timeout", "sink", "slices", "lend_tensors")
 
 _T = TypeVar("_T")
 

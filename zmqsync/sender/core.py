@@ -591,7 +591,8 @@ class WeightSender:
             # never written here, and serves nobody (a late joiner gets the next one).
             copy.forgo()
             self._versions.serve(None)
-        copy.write_through(copy.count - 1)
+        else:
+            copy.write_through(copy.count - 1)
         if copy.data is None or copy.live:
             copy.end()
             for runner in self._runners:
