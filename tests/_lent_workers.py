@@ -8,10 +8,13 @@ from typing import Any
 import zmqsync
 
 
-def run_lending_worker(conn: Any, control: Any, worker_idx: int, lend: bool) -> None:
+def run_lending_worker(
+    conn: Any, control: Any, worker_idx: int, lend: bool, chunk_timeout: float = 5.0
+) -> None:
     """A pipe worker that lends its tensors (``lend``) and applies versions in the
     background; says, for each question on ``control``, every version it applied with
-    the checksum of what the model held then, and its counts."""
+    the checksum of what the model held then, and its counts. Told ``"move"``, it gives
+    its first weight new storage (``p.data = ...``), as user code may."""
     from _workers import make_model
 
     from zmqsync import WeightReceiver
@@ -27,6 +30,7 @@ def run_lending_worker(conn: Any, control: Any, worker_idx: int, lend: bool) -> 
             worker_idx=worker_idx,
             lend_tensors=lend,
             timeout=30,
+            chunk_timeout=chunk_timeout,
         )
         applied: list[tuple[int, str, Any]] = []
         receiver.on_applied.append(
@@ -42,6 +46,11 @@ def run_lending_worker(conn: Any, control: Any, worker_idx: int, lend: bool) -> 
             question = control.recv()
             if question == "stop":
                 break
+            if question == "move":
+                with receiver.lock:
+                    first = params[0]
+                    first.data = first.data.clone()
+                continue
             same = all(a is b for a, b in zip(params, model.parameters(), strict=True))
             stats = {k: v for k, v in receiver.stats.items() if isinstance(v, int | float)}
             control.send(("ok", list(applied), stats, same))

@@ -34,13 +34,20 @@ def _ask(control: Any) -> tuple[list[tuple[int, str, Any]], dict[str, Any], bool
 
 
 @pytest.fixture
-def fleet():
+def fleet(monkeypatch):
     from _lent_workers import run_lending_worker
+
+    from zmqsync.sender import core
+
+    # The counts below are of versions written into lent tensors: a worker slowed down
+    # by a loaded machine must not miss its turn (a send still waits no longer than its
+    # own timeout for a go).
+    monkeypatch.setattr(core, "LENT_GO_WAIT", 20.0)
 
     ctx = mp.get_context("spawn")
     made: dict[str, Any] = {}
 
-    def start(lends: list[bool]) -> tuple[WeightSender, list[Any]]:
+    def start(lends: list[bool], chunk_timeout: float = 5.0) -> tuple[WeightSender, list[Any]]:
         pipes = [ctx.Pipe() for _ in lends]
         controls = [ctx.Pipe() for _ in lends]
         model = make_model("wide", seed=1)
@@ -56,13 +63,15 @@ def fleet():
         for i, lend in enumerate(lends):
             proc = ctx.Process(
                 target=run_lending_worker,
-                args=(pipes[i][1], controls[i][1], i, lend),
+                args=(pipes[i][1], controls[i][1], i, lend, chunk_timeout),
                 daemon=True,
             )
             proc.start()
             procs.append(proc)
         made.update(sender=sender, procs=procs, controls=[c for c, _ in controls])
         return sender, made["controls"]
+
+    start.procs = lambda: made["procs"]  # type: ignore[attr-defined]
 
     yield start
     for control in made.get("controls", []):
@@ -103,3 +112,120 @@ def test_versions_are_written_into_the_workers_lent_tensors(fleet) -> None:
             assert stats.get("lent_applied", 0) == 0, stats
     totals = sender.status()["totals"]  # the hub's counters among them
     assert totals["lent_peers"] == 2 and totals["lent_writes"] >= 8, totals
+
+
+def _check(applied: list[tuple[int, str, Any]], sent: dict[int, str]) -> None:
+    """Versions only go forward, and each one applied is the learner's."""
+    versions = [v for v, _, _ in applied]
+    assert versions == sorted(versions), versions
+    for version, digest, _ in applied:
+        if version in sent:
+            assert digest == sent[version], version
+
+
+def test_a_learner_quiet_mid_write_writes_nothing_the_worker_keeps(fleet, monkeypatch) -> None:
+    """The learner stalls between a worker's go and its word that the version is in,
+    past the worker's chunk timeout: the worker takes its tensors back (one copy), is
+    torn until the version comes as a stream, and what the learner then writes into the
+    memory it had lent reaches no tensor of it."""
+    from zmqsync.sender import lent
+
+    sender, (control,) = fleet([True], chunk_timeout=0.5)
+    model = sender.model
+    sent: dict[int, str] = {}
+
+    def send() -> None:
+        bump(model)
+        sender.send()
+        sent[sender.fleet.version] = zmqsync.checksum(model, "state_dict")
+
+    for _ in range(3):
+        send()
+    assert _ask(control)[1]["lent_applied"] >= 1
+    real_write = lent.LentTarget.write
+    stalled: list[int] = []
+
+    def stall_once(self: Any, tensors: Any) -> None:
+        if not stalled:
+            stalled.append(sender.fleet.version)
+            time.sleep(2.0)  # the worker gives up after 0.5 s
+        real_write(self, tensors)
+
+    monkeypatch.setattr(lent.LentTarget, "write", stall_once)
+    send()  # repaired through the stream within the send: it is acked all the same
+    for _ in range(3):
+        send()
+    applied, stats, same = _ask(control)
+    _check(applied, sent)
+    assert applied[-1][0] == max(sent) and stalled
+    assert stats["lent_taken_back"] == 1 and same, stats
+    assert stats["lent_applied"] >= 3, stats  # lent again once a whole version was in
+
+
+def test_a_worker_that_moved_its_tensors_is_streamed_to_and_lends_again(fleet) -> None:
+    sender, (control,) = fleet([True])
+    model = sender.model
+    sent: dict[int, str] = {}
+    for step in range(6):
+        if step == 3:
+            control.send("move")  # p.data = ...: its tensors leave the lent memory
+        bump(model)
+        sender.send()
+        sent[sender.fleet.version] = zmqsync.checksum(model, "state_dict")
+    applied, stats, _ = _ask(control)
+    _check(applied, sent)
+    assert applied[-1][0] == max(sent)
+    assert stats["lent_refused"] >= 1 and stats["lent_applied"] >= 3, stats
+
+
+@pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_killed_lending_worker_holds_nobody_back(fleet, signal_name: str) -> None:
+    """One of three lending workers stops (or dies): each send waits for its go at most
+    half a second, then streams to it (a stopped worker's stream waits in its pipe and
+    the send times out on it, as without lending); the others keep taking every
+    version through their lent tensors. A stopped worker, continued, answers the asks
+    it missed, is told nothing was written, and catches up by the stream."""
+    import os
+    import signal
+
+    from zmqsync.errors import SyncTimeout
+
+    sender, controls = fleet([True, True, True])
+    model = sender.model
+    sent: dict[int, str] = {}
+
+    def send() -> None:
+        bump(model)
+        try:
+            sender.send()
+        except SyncTimeout as exc:
+            assert exc.missing_workers == [2], exc
+        sent[sender.fleet.version] = zmqsync.checksum(model, "state_dict")
+
+    send()
+    send()
+    sender.timeout = 2.0  # every worker connected: a send waits for a stopped one that long
+    victim = fleet.procs()[2]
+    os.kill(victim.pid, getattr(signal, signal_name))
+    for _ in range(3):
+        send()
+    if signal_name == "SIGSTOP":
+        os.kill(victim.pid, signal.SIGCONT)
+    send()
+    send()
+    for i, control in enumerate(controls):
+        if i == 2 and signal_name == "SIGKILL":
+            continue
+        applied, stats, same = _ask(control)
+        _check(applied, sent)
+        if i < 2:
+            assert applied[-1][0] == max(sent) and stats["lent_applied"] >= 5, stats
+        else:  # continued: it caught up, whole versions only
+            deadline = time.monotonic() + 20
+            while applied[-1][0] != max(sent):
+                assert time.monotonic() < deadline, applied[-1]
+                time.sleep(0.2)
+                applied, stats, same = _ask(control)
+                _check(applied, sent)
+    totals = sender.status()["totals"]
+    assert totals["lent_writes"] >= 10 and totals["timeouts"] >= 3, totals

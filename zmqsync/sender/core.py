@@ -716,14 +716,16 @@ class WeightSender:
     def _lent_target(self, peer: PeerId, copy: Copy) -> LentTarget | None:
         """The memory ``peer`` lent, as the tensors of ``copy``'s layout (kept per peer
         while the layout stays); None if the hub could not map it."""
-        kept = self._lent_targets.get(peer)
-        if kept is not None and kept.schema is copy.layout.schema:
-            return kept
         hub = self._runners[0].hub
+        # The hub's mapping of what the worker lends now: a worker that took its
+        # tensors back and lent anew has new memory, never the memory it had.
         memory = hub.lent_memory(peer, copy.nbytes) if isinstance(hub, Lends) else None
         if memory is None:
             self._lent_targets.pop(peer, None)
             return None
+        kept = self._lent_targets.get(peer)
+        if kept is not None and kept.schema is copy.layout.schema and kept.memory is memory:
+            return kept
         target = LentTarget(memory, copy.layout.schema)
         if len(self._lent_targets) >= MAX_LENT_TARGETS:
             self._lent_targets.pop(next(iter(self._lent_targets)))

@@ -30,6 +30,8 @@ class LentTarget:
             raise ValueError(f"lent memory of {mapped.nbytes} bytes for a {total}-byte version")
         flat = torch.from_numpy(mapped)
         self.schema = schema
+        #: The memory written into (the hub's mapping of what the worker lent).
+        self.memory = mapped
         self._keys = [e.key for e in schema.entries]
         self._views = []
         for e in schema.entries:
