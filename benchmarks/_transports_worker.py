@@ -26,6 +26,7 @@ the sessions of each cell. Commands::
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +103,7 @@ def ownership(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         for t in tensors.values()
         if t.numel()
     )
-    apart = all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    apart = all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
     ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
     return {
         "shared": sum(bool(t.is_shared()) for t in tensors.values()),
