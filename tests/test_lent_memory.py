@@ -18,7 +18,7 @@ import torch
 from zmqsync.chunking.layout import MIN_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.receiver.lent import LentTensors, stream_bytes
-from zmqsync.sender.lent import LentTarget
+from zmqsync.sender.lent import LentPlan, LentTarget
 from zmqsync.tensors.extract import extract
 from zmqsync.tensors.flatten import Flattener
 from zmqsync.transport.shm import records
@@ -170,8 +170,9 @@ def test_a_workers_tensors_move_into_lent_memory_and_the_learner_writes_them() -
 
     # The learner writes a version into the worker's own tensors: nothing copies it out.
     mapped = map_lent(lent.where(), layout.total)
-    target = LentTarget(mapped, layout.schema)
-    target.write(extract(learner, "state_dict"))
+    plan = LentPlan(layout.schema)
+    target = LentTarget(mapped, plan)
+    target.write(plan.gather(extract(learner, "state_dict")))
     x = torch.randn(5, 64)
     assert torch.equal(worker(x), learner(x))
     # Still the worker's private, writable tensors: its optimizer built before updates them.
@@ -186,7 +187,7 @@ def test_a_workers_tensors_move_into_lent_memory_and_the_learner_writes_them() -
     with torch.no_grad():
         for p in learner.parameters():
             p.add_(1.0)
-    target.write(extract(learner, "state_dict"))
+    target.write(plan.gather(extract(learner, "state_dict")))
     for key, value in worker.state_dict().items():
         assert torch.equal(value, held[key]), key
     assert all(a is b for a, b in zip(params, worker.parameters(), strict=True))
@@ -205,12 +206,13 @@ def test_only_tensors_that_can_lie_in_the_stream_are_lent() -> None:
 
 def test_the_learner_writes_only_memory_that_fits_the_version() -> None:
     layout = _stream(_model(1))
+    plan = LentPlan(layout.schema)
     with pytest.raises(ValueError, match="lent memory of"):
-        LentTarget(np.zeros(layout.total - 4, dtype=np.uint8), layout.schema)
+        LentTarget(np.zeros(layout.total - 4, dtype=np.uint8), plan)
     read_only = np.zeros(layout.total, dtype=np.uint8)
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="lent memory of"):
-        LentTarget(read_only, layout.schema)
+        LentTarget(read_only, plan)
 
 
 @pytest.mark.parametrize(

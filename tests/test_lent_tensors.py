@@ -44,6 +44,8 @@ def fleet(monkeypatch):
     # by a loaded machine must not miss its turn (a send still waits no longer than its
     # own timeout for a go).
     monkeypatch.setattr(core, "LENT_GO_WAIT", 20.0)
+    # The test's model is small (70 KB), which is streamed by default: lend it anyway.
+    monkeypatch.setattr(core, "LENT_MIN_BYTES", 0)
 
     ctx = mp.get_context("spawn")
     made: dict[str, Any] = {}
@@ -229,3 +231,21 @@ def test_a_stopped_or_killed_lending_worker_holds_nobody_back(fleet, signal_name
                 _check(applied, sent)
     totals = sender.status()["totals"]
     assert totals["lent_writes"] >= 10 and totals["timeouts"] >= 3, totals
+
+
+def test_a_small_model_streams_as_usual(fleet, monkeypatch) -> None:
+    """Under LENT_MIN_BYTES the ask and the go cost more than the copy they save: the
+    version streams, to lending workers too, and is applied all the same."""
+    from zmqsync.sender import core
+
+    monkeypatch.setattr(core, "LENT_MIN_BYTES", 4 * 1024 * 1024)
+    sender, (control,) = fleet([True])
+    sent: dict[int, str] = {}
+    for _ in range(3):
+        bump(sender.model)
+        sender.send()
+        sent[sender.fleet.version] = zmqsync.checksum(sender.model, "state_dict")
+    applied, stats, _ = _ask(control)
+    _check(applied, sent)
+    assert applied[-1][0] == max(sent) and stats["lent_applied"] == 0, stats
+    assert sender.status()["totals"].get("lent_writes", 0) == 0

@@ -15,8 +15,9 @@ copy into private memory), so nothing the hub writes later reaches them.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -30,6 +31,10 @@ from zmqsync.transport.shm.lent import LentMemory, Where
 __all__ = ["LentTensors", "LentVersions", "stream_bytes"]
 
 log = logging.getLogger("zmqsync.receiver")
+
+_DATA_PTR: Final = operator.methodcaller("data_ptr")
+_SHAPE: Final = operator.attrgetter("shape")
+_STRIDE: Final = operator.methodcaller("stride")
 
 
 def stream_bytes(schema: WeightsSchema) -> int:
@@ -56,6 +61,11 @@ class LentTensors:
         self._placed = Placements(schema, owned_tensors(model, target))
         self.memory: LentMemory | None = LentMemory(nbytes)
         self._move_onto(self.memory.array)
+        #: Where each tensor moved: what :meth:`intact` checks.
+        self._moved = [t for t, _, _, _ in self._placed.moves]
+        self._ptrs = list(map(_DATA_PTR, self._moved))
+        self._shapes = list(map(_SHAPE, self._moved))
+        self._strides = list(map(_STRIDE, self._moved))
 
     def where(self) -> Where:
         """What the hub is told of the memory (it maps it with ``map_lent``)."""
@@ -70,16 +80,15 @@ class LentTensors:
     def intact(self) -> bool:
         """Whether every tensor still lies where it was moved (nobody gave one other
         storage, ``p.data = ...``, or another shape since): only then may the hub write."""
-        memory = self.memory
-        if memory is None:
+        if self.memory is None:
             return False
-        base = memory.array.__array_interface__["data"][0]
-        return all(
-            t.untyped_storage().data_ptr() == base
-            and t.storage_offset() == offset
-            and tuple(t.shape) == shape
-            and tuple(t.stride()) == strides
-            for t, offset, shape, strides in self._placed.moves
+        # C loops (map), not a Python step per tensor: thousands of tensors are common,
+        # and this runs at every version.
+        tensors = self._moved
+        return (
+            list(map(_DATA_PTR, tensors)) == self._ptrs
+            and list(map(_SHAPE, tensors)) == self._shapes
+            and list(map(_STRIDE, tensors)) == self._strides
         )
 
     def tensors(self) -> list[torch.Tensor]:

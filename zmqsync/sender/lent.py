@@ -2,46 +2,103 @@
 
 A worker on the learner's host may lend the memory its tensors live in (see
 :mod:`zmqsync.receiver.lent`); the hub maps it (``map_lent``) and the learner writes each
-version straight into it, one ``torch._foreach_copy_`` from its own tensors: on the
-thread pool its last torch op left hot, one copy per worker and none of its own.
+version straight into it, from its own tensors: on the thread pool its last torch op
+left hot, one copy per worker and none of its own.
+
+Many small tensors (norms, biases: under :data:`SMALL_BYTES` each, as the stream packs
+them) lie side by side at the end of the stream. They are gathered once per version into
+one buffer laid out as that stretch (:meth:`LentPlan.gather`), and each worker then gets
+the stretch in one copy: a copy of a few thousand tensors per worker would cost more than
+the bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final
 
 import numpy as np
 import torch
 
 from zmqsync.protocol import WeightsSchema
 from zmqsync.tensors.extract import KeyPath
+from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD
 from zmqsync.tensors.views import torch_dtype
 
-__all__ = ["LentTarget"]
+__all__ = ["SMALL_BYTES", "LentPlan", "LentTarget"]
+
+#: Tensors smaller than this are gathered once per version, then copied as one stretch.
+SMALL_BYTES: Final = DEFAULT_PACK_THRESHOLD
+#: What :meth:`LentPlan.gather` returns: the large tensors, and the small ones' stretch.
+Gathered = tuple[list[torch.Tensor], torch.Tensor]
 
 
-class LentTarget:
-    """A worker's lent memory (``mapped``, exactly a version of ``schema``'s bytes) as one
-    tensor per entry of ``schema``, at the entry's place in the stream."""
+def _view(
+    flat: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
+) -> torch.Tensor:
+    return flat[offset : offset + nbytes].view(torch_dtype(dtype)).view(shape)
 
-    def __init__(self, mapped: np.ndarray, schema: WeightsSchema) -> None:
-        total = max((e.offset + e.nbytes for e in schema.entries), default=0)
-        if mapped.dtype != np.uint8 or mapped.nbytes != total or not mapped.flags.writeable:
-            raise ValueError(f"lent memory of {mapped.nbytes} bytes for a {total}-byte version")
-        flat = torch.from_numpy(mapped)
-        self.schema = schema
-        #: The memory written into (the hub's mapping of what the worker lent).
-        self.memory = mapped
-        self._keys = [e.key for e in schema.entries]
-        self._views = []
+
+class LentPlan:
+    """How a version of ``schema`` is written into lent memory: its large tensors one by
+    one, its small ones as one stretch ``[lo, hi)`` of the stream, gathered here first."""
+
+    def __init__(self, schema: WeightsSchema) -> None:
         for e in schema.entries:
             if e.wire or e.buffer != 0:
                 raise ValueError(f"{e.dotted_key} is not written as it is, in one stream")
-            dtype = torch_dtype(e.dtype)
-            piece = flat[e.offset : e.offset + e.nbytes]
-            self._views.append(piece.view(dtype).view(tuple(int(n) for n in e.shape)))
+        self.schema = schema
+        self.total = max((e.offset + e.nbytes for e in schema.entries), default=0)
+        small = [e for e in schema.entries if e.nbytes < SMALL_BYTES]
+        large = [e for e in schema.entries if e.nbytes >= SMALL_BYTES]
+        lo = min((e.offset for e in small), default=0)
+        hi = max((e.offset + e.nbytes for e in small), default=0)
+        if len(small) < 2 or any(e.offset < hi and e.offset + e.nbytes > lo for e in large):
+            large, small, lo, hi = list(schema.entries), [], 0, 0  # no stretch of their own
+        self.large = [(e.key, e.offset, e.nbytes, e.dtype, _shape(e.shape)) for e in large]
+        self.lo, self.hi = lo, hi
+        self._small_keys = [e.key for e in small]
+        self._stretch = torch.empty(hi - lo, dtype=torch.uint8)
+        self._small_views = [
+            _view(self._stretch, e.offset - lo, e.nbytes, e.dtype, _shape(e.shape)) for e in small
+        ]
 
-    def write(self, tensors: Mapping[KeyPath, torch.Tensor]) -> None:
-        """Copy ``tensors`` (the model's, by key, as the schema was made of them) in."""
+    def gather(
+        self, tensors: Mapping[KeyPath, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The large tensors, in order, and the small ones' stretch (gathered now)."""
+        if self._small_keys:
+            with torch.no_grad():
+                torch._foreach_copy_(self._small_views, [tensors[k] for k in self._small_keys])
+        return [tensors[k] for k, _, _, _, _ in self.large], self._stretch
+
+
+class LentTarget:
+    """A worker's lent memory (``mapped``, exactly a version's bytes) as the tensors and
+    the stretch of ``plan``."""
+
+    def __init__(self, mapped: np.ndarray, plan: LentPlan) -> None:
+        if mapped.dtype != np.uint8 or mapped.nbytes != plan.total or not mapped.flags.writeable:
+            raise ValueError(
+                f"lent memory of {mapped.nbytes} bytes for a {plan.total}-byte version"
+            )
+        flat = torch.from_numpy(mapped)
+        self.plan = plan
+        self.schema = plan.schema
+        #: The memory written into (the hub's mapping of what the worker lent).
+        self.memory = mapped
+        self._views = [_view(flat, off, n, dtype, shape) for _, off, n, dtype, shape in plan.large]
+        self._stretch = flat[plan.lo : plan.hi]
+
+    def write(self, gathered: Gathered) -> None:
+        """Copy a version in: what :meth:`LentPlan.gather` returned for it."""
+        large, stretch = gathered
         with torch.no_grad():
-            torch._foreach_copy_(self._views, [tensors[k] for k in self._keys])
+            if self._views:
+                torch._foreach_copy_(self._views, large)
+            if len(stretch):
+                self._stretch.copy_(stretch)
+
+
+def _shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(n) for n in shape)
