@@ -115,6 +115,19 @@ def new_epoch() -> int:
     return secrets.randbits(63) | 1
 
 
+def _without(
+    transfers: list[Transfer], everyone: list[PeerId], left_out: set[PeerId]
+) -> list[Transfer]:
+    """``transfers`` with the peers ``left_out`` taken out: a fan-out is then addressed
+    to the others (``everyone`` but them)."""
+    out = []
+    for t in transfers:
+        to = [p for p in (everyone if t.to is None else t.to) if p not in left_out]
+        if to:
+            out.append(Transfer(t.copy, to, t.spans, t.base, t.workers, t.targets))
+    return out
+
+
 def _let_go(copy: Copy) -> bool:
     """Whether every transport let go of ``copy``'s memory, waiting LET_GO_SECONDS."""
     deadline = time.monotonic() + LET_GO_SECONDS
@@ -576,8 +589,8 @@ class WeightSender:
                 transfers = []
             if routes:
                 transfers = self._routed(transfers, routes)
-            if written:
-                transfers = self._unlent(transfers, everyone.get(runner.index, []), written)
+            if written:  # those the version was written into are streamed nothing
+                transfers = _without(transfers, everyone.get(runner.index, []), written)
             if everyone.get(runner.index) and len(self._sliced):
                 transfers = self._unsliced(transfers, runner.index, everyone[runner.index])
             for transfer in transfers:
@@ -752,18 +765,6 @@ class WeightSender:
         self._lent_targets[peer] = target
         return target
 
-    def _unlent(
-        self, transfers: list[Transfer], everyone: list[PeerId], written: set[PeerId]
-    ) -> list[Transfer]:
-        """``transfers`` without the workers the version was written into: a fan-out
-        is then addressed to the others."""
-        out = []
-        for t in transfers:
-            to = [p for p in (everyone if t.to is None else t.to) if p not in written]
-            if to:
-                out.append(Transfer(t.copy, to, t.spans, t.base, t.workers, t.targets))
-        return out
-
     def _nobody_streams(self, copy: Copy) -> bool:
         """Whether no transfer or repair streams ``copy`` (holding every hub)."""
         with contextlib.ExitStack() as held:
@@ -805,14 +806,7 @@ class WeightSender:
         """``transfers`` to hub ``hub`` with its sliced workers taken out: a fan-out is
         then addressed to the others (``everyone`` but them)."""
         sliced = self._sliced.sliced(hub, everyone)
-        if not sliced:
-            return transfers
-        out = []
-        for t in transfers:
-            to = [p for p in (everyone if t.to is None else t.to) if p not in sliced]
-            if to:
-                out.append(Transfer(t.copy, to, t.spans, t.base, t.workers, t.targets))
-        return out
+        return _without(transfers, everyone, set(sliced)) if sliced else transfers
 
     def _send_cuts(self, copy: Copy, targeted: dict[int, list[PeerId]]) -> None:
         """Send each targeted sliced worker its cut of ``copy``, addressed. Cut holding
