@@ -269,7 +269,7 @@ class Applier:
             self._shared.abandon()
         if self._lent is not None:
             if self._lent.pending is not None:
-                self._take_back(self._lent.pending[0], "the receiver closed mid-version")
+                self._take_back(self._lent.pending[0], "the receiver closed mid-version", False)
             else:
                 with self.lock.raw:
                     self._lent.take_back(count=False)
@@ -359,10 +359,10 @@ class Applier:
         self._complete(chunk)
         return self._ack_due
 
-    def _take_back(self, version: int, reason: str) -> None:
+    def _take_back(self, version: int, reason: str, repair: bool = True) -> None:
         """The hub may still write into the lent tensors: move them away (one copy);
         the model is torn (the hub may have written part of ``version``) until a
-        whole version repairs it."""
+        whole version repairs it (asked for now, unless not ``repair``: closing)."""
         assert self._lent is not None
         self._writing = ""
         with self.lock.raw:
@@ -374,7 +374,8 @@ class Applier:
         spoke = self._host.transport
         if isinstance(spoke, Borrows):
             spoke.lend_tensors(None, b"")
-        self._host.request_latest()
+        if repair:
+            self._host.request_latest()
 
     # --- a sharded learner's versions, written in place as their parts come --------
 
