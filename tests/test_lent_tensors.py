@@ -50,7 +50,12 @@ def fleet(monkeypatch):
     ctx = mp.get_context("spawn")
     made: dict[str, Any] = {}
 
-    def start(lends: list[bool], chunk_timeout: float = 5.0) -> tuple[WeightSender, list[Any]]:
+    def start(
+        lends: list[bool],
+        chunk_timeout: float = 5.0,
+        late: tuple[int, ...] = (),
+        expected: int | None = None,
+    ) -> tuple[WeightSender, list[Any]]:
         pipes = [ctx.Pipe() for _ in lends]
         controls = [ctx.Pipe() for _ in lends]
         model = make_model("wide", seed=1)
@@ -58,29 +63,40 @@ def fleet(monkeypatch):
             PipeHub([p for p, _ in pipes]),
             model=model,
             strategy="state_dict",
-            num_workers=len(lends),
+            num_workers=len(lends) if expected is None else expected,
             timeout=30,
             lend_tensors=True,
         )
-        procs = []
-        for i, lend in enumerate(lends):
-            proc = ctx.Process(
-                target=run_lending_worker,
-                args=(pipes[i][1], controls[i][1], i, lend, chunk_timeout),
-                daemon=True,
-            )
-            proc.start()
-            procs.append(proc)
-        made.update(sender=sender, procs=procs, controls=[c for c, _ in controls])
+        made.update(
+            sender=sender,
+            procs=[None] * len(lends),
+            controls=[c for c, _ in controls],
+            args=[
+                (pipes[i][1], controls[i][1], i, lend, chunk_timeout)
+                for i, lend in enumerate(lends)
+            ],
+        )
+        for i in range(len(lends)):
+            if i not in late:
+                spawn(i)
         return sender, made["controls"]
 
+    def spawn(i: int) -> None:
+        """Start worker ``i`` (one of those ``late``)."""
+        proc = ctx.Process(target=run_lending_worker, args=made["args"][i], daemon=True)
+        proc.start()
+        made["procs"][i] = proc
+
     start.procs = lambda: made["procs"]  # type: ignore[attr-defined]
+    start.spawn = spawn  # type: ignore[attr-defined]
 
     yield start
     for control in made.get("controls", []):
         with contextlib.suppress(OSError):
             control.send("stop")
     for proc in made.get("procs", []):
+        if proc is None:
+            continue
         proc.join(10)
         if proc.is_alive():
             proc.kill()
@@ -249,3 +265,47 @@ def test_a_small_model_streams_as_usual(fleet, monkeypatch) -> None:
     _check(applied, sent)
     assert applied[-1][0] == max(sent) and stats["lent_applied"] == 0, stats
     assert sender.status()["totals"].get("lent_writes", 0) == 0
+
+
+def test_a_late_joiner_gets_the_latest_unless_every_worker_held_it(fleet) -> None:
+    """A worker the learner expects and that has not joined yet: each version is still
+    written into the snapshot (as well as into the others' lent tensors), and it joins
+    to the latest. Once every expected worker holds a version in its lent tensors, no
+    snapshot is written: a worker added to the fleet then (or one that left and came
+    back) joins to nothing, and gets the next version."""
+    sender, controls = fleet([True] * 4, late=(2, 3), expected=3)
+    model = sender.model
+    sent: dict[int, str] = {}
+
+    def send(worker_ids: list[int] | None = None) -> None:
+        bump(model)
+        sender.send(worker_ids=worker_ids)
+        sent[sender.fleet.version] = zmqsync.checksum(model, "state_dict")
+
+    for _ in range(4):
+        send([0, 1])
+    assert _ask(controls[0])[1]["lent_applied"] >= 2  # written into their lent tensors
+    latest = max(sent)
+    fleet.spawn(2)  # type: ignore[attr-defined]
+    applied, _, _ = _ask(controls[2])
+    assert [v for v, _, _ in applied] == [latest], applied  # connect() returned with it
+    assert applied[0][1] == sent[latest]
+    for _ in range(3):
+        send()  # workers 0..2, all present: the version lives only in their tensors
+    for control in controls[:3]:
+        applied, stats, _ = _ask(control)
+        _check(applied, sent)
+        assert applied[-1][0] == max(sent) and stats["lent_applied"] >= 2, stats
+    # No snapshot of the latest version was written: worker 3, added to the fleet now,
+    # is told it is up to date with nothing applied, and the next send brings it a
+    # whole version (streamed, then lent).
+    sender.num_workers = 4
+    fleet.spawn(3)  # type: ignore[attr-defined]
+    applied, _, _ = _ask(controls[3])
+    assert applied == [], applied
+    send()
+    send()
+    applied, stats, same = _ask(controls[3])
+    _check(applied, sent)
+    assert [v for v, _, _ in applied] == [max(sent) - 1, max(sent)] and same, applied
+    assert stats["lent_applied"] == 1, stats

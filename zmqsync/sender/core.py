@@ -211,10 +211,12 @@ class WeightSender:
             this host that lend them (``WeightReceiver(lend_tensors=True)``, over pipes):
             each is asked to take its lock and written once it says go (one copy per
             worker, from the model's own tensors); those that do not say go within
-            half a second (or ``timeout``) are streamed to. When every worker took the
-            version that way the snapshot is not written (late joiners get the next
-            version). One hub, whole copies only: not with ``delta``, ``wire_dtype``,
-            slices, ``share_params`` or a sharded learner.
+            half a second (or ``timeout``) are streamed to. When every worker the
+            sender expects (``num_workers``) took the version that way the snapshot is
+            not written: a worker that joins after it gets the next version (one
+            expected and absent at the send joins to the snapshot). One hub, whole
+            copies only: not with ``delta``, ``wire_dtype``, slices, ``share_params``
+            or a sharded learner.
         wire_dtype: floating tensors of another dtype travel as this one (``torch.
             bfloat16``, ``torch.float16``, ``torch.float32`` or a float8), cast chunk by
             chunk as they are written (nothing model-sized), and each worker casts them
@@ -612,9 +614,15 @@ class WeightSender:
         # before send() returns (the caller may change its weights then); a ring copy
         # stops reading them, and its streams still under way stop.
         copy = pending.copy
-        if pending.lent and not copy.written and self._nobody_streams(copy):
-            # Every worker took it into its lent tensors and no stream read it: it is
-            # never written here, and serves nobody (a late joiner gets the next one).
+        if (
+            pending.lent
+            and not copy.written
+            and self._nobody_streams(copy)
+            and self._everyone_holds(send)
+        ):
+            # Every worker took it into its lent tensors, no stream read it and every
+            # worker the sender expects holds it: it is never written here, and serves
+            # nobody (a worker that leaves and joins again gets the next one).
             copy.forgo()
             self._versions.serve(None)
         else:
@@ -764,6 +772,22 @@ class WeightSender:
             self._lent_targets.pop(next(iter(self._lent_targets)))
         self._lent_targets[peer] = target
         return target
+
+    def _everyone_holds(self, send: Send) -> bool:
+        """Whether every worker the sender expects (``0..num_workers-1``; with None,
+        whoever is connected) holds ``send``'s version: none of them is missing, none
+        is absent. A worker expected and absent joins later to the snapshot."""
+        with self._cond:
+            if send.missing:
+                return False
+            expected = self.fleet.num_workers
+            if expected is None:
+                return True
+            workers = self.fleet.workers
+            return all(
+                (s := workers.get(w)) is not None and s.left is None and s.version == send.version
+                for w in range(expected)
+            )
 
     def _nobody_streams(self, copy: Copy) -> bool:
         """Whether no transfer or repair streams ``copy`` (holding every hub)."""
