@@ -68,12 +68,17 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
 
         ``options["apply_mode"]`` is the workers' (:class:`zmqsync.WeightReceiver`'s): torchrl
         builds each worker's receiver without asking, so the learner chooses it here
-        and it travels to the workers inside the pickled scheme."""
+        and it travels to the workers inside the pickled scheme. So does
+        ``options["lend_tensors"]``, which is both sides' (the sender's and every
+        worker's)."""
         _check_retain_snapshot(options)
         options = dict(options)
         #: How each worker applies versions (``"shared"``: read-only views of the
         #: learner's shared memory); None leaves the receiver's default.
         self._apply_mode: str | None = _apply_mode(options.pop("apply_mode", None))
+        #: Every worker lends its tensors to the learner, which writes each version
+        #: into them (the sender's option of the same name, kept for the workers).
+        self._lend_tensors = bool(options.get("lend_tensors", False))
         inner = inner_class(strategy, **options)
         with warnings.catch_warnings():
             # torchrl warns that ITS state_dict application is experimental; zmqsync
@@ -463,8 +468,14 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         )
 
     def _receiver_options(self) -> dict[str, Any]:
-        """What the learner chose for every worker's receiver (``apply_mode``)."""
-        return {} if self._apply_mode is None else {"apply_mode": self._apply_mode}
+        """What the learner chose for every worker's receiver (``apply_mode``,
+        ``lend_tensors``)."""
+        options: dict[str, Any] = {}
+        if self._apply_mode is not None:
+            options["apply_mode"] = self._apply_mode
+        if self._lend_tensors:
+            options["lend_tensors"] = True
+        return options
 
     def _setup_connection_and_weights_on_receiver_impl(
         self, *, worker_idx: int | None = None

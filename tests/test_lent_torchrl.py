@@ -1,0 +1,99 @@
+"""``lend_tensors=True`` under a real torchrl collector: the learner's scheme carries the
+choice into every spawned worker, each worker lends the memory its policy's tensors live
+in, the learner writes each update into it, and every frame's logits are those of the
+version it is tagged with (PPO's importance ratio needs nothing less)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from tensordict.nn import TensorDictModule
+from test_shared_torchrl import (
+    NUM_WORKERS,
+    UPDATES,
+    Actor,
+    _collect_then_shut,
+    check_tagged_logits,
+    make_env,
+)
+from torchrl.collectors import MultiSyncCollector
+
+import zmqsync.torchrl
+from zmqsync.transport.shm.blocks import SHM_AVAILABLE
+
+pytestmark = pytest.mark.skipif(not SHM_AVAILABLE, reason="memfd is Linux's")
+
+#: The name every worker's lent memory carries in /proc/PID/maps.
+LENT = "/memfd:zmqsync-lent"
+
+
+def _in_lent_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s first byte lies in memory this process lends, writable."""
+    address = tensor.data_ptr()
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return "w" in fields[1] and len(fields) == 6 and fields[5].startswith(LENT)
+    return False
+
+
+class LendingActor(Actor):
+    """:class:`Actor`, saying per frame (``weights_inode``) whether the weights that
+    computed it lie in the worker's lent memory (1) or elsewhere (0)."""
+
+    def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.logits(observation)
+        lent = all(_in_lent_memory(p) for p in self.parameters())
+        return logits, torch.full((*observation.shape[:-1], 1), int(lent))
+
+
+def make_policy() -> TensorDictModule:
+    torch.manual_seed(0)
+    return TensorDictModule(
+        LendingActor(), in_keys=["observation"], out_keys=["action", "weights_inode"]
+    )
+
+
+@pytest.mark.timeout(240)
+def test_multisync_writes_each_update_into_the_workers_lent_policies(monkeypatch) -> None:
+    from zmqsync.sender import core
+
+    # The policy is 270 KB, which streams by default; and every go must count, even
+    # from a worker slowed down by a loaded machine.
+    monkeypatch.setattr(core, "LENT_MIN_BYTES", 0)
+    monkeypatch.setattr(core, "LENT_GO_WAIT", 20.0)
+    policy = make_policy()
+    scheme = zmqsync.torchrl.MultiProcessWeightSyncScheme(timeout=30, lend_tensors=True)
+    collector = MultiSyncCollector(
+        [make_env] * NUM_WORKERS,
+        policy,
+        frames_per_batch=16,
+        total_frames=-1,
+        cat_results="stack",
+        create_env_kwargs=[{"worker": i} for i in range(NUM_WORKERS)],
+        weight_sync_schemes={"policy": scheme},
+        track_policy_version=True,
+    )
+    writes: list[int] = []
+    real_send = scheme.send
+
+    def send(*args: Any, **kwargs: Any) -> Any:
+        out = real_send(*args, **kwargs)
+        writes.append(scheme.zmqsync_scheme.get_sender().status()["totals"]["lent_writes"])
+        return out
+
+    monkeypatch.setattr(scheme, "send", send)
+    frames, references = _collect_then_shut(collector, scheme, policy)
+    # Workers are idle while an update lands: every frame's tag is exactly its version.
+    where = check_tagged_logits(frames, references, exact=True)
+    # Version 0 came as a stream (the workers lend once a whole version is in); every
+    # update after it was written into both workers' lent tensors, where their frames'
+    # weights lay.
+    for version in range(1, UPDATES + 1):
+        assert where.get(version) == {1}, (version, where)
+    assert writes and writes[-1] == NUM_WORKERS * UPDATES, writes
