@@ -39,6 +39,7 @@ from zmqsync.protocol import (
     StatusReply,
     StatusRequest,
     UpToDate,
+    WeightsSchema,
     decode,
     encode,
     encode_metadata,
@@ -311,7 +312,7 @@ class WeightSender:
         #: The memory each worker lent, as the tensors of the layout it was mapped for.
         self._lent_targets: dict[PeerId, LentTarget] = {}
         #: How versions of the current layout are written into them.
-        self._lent_plan: LentPlan | None = None
+        self._lent_plan: tuple[WeightsSchema, LentPlan | None] | None = None
         self.retain_snapshot = retain_snapshot and not share_params
         self.heartbeat = heartbeat
         self.repair_after = repair_after
@@ -688,8 +689,21 @@ class WeightSender:
             and copy.data is not None
             and not copy.live
             and copy.tensors is not None
-            and not any(e.wire or e.buffer for e in copy.layout.schema.entries)
+            and self._plan_for(copy.layout.schema) is not None
         )
+
+    def _plan_for(self, schema: WeightsSchema) -> LentPlan | None:
+        """How a version of ``schema`` is written into lent memory (made once per
+        schema); None if it cannot be (a tensor cast on the wire, or in a buffer of its
+        own)."""
+        kept = self._lent_plan
+        if kept is None or kept[0] is not schema:
+            try:
+                plan: LentPlan | None = LentPlan(schema)
+            except ValueError:
+                plan = None
+            kept = self._lent_plan = (schema, plan)
+        return kept[1]
 
     def _write_lent(
         self,
@@ -717,12 +731,13 @@ class WeightSender:
         meta = b"" if copy.metadata is None else encode_metadata(copy.metadata)
         tensors = copy.tensors
         assert tensors is not None
-        plan = self._lent_plan
-        if plan is None or plan.schema is not copy.layout.schema:
-            plan = self._lent_plan = LentPlan(copy.layout.schema)
-        gathered: tuple[list[Any], Any] | None = None  # once a first worker says go
+        plan = self._plan_for(copy.layout.schema)
+        assert plan is not None  # _lends() said so
         for peer in asked:
             hub.ask_lent(peer, version, epoch, layout)
+        # The small tensors are gathered while the workers take their locks: the copy
+        # overlaps the asks' round trip instead of following it.
+        gathered = plan.gather(tensors)
         waiting, written = set(asked), set()
         deadline = min(send.deadline, time.monotonic() + LENT_GO_WAIT)
         while waiting:
@@ -745,8 +760,6 @@ class WeightSender:
                     if ok:
                         hub.written(peer, version, epoch, False, b"")
                     continue
-                if gathered is None:
-                    gathered = plan.gather(tensors)
                 target.write(gathered)
                 hub.written(peer, version, epoch, True, meta)
                 written.add(peer)

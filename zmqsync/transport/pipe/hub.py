@@ -35,7 +35,7 @@ from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import ASSIGN, HEADER, read, socket_of
 from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE, BlockPool, Ref
-from zmqsync.transport.shm.lent import Where, map_lent
+from zmqsync.transport.shm.lent import LentPeers
 from zmqsync.transport.shm.records import Ask, Go, LentAt, Release, Written, encode
 from zmqsync.transport.wakeup import Wakeup
 
@@ -47,14 +47,6 @@ log = logging.getLogger("zmqsync.transport.pipe")
 #: few KiB); a bigger message is a confused peer, refused before it is allocated.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 
-
-#: Answers to asks kept for the sender at most (one per worker and version are
-#: expected; more are a confused worker's, dropped).
-MAX_GOS: Final = 4096
-
-
-def _where(lends: LentAt) -> Where:
-    return Where(lends.pid, lends.fd, lends.inode, lends.nbytes)
 
 
 def peer_id(index: int) -> PeerId:
@@ -71,10 +63,6 @@ class _Peer:
     lost: str | None = None
     #: It said goodbye and has said nothing since: its pipe's end is expected news.
     left: bool = False
-    #: Where it says its tensors lie, in memory it lends (None: it lends none).
-    lends: LentAt | None = None
-    #: That memory, once mapped (for the size it was mapped for).
-    lent: np.ndarray | None = field(default=None, repr=False)
 
 
 class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
@@ -130,10 +118,8 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         #: Device blocks: versions on the learner's GPU, lent to workers on that GPU.
         self._device = DevicePool() if self._shm is not None and device_memory else None
         self._bad_releases = 0
-        #: Answers to asks to write into lent tensors, as (peer, version, epoch, ok).
-        self._gos: list[tuple[PeerId, int, int, bool]] = []
-        self._lent_refused = 0
-        self._lent_writes = 0
+        #: The memory workers lend (their tensors), which the sender writes versions into.
+        self._lent = LentPeers(lambda p: f"worker {p.decode(errors='replace')}")
         try:
             for index, conn in items:
                 self.add_pipe(conn, index)
@@ -169,7 +155,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             peer.lost = why
             self._lost += 1
             peer.writer.stop()
-            peer.lends, peer.lent = None, None  # unmapped with the last view
+            self._lent.forget(peer_id(peer.index))  # unmapped with the last view
             for pool in (self._shm, self._device):
                 if pool is not None:
                     pool.forget(peer.writer)  # it reads no block any more
@@ -253,40 +239,19 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         return None if lent is None else lent[1]
 
     def lent_peers(self, layout: bytes) -> list[PeerId]:
-        with self._lock:
-            return [
-                peer_id(p.index)
-                for p in self._peers.values()
-                if p.lost is None and p.lends is not None and p.lends.layout == layout
-            ]
+        return self._lent.peers(layout)
 
     def ask_lent(self, peer: PeerId, version: int, epoch: int, layout: bytes) -> None:
         self._record_to(peer, Ask(version, epoch, layout))
 
     def take_gos(self) -> list[tuple[PeerId, int, int, bool]]:
-        with self._lock:
-            gos, self._gos = self._gos, []
-        return gos
+        return self._lent.take_gos()
 
     def lent_memory(self, peer: PeerId, nbytes: int) -> np.ndarray | None:
-        with self._lock:
-            found = self._peers.get(peer)
-        if found is None or found.lost is not None or found.lends is None:
-            return None
-        if found.lent is not None and found.lent.nbytes == nbytes:
-            return found.lent
-        try:
-            found.lent = map_lent(_where(found.lends), nbytes)
-        except (OSError, ValueError) as exc:
-            log.warning("worker %d lends memory the learner cannot use: %s", found.index, exc)
-            self._lent_refused += 1
-            found.lends, found.lent = None, None  # until it says something else
-            return None
-        return found.lent
+        return self._lent.memory(peer, nbytes)
 
     def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
-        if ok:
-            self._lent_writes += 1
+        self._lent.written(ok)
         self._record_to(peer, Written(version, epoch, ok, metadata))
 
     def _record_to(self, peer: PeerId, record: Ask | Written) -> None:
@@ -333,14 +298,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
                 elif got.device is not None:
                     peer.writer.device = got.device
                 elif isinstance(got.lent, LentAt):
-                    peer.lends = got.lent if got.lent.nbytes > 0 else None
-                    peer.lent = None  # mapped again, from what it says now, when next used
+                    self._lent.said(peer_id(peer.index), got.lent)
                 elif isinstance(got.lent, Go):
-                    with self._lock:
-                        if len(self._gos) < MAX_GOS:
-                            self._gos.append(
-                                (peer_id(peer.index), got.lent.version, got.lent.epoch, got.lent.ok)
-                            )
+                    self._lent.answered(peer_id(peer.index), got.lent)
                     return None  # the sender waiting for it takes it at once
                 elif got.frames is not None:
                     peer.left = False  # back after its goodbye (a hello), or never gone
@@ -401,11 +361,7 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
             counts["shm_copying"] = len(copying)
             counts["shm_pinned"] = sum(copying.values())
             counts["shm_copies"] = sum(p.writer.copies for p in peers)
-        lent = sum(p.lends is not None for p in peers if p.lost is None)
-        if lent or self._lent_refused or self._lent_writes:
-            counts["lent_peers"] = lent
-            counts["lent_refused"] = self._lent_refused
-            counts["lent_writes"] = self._lent_writes
+        counts.update(self._lent.counts())
         if self._device is not None and (self._device.nbytes() or self._device.refused):
             counts["device_bytes"] = self._device.nbytes()
             counts["device_refused"] = self._device.refused

@@ -22,14 +22,25 @@ Trust, both ways:
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import stat
+import threading
+from collections.abc import Callable
 from typing import Final, NamedTuple
 
 import numpy as np
 
-__all__ = ["LENT_SEALS", "LentMemory", "Where", "map_lent"]
+from zmqsync.transport.shm.records import Go, LentAt
+
+__all__ = ["LENT_SEALS", "MAX_GOS", "LentMemory", "LentPeers", "Where", "map_lent"]
+
+log = logging.getLogger("zmqsync.transport")
+
+#: Answers to asks a hub keeps for its sender at most (one per worker and version are
+#: expected; more are a confused worker's, dropped).
+MAX_GOS: Final = 4096
 
 #: Seals a lent memfd must carry: it can neither shrink under the learner nor grow.
 LENT_SEALS: Final = 0x0002 | 0x0004  # F_SEAL_SHRINK | F_SEAL_GROW
@@ -115,3 +126,91 @@ def map_lent(where: Where, nbytes: int) -> np.ndarray:
         with contextlib.suppress(OSError):
             os.close(handle)
     return np.frombuffer(mapped, dtype=np.uint8)
+
+
+class LentPeers:
+    """What a hub knows of the memory its peers lend it: where each says its tensors lie
+    (its latest :class:`LentAt`), that memory once mapped, the answers to the sender's
+    asks, and counts. The hub decides whom to believe (a peer it keeps, proven to be on
+    this host) and forgets a peer when it does; nothing here outlives the hub's own
+    table of peers. Thread-safe: the hub's reader and the sender both use it.
+
+    Counts (``counts()``): ``lent_peers`` (peers lending now), ``lent_writes`` (versions
+    written into them), ``lent_refused`` (memory that was not what it must be)."""
+
+    def __init__(self, describe: Callable[[bytes], str] = repr) -> None:
+        self._describe = describe
+        self._lock = threading.Lock()
+        #: Peer -> where it says its tensors lie, and that memory once mapped.
+        self._lends: dict[bytes, tuple[LentAt, np.ndarray | None]] = {}
+        self._gos: list[tuple[bytes, int, int, bool]] = []
+        self._refused = 0
+        self._writes = 0
+
+    def said(self, peer: bytes, record: LentAt) -> None:
+        """``peer`` lends the memory ``record`` names (none, if its size is 0): mapped
+        anew, from what it says now, when next used."""
+        with self._lock:
+            if record.nbytes > 0:
+                self._lends[peer] = (record, None)
+            else:
+                self._lends.pop(peer, None)
+
+    def answered(self, peer: bytes, record: Go) -> None:
+        """``peer``'s answer to an ask, kept for :meth:`take_gos`."""
+        with self._lock:
+            if len(self._gos) < MAX_GOS:
+                self._gos.append((peer, record.version, record.epoch, record.ok))
+
+    def forget(self, peer: bytes) -> None:
+        """``peer`` is gone: its memory is unmapped with the last view of it."""
+        with self._lock:
+            self._lends.pop(peer, None)
+
+    def peers(self, layout: bytes) -> list[bytes]:
+        """The peers lending memory laid out as versions of ``layout`` (a digest)."""
+        with self._lock:
+            return [p for p, (at, _) in self._lends.items() if at.layout == layout]
+
+    def take_gos(self) -> list[tuple[bytes, int, int, bool]]:
+        with self._lock:
+            gos, self._gos = self._gos, []
+        return gos
+
+    def memory(self, peer: bytes, nbytes: int) -> np.ndarray | None:
+        """The memory ``peer`` lends, mapped writable (:func:`map_lent`) for a version of
+        ``nbytes``; None if it lends none, or none the hub may write (then it is
+        forgotten until it says something else)."""
+        with self._lock:
+            found = self._lends.get(peer)
+        if found is None:
+            return None
+        at, mapped = found
+        if mapped is not None and mapped.nbytes == nbytes:
+            return mapped
+        try:
+            mapped = map_lent(Where(at.pid, at.fd, at.inode, at.nbytes), nbytes)
+        except (OSError, ValueError) as exc:
+            log.warning("%s lends memory the learner cannot use: %s", self._describe(peer), exc)
+            with self._lock:
+                self._refused += 1
+                if self._lends.get(peer, (None,))[0] is at:
+                    del self._lends[peer]
+            return None
+        with self._lock:
+            if self._lends.get(peer, (None,))[0] is at:  # unless it said something since
+                self._lends[peer] = (at, mapped)
+        return mapped
+
+    def written(self, ok: bool) -> None:
+        if ok:
+            with self._lock:
+                self._writes += 1
+
+    def counts(self) -> dict[str, int]:
+        """The counts, once any is not zero (else none)."""
+        with self._lock:
+            lending, refused, writes = len(self._lends), self._refused, self._writes
+        if not (lending or refused or writes):
+            return {}
+        return {"lent_peers": lending, "lent_refused": refused, "lent_writes": writes}
