@@ -11,7 +11,8 @@ import zmqsync
 def run_lending_worker(
     conn: Any, control: Any, worker_idx: int, lend: bool, chunk_timeout: float = 5.0
 ) -> None:
-    """A pipe worker that lends its tensors (``lend``) and applies versions in the
+    """A worker (over its pipe ``conn``, or ZeroMQ: ``conn`` is ``(mode, endpoint)``)
+    that lends its tensors (``lend``) and applies versions in the
     background; says, for each question on ``control``, every version it applied with
     the checksum of what the model held then, and its counts. Told ``"move"``, it gives
     its first weight new storage (``p.data = ...``), as user code may."""
@@ -19,12 +20,19 @@ def run_lending_worker(
 
     from zmqsync import WeightReceiver
     from zmqsync.transport.pipe import PipeSpoke
+    from zmqsync.transport.zmq_pubsub import PubSubSpoke
+    from zmqsync.transport.zmq_router import RouterSpoke
 
     try:
         model = make_model("wide", seed=1000 + worker_idx)
         params = list(model.parameters())
+        if isinstance(conn, tuple):  # (mode, endpoint): ZeroMQ
+            mode, endpoint = conn
+            spoke: Any = (PubSubSpoke if mode == "pubsub" else RouterSpoke)(endpoint)
+        else:
+            spoke = PipeSpoke(conn)
         receiver = WeightReceiver(
-            PipeSpoke(conn),
+            spoke,
             model=model,
             strategy="state_dict",
             worker_idx=worker_idx,

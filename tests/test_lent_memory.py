@@ -359,3 +359,93 @@ def test_a_worker_may_refuse_and_memory_that_could_shrink_is_not_written(pipe_hu
     assert unsealed.lent_memory(peer, 4096) is None
     assert unsealed.lent_peers(layout) == []  # not asked again until it lends anew
     assert unsealed.counters()["lent_refused"] == 1
+
+
+def _pump(hub, spokes, what, timeout: float = WAIT_S) -> list:
+    """Read the hub and ``spokes`` until ``what(heard)`` holds; ``heard``: what the
+    spokes received meanwhile (each message's frames, as bytes)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    heard: list = []
+    while not what(heard):
+        assert time.monotonic() < deadline, "nothing came"
+        hub.recv_frames(0.02)
+        for spoke in spokes:
+            got = spoke.recv_frames(0.02)
+            if got is not None:
+                heard.append([bytes(f) for f in got])
+    return heard
+
+
+def test_the_zmq_hub_believes_lent_memory_only_from_a_spoke_that_joined(tmp_path) -> None:
+    """Over ``ipc://`` a spoke proves it is on the learner's host by opening the hub's
+    probe through /proc (it joins the lending); where it says its tensors lie is
+    believed from no other peer: not a stranger, not an admitted spoke that has not
+    joined. Each such claim is a bad record, counted, and nobody is asked."""
+    import zmq
+
+    from zmqsync.transport._zmq.sockets import SPOKE_PREFIX
+    from zmqsync.transport.zmq_router import RouterHub, RouterSpoke
+
+    endpoint = f"ipc://{tmp_path}/hub"
+    hub = RouterHub(endpoint)
+    spoke = RouterSpoke(endpoint)
+    memory = LentMemory(4096)
+    layout = b"L" * 16
+    claim = records.encode(records.LentAt(*memory.where(), layout))
+    context = zmq.Context.instance()
+    strangers = []
+    try:
+        for name in (b"stranger", b"admitted"):
+            dealer = context.socket(zmq.DEALER)
+            dealer.routing_id = SPOKE_PREFIX + name
+            dealer.linger = 0
+            dealer.connect(endpoint)
+            strangers.append(dealer)
+        # Each says something first (a worker's hello), so that the ROUTER knows it.
+        spoke.send_frames([b"hello"])
+        for dealer in strangers:
+            dealer.send(b"hello")
+        hellos = 0
+        while hellos < 3:
+            hellos += hub.recv_frames(WAIT_S) is not None
+        hub.peer_joined(SPOKE_PREFIX + b"admitted")  # the sender admitted it; it never joins
+        hub.peer_joined(spoke.peer_id)
+        assert not spoke.lends_tensors()  # not joined yet: it says nothing of its memory
+        _pump(hub, [spoke], lambda _: spoke.lends_tensors())
+        for dealer in strangers:
+            dealer.send(claim)
+            dealer.send(records.encode(records.Go(1, 1, True)))
+        _pump(hub, [], lambda _: hub.counters().get("shm_bad_records", 0) >= 4)
+        assert hub.lent_peers(layout) == [] and hub.take_gos() == []
+
+        # The spoke that joined: believed, asked, answered, written.
+        spoke.lend_tensors(memory.where(), layout)
+        _pump(hub, [], lambda _: hub.lent_peers(layout))
+        assert hub.lent_peers(layout) == [spoke.peer_id]
+        assert hub.lent_peers(b"M" * 16) == []  # only for the layout it lent for
+        hub.ask_lent(spoke.peer_id, 7, 1, layout)
+        (ask,) = _pump(hub, [spoke], len)
+        assert ask == [records.encode(records.Ask(7, 1, layout))]
+        spoke.answer(7, 1, True)
+        gos: list = []
+        _pump(hub, [], lambda _: gos.extend(hub.take_gos()) or gos)
+        assert gos == [(spoke.peer_id, 7, 1, True)]
+        mapped = hub.lent_memory(spoke.peer_id, 4096)
+        assert mapped is not None and hub.lent_memory(spoke.peer_id, 4096) is mapped
+        mapped[:4] = [9, 8, 7, 6]
+        hub.written(spoke.peer_id, 7, 1, True, b'{"step": 7}')
+        (written,) = _pump(hub, [spoke], len)
+        assert written == [records.encode(records.Written(7, 1, True, b'{"step": 7}'))]
+        assert bytes(memory.array[:4]) == bytes([9, 8, 7, 6])  # its own memory, no copy
+        counts = hub.counters()
+        assert counts["lent_peers"] == 1 and counts["lent_writes"] == 1, counts
+        hub.peer_left(spoke.peer_id)  # the sender forgot it: so does the table
+        assert hub.lent_peers(layout) == []
+    finally:
+        for dealer in strangers:
+            dealer.close(0)
+        spoke.close()
+        hub.close()
+        memory.close()

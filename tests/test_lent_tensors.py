@@ -17,6 +17,8 @@ import zmqsync
 from zmqsync import WeightSender
 from zmqsync.transport.pipe import PipeHub
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
+from zmqsync.transport.zmq_pubsub import PubSubHub
+from zmqsync.transport.zmq_router import RouterHub
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -35,7 +37,7 @@ def _ask(control: Any) -> tuple[list[tuple[int, str, Any]], dict[str, Any], bool
 
 
 @pytest.fixture
-def fleet(monkeypatch):
+def fleet(monkeypatch, tmp_path):
     from _lent_workers import run_lending_worker
 
     from zmqsync.sender import core
@@ -55,12 +57,19 @@ def fleet(monkeypatch):
         chunk_timeout: float = 5.0,
         late: tuple[int, ...] = (),
         expected: int | None = None,
+        zmq: str = "",
     ) -> tuple[WeightSender, list[Any]]:
-        pipes = [ctx.Pipe() for _ in lends]
         controls = [ctx.Pipe() for _ in lends]
         model = make_model("wide", seed=1)
+        if zmq:  # "pubsub" or "router", over ipc://
+            endpoint = f"ipc://{tmp_path}/lent"
+            hub: Any = (PubSubHub if zmq == "pubsub" else RouterHub)(endpoint)
+            ends: list[Any] = [(zmq, endpoint)] * len(lends)
+        else:
+            pipes = [ctx.Pipe() for _ in lends]
+            hub, ends = PipeHub([p for p, _ in pipes]), [end for _, end in pipes]
         sender = WeightSender(
-            PipeHub([p for p, _ in pipes]),
+            hub,
             model=model,
             strategy="state_dict",
             num_workers=len(lends) if expected is None else expected,
@@ -72,8 +81,7 @@ def fleet(monkeypatch):
             procs=[None] * len(lends),
             controls=[c for c, _ in controls],
             args=[
-                (pipes[i][1], controls[i][1], i, lend, chunk_timeout)
-                for i, lend in enumerate(lends)
+                (ends[i], controls[i][1], i, lend, chunk_timeout) for i, lend in enumerate(lends)
             ],
         )
         for i in range(len(lends)):
@@ -104,8 +112,11 @@ def fleet(monkeypatch):
         made["sender"].close()
 
 
-def test_versions_are_written_into_the_workers_lent_tensors(fleet) -> None:
-    sender, controls = fleet([True, True, False])
+@pytest.mark.parametrize("transport", ["pipe", "pubsub", "router"])
+def test_versions_are_written_into_the_workers_lent_tensors(fleet, transport: str) -> None:
+    """Over pipes, or ZeroMQ over ``ipc://`` (in pubsub mode the version goes to the
+    worker that does not lend by the ROUTER, addressed, as the others are left out)."""
+    sender, controls = fleet([True, True, False], zmq="" if transport == "pipe" else transport)
     model = sender.model
     sent: dict[int, str] = {}
     for step in range(1, 7):

@@ -1,7 +1,8 @@
 """``lend_tensors=True`` under a real torchrl collector: the learner's scheme carries the
 choice into every spawned worker, each worker lends the memory its policy's tensors live
 in, the learner writes each update into it, and every frame's logits are those of the
-version it is tagged with (PPO's importance ratio needs nothing less)."""
+version it is tagged with (PPO's importance ratio needs nothing less). Over pipes and
+ZeroMQ ``ipc://``."""
 
 from __future__ import annotations
 
@@ -60,7 +61,10 @@ def make_policy() -> TensorDictModule:
 
 
 @pytest.mark.timeout(240)
-def test_multisync_writes_each_update_into_the_workers_lent_policies(monkeypatch) -> None:
+@pytest.mark.parametrize("transport", ["pipe", "zmq-ipc"])
+def test_multisync_writes_each_update_into_the_workers_lent_policies(
+    transport: str, monkeypatch, tmp_path
+) -> None:
     from zmqsync.sender import core
 
     # The policy is 270 KB, which streams by default; and every go must count, even
@@ -68,7 +72,12 @@ def test_multisync_writes_each_update_into_the_workers_lent_policies(monkeypatch
     monkeypatch.setattr(core, "LENT_MIN_BYTES", 0)
     monkeypatch.setattr(core, "LENT_GO_WAIT", 20.0)
     policy = make_policy()
-    scheme = zmqsync.torchrl.MultiProcessWeightSyncScheme(timeout=30, lend_tensors=True)
+    if transport == "pipe":
+        scheme: Any = zmqsync.torchrl.MultiProcessWeightSyncScheme(timeout=30, lend_tensors=True)
+    else:
+        scheme = zmqsync.torchrl.ZMQWeightSyncScheme(
+            endpoint=f"ipc://{tmp_path}/trl", timeout=30, lend_tensors=True
+        )
     collector = MultiSyncCollector(
         [make_env] * NUM_WORKERS,
         policy,

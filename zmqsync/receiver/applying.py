@@ -282,17 +282,21 @@ class Applier:
     # --- lent tensors: the hub writes each version straight into the model ----------
 
     def _lend(self, layout: bytes) -> None:
-        """A version of ``layout`` is whole in the model (under the lock): lend its
-        tensors to the hub, if the transport can say so and they can lie in the stream."""
+        """A version of ``layout`` came whole into the model, not through its lent
+        tensors (under the lock): lend them to the hub, if the transport can say so and
+        they can lie in the stream. Said again after each such version, though lent
+        already: a hub that forgot this worker (it joined again) learns it anew."""
         assert self._lent is not None and self._schema is not None
         spoke = self._host.transport
         if not isinstance(spoke, Borrows) or not spoke.lends_tensors():
             return
-        where = self._lent.lend(
+        lent = self._lent.lend(
             self._schema, layout, self.model, self._model_tensors.get(self.model)
         )
-        if where is not None:
-            self._in_place = self._plan = None  # their views are of the old memory
+        if lent is not None:
+            where, moved = lent
+            if moved:
+                self._in_place = self._plan = None  # their views are of the old memory
             spoke.lend_tensors(where, layout)
 
     def lent_ask(self, version: int, epoch: int, layout: bytes) -> None:

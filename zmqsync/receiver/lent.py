@@ -138,11 +138,12 @@ class LentVersions:
 
     def lend(
         self, schema: WeightsSchema, layout: bytes, model: Any, target: Mapping[KeyPath, Any]
-    ) -> Where | None:
+    ) -> tuple[Where, bool] | None:
         """Move the tensors into lent memory for versions of ``layout`` (call under the
-        worker's lock); where they are now, or None if they cannot be lent."""
+        worker's lock), unless they lie there already; where they are and whether they
+        moved now, or None if they cannot be lent."""
         if self.tensors is not None and self.layout == layout and self.tensors.intact():
-            return None  # lent already, for this layout
+            return self.tensors.where(), False  # lent already, for this layout
         self.take_back(count=False)
         try:
             self.tensors = LentTensors(schema, model, target)
@@ -150,7 +151,7 @@ class LentVersions:
             log.debug("the model's tensors cannot be lent: %s", exc)
             return None
         self.layout = layout
-        return self.tensors.where()
+        return self.tensors.where(), True
 
     def may_write(self, layout: bytes) -> bool:
         """Whether the hub may write a version of ``layout`` into the tensors now."""

@@ -209,7 +209,7 @@ class WeightSender:
             still queues a chunk of it, the model moves to another buffer first, so
             that worker reads one whole version. ``send_async()`` copies, as without it.
         lend_tensors: write each version straight into the tensors of the workers on
-            this host that lend them (``WeightReceiver(lend_tensors=True)``, over pipes):
+            this host that lend them (``WeightReceiver(lend_tensors=True)``, over pipes or ``ipc://``):
             each is asked to take its lock and written once it says go (one copy per
             worker, from the model's own tensors); those that do not say go within
             half a second (or ``timeout``) are streamed to. When every worker the

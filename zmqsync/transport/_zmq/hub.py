@@ -52,7 +52,20 @@ from zmqsync.transport.base import (
 from zmqsync.transport.cuda import handles
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
-from zmqsync.transport.shm.records import ADDRESSED, FAN_OUT, is_record
+from zmqsync.transport.shm.lent import LentPeers
+from zmqsync.transport.shm.records import (
+    ADDRESSED,
+    FAN_OUT,
+    Ask,
+    Go,
+    LentAt,
+    RecordError,
+    Written,
+    decode,
+    encode,
+    is_lent_record,
+    is_record,
+)
 
 __all__ = ["ZMQHub"]
 
@@ -148,6 +161,11 @@ class ZMQHub(
         self._away: set[PeerId] = set()
         self._closed = False
         self._monitors: dict[zmq.Socket[Any], zmq.Socket[Any]] = {}
+        #: The memory spokes on this host lend (their tensors), which the sender writes
+        #: versions into; believed only from a spoke that joined the lending.
+        self._lent = LentPeers(lambda p: f"peer {p.decode(errors='replace')}")
+        #: A spoke answered an ask since recv_frames last returned.
+        self._answered = False
         if (scheme == "ipc" if shared_memory is None else shared_memory) and SHM_AVAILABLE:
             self._lender = Lender(device_memory=device_memory)
         try:
@@ -223,6 +241,7 @@ class ZMQHub(
         out["peers"] = len(self._peers) + len(self._away)
         if self._lender is not None:
             out.update(self._lender.stats())
+        out.update(self._lent.counts())
         return out
 
     def takes_device(self, device: Any) -> bool:
@@ -255,6 +274,23 @@ class ZMQHub(
             return False
         peers = set(self._peers)  # the hub thread adds and drops peers
         return bool(peers) and peers <= self._lender.keeping()
+
+    def lent_peers(self, layout: bytes) -> list[PeerId]:
+        peers = self._peers  # admitted, and reachable
+        return [p for p in self._lent.peers(layout) if p in peers]
+
+    def ask_lent(self, peer: PeerId, version: int, epoch: int, layout: bytes) -> None:
+        self._send_to(peer, [encode(Ask(version, epoch, layout))])
+
+    def take_gos(self) -> list[tuple[PeerId, int, int, bool]]:
+        return self._lent.take_gos()
+
+    def lent_memory(self, peer: PeerId, nbytes: int) -> Any:
+        return self._lent.memory(peer, nbytes)
+
+    def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
+        self._lent.written(ok)
+        self._send_to(peer, [encode(Written(version, epoch, ok, metadata))])
 
     def copying(self) -> dict[PeerId, int]:
         """The peers dropped from the lending for holding a block past its lease (dead,
@@ -378,6 +414,9 @@ class ZMQHub(
                         incoming = self._recv_router()
                         if incoming is not None:
                             return incoming
+                    if self._answered:  # the sender waiting for the answer takes it at once
+                        self._answered = False
+                        return None
                 if self._pull in events:
                     with contextlib.suppress(zmq.Again):
                         frames = recv_parts(self._pull, copy=True)  # acks: small
@@ -405,6 +444,7 @@ class ZMQHub(
     def peer_left(self, peer: PeerId) -> None:
         self._peers.discard(peer)
         self._away.discard(peer)
+        self._lent.forget(peer)
         if self._lender is not None:
             # no longer counted; blocks it may still map are retired, never rewritten
             self._lender.drop(peer, "left")
@@ -454,6 +494,9 @@ class ZMQHub(
                 # other would make it a member, kept, of a stranger's choosing.
                 self._lender.counters["bad_records"] += 1
                 return None
+            if is_lent_record(frames):
+                self._on_lent(peer, frames[0])
+                return None
             reply = self._lender.on_request(peer, frames)
             if reply is not None:
                 self._send_to(peer, reply)
@@ -461,6 +504,23 @@ class ZMQHub(
         if admitted:
             self._offer(peer)  # again, if the lender dropped it (unreachable, expired)
         return Incoming(frames, peer)
+
+    def _on_lent(self, peer: PeerId, frame: Buffer) -> None:
+        """Where an admitted spoke's tensors lie, or its answer to an ask. Only a spoke
+        that joined the lending proved it is on this host: from any other, it is a
+        bad record."""
+        assert self._lender is not None
+        try:
+            record = decode(frame)
+        except RecordError:
+            record = None
+        if isinstance(record, LentAt) and self._lender.is_member(peer):
+            self._lent.said(peer, record)
+        elif isinstance(record, Go) and self._lender.is_member(peer):
+            self._lent.answered(peer, record)
+            self._answered = True
+        else:
+            self._lender.counters["bad_records"] += 1
 
     def wake(self) -> None:
         self._socks.wake()

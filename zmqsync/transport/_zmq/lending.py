@@ -161,6 +161,10 @@ class Lender:
     def members(self) -> set[bytes]:
         return set(self._members)
 
+    def is_member(self, peer: bytes) -> bool:
+        """Whether ``peer`` joined: it proved it can open this host's ``/proc/<pid>/fd``."""
+        return peer in self._members
+
     def keeping(self) -> set[bytes]:
         """The members that keep each version mapped until the next."""
         return {peer for peer, member in list(self._members.items()) if member.keeps}

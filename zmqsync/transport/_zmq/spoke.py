@@ -4,6 +4,7 @@ and large frames read in place from the hub's lent blocks (see :mod:`.borrowing`
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -30,7 +31,8 @@ from zmqsync.transport._zmq.sockets import (
 )
 from zmqsync.transport.base import Borrows, Counted, Follows, Peekable, PeerId, SpokeTransport
 from zmqsync.transport.ends import OpenEnd
-from zmqsync.transport.shm.records import is_record
+from zmqsync.transport.shm.lent import Where
+from zmqsync.transport.shm.records import Go, LentAt, encode, is_lent_record, is_record
 
 __all__ = ["ZMQSpoke"]
 
@@ -92,6 +94,22 @@ class ZMQSpoke(OpenEnd, SpokeTransport, Peekable, Borrows, Follows, Counted):
 
     def take_device(self, device: Any) -> None:
         self._borrower.take_device(device)
+
+    def lends_tensors(self) -> bool:
+        # Only a spoke the hub counts as a reader of its blocks proved it is on the
+        # learner's host (it opened the hub's probe through /proc): the hub believes
+        # what it lends from no other.
+        return not self._closed and self._borrower.active
+
+    def lend_tensors(self, where: Where | None, layout: bytes) -> None:
+        if where is None:
+            record = LentAt(os.getpid(), 0, 0, 0, bytes(16))
+        else:
+            record = LentAt(where.pid, where.fd, where.inode, where.nbytes, layout)
+        self._request([encode(record)])
+
+    def answer(self, version: int, epoch: int, ok: bool) -> None:
+        self._request([encode(Go(version, epoch, ok))])
 
     def _request(self, frames: list[bytes]) -> None:
         with contextlib.suppress(zmq.ZMQError):  # lost: the hub offers again, or never
@@ -158,6 +176,9 @@ class ZMQSpoke(OpenEnd, SpokeTransport, Peekable, Borrows, Follows, Counted):
                             frames = frame_buffers(recv_parts(sock, copy=False))
                             if not is_record(frames):
                                 return frames
+                            if is_lent_record(frames):
+                                # The hub's Ask or Written: the receiver's to act on.
+                                return [bytes(frames[0])]
                             resolved = self._borrower.on_record(frames)
                             if resolved is not None:
                                 return resolved

@@ -48,7 +48,6 @@ log = logging.getLogger("zmqsync.transport.pipe")
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 
 
-
 def peer_id(index: int) -> PeerId:
     """The hub's peer id of the worker at ``index``: ``b"pipe:3"``."""
     return b"pipe:%d" % index

@@ -132,7 +132,7 @@ class LentPeers:
     """What a hub knows of the memory its peers lend it: where each says its tensors lie
     (its latest :class:`LentAt`), that memory once mapped, the answers to the sender's
     asks, and counts. The hub decides whom to believe (a peer it keeps, proven to be on
-    this host) and forgets a peer when it does; nothing here outlives the hub's own
+    this host) and forgets a peer when it does: nothing here outlives the hub's own
     table of peers. Thread-safe: the hub's reader and the sender both use it.
 
     Counts (``counts()``): ``lent_peers`` (peers lending now), ``lent_writes`` (versions
@@ -144,17 +144,24 @@ class LentPeers:
         #: Peer -> where it says its tensors lie, and that memory once mapped.
         self._lends: dict[bytes, tuple[LentAt, np.ndarray | None]] = {}
         self._gos: list[tuple[bytes, int, int, bool]] = []
+        #: Peer -> the memory it lent that the hub refused: said again, it stays refused.
+        self._refused_at: dict[bytes, LentAt] = {}
         self._refused = 0
         self._writes = 0
 
     def said(self, peer: bytes, record: LentAt) -> None:
-        """``peer`` lends the memory ``record`` names (none, if its size is 0): mapped
-        anew, from what it says now, when next used."""
+        """``peer`` lends the memory ``record`` names (none, if its size is 0): mapped,
+        from what it says now, when next used. Said again, the same memory stays mapped,
+        or refused."""
         with self._lock:
-            if record.nbytes > 0:
-                self._lends[peer] = (record, None)
-            else:
+            if record.nbytes <= 0:
                 self._lends.pop(peer, None)
+                self._refused_at.pop(peer, None)
+            elif record != self._refused_at.get(peer):
+                kept = self._lends.get(peer)
+                if kept is None or kept[0] != record:
+                    self._lends[peer] = (record, None)
+                self._refused_at.pop(peer, None)
 
     def answered(self, peer: bytes, record: Go) -> None:
         """``peer``'s answer to an ask, kept for :meth:`take_gos`."""
@@ -166,6 +173,7 @@ class LentPeers:
         """``peer`` is gone: its memory is unmapped with the last view of it."""
         with self._lock:
             self._lends.pop(peer, None)
+            self._refused_at.pop(peer, None)
 
     def peers(self, layout: bytes) -> list[bytes]:
         """The peers lending memory laid out as versions of ``layout`` (a digest)."""
@@ -196,6 +204,7 @@ class LentPeers:
                 self._refused += 1
                 if self._lends.get(peer, (None,))[0] is at:
                     del self._lends[peer]
+                    self._refused_at[peer] = at
             return None
         with self._lock:
             if self._lends.get(peer, (None,))[0] is at:  # unless it said something since

@@ -66,6 +66,7 @@ __all__ = [
     "Written",
     "decode",
     "encode",
+    "is_lent_record",
     "is_record",
 ]
 
@@ -334,12 +335,25 @@ _MAGICS: Final = frozenset(
 )
 
 
+_LENT_MAGICS: Final = frozenset({_LENDS, _ASK, _GO, _WRITTEN})
+
+
 def is_record(frames: Sequence[Buffer]) -> bool:
     """Whether ``frames`` starts with one of these records (by its magic)."""
     return (
         len(frames) >= 1
         and len(frames[0]) >= _MAGIC_BYTES
         and bytes(frames[0][:_MAGIC_BYTES]) in _MAGICS
+    )
+
+
+def is_lent_record(frames: Sequence[Buffer]) -> bool:
+    """Whether ``frames`` is one record of the lent tensors' handshake (:class:`LentAt`,
+    :class:`Ask`, :class:`Go` or :class:`Written`), by its magic."""
+    return (
+        len(frames) == 1
+        and len(frames[0]) >= _MAGIC_BYTES
+        and bytes(frames[0][:_MAGIC_BYTES]) in _LENT_MAGICS
     )
 
 
