@@ -49,6 +49,8 @@ PIPE_SHARED: Final = "zmqsync-pipe-shared"
 #: ``zmqsync-pipe`` whose workers lend their tensors: the learner writes each version
 #: straight into them, one copy per worker (``lend_tensors=True`` on both sides).
 PIPE_LENT: Final = "zmqsync-pipe-lent"
+#: ``zmqsync-zmq`` (over ``ipc://``) whose workers lend their tensors, as ``PIPE_LENT``.
+ZMQ_LENT: Final = "zmqsync-zmq-lent"
 #: zmqsync's variants, in the order a cell runs them. Another is one entry, e.g.
 #: ``"zmqsync-pipe-share": ZmqsyncSpec("pipe", TORCHRL_MP, scheme={"share_params": True})``.
 ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
@@ -60,6 +62,7 @@ ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
     ),
     ZMQSYNC_RAY: ZmqsyncSpec("ray", replaces=TORCHRL_RAY),
     ZMQ: ZmqsyncSpec("zmq"),
+    ZMQ_LENT: ZmqsyncSpec("zmq", sender={"lend_tensors": True}, receiver={"lend_tensors": True}),
 }
 #: The other variants, in the order a cell runs them after zmqsync's.
 PEERS: Final = (TORCHRL_MP, TORCHRL_SHM, TORCHRL_RAY, RAY_STORE, GLOO, MEMCPY)

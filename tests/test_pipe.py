@@ -790,3 +790,38 @@ def test_the_releases_of_frames_let_go_of_together_reach_the_hub_as_one_record(
     finally:
         spoke.close()
         hub.close()
+
+
+def test_records_written_at_once_keep_their_order_with_a_peer_that_does_not_read() -> None:
+    """``put_now`` writes a small record on the caller's thread only while nothing is
+    queued: when the pipe is full it writes what fits and queues the rest, or nothing
+    (the caller queues the record). Whatever mix of the two, the peer reads every
+    record whole and in order once it reads, and the caller never waited."""
+    import time
+
+    from zmqsync.transport.pipe.framing import socket_of
+    from zmqsync.transport.pipe.writer import Writer, close_end
+
+    here, there = mp.Pipe()
+    writer = Writer(here, socket_of(here, "test pipe"), "test")
+    sent, now = [], 0
+    started = time.monotonic()
+    try:
+        queued = 0
+        while queued < 100:  # written at once until the pipe is full, then queued
+            record = b"%06d" % len(sent) + bytes(1000)
+            if writer.put_now(record):
+                assert not queued  # never past a queued record
+                now += 1
+            else:
+                assert writer.put(Outgoing(None, record=record))
+                queued += 1
+            sent.append(record)
+            assert len(sent) < 100_000, "the pipe never filled"
+        assert time.monotonic() - started < 30  # it never blocked on the peer
+        assert now > 10
+        got = [there.recv_bytes() for _ in sent if there.poll(10)]
+        assert got == sent
+    finally:
+        close_end(here, socket_of(here, "test pipe"), writer)
+        there.close()

@@ -124,12 +124,13 @@ class WeightReceiver:
             worker only the bytes of its part inside them, and versions are applied
             into the slices (or a sink is handed them). Worked out from the model once,
             here; it needs a sharded learner.
-        lend_tensors: on the learner's host (pipes, ZeroMQ over ``ipc://``), once a version is whole in the
-            model, move its tensors into memory lent to the hub (they stay the objects
-            they were, private and writable), so that a sender with ``lend_tensors=True``
-            writes later versions straight into them, under this worker's lock: one copy
-            per version, where the stream takes two (the learner's into shared memory,
-            this worker's out of it). See :mod:`zmqsync.receiver.lent`.
+        lend_tensors: on the learner's host (pipes, ZeroMQ over ``ipc://``), once a
+            version is whole in the model, move its tensors into memory lent to the hub
+            (they stay the objects they were, private and writable), so that a sender
+            with ``lend_tensors=True`` writes later versions straight into them, under
+            this worker's lock: one copy per version, where the stream takes two (the
+            learner's into shared memory, this worker's out of it). See
+            :mod:`zmqsync.receiver.lent`.
     """
 
     def __init__(

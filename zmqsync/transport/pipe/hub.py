@@ -259,7 +259,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
         if found is None or found.lost is not None:
             self._dropped += 1
             return
-        found.writer.put(Outgoing(None, record=encode(record)))
+        data = encode(record)
+        if not found.writer.put_now(data):
+            found.writer.put(Outgoing(None, record=data))
 
     def recv_frames(self, timeout: float | None) -> Incoming | None:
         self._check_open()

@@ -114,7 +114,9 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         self._writer.put(Outgoing(None, record=encode(record)))
 
     def answer(self, version: int, epoch: int, ok: bool) -> None:
-        self._writer.put(Outgoing(None, record=encode(Go(version, epoch, ok))))
+        record = encode(Go(version, epoch, ok))
+        if not self._writer.put_now(record):  # the learner waits for it: no thread hop
+            self._writer.put(Outgoing(None, record=record))
 
     def _refuse_device(self) -> None:
         """A device block could not be opened here: the hub is told this worker takes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -46,6 +47,10 @@ RELEASE_PATIENCE: Final = 1.0
 WRITER_JOIN_SECONDS: Final = 2.0
 #: How long an idle writer sleeps before it looks again (stop() wakes it sooner).
 _IDLE_SECONDS: Final = 1.0
+#: Records at most this large may be written on the caller's thread (``put_now``).
+_RECORD_NOW_MAX: Final = 4096
+#: multiprocessing's length prefix of a message under 2 GiB.
+_LENGTH_PREFIX: Final = struct.Struct("!i")
 #: How long closing a worker's end lets its last small messages (a goodbye) reach the
 #: pipe: bounded, so closing never waits on a learner that stopped reading.
 LINGER_SECONDS: Final = 0.5
@@ -60,6 +65,8 @@ class Outgoing:
     #: Makes the control record when it is written, not when queued (what was added
     #: meanwhile rides along: the releases of one version's chunks go as one record).
     make: Callable[[], bytes] | None = None
+    #: Bytes to write as they are (the rest of a record :meth:`Writer.put_now` began).
+    raw: bytes = b""
 
     @property
     def lent(self) -> bool:
@@ -133,6 +140,29 @@ class Writer:
             self._cond.notify()
         return True
 
+    def put_now(self, record: bytes) -> bool:
+        """Write a small control ``record`` on the caller's thread, if nothing is queued
+        or being written and the pipe takes it at once (what it does not take is queued,
+        in order); False when it wrote nothing: then :meth:`put` it. Saves the writer
+        thread's wake-up on a record the peer waits for (a handshake's turn)."""
+        if len(record) > _RECORD_NOW_MAX:
+            return False
+        with self._cond:
+            if self._stopping or self.broken is not None or self._queue or self._writing:
+                return False
+            # What Connection.send_bytes writes: the length, then the bytes.
+            data = _LENGTH_PREFIX.pack(len(record)) + record
+            try:
+                sent = self._sock.send(data, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False  # the peer is not reading: the thread waits for it
+            except OSError:
+                return False  # broken: the thread finds out, and says so
+            if sent < len(data):
+                self._queue.append(Outgoing(None, raw=data[sent:]))
+                self._cond.notify()
+            return True
+
     def _next(self) -> Outgoing | None:
         with self._cond:
             if self._writing:
@@ -201,7 +231,10 @@ class Writer:
         try:
             while (item := self._next()) is not None:
                 if item.frames is None:
-                    self._conn.send_bytes(item.record if item.make is None else item.make())
+                    if item.raw:
+                        self._sock.sendall(item.raw)
+                    else:
+                        self._conn.send_bytes(item.record if item.make is None else item.make())
                     continue
                 frames = item.frames
                 if any(_on_device(f) and f.block.uuid != self.device for f in frames):  # type: ignore[union-attr]
