@@ -449,3 +449,41 @@ def test_the_zmq_hub_believes_lent_memory_only_from_a_spoke_that_joined(tmp_path
         spoke.close()
         hub.close()
         memory.close()
+
+
+def test_a_hubs_table_of_lent_memory_maps_once_and_refuses_once(lend) -> None:
+    """LentPeers, what every hub keeps: a claim said again keeps its mapping (no map per
+    version), a refused claim said again stays refused (no map nor warning per
+    version) until the peer names other memory, a peer that lends nothing or is
+    forgotten is asked no more, and answers are bounded."""
+    from zmqsync.transport.shm.lent import MAX_GOS, LentPeers
+
+    layout = b"L" * 16
+    table = LentPeers()
+    sealed, conn = lend("sealed")
+    good = records.LentAt(*sealed, layout)
+    table.said(b"a", good)
+    mapped = table.memory(b"a", NBYTES)
+    assert mapped is not None
+    table.said(b"a", good)  # said again after a streamed version: the same mapping
+    assert table.memory(b"a", NBYTES) is mapped
+    assert table.peers(layout) == [b"a"] and table.peers(b"M" * 16) == []
+
+    unsealed, other = lend("unsealed")
+    bad = records.LentAt(*unsealed, layout)
+    table.said(b"b", bad)
+    assert table.memory(b"b", NBYTES) is None
+    table.said(b"b", bad)  # the same claim again: refused without another look
+    assert table.peers(layout) == [b"a"] and table.memory(b"b", NBYTES) is None
+    assert table.counts()["lent_refused"] == 1
+    table.said(b"b", records.LentAt(*sealed, layout))
+    assert sorted(table.peers(layout)) == [b"a", b"b"]  # other memory: looked at anew
+
+    table.said(b"a", records.LentAt(os.getpid(), 0, 0, 0, bytes(16)))  # lends none now
+    table.forget(b"b")
+    assert table.peers(layout) == [] and table.counts()["lent_peers"] == 0
+    for i in range(MAX_GOS + 10):
+        table.answered(b"a", records.Go(i, 1, True))
+    assert len(table.take_gos()) == MAX_GOS and table.take_gos() == []
+    _report(conn)
+    _report(other)
