@@ -124,8 +124,8 @@ class WeightReceiver:
             worker only the bytes of its part inside them, and versions are applied
             into the slices (or a sink is handed them). Worked out from the model once,
             here; it needs a sharded learner.
-        lend_tensors: on the learner's host (pipes, ZeroMQ over ``ipc://``), once a
-            version is whole in the model, move its tensors into memory lent to the hub
+        lend_tensors: on the learner's host (pipes, ZeroMQ over ``ipc://``, Ray), once
+            a version is whole in the model, move its tensors into memory lent to the hub
             (they stay the objects they were, private and writable), so that a sender
             with ``lend_tensors=True`` writes later versions straight into them, under
             this worker's lock: one copy per version, where the stream takes two (the

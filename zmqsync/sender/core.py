@@ -209,15 +209,15 @@ class WeightSender:
             still queues a chunk of it, the model moves to another buffer first, so
             that worker reads one whole version. ``send_async()`` copies, as without it.
         lend_tensors: write each version straight into the tensors of the workers on
-            this host that lend them (``WeightReceiver(lend_tensors=True)``, over pipes or ``ipc://``):
-            each is asked to take its lock and written once it says go (one copy per
-            worker, from the model's own tensors); those that do not say go within
-            half a second (or ``timeout``) are streamed to. When every worker the
-            sender expects (``num_workers``) took the version that way the snapshot is
-            not written: a worker that joins after it gets the next version (one
-            expected and absent at the send joins to the snapshot). One hub, whole
-            copies only: not with ``delta``, ``wire_dtype``, slices, ``share_params``
-            or a sharded learner.
+            this host that lend them (``WeightReceiver(lend_tensors=True)``: pipes,
+            ``ipc://``, Ray actors): each is asked to take its lock and written once
+            it says go (one copy per worker, from the model's own tensors); those that
+            do not say go within half a second (or ``timeout``) are streamed to. When
+            every worker the sender expects (``num_workers``) took the version that way
+            the snapshot is not written: a worker that joins after it gets the next
+            version (one expected and absent at the send joins to the snapshot). One
+            hub, whole copies only: not with ``delta``, ``wire_dtype``, slices,
+            ``share_params`` or a sharded learner.
         wire_dtype: floating tensors of another dtype travel as this one (``torch.
             bfloat16``, ``torch.float16``, ``torch.float32`` or a float8), cast chunk by
             chunk as they are written (nothing model-sized), and each worker casts them

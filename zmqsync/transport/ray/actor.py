@@ -8,6 +8,7 @@ in its outbox and is the call's result. Nothing here imports Ray.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import struct
 import threading
@@ -28,16 +29,19 @@ from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
 from zmqsync.transport.shm.records import (
     DeviceGrant,
+    Go,
     Join,
     Keeps,
     Lease,
     Leave,
+    LentAt,
     Offer,
     RecordError,
     Release,
     TakesDevice,
     decode,
     encode,
+    is_lent_record,
     is_record,
 )
 
@@ -283,6 +287,21 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             )
             return bool(self._outbox)
 
+    def lends_tensors(self) -> bool:
+        # Only an actor that reads the hub's blocks proved it is on the learner's host:
+        # the hub believes what it lends from no other.
+        return not self._closed and self._joined
+
+    def lend_tensors(self, where: Any, layout: bytes) -> None:
+        if where is None:
+            record = LentAt(os.getpid(), 0, 0, 0, bytes(16))
+        else:
+            record = LentAt(where.pid, where.fd, where.inode, where.nbytes, layout)
+        self._reply([encode(record)])
+
+    def answer(self, version: int, epoch: int, ok: bool) -> None:
+        self._reply([encode(Go(version, epoch, ok))])
+
     def _reply(self, message: list[bytes]) -> None:
         with self._cond:
             self._outbox.append(message)
@@ -446,6 +465,8 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         into its model; lent blocks are released in the reply after the receiver lets
         go of them). None: nothing for the receiver (a poll, or a record answered here)."""
         first = frames[0] if frames else None
+        if isinstance(first, bytes) and is_lent_record([first]):
+            return [first]  # the hub's Ask or Written: the receiver's to act on
         if isinstance(first, bytes) and is_record([first]):
             # The hub's blocks stay numpy arrays over this process's read-only mapping
             # (as a ZeroMQ spoke's do): what apply_mode="shared" maps as the weights.

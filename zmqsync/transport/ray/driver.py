@@ -32,7 +32,18 @@ from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.ray.actor import DELIVER_METHOD, MAX_BATCH, SEQ_SPAN, batch, owned
 from zmqsync.transport.ray.lending import ActorLending, LentPayload
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
-from zmqsync.transport.shm.records import RecordError, is_record
+from zmqsync.transport.shm.lent import LentPeers
+from zmqsync.transport.shm.records import (
+    Ask,
+    Go,
+    LentAt,
+    RecordError,
+    Written,
+    decode,
+    encode,
+    is_lent_record,
+    is_record,
+)
 
 __all__ = ["POLL_INTERVAL", "RayHub", "peer_id"]
 
@@ -190,6 +201,11 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         self._lending = (
             ActorLending(device_memory=device_memory) if shared_memory and SHM_AVAILABLE else None
         )
+        #: The memory actors on this host lend (their tensors), which the sender writes
+        #: versions into; believed only from an actor that reads the hub's blocks.
+        self._lent = LentPeers(lambda p: f"actor {p.decode(errors='replace')}")
+        #: An actor answered an ask since recv_frames last returned.
+        self._answered = False
         items = actors.items() if isinstance(actors, Mapping) else enumerate(actors)
         for index, handle in items:
             self.add_actor(handle, index=index)
@@ -233,6 +249,33 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         with self._lock:
             live = [a.index for a in self._actors.values() if a.lost is None]
         return bool(live) and all(index in lending.keeping for index in live)
+
+    def lent_peers(self, layout: bytes) -> list[PeerId]:
+        peers = self._lent.peers(layout)
+        with self._lock:
+            return [p for p in peers if (a := self._actors.get(p)) and a.lost is None and a.shared]
+
+    def ask_lent(self, peer: PeerId, version: int, epoch: int, layout: bytes) -> None:
+        self._record_to(peer, [encode(Ask(version, epoch, layout))])
+
+    def take_gos(self) -> list[tuple[PeerId, int, int, bool]]:
+        return self._lent.take_gos()
+
+    def lent_memory(self, peer: PeerId, nbytes: int) -> Any:
+        return self._lent.memory(peer, nbytes)
+
+    def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
+        self._lent.written(ok)
+        self._record_to(peer, [encode(Written(version, epoch, ok, metadata))])
+
+    def _record_to(self, peer: PeerId, message: list[bytes]) -> None:
+        """A call of its own carrying one record of the lent tensors' handshake."""
+        with self._lock:
+            actor = self._actors.get(peer)
+            if actor is None or actor.lost is not None or actor.in_flight >= MAX_IN_FLIGHT:
+                self._counters["dropped_sends"] += 1
+                return
+            self._call(actor, message)
 
     def lend(self, nbytes: int) -> Any:
         """Shared memory to carve a sender's snapshot from (sent without another copy to
@@ -458,6 +501,9 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         True if it was one (caller holds the lock)."""
         if len(frames) != 1 or not is_record(frames):
             return False
+        if is_lent_record(frames):
+            self._on_lent(actor, frames[0])
+            return True
         try:
             if self._lending is None:
                 raise RecordError("this hub lends no memory")
@@ -476,6 +522,22 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
                 )
         return True
 
+    def _on_lent(self, actor: _Actor, frame: Buffer) -> None:
+        """Where an actor's tensors lie, or its answer to an ask (caller holds the
+        lock). Only an actor that reads the hub's blocks proved it is on this host:
+        from any other, it is a bad record."""
+        try:
+            record = decode(frame)
+        except RecordError:
+            record = None
+        if isinstance(record, LentAt) and actor.shared:
+            self._lent.said(peer_id(actor.index), record)
+        elif isinstance(record, Go) and actor.shared:
+            self._lent.answered(peer_id(actor.index), record)
+            self._answered = True
+        else:
+            self._counters["bad_releases"] += 1
+
     def _release(self, actor: _Actor, payload: Any) -> None:
         """A message for ``actor`` that will never be sent: release its lease."""
         if self._lending is not None:
@@ -491,6 +553,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
                 self._counters["peers_lost"] += 1
                 if self._lending is not None:
                     self._lending.forget(actor.index)  # it reads no block any more
+                self._lent.forget(peer_id(actor.index))
                 actor.waiting.clear()
                 actor.lent_seqs.clear()
                 log.warning("Ray actor of worker %d died: %s", actor.index, actor.lost)
@@ -542,7 +605,8 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
                     # A reply beats a wake-up: whoever woke us gets the hub back at once
                     # either way.
                     return self._ready.pop(0)
-            if woken or remaining == 0:
+                answered, self._answered = self._answered, False
+            if woken or answered or remaining == 0:  # an answer: the sender takes it at once
                 return None
 
     def _take(self, timeout: float | None) -> object:
@@ -573,6 +637,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
             # Actors that read the hub's blocks (on this host), and those that cannot.
             counts["actors_sharing"] = sum(s is True for s in shared)
             counts["actors_not_sharing"] = sum(s is False for s in shared)
+        counts.update(self._lent.counts())
         return counts
 
     def close(self) -> None:

@@ -1,0 +1,130 @@
+"""``lend_tensors=True`` for Ray actors on the learner's host: each actor that reads the
+Ray hub's blocks (proof that it is on this host) lends the memory its tensors live in,
+and the learner writes each version straight into it. Real actors on the session's
+local Ray cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+from _faults import until
+from conftest import ACTOR_START_TIMEOUT, actors_started
+from torch import nn
+
+import zmqsync
+from zmqsync.schemes.ray import RayWeightSyncScheme
+from zmqsync.transport.ray import RayHub, WeightSyncActorMixin
+from zmqsync.transport.shm.blocks import SHM_AVAILABLE
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("ray_cluster"),
+    pytest.mark.skipif(not SHM_AVAILABLE, reason="memfd is Linux's"),
+]
+
+# This module is not importable in Ray's worker processes: ship its actor class by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CALL_TIMEOUT = 60.0
+#: The name an actor's lent memory carries in /proc/PID/maps.
+LENT = "/memfd:zmqsync-lent"
+
+
+def lent_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+
+
+def _in_lent_memory(tensor: torch.Tensor) -> bool:
+    address = tensor.data_ptr()
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return "w" in fields[1] and len(fields) == 6 and fields[5].startswith(LENT)
+    return False
+
+
+@ray.remote(num_cpus=0)
+class LendingActor(WeightSyncActorMixin):
+    """A plain actor (as a collector is) that lends its model's tensors."""
+
+    def __init__(self, seed: int) -> None:
+        self.model = lent_model(seed)
+        self.objects = [id(p) for p in self.model.parameters()]
+        self.scheme: RayWeightSyncScheme | None = None
+
+    def setup(self, scheme: RayWeightSyncScheme) -> int:
+        self.scheme = scheme
+        scheme.init_on_worker("policy", model=self.model, lend_tensors=True)
+        return os.getpid()
+
+    def state(self) -> dict[str, Any]:
+        assert self.scheme is not None
+        with self.scheme.lock:
+            receiver = self.scheme.get_receiver()
+            params = list(self.model.parameters())
+            return {
+                "version": receiver.version,
+                "checksum": zmqsync.checksum(self.model),
+                "stats": {k: v for k, v in receiver.stats.items() if isinstance(v, int)},
+                "same_objects": [id(p) for p in params] == self.objects,
+                "lent": all(_in_lent_memory(p) for p in params),
+            }
+
+
+@pytest.fixture
+def learner(monkeypatch) -> Iterator[tuple[RayWeightSyncScheme, nn.Module, list[Any]]]:
+    from zmqsync.sender import core
+
+    # The model is 80 KB, which streams by default; and every go must count, even from
+    # an actor slowed down by a loaded machine.
+    monkeypatch.setattr(core, "LENT_MIN_BYTES", 0)
+    monkeypatch.setattr(core, "LENT_GO_WAIT", 20.0)
+    scheme = RayWeightSyncScheme(timeout=30.0, repair_after=60.0, lend_tensors=True)
+    model = lent_model(0)
+    actors = [LendingActor.remote(100 + i) for i in range(2)]
+    try:
+        actors_started(actors)
+        ray.get([a.setup.remote(scheme) for a in actors], timeout=ACTOR_START_TIMEOUT)
+        scheme.init_on_sender("policy", remote_collectors=actors, source_model=model)
+        scheme.connect(timeout=CALL_TIMEOUT)
+        yield scheme, model, actors
+    finally:
+        with contextlib.suppress(Exception):
+            scheme.shutdown()
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+
+@pytest.mark.timeout(300)
+def test_actors_on_the_learners_host_take_each_version_into_their_lent_tensors(learner) -> None:
+    scheme, model, actors = learner
+    hub = scheme.get_sender().transport
+    assert isinstance(hub, RayHub)
+    until(lambda: hub.counters()["actors_sharing"] == len(actors), 60, "joining")
+    for _ in range(6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        scheme.send()
+        version, checksum = scheme.get_sender().version, zmqsync.checksum(model)
+        states = ray.get([a.state.remote() for a in actors], timeout=CALL_TIMEOUT)
+        for state in states:  # send() returned: each actor holds exactly that version
+            assert (state["version"], state["checksum"]) == (version, checksum)
+            assert state["same_objects"]
+    for state in ray.get([a.state.remote() for a in actors], timeout=CALL_TIMEOUT):
+        # The first versions came as streams (an actor lends once it joined the hub's
+        # memory and a version was whole); the rest were written into its tensors.
+        assert state["lent"] and state["stats"]["lent_applied"] >= 3, state["stats"]
+    counts = hub.counters()
+    assert counts["lent_peers"] == 2 and counts["lent_writes"] >= 6, counts
+    assert counts["bad_releases"] == 0, counts
