@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any
 
+import torch
+
 import zmqsync
+
+#: The name a worker's lent memory carries in /proc/PID/maps.
+LENT = "/memfd:zmqsync-lent"
+
+
+def in_lent_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s first byte lies in memory this process lends, writable."""
+    address = tensor.data_ptr()
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return "w" in fields[1] and len(fields) == 6 and fields[5].startswith(LENT)
+    return False
 
 
 def run_lending_worker(

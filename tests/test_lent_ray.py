@@ -11,10 +11,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import _lent_workers
 import pytest
 import ray
 import torch
 from _faults import until
+from _lent_workers import in_lent_memory
 from conftest import ACTOR_START_TIMEOUT, actors_started
 from torch import nn
 
@@ -31,26 +33,15 @@ pytestmark = [
 
 # This module is not importable in Ray's worker processes: ship its actor class by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# ... and the helper it calls (``in_lent_memory``).
+ray.cloudpickle.register_pickle_by_value(_lent_workers)
 
 CALL_TIMEOUT = 60.0
-#: The name an actor's lent memory carries in /proc/PID/maps.
-LENT = "/memfd:zmqsync-lent"
 
 
 def lent_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
-
-
-def _in_lent_memory(tensor: torch.Tensor) -> bool:
-    address = tensor.data_ptr()
-    with open(f"/proc/{os.getpid()}/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return "w" in fields[1] and len(fields) == 6 and fields[5].startswith(LENT)
-    return False
 
 
 @ray.remote(num_cpus=0)
@@ -77,7 +68,7 @@ class LendingActor(WeightSyncActorMixin):
                 "checksum": zmqsync.checksum(self.model),
                 "stats": {k: v for k, v in receiver.stats.items() if isinstance(v, int)},
                 "same_objects": [id(p) for p in params] == self.objects,
-                "lent": all(_in_lent_memory(p) for p in params),
+                "lent": all(in_lent_memory(p) for p in params),
             }
 
 

@@ -6,11 +6,11 @@ ZeroMQ ``ipc://``."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
+from _lent_workers import in_lent_memory
 from tensordict.nn import TensorDictModule
 from test_shared_torchrl import (
     NUM_WORKERS,
@@ -27,21 +27,6 @@ from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 
 pytestmark = pytest.mark.skipif(not SHM_AVAILABLE, reason="memfd is Linux's")
 
-#: The name every worker's lent memory carries in /proc/PID/maps.
-LENT = "/memfd:zmqsync-lent"
-
-
-def _in_lent_memory(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s first byte lies in memory this process lends, writable."""
-    address = tensor.data_ptr()
-    with open(f"/proc/{os.getpid()}/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return "w" in fields[1] and len(fields) == 6 and fields[5].startswith(LENT)
-    return False
-
 
 class LendingActor(Actor):
     """:class:`Actor`, saying per frame (``weights_inode``) whether the weights that
@@ -49,7 +34,7 @@ class LendingActor(Actor):
 
     def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.logits(observation)
-        lent = all(_in_lent_memory(p) for p in self.parameters())
+        lent = all(in_lent_memory(p) for p in self.parameters())
         return logits, torch.full((*observation.shape[:-1], 1), int(lent))
 
 

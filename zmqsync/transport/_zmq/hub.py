@@ -52,17 +52,14 @@ from zmqsync.transport.base import (
 from zmqsync.transport.cuda import handles
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
-from zmqsync.transport.shm.lent import LentPeers
+from zmqsync.transport.shm.lent import LentPeers, TakesLentTensors
 from zmqsync.transport.shm.records import (
     ADDRESSED,
     FAN_OUT,
-    Ask,
     Go,
     LentAt,
     RecordError,
-    Written,
     decode,
-    encode,
     is_lent_record,
     is_record,
 )
@@ -84,6 +81,7 @@ class ZMQHub(
     OpenEnd,
     HubTransport,
     Waitable,
+    TakesLentTensors,
     Lends,
     ZeroCopy,
     Announces,
@@ -279,18 +277,8 @@ class ZMQHub(
         peers = self._peers  # admitted, and reachable
         return [p for p in self._lent.peers(layout) if p in peers]
 
-    def ask_lent(self, peer: PeerId, version: int, epoch: int, layout: bytes) -> None:
-        self._send_to(peer, [encode(Ask(version, epoch, layout))])
-
-    def take_gos(self) -> list[tuple[PeerId, int, int, bool]]:
-        return self._lent.take_gos()
-
-    def lent_memory(self, peer: PeerId, nbytes: int) -> Any:
-        return self._lent.memory(peer, nbytes)
-
-    def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
-        self._lent.written(ok)
-        self._send_to(peer, [encode(Written(version, epoch, ok, metadata))])
+    def _lent_record(self, peer: PeerId, record: bytes) -> None:
+        self._send_to(peer, [record])
 
     def copying(self) -> dict[PeerId, int]:
         """The peers dropped from the lending for holding a block past its lease (dead,

@@ -4,7 +4,6 @@ and large frames read in place from the hub's lent blocks (see :mod:`.borrowing`
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -31,8 +30,8 @@ from zmqsync.transport._zmq.sockets import (
 )
 from zmqsync.transport.base import Borrows, Counted, Follows, Peekable, PeerId, SpokeTransport
 from zmqsync.transport.ends import OpenEnd
-from zmqsync.transport.shm.lent import Where
-from zmqsync.transport.shm.records import Go, LentAt, encode, is_lent_record, is_record
+from zmqsync.transport.shm.lent import Where, lent_at
+from zmqsync.transport.shm.records import Go, encode, is_lent_record, is_record
 
 __all__ = ["ZMQSpoke"]
 
@@ -102,11 +101,7 @@ class ZMQSpoke(OpenEnd, SpokeTransport, Peekable, Borrows, Follows, Counted):
         return not self._closed and self._borrower.active
 
     def lend_tensors(self, where: Where | None, layout: bytes) -> None:
-        if where is None:
-            record = LentAt(os.getpid(), 0, 0, 0, bytes(16))
-        else:
-            record = LentAt(where.pid, where.fd, where.inode, where.nbytes, layout)
-        self._request([encode(record)])
+        self._request([encode(lent_at(where, layout))])
 
     def answer(self, version: int, epoch: int, ok: bool) -> None:
         self._request([encode(Go(version, epoch, ok))])

@@ -35,8 +35,8 @@ from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import ASSIGN, HEADER, read, socket_of
 from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE, BlockPool, Ref
-from zmqsync.transport.shm.lent import LentPeers
-from zmqsync.transport.shm.records import Ask, Go, LentAt, Release, Written, encode
+from zmqsync.transport.shm.lent import LentPeers, TakesLentTensors
+from zmqsync.transport.shm.records import Go, LentAt, Release
 from zmqsync.transport.wakeup import Wakeup
 
 __all__ = ["PipeHub", "peer_id"]
@@ -64,7 +64,7 @@ class _Peer:
     left: bool = False
 
 
-class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
+class PipeHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted, ForgetsPeers):
     """The learner's end: one duplex pipe per worker.
 
     Args:
@@ -240,28 +240,14 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted, ForgetsPeers):
     def lent_peers(self, layout: bytes) -> list[PeerId]:
         return self._lent.peers(layout)
 
-    def ask_lent(self, peer: PeerId, version: int, epoch: int, layout: bytes) -> None:
-        self._record_to(peer, Ask(version, epoch, layout))
-
-    def take_gos(self) -> list[tuple[PeerId, int, int, bool]]:
-        return self._lent.take_gos()
-
-    def lent_memory(self, peer: PeerId, nbytes: int) -> np.ndarray | None:
-        return self._lent.memory(peer, nbytes)
-
-    def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
-        self._lent.written(ok)
-        self._record_to(peer, Written(version, epoch, ok, metadata))
-
-    def _record_to(self, peer: PeerId, record: Ask | Written) -> None:
+    def _lent_record(self, peer: PeerId, record: bytes) -> None:
         with self._lock:
             found = self._peers.get(peer)
         if found is None or found.lost is not None:
             self._dropped += 1
             return
-        data = encode(record)
-        if not found.writer.put_now(data):
-            found.writer.put(Outgoing(None, record=data))
+        if not found.writer.put_now(record):  # the worker waits for it: no thread hop
+            found.writer.put(Outgoing(None, record=record))
 
     def recv_frames(self, timeout: float | None) -> Incoming | None:
         self._check_open()

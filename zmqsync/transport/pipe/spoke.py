@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -21,11 +20,11 @@ from zmqsync.transport.pipe.buffers import BufferPool, owned
 from zmqsync.transport.pipe.framing import read, socket_of
 from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, close_end
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
+from zmqsync.transport.shm.lent import lent_at
 from zmqsync.transport.shm.records import (
     MAX_LIVE,
     Go,
     Keeps,
-    LentAt,
     Release,
     TakesDevice,
     encode,
@@ -107,11 +106,7 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         return not self._closed and self._hub_gone is None
 
     def lend_tensors(self, where: Any, layout: bytes) -> None:
-        if where is None:
-            record = LentAt(os.getpid(), 0, 0, 0, bytes(16))
-        else:
-            record = LentAt(where.pid, where.fd, where.inode, where.nbytes, layout)
-        self._writer.put(Outgoing(None, record=encode(record)))
+        self._writer.put(Outgoing(None, record=encode(lent_at(where, layout))))
 
     def answer(self, version: int, epoch: int, ok: bool) -> None:
         record = encode(Go(version, epoch, ok))

@@ -8,7 +8,6 @@ in its outbox and is the call's result. Nothing here imports Ray.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import struct
 import threading
@@ -27,6 +26,7 @@ from zmqsync.transport.cuda import handles
 from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow, read_token, release_when_gone
+from zmqsync.transport.shm.lent import lent_at
 from zmqsync.transport.shm.records import (
     DeviceGrant,
     Go,
@@ -34,7 +34,6 @@ from zmqsync.transport.shm.records import (
     Keeps,
     Lease,
     Leave,
-    LentAt,
     Offer,
     RecordError,
     Release,
@@ -293,11 +292,7 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         return not self._closed and self._joined
 
     def lend_tensors(self, where: Any, layout: bytes) -> None:
-        if where is None:
-            record = LentAt(os.getpid(), 0, 0, 0, bytes(16))
-        else:
-            record = LentAt(where.pid, where.fd, where.inode, where.nbytes, layout)
-        self._reply([encode(record)])
+        self._reply([encode(lent_at(where, layout))])
 
     def answer(self, version: int, epoch: int, ok: bool) -> None:
         self._reply([encode(Go(version, epoch, ok))])

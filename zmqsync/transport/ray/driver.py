@@ -32,15 +32,12 @@ from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.ray.actor import DELIVER_METHOD, MAX_BATCH, SEQ_SPAN, batch, owned
 from zmqsync.transport.ray.lending import ActorLending, LentPayload
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
-from zmqsync.transport.shm.lent import LentPeers
+from zmqsync.transport.shm.lent import LentPeers, TakesLentTensors
 from zmqsync.transport.shm.records import (
-    Ask,
     Go,
     LentAt,
     RecordError,
-    Written,
     decode,
-    encode,
     is_lent_record,
     is_record,
 )
@@ -113,7 +110,7 @@ class _Actor:
     via_store: bool = False
 
 
-class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
+class RayHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted):
     """The driver's end: one Ray actor per worker.
 
     A Ray actor cannot be written to like a socket, and cannot easily call its driver
@@ -255,27 +252,14 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, Lends, Counted):
         with self._lock:
             return [p for p in peers if (a := self._actors.get(p)) and a.lost is None and a.shared]
 
-    def ask_lent(self, peer: PeerId, version: int, epoch: int, layout: bytes) -> None:
-        self._record_to(peer, [encode(Ask(version, epoch, layout))])
-
-    def take_gos(self) -> list[tuple[PeerId, int, int, bool]]:
-        return self._lent.take_gos()
-
-    def lent_memory(self, peer: PeerId, nbytes: int) -> Any:
-        return self._lent.memory(peer, nbytes)
-
-    def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
-        self._lent.written(ok)
-        self._record_to(peer, [encode(Written(version, epoch, ok, metadata))])
-
-    def _record_to(self, peer: PeerId, message: list[bytes]) -> None:
+    def _lent_record(self, peer: PeerId, record: bytes) -> None:
         """A call of its own carrying one record of the lent tensors' handshake."""
         with self._lock:
             actor = self._actors.get(peer)
             if actor is None or actor.lost is not None or actor.in_flight >= MAX_IN_FLIGHT:
                 self._counters["dropped_sends"] += 1
                 return
-            self._call(actor, message)
+            self._call(actor, [record])
 
     def lend(self, nbytes: int) -> Any:
         """Shared memory to carve a sender's snapshot from (sent without another copy to

@@ -32,9 +32,18 @@ from typing import Final, NamedTuple
 
 import numpy as np
 
-from zmqsync.transport.shm.records import Go, LentAt
+from zmqsync.transport.shm.records import Ask, Go, LentAt, Written, encode
 
-__all__ = ["LENT_SEALS", "MAX_GOS", "LentMemory", "LentPeers", "Where", "map_lent"]
+__all__ = [
+    "LENT_SEALS",
+    "MAX_GOS",
+    "LentMemory",
+    "LentPeers",
+    "TakesLentTensors",
+    "Where",
+    "lent_at",
+    "map_lent",
+]
 
 log = logging.getLogger("zmqsync.transport")
 
@@ -223,3 +232,37 @@ class LentPeers:
         if not (lending or refused or writes):
             return {}
         return {"lent_peers": lending, "lent_refused": refused, "lent_writes": writes}
+
+
+class TakesLentTensors:
+    """What a hub that peers lend their tensors to answers its sender (the lent-tensor
+    methods of :class:`~zmqsync.transport.base.Lends`), from its :class:`LentPeers`
+    table (``_lent``); each hub sends a record to a peer its own way
+    (:meth:`_lent_record`) and says which peers it still serves (``lent_peers``). List
+    it before ``Lends`` among a hub's bases."""
+
+    _lent: LentPeers
+
+    def _lent_record(self, peer: bytes, record: bytes) -> None:
+        raise NotImplementedError
+
+    def ask_lent(self, peer: bytes, version: int, epoch: int, layout: bytes) -> None:
+        self._lent_record(peer, encode(Ask(version, epoch, layout)))
+
+    def take_gos(self) -> list[tuple[bytes, int, int, bool]]:
+        return self._lent.take_gos()
+
+    def lent_memory(self, peer: bytes, nbytes: int) -> np.ndarray | None:
+        return self._lent.memory(peer, nbytes)
+
+    def written(self, peer: bytes, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
+        self._lent.written(ok)
+        self._lent_record(peer, encode(Written(version, epoch, ok, metadata)))
+
+
+def lent_at(where: Where | None, layout: bytes) -> LentAt:
+    """What a spoke tells its hub of the memory its tensors lie in (``where``, laid out
+    as versions of ``layout``); None: it lends none any more."""
+    if where is None:
+        return LentAt(os.getpid(), 0, 0, 0, bytes(16))
+    return LentAt(where.pid, where.fd, where.inode, where.nbytes, layout)
