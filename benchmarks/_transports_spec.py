@@ -51,6 +51,8 @@ PIPE_SHARED: Final = "zmqsync-pipe-shared"
 PIPE_LENT: Final = "zmqsync-pipe-lent"
 #: ``zmqsync-zmq`` (over ``ipc://``) whose workers lend their tensors, as ``PIPE_LENT``.
 ZMQ_LENT: Final = "zmqsync-zmq-lent"
+#: ``zmqsync-ray`` whose actors (on the learner's host) lend their tensors, as ``PIPE_LENT``.
+RAY_LENT: Final = "zmqsync-ray-lent"
 #: zmqsync's variants, in the order a cell runs them. Another is one entry, e.g.
 #: ``"zmqsync-pipe-share": ZmqsyncSpec("pipe", TORCHRL_MP, scheme={"share_params": True})``.
 ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
@@ -61,6 +63,9 @@ ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
         "pipe", replaces=TORCHRL_MP, sender={"lend_tensors": True}, receiver={"lend_tensors": True}
     ),
     ZMQSYNC_RAY: ZmqsyncSpec("ray", replaces=TORCHRL_RAY),
+    RAY_LENT: ZmqsyncSpec(
+        "ray", replaces=TORCHRL_RAY, sender={"lend_tensors": True}, receiver={"lend_tensors": True}
+    ),
     ZMQ: ZmqsyncSpec("zmq"),
     ZMQ_LENT: ZmqsyncSpec("zmq", sender={"lend_tensors": True}, receiver={"lend_tensors": True}),
 }

@@ -12,9 +12,9 @@ own, for these variants run side by side:
   processes (zmqsync's ZeroMQ transport, for reference); ``zmqsync-pipe-shared``:
   ``zmqsync-pipe`` whose workers take ``apply_mode="shared"`` (their weights are
   read-only views of one copy of each version in shared memory: not tensors of their
-  own, so the check that they are is skipped for it); ``zmqsync-pipe-lent`` and
-  ``zmqsync-zmq-lent``: ``lend_tensors=True`` on both sides (the learner writes each
-  version straight into the workers' own tensors);
+  own, so the check that they are is skipped for it); ``zmqsync-pipe-lent``,
+  ``zmqsync-zmq-lent`` and ``zmqsync-ray-lent``: ``lend_tensors=True`` on both sides
+  (the learner writes each version straight into the workers' own tensors);
 - ``torchrl-mp``: ``torchrl.weight_update.MultiProcessWeightSyncScheme``, driven as its
   collectors drive it, in the same worker processes (``mp.Queue``s; torch moves the
   learner's tensors to shared memory; each worker copies them into its own tensors);
