@@ -208,11 +208,12 @@ def test_a_worker_that_moved_its_tensors_is_streamed_to_and_lends_again(fleet) -
 
 @pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])
 def test_a_stopped_or_killed_lending_worker_holds_nobody_back(fleet, signal_name: str) -> None:
-    """One of three lending workers stops (or dies): each send waits for its go at most
+    """One of three lending workers stops (or dies): a send waits for its go at most
     half a second, then streams to it (a stopped worker's stream waits in its pipe and
-    the send times out on it, as without lending); the others keep taking every
-    version through their lent tensors. A stopped worker, continued, answers the asks
-    it missed, is told nothing was written, and catches up by the stream."""
+    the send times out on it, as without lending), and later sends stream to it without
+    asking until it acked a version; the others keep taking every version through their
+    lent tensors. A stopped worker, continued, answers the ask it missed, is told
+    nothing was written, catches up by the stream, and is asked again."""
     import os
     import signal
 
@@ -258,15 +259,35 @@ def test_a_stopped_or_killed_lending_worker_holds_nobody_back(fleet, signal_name
                 _check(applied, sent)
     totals = sender.status()["totals"]
     assert totals["lent_writes"] >= 10 and totals["timeouts"] >= 3, totals
+    if signal_name == "SIGKILL":
+        return
+    # Asked once while stopped: the sends after the one it missed streamed to it unasked.
+    assert totals["lent_go_missed"] == 1, totals
+    # Caught up, it is asked again and takes versions into its lent tensors once more.
+    _, before, _ = _ask(controls[2])
+    sender.timeout = 30.0
+    send()
+    send()
+    applied, after, _ = _ask(controls[2])
+    _check(applied, sent)
+    assert applied[-1][0] == max(sent), applied[-1]
+    assert after["lent_applied"] > before["lent_applied"], (before, after)
 
 
-def test_a_small_model_streams_as_usual(fleet, monkeypatch) -> None:
-    """Under LENT_MIN_BYTES the ask and the go cost more than the copy they save: the
-    version streams, to lending workers too, and is applied all the same."""
-    from zmqsync.sender import core
+@pytest.mark.parametrize("what", ["small model", "small tensors"])
+def test_a_small_model_streams_as_usual(fleet, monkeypatch, what: str) -> None:
+    """Under LENT_MIN_BYTES of large tensors the ask and the go cost more than the copy
+    they save: the version streams, to lending workers too, and is applied all the
+    same; so does a version as large as that whose bytes lie mostly in small tensors."""
+    from zmqsync.sender import core, lent
 
-    monkeypatch.setattr(core, "LENT_MIN_BYTES", 4 * 1024 * 1024)
     sender, (control,) = fleet([True])
+    limit = 4 * 1024 * 1024
+    if what == "small tensors":
+        sizes = [t.numel() * t.element_size() for t in sender.model.state_dict().values()]
+        limit = sum(n for n in sizes if n >= lent.SMALL_BYTES) + 1
+        assert sum(sizes) >= limit  # the version is large enough; its large tensors are not
+    monkeypatch.setattr(core, "LENT_MIN_BYTES", limit)
     sent: dict[int, str] = {}
     for _ in range(3):
         bump(sender.model)

@@ -159,6 +159,9 @@ class Totals(_Record):
     #: because too many waited (a status request never delays a send).
     status_deferred: int = 0
     status_dropped: int = 0
+    #: Workers that lent their tensors and did not say go in time for a version (it was
+    #: streamed to them; they are not asked again until they acked it).
+    lent_go_missed: int = 0
     rejected_frames: int = 0
     forged: int = 0
     refused_claims: int = 0

@@ -56,6 +56,8 @@ class LentPlan:
         if len(small) < 2 or any(e.offset < hi and e.offset + e.nbytes > lo for e in large):
             large, small, lo, hi = list(schema.entries), [], 0, 0  # no stretch of their own
         self.large = [(e.key, e.offset, e.nbytes, e.dtype, _shape(e.shape)) for e in large]
+        #: The bytes of the tensors copied one by one (the stretch's are gathered first).
+        self.large_bytes = sum(e.nbytes for e in large)
         self.lo, self.hi = lo, hi
         self._small_keys = [e.key for e in small]
         self._stretch = torch.empty(hi - lo, dtype=torch.uint8)

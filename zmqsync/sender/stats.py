@@ -47,6 +47,7 @@ TOTALS: Final = (
     "message_errors",
     "status_deferred",
     "status_dropped",
+    "lent_go_missed",
 )
 
 
