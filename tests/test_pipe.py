@@ -793,10 +793,10 @@ def test_the_releases_of_frames_let_go_of_together_reach_the_hub_as_one_record(
 
 
 def test_records_written_at_once_keep_their_order_with_a_peer_that_does_not_read() -> None:
-    """``put_now`` writes a small record on the caller's thread only while nothing is
-    queued: when the pipe is full it writes what fits and queues the rest, or nothing
-    (the caller queues the record). Whatever mix of the two, the peer reads every
-    record whole and in order once it reads, and the caller never waited."""
+    """``put_now`` writes a small record on the caller's thread, after the few control
+    records queued before it: when the pipe is full it writes what fits and queues the
+    rest, or nothing (the caller queues the record). Whatever mix of the two, the peer
+    reads every record whole and in order once it reads, and the caller never waited."""
     import time
 
     from zmqsync.transport.pipe.framing import socket_of
@@ -811,7 +811,6 @@ def test_records_written_at_once_keep_their_order_with_a_peer_that_does_not_read
         while queued < 100:  # written at once until the pipe is full, then queued
             record = b"%06d" % len(sent) + bytes(1000)
             if writer.put_now(record):
-                assert not queued  # never past a queued record
                 now += 1
             else:
                 assert writer.put(Outgoing(None, record=record))
@@ -822,6 +821,58 @@ def test_records_written_at_once_keep_their_order_with_a_peer_that_does_not_read
         assert now > 10
         got = [there.recv_bytes() for _ in sent if there.poll(10)]
         assert got == sent
+    finally:
+        close_end(here, socket_of(here, "test pipe"), writer)
+        there.close()
+
+
+def test_small_messages_written_at_once_read_as_queued_ones() -> None:
+    """A worker's small messages (acks) go out on its own thread (``message_now``), with
+    the releases queued before them and not written yet (each release record made once,
+    when written): the hub reads each message's frames and each release as it would
+    have from the writer thread, in the order they were given. A message too large, or
+    one behind a queued message, waits for the writer thread."""
+    from zmqsync.transport.pipe.framing import read, socket_of
+    from zmqsync.transport.pipe.writer import Writer, close_end
+    from zmqsync.transport.shm.records import Release, encode
+
+    here, there = mp.Pipe()
+    writer = Writer(here, socket_of(here, "test pipe"), "test")
+    made: list[int] = []
+
+    def release() -> bytes:
+        made.append(len(made) + 1)
+        return encode(Release((len(made),)))
+
+    def message(i: int) -> list[bytes]:
+        return [b"ack-%d" % i, np.arange(i, dtype=np.int32).tobytes()]
+
+    try:
+        # Holding the writer's condition keeps its thread from taking anything: what
+        # goes out now is what this thread writes.
+        with writer._cond:
+            writer.put(Outgoing(None, make=release))
+            writer.put(Outgoing(None, make=release))
+            assert writer.message_now(message(0))  # the two releases go first, with it
+            assert made == [1, 2]
+            assert writer.message_now(message(1))
+            writer.put(Outgoing(message(2)))  # a message queued: the next ones wait
+            writer.put(Outgoing(None, make=release))
+            assert not writer.message_now(message(3))
+            writer.put(Outgoing(message(3)))
+            assert made == [1, 2]  # the last release is made when the thread writes it
+        assert not writer.message_now([bytes(64 * 1024)])  # too large: the caller queues it
+        sock = socket_of(there, "test pipe")
+        got: list[Any] = []
+        while len(got) < 7:
+            assert there.poll(10), got
+            unit = read(there, sock, None)
+            if unit.release is not None:
+                got.append(unit.release.blocks)
+            else:
+                got.append([bytes(f) for f in unit.frames or []])
+        assert got == [(1,), (2,), message(0), message(1), message(2), (3,), message(3)]
+        assert made == [1, 2, 3]
     finally:
         close_end(here, socket_of(here, "test pipe"), writer)
         there.close()

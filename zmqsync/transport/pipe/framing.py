@@ -58,6 +58,7 @@ __all__ = [
     "HEADER",
     "MAX_FRAMES",
     "Received",
+    "message_head",
     "read",
     "shutdown",
     "socket_of",
@@ -120,10 +121,18 @@ def shutdown(sock: socket.socket) -> None:
 # --- writing ------------------------------------------------------------------------------
 
 
+def message_head(frames: Sequence[Buffer]) -> tuple[bytes, bytes]:
+    """A message's first two records: its header, and its frames' lengths."""
+    return (
+        HEADER.pack(MESSAGE, len(frames)),
+        b"".join(_LENGTH.pack(memoryview(f).nbytes) for f in frames),
+    )
+
+
 def write_message(conn: Connection, frames: Sequence[Buffer]) -> None:
     """A message's first records (the frames' raw bytes are the caller's to write)."""
-    conn.send_bytes(HEADER.pack(MESSAGE, len(frames)))
-    conn.send_bytes(b"".join(_LENGTH.pack(memoryview(f).nbytes) for f in frames))
+    for record in message_head(frames):
+        conn.send_bytes(record)
 
 
 def write_lease(conn: Connection, lease: Lease) -> None:

@@ -83,7 +83,10 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         self._check_open()
         if self._hub_gone is None and self._writer.broken is not None:
             self._gone(self._writer.broken)
-        self._writer.put(Outgoing(owned(frames)[0]))
+        # A small message (an ack) goes out on this thread when nothing waits before
+        # it: the learner waits for it, and the writer thread's wake-up costs more.
+        if not self._writer.message_now(frames):
+            self._writer.put(Outgoing(owned(frames)[0]))
 
     def borrowed(self, buffers: Sequence[Buffer]) -> bool:
         # Its hub lends blocks whenever it can: a worker cannot tell which version came

@@ -14,7 +14,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Final, cast
@@ -23,6 +23,7 @@ from zmqsync.protocol import Buffer
 from zmqsync.transport.base import Stream
 from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.pipe.framing import (
+    message_head,
     shutdown,
     write_block,
     write_device_block,
@@ -49,11 +50,26 @@ WRITER_JOIN_SECONDS: Final = 2.0
 _IDLE_SECONDS: Final = 1.0
 #: Records at most this large may be written on the caller's thread (``put_now``).
 _RECORD_NOW_MAX: Final = 4096
+#: Control records queued before one written on the caller's thread that go with it, at
+#: most (more, and it waits for the writer thread).
+_RECORDS_NOW_MAX: Final = 8
 #: multiprocessing's length prefix of a message under 2 GiB.
 _LENGTH_PREFIX: Final = struct.Struct("!i")
 #: How long closing a worker's end lets its last small messages (a goodbye) reach the
 #: pipe: bounded, so closing never waits on a learner that stopped reading.
 LINGER_SECONDS: Final = 0.5
+
+
+def _control_bytes(item: Outgoing) -> bytes:
+    """What the writer thread puts on the pipe for a queued control record."""
+    if item.raw:
+        return item.raw
+    return _framed(item.record if item.make is None else item.make())
+
+
+def _framed(record: bytes) -> bytes:
+    """``record`` as ``Connection.send_bytes`` writes it: its length, then its bytes."""
+    return _LENGTH_PREFIX.pack(len(record)) + record
 
 
 @dataclass
@@ -141,25 +157,52 @@ class Writer:
         return True
 
     def put_now(self, record: bytes) -> bool:
-        """Write a small control ``record`` on the caller's thread, if nothing is queued
-        or being written and the pipe takes it at once (what it does not take is queued,
-        in order); False when it wrote nothing: then :meth:`put` it. Saves the writer
-        thread's wake-up on a record the peer waits for (a handshake's turn)."""
+        """Write a small control ``record`` on the caller's thread if nothing is being
+        written and the pipe takes it at once (what it does not take is queued, in
+        order); False when it wrote nothing: then :meth:`put` it. Saves the writer
+        thread's wake-up on a record the peer waits for (a handshake's turn). Control
+        records queued before it and not taken yet (a worker's releases) go with it, in
+        order; anything else queued makes it wait its turn."""
         if len(record) > _RECORD_NOW_MAX:
             return False
+        return self._write_now(_framed(record))
+
+    def message_now(self, frames: Sequence[Buffer]) -> bool:
+        """:meth:`put_now` for a small message of plain ``frames`` (an ack): the bytes
+        :func:`write_message` and the frames would put on the pipe."""
+        if sum(memoryview(f).nbytes for f in frames) > _RECORD_NOW_MAX:
+            return False
+        header, lengths = message_head(frames)
+        return self._write_now(
+            b"".join((_framed(header), _framed(lengths), *(memoryview(f) for f in frames)))
+        )
+
+    def _write_now(self, data: bytes) -> bool:
         with self._cond:
-            if self._stopping or self.broken is not None or self._queue or self._writing:
+            if self._stopping or self.broken is not None or self._writing:
                 return False
-            # What Connection.send_bytes writes: the length, then the bytes.
-            data = _LENGTH_PREFIX.pack(len(record)) + record
+            before = b""
+            if self._queue:
+                queued = list(self._queue)
+                if len(queued) > _RECORDS_NOW_MAX or any(m.frames is not None for m in queued):
+                    return False
+                self._queue.clear()
+                # A record made now may queue more (a release record names at most so
+                # many blocks): those follow, as the writer would have sent them.
+                before = b"".join(_control_bytes(m) for m in queued)
+            data = before + data
             try:
                 sent = self._sock.send(data, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
-                return False  # the peer is not reading: the thread waits for it
+                sent = 0  # the peer is not reading: the thread waits for it
             except OSError:
-                return False  # broken: the thread finds out, and says so
+                sent = 0  # broken: the thread finds out, and says so
+            if sent < len(before):  # not even what was queued: the caller queues its own
+                self._queue.appendleft(Outgoing(None, raw=before[sent:]))
+                self._cond.notify()
+                return False
             if sent < len(data):
-                self._queue.append(Outgoing(None, raw=data[sent:]))
+                self._queue.appendleft(Outgoing(None, raw=data[sent:]))
                 self._cond.notify()
             return True
 
