@@ -876,3 +876,62 @@ def test_small_messages_written_at_once_read_as_queued_ones() -> None:
     finally:
         close_end(here, socket_of(here, "test pipe"), writer)
         there.close()
+
+
+def test_leases_go_out_on_the_sending_thread_and_in_order_when_the_pipe_fills() -> None:
+    """Once a worker has a block, the hub writes a lease on it from the sending thread
+    when the worker's writer is idle: it arrives while the writer's thread is held. A
+    worker that does not read fills its pipe; the hub never waits on it, and once it
+    reads, every message of the version arrives whole and in order, each lease
+    released as before."""
+    import gc
+
+    hub, (spoke,) = _pipe_fleet(1)
+    try:
+        spoke.wait_index(10)
+        n, size = 64, 65536
+        block = hub.lend(n * size)
+        assert block is not None
+        block[:] = np.arange(block.nbytes, dtype=np.uint64).astype(np.uint8)
+
+        def chunk(i: int) -> memoryview:
+            return memoryview(block[i * size : (i + 1) * size]).toreadonly()
+
+        hub.send_frames([b"h" * 46, chunk(0)], stream=Stream.START)  # the block's descriptor
+        first = spoke.recv_frames(10)
+        assert first is not None and np.array_equal(first[1], block[:size])
+        writer = hub._peers[peer_id(0)].writer
+        with writer._cond:  # its thread can take nothing now
+            hub.send_frames([b"h" * 46, chunk(1)], stream=Stream.MORE)
+            got = spoke.recv_frames(10)
+        assert got is not None and np.array_equal(got[1], block[size : 2 * size])
+        del first, got
+        gc.collect()
+
+        def held() -> int:
+            return sum(sum(b.leases.values()) for b in hub._shm._blocks.values())  # type: ignore[union-attr]
+
+        _read_until(hub, lambda: held() == 0, "both leases released")
+        # The worker stops reading: 1,024 leases with 2 KB headers (2 MB) fill its pipe,
+        # and the rest waits in the writer's queue (which holds as many).
+        started = time.monotonic()
+        for round_ in range(16):
+            for i in range(n):
+                hub.send_frames(
+                    [b"%046d" % (round_ * n + i) + bytes(2000), chunk(i)],
+                    stream=Stream.START if (round_, i) == (0, 0) else Stream.MORE,
+                )
+        assert time.monotonic() - started < 30  # it never blocked on the worker
+        seen = []
+        while (frames := spoke.recv_frames(2)) is not None:
+            k = int(bytes(frames[0][:46]))
+            assert np.array_equal(frames[1], block[(k % n) * size : (k % n + 1) * size])
+            seen.append(k)
+            del frames
+        assert seen == list(range(16 * n)), seen[-5:]
+        gc.collect()
+        _read_until(hub, lambda: held() == 0, "every lease released")
+        assert hub.counters()["bad_releases"] == 0
+    finally:
+        spoke.close()
+        hub.close()

@@ -32,7 +32,7 @@ from zmqsync.transport.pipe.framing import (
 )
 from zmqsync.transport.shm.blocks import BlockPool, Ref
 from zmqsync.transport.shm.lending import lease_of
-from zmqsync.transport.shm.records import Lease
+from zmqsync.transport.shm.records import Lease, encode
 
 __all__ = ["Outgoing", "Writer", "close_end"]
 
@@ -152,9 +152,72 @@ class Writer:
             elif len(self._queue) >= MAX_QUEUED:
                 self.dropped += 1
                 return False
-            self._queue.append(item)
-            self._cond.notify()
+            if self._queue or self._writing or not self._leases_now(item):
+                self._queue.append(item)
+                self._cond.notify()
+                return True
+            self._writing = True  # this thread writes it; the writer's thread waits
+        try:
+            self._lease_now(item)
+        finally:
+            with self._cond:
+                self._writing = False
+                if self._queue:
+                    self._cond.notify_all()
         return True
+
+    def _leases_now(self, item: Outgoing) -> bool:
+        """Whether ``item`` may be written on the caller's thread, the writer being idle
+        (call holding the condition): a lease on host blocks the peer has, with little
+        inline, that need not wait for the peer's releases; then its version's leases
+        start here, as :meth:`_next` would start them. Saves the writer thread's wake-up
+        between the learner's write of a chunk and the worker's read of it."""
+        frames = item.frames
+        if frames is None or not item.lent:
+            return False
+        inline = 0
+        for f in frames:
+            if isinstance(f, Ref):
+                if f.block.id >= DEVICE_IDS or f.block.id not in self._known:
+                    return False
+            else:
+                inline += memoryview(f).nbytes
+        if inline > _RECORD_NOW_MAX:
+            return False
+        if item.stream is Stream.START:
+            if self._behind():
+                return False  # the writer's thread gives the peer its patience
+            self.copying = False
+            self._version_leases = 0
+            self._held_since = None
+        return not self.copying
+
+    def _lease_now(self, item: Outgoing) -> None:
+        """Write lease ``item`` without blocking (see :meth:`_leases_now`): what the pipe
+        does not take now goes first in the queue, for the writer's thread."""
+        frames = item.frames
+        assert frames is not None
+        try:
+            lease = self._lease(frames)
+        except (OSError, ValueError) as exc:  # as the writer's thread would have failed
+            with self._cond:
+                self.broken = f"{type(exc).__name__}: {exc}"
+                self._queue.clear()
+            return
+        if lease is None:
+            return
+        data = b"".join(
+            [_framed(encode(lease)), *(memoryview(f) for f in frames if not isinstance(f, Ref))]
+        )
+        try:
+            sent = self._sock.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            sent = 0  # the peer is not reading: the thread waits for it
+        except OSError:
+            sent = 0  # broken: the thread finds out, and says so
+        if sent < len(data):
+            with self._cond:
+                self._queue.appendleft(Outgoing(None, raw=data[sent:]))
 
     def put_now(self, record: bytes) -> bool:
         """Write a small control ``record`` on the caller's thread if nothing is being
@@ -212,7 +275,7 @@ class Writer:
                 self._writing = False  # the item taken before is written
                 self._cond.notify_all()
             while not self._stopping:
-                if not self._queue:
+                if not self._queue or self._writing:  # writing: another thread is (put)
                     self._cond.wait(_IDLE_SECONDS)  # stop() notifies; this bounds a missed one
                     continue
                 head = self._queue[0]
@@ -344,10 +407,14 @@ class Writer:
     def drain(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds for everything queued to be written (False:
         it was not, or the pipe broke)."""
+        deadline = time.monotonic() + timeout
         with self._cond:
-            self._cond.wait_for(
-                lambda: self.broken is not None or not (self._queue or self._writing), timeout
-            )
+            # Looked at every few ms: a write on a caller's thread (put) ends unannounced.
+            while self.broken is None and (self._queue or self._writing):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, 0.005))
             return self.broken is None and not (self._queue or self._writing)
 
     def stop(self) -> None:
