@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import tempfile
+import time
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -193,6 +194,38 @@ def test_a_workers_tensors_move_into_lent_memory_and_the_learner_writes_them() -
     assert all(a is b for a, b in zip(params, worker.parameters(), strict=True))
     with pytest.raises(ValueError, match="taken back"):
         lent.where()
+
+
+def test_a_worker_says_where_its_tensors_lie_again_once_a_second_or_after_a_refusal() -> None:
+    """After each streamed version a worker may tell the hub again where its lent
+    tensors lie (a hub that forgot it learns it back): within RETELL_SECONDS of the last
+    time it does not (checking thousands of tensors each version cost as much as the
+    copy), unless the hub's ask was refused since (the tensors moved: lent anew)."""
+    from zmqsync.receiver import lent as receiver_lent
+    from zmqsync.receiver.lent import LentVersions
+
+    learner, worker = _model(1), _model(2)
+    layout = _stream(learner)
+    digest = b"layout-1"
+    versions = LentVersions({})
+    now = time.monotonic()
+    assert not versions.said_lately(digest, now)  # nothing lent yet
+    lent = versions.lend(layout.schema, digest, worker, extract(worker, "state_dict"))
+    assert lent is not None and lent[1]  # moved now
+    assert versions.said_lately(digest, time.monotonic())
+    assert not versions.said_lately(b"layout-2", time.monotonic())  # another layout
+    assert not versions.said_lately(digest, time.monotonic() + receiver_lent.RETELL_SECONDS)
+    # The user gives a tensor new storage: the hub's ask is refused, and the next whole
+    # version lends the tensors anew at once.
+    with torch.no_grad():
+        worker[0].weight.data = worker[0].weight.data.clone()
+    assert not versions.may_write(digest)
+    assert not versions.said_lately(digest, time.monotonic())
+    again = versions.lend(layout.schema, digest, worker, extract(worker, "state_dict"))
+    assert again is not None and again[1]
+    assert versions.said_lately(digest, time.monotonic())
+    versions.take_back()
+    assert not versions.said_lately(digest, time.monotonic())
 
 
 def test_only_tensors_that_can_lie_in_the_stream_are_lent() -> None:

@@ -290,6 +290,8 @@ class Applier:
         spoke = self._host.transport
         if not isinstance(spoke, Borrows) or not spoke.lends_tensors():
             return
+        if self._lent.said_lately(layout, time.monotonic()):
+            return  # said within the second, and nothing was refused since
         lent = self._lent.lend(
             self._schema, layout, self.model, self._model_tensors.get(self.model)
         )

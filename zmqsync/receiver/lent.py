@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -32,6 +33,9 @@ __all__ = ["LentTensors", "LentVersions", "stream_bytes"]
 
 log = logging.getLogger("zmqsync.receiver")
 
+#: After a streamed version, a worker says again where its lent tensors lie (a hub that
+#: forgot it learns it back) at most this often, unless the hub's ask was refused since.
+RETELL_SECONDS: Final = 1.0
 _DATA_PTR: Final = operator.methodcaller("data_ptr")
 _SHAPE: Final = operator.attrgetter("shape")
 _STRIDE: Final = operator.methodcaller("stride")
@@ -135,6 +139,20 @@ class LentVersions:
         self.layout = b""
         #: ``(version, epoch, deadline)`` from a go until the hub's written.
         self.pending: tuple[int, int, float] | None = None
+        #: When the hub was last told where the tensors lie (lend), if since then it
+        #: asked for nothing they refused.
+        self._said_at = float("-inf")
+
+    def said_lately(self, layout: bytes, now: float) -> bool:
+        """Whether the hub was told where the tensors of ``layout`` lie less than
+        :data:`RETELL_SECONDS` ago, and nothing was refused since: no need to check them
+        and say it again after a streamed version (the check walks every tensor: for
+        thousands of small ones, which the hub streams, it cost as much as the copy)."""
+        return (
+            self.tensors is not None
+            and self.layout == layout
+            and now - self._said_at < RETELL_SECONDS
+        )
 
     def lend(
         self, schema: WeightsSchema, layout: bytes, model: Any, target: Mapping[KeyPath, Any]
@@ -142,6 +160,7 @@ class LentVersions:
         """Move the tensors into lent memory for versions of ``layout`` (call under the
         worker's lock), unless they lie there already; where they are and whether they
         moved now, or None if they cannot be lent."""
+        self._said_at = time.monotonic()
         if self.tensors is not None and self.layout == layout and self.tensors.intact():
             return self.tensors.where(), False  # lent already, for this layout
         self.take_back(count=False)
@@ -163,6 +182,7 @@ class LentVersions:
         )
         if not ok:
             self._stats["lent_refused"] += 1
+            self._said_at = float("-inf")  # the next whole version says it anew
         return ok
 
     def take_back(self, *, count: bool = True) -> bool:
