@@ -299,6 +299,40 @@ def test_chunks_written_in_place_land_every_dtype_and_layout(chunk_bytes: int) -
         assert target[key].data_ptr() == pointers[key], key
 
 
+def test_tensors_laid_out_as_the_stream_are_written_in_one_copy_per_chunk() -> None:
+    """Tensors that lie back to back as the stream lays them (lent tensors do) are one
+    destination per chunk, not one per tensor; every byte still lands, and tensors
+    elsewhere (a gap, another buffer) keep destinations of their own."""
+    from zmqsync.tensors.in_place import InPlace
+    from zmqsync.tensors.views import torch_dtype
+
+    source = {(f"s{i}",): torch.randn(1024) for i in range(500)}
+    source[("apart",)] = torch.randn(7)
+    flat = Flattener("state_dict").flatten(source)
+    layout = StreamLayout(flat, MIN_CHUNK_BYTES)
+    memory = torch.zeros(layout.total, dtype=torch.uint8)
+    target = {}
+    for e in layout.schema.entries:
+        if e.key == ("apart",):
+            target[e.key] = torch.zeros(7)  # private memory: not merged with the rest
+            continue
+        view = memory[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
+        target[e.key] = view.view(tuple(int(n) for n in e.shape))
+    sources = layout.sources(flat)
+    plan = InPlace(layout.schema, target, "state_dict")
+    for i in range(layout.count):
+        offset, length = layout.span(i)
+        payload = np.empty(length, dtype=np.uint8)
+        layout.write(i, sources, payload)
+        plan.apply(offset, payload.data.toreadonly())
+    plan.finish()
+    for key, tensor in source.items():
+        assert torch.equal(target[key], tensor), key
+    spans = list(plan._spans.values())
+    assert layout.count > 1 and all(len(s.dests) <= 2 for s in spans)
+    assert sum(len(s.dests) for s in spans) <= layout.count + 1  # "apart" is its own
+
+
 def test_a_staged_apply_reads_the_same_buffer_through_views_made_once() -> None:
     """A worker's staging buffer is the same memory every version: the plan slices it
     once, and each apply reads what the buffer holds then; another buffer is sliced

@@ -8,6 +8,7 @@ tensors costs no Python step each: its views are made once, and one ``map`` copi
 from __future__ import annotations
 
 import collections
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -41,6 +42,46 @@ class _Span:
     #: Pieces of tensors that cannot be written through numpy (on an accelerator, or
     #: not contiguous): (entry index, start in the tensor's bytes, start in the chunk, n).
     others: list[tuple[int, int, int, int]] | None = None
+    #: The destinations that merged ones span (kept: their tensors own the memory).
+    merged: list[np.ndarray] | None = None
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _merge(span: _Span) -> None:
+    """Make one destination of pieces that lie back to back both in the chunk and in
+    memory (tensors laid out as the stream, as lent tensors are): one copy for a run of
+    thousands of small tensors, not one each."""
+    dests: list[np.ndarray] = []
+    starts: list[int] = []
+    merged: list[np.ndarray] = []
+    run: list[np.ndarray] = []
+    run_at, run_bytes = 0, 0  # the run's first byte in memory, and its length
+    for dest, start in zip(span.dests, span.starts, strict=True):
+        at = _address(dest)
+        if run and start == starts[-1] + run_bytes and at == run_at + run_bytes:
+            run.append(dest)
+            run_bytes += dest.nbytes
+            continue
+        if run:
+            dests.append(_joined(run, run_at, run_bytes, merged))
+        run, run_at, run_bytes = [dest], at, dest.nbytes
+        starts.append(start)
+    dests.append(_joined(run, run_at, run_bytes, merged))
+    if merged:
+        span.dests, span.starts, span.merged = dests, starts, merged
+
+
+def _joined(run: list[np.ndarray], at: int, n: int, merged: list[np.ndarray]) -> np.ndarray:
+    """One writable byte array over ``run`` (``n`` bytes back to back in memory from
+    ``at``); its arrays go to ``merged``, which the span keeps: they hold the tensors'
+    memory alive."""
+    if len(run) == 1:
+        return run[0]
+    merged.extend(run)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(at))
 
 
 class InPlace(TargetPlan):
@@ -96,6 +137,8 @@ class InPlace(TargetPlan):
             else:
                 span.dests.append(array[lo - e.offset : hi - e.offset])
                 span.starts.append(lo - offset)
+        if len(span.dests) > 1:
+            _merge(span)
         if len(span.dests) > _MANY_PIECES:
             if self._scratch is None or len(self._scratch) < length:
                 self._scratch = np.empty(length, dtype=np.uint8)
