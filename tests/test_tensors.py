@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -267,12 +269,25 @@ def test_both_copy_paths_land_every_dtype_in_place(serial: bool, pack_threshold:
         assert target[key].data_ptr() == pointers[key], key
 
 
+def _applied_in_place(layout: StreamLayout, flat: Any, target: dict[Any, torch.Tensor]) -> Any:
+    """An InPlace plan over ``target`` that was given every chunk of ``layout``."""
+    from zmqsync.tensors.in_place import InPlace
+
+    sources = layout.sources(flat)
+    plan = InPlace(layout.schema, target, "state_dict")
+    for i in range(layout.count):
+        offset, length = layout.span(i)
+        payload = np.empty(length, dtype=np.uint8)
+        layout.write(i, sources, payload)
+        plan.apply(offset, payload.data.toreadonly())
+    plan.finish()
+    return plan
+
+
 @pytest.mark.parametrize("chunk_bytes", [7, 4096, MIN_CHUNK_BYTES, 1 << 22])
 def test_chunks_written_in_place_land_every_dtype_and_layout(chunk_bytes: int) -> None:
     """However a stream is cut (chunk edges inside tensors, many tensors in a chunk),
     InPlace puts every byte where it belongs, in the target's own memory."""
-    from zmqsync.tensors.in_place import InPlace
-
     source, target = {}, {}
     for i, dtype in enumerate(ALL_DTYPES):
         base = torch.randn(5, 3) * 10
@@ -286,14 +301,7 @@ def test_chunks_written_in_place_land_every_dtype_and_layout(chunk_bytes: int) -
     pointers = {k: t.data_ptr() for k, t in target.items()}
     flat = Flattener("state_dict").flatten(source)
     layout = StreamLayout(flat, chunk_bytes)
-    sources = layout.sources(flat)
-    plan = InPlace(layout.schema, target, "state_dict")
-    for i in range(layout.count):
-        offset, length = layout.span(i)
-        payload = np.empty(length, dtype=np.uint8)
-        layout.write(i, sources, payload)
-        plan.apply(offset, payload.data.toreadonly())
-    plan.finish()
+    _applied_in_place(layout, flat, target)
     for key, tensor in source.items():
         assert _same(target[key], tensor), key
         assert target[key].data_ptr() == pointers[key], key
@@ -303,7 +311,6 @@ def test_tensors_laid_out_as_the_stream_are_written_in_one_copy_per_chunk() -> N
     """Tensors that lie back to back as the stream lays them (lent tensors do) are one
     destination per chunk, not one per tensor; every byte still lands, and tensors
     elsewhere (a gap, another buffer) keep destinations of their own."""
-    from zmqsync.tensors.in_place import InPlace
     from zmqsync.tensors.views import torch_dtype
 
     source = {(f"s{i}",): torch.randn(1024) for i in range(500)}
@@ -318,14 +325,7 @@ def test_tensors_laid_out_as_the_stream_are_written_in_one_copy_per_chunk() -> N
             continue
         view = memory[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
         target[e.key] = view.view(tuple(int(n) for n in e.shape))
-    sources = layout.sources(flat)
-    plan = InPlace(layout.schema, target, "state_dict")
-    for i in range(layout.count):
-        offset, length = layout.span(i)
-        payload = np.empty(length, dtype=np.uint8)
-        layout.write(i, sources, payload)
-        plan.apply(offset, payload.data.toreadonly())
-    plan.finish()
+    plan = _applied_in_place(layout, flat, target)
     for key, tensor in source.items():
         assert torch.equal(target[key], tensor), key
     spans = list(plan._spans.values())

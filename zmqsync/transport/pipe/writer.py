@@ -209,12 +209,7 @@ class Writer:
         data = b"".join(
             [_framed(encode(lease)), *(memoryview(f) for f in frames if not isinstance(f, Ref))]
         )
-        try:
-            sent = self._sock.send(data, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            sent = 0  # the peer is not reading: the thread waits for it
-        except OSError:
-            sent = 0  # broken: the thread finds out, and says so
+        sent = self._send_now(data)
         if sent < len(data):
             with self._cond:
                 self._queue.appendleft(Outgoing(None, raw=data[sent:]))
@@ -254,12 +249,7 @@ class Writer:
                 # many blocks): those follow, as the writer would have sent them.
                 before = b"".join(_control_bytes(m) for m in queued)
             data = before + data
-            try:
-                sent = self._sock.send(data, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                sent = 0  # the peer is not reading: the thread waits for it
-            except OSError:
-                sent = 0  # broken: the thread finds out, and says so
+            sent = self._send_now(data)
             if sent < len(before):  # not even what was queued: the caller queues its own
                 self._queue.appendleft(Outgoing(None, raw=before[sent:]))
                 self._cond.notify()
@@ -268,6 +258,15 @@ class Writer:
                 self._queue.appendleft(Outgoing(None, raw=data[sent:]))
                 self._cond.notify()
             return True
+
+    def _send_now(self, data: bytes) -> int:
+        """Write what the pipe takes of ``data`` at once; how many bytes it took."""
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return 0  # the peer is not reading: the thread waits for it
+        except OSError:
+            return 0  # broken: the thread finds out, and says so
 
     def _next(self) -> Outgoing | None:
         with self._cond:
