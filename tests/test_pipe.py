@@ -935,3 +935,30 @@ def test_leases_go_out_on_the_sending_thread_and_in_order_when_the_pipe_fills() 
     finally:
         spoke.close()
         hub.close()
+
+
+def test_a_worker_whose_learner_does_not_read_queues_a_bounded_amount() -> None:
+    """A learner that stopped reading: the worker's acks and heartbeats, written at
+    once while the pipe had room, then queued, never grow its queue past the bound
+    (each queued message an item; nothing merged into ever larger bytes)."""
+    from zmqsync.transport.pipe.framing import socket_of
+    from zmqsync.transport.pipe.writer import MAX_QUEUED, Writer, close_end
+
+    here, there = mp.Pipe()
+    writer = Writer(here, socket_of(here, "test pipe"), "test")
+    try:
+        now = dropped = 0
+        for i in range(20_000):
+            frames = [b"heartbeat-%08d" % i, bytes(200)]
+            if writer.message_now(frames):
+                now += 1
+            elif not writer.put(Outgoing(list(frames))):
+                dropped += 1
+        assert now > 10 and dropped > 0  # the pipe filled, then the queue
+        with writer._cond:
+            queued = list(writer._queue)
+        assert len(queued) <= MAX_QUEUED
+        assert sum(len(m.raw) for m in queued) < 64 * 1024, "bytes merged while nobody read"
+    finally:
+        close_end(here, socket_of(here, "test pipe"), writer)
+        there.close()

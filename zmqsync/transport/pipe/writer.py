@@ -9,6 +9,7 @@ chunks of a version are dropped when a newer one starts, the rest is bounded by
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import struct
 import threading
@@ -242,8 +243,12 @@ class Writer:
             before = b""
             if self._queue:
                 queued = list(self._queue)
-                if len(queued) > _RECORDS_NOW_MAX or any(m.frames is not None for m in queued):
-                    return False
+                if (
+                    len(queued) > _RECORDS_NOW_MAX
+                    or any(m.frames is not None for m in queued)
+                    or not self._has_room()
+                ):
+                    return False  # the caller queues it (bounded), behind them
                 self._queue.clear()
                 # A record made now may queue more (a release record names at most so
                 # many blocks): those follow, as the writer would have sent them.
@@ -254,10 +259,19 @@ class Writer:
                 self._queue.appendleft(Outgoing(None, raw=before[sent:]))
                 self._cond.notify()
                 return False
+            if sent == 0:
+                return False  # the peer is not reading: the caller queues it (bounded)
             if sent < len(data):
                 self._queue.appendleft(Outgoing(None, raw=data[sent:]))
                 self._cond.notify()
             return True
+
+    def _has_room(self) -> bool:
+        """Whether the pipe takes bytes now (so queued records are not taken off the
+        queue only to be put back, merged, while the peer does not read)."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLOUT)
+        return bool(poller.poll(0))
 
     def _send_now(self, data: bytes) -> int:
         """Write what the pipe takes of ``data`` at once; how many bytes it took."""
