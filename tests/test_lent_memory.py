@@ -172,8 +172,10 @@ def test_a_workers_tensors_move_into_lent_memory_and_the_learner_writes_them() -
     # The learner writes a version into the worker's own tensors: nothing copies it out.
     mapped = map_lent(lent.where(), layout.total)
     plan = LentPlan(layout.schema)
+    assert plan.hi > plan.lo and plan._stretch.numel() == 0  # no memory until it writes
     target = LentTarget(mapped, plan)
     target.write(plan.gather(extract(learner, "state_dict")))
+    assert plan._stretch.numel() == plan.hi - plan.lo
     x = torch.randn(5, 64)
     assert torch.equal(worker(x), learner(x))
     # Still the worker's private, writable tensors: its optimizer built before updates them.

@@ -59,17 +59,24 @@ class LentPlan:
         #: The bytes of the tensors copied one by one (the stretch's are gathered first).
         self.large_bytes = sum(e.nbytes for e in large)
         self.lo, self.hi = lo, hi
+        self._small = small
         self._small_keys = [e.key for e in small]
-        self._stretch = torch.empty(hi - lo, dtype=torch.uint8)
-        self._small_views = [
-            _view(self._stretch, e.offset - lo, e.nbytes, e.dtype, _shape(e.shape)) for e in small
-        ]
+        #: The small tensors' stretch, and views of it; made at the first gather (a plan
+        #: the sender never writes with costs no memory).
+        self._stretch = torch.empty(0, dtype=torch.uint8)
+        self._small_views: list[torch.Tensor] = []
 
     def gather(
         self, tensors: Mapping[KeyPath, torch.Tensor]
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The large tensors, in order, and the small ones' stretch (gathered now)."""
         if self._small_keys:
+            if not self._small_views:
+                self._stretch = torch.empty(self.hi - self.lo, dtype=torch.uint8)
+                self._small_views = [
+                    _view(self._stretch, e.offset - self.lo, e.nbytes, e.dtype, _shape(e.shape))
+                    for e in self._small
+                ]
             with torch.no_grad():
                 torch._foreach_copy_(self._small_views, [tensors[k] for k in self._small_keys])
         return [tensors[k] for k, _, _, _, _ in self.large], self._stretch
