@@ -21,6 +21,7 @@ import zmqsync
 from zmqsync import SyncTimeout, WeightReceiver, WeightSender
 from zmqsync.chunking.layout import MIN_CHUNK_BYTES
 from zmqsync.fleet import core as fleet_core
+from zmqsync.fleet import views as fleet_views
 from zmqsync.status_types import SenderStatus
 from zmqsync.transport._zmq import lending
 from zmqsync.transport.pipe import PipeHub
@@ -481,6 +482,11 @@ def test_a_stopped_zeromq_worker_is_dropped_from_the_lending_and_status_says_so(
     # it is no longer waited for, and a send would not time out (seen once in CI, on a
     # loaded 2-core machine, where its silence passed the 30 s expiry first).
     monkeypatch.setattr(fleet_core, "EXPIRE_MIN_SECONDS", 10 * DEADLINE)
+    # And it must stay live (heard from within LIVE_HEARTBEATS heartbeats), or a fleet of
+    # whoever is connected stops waiting for it: a send 3 s after the stop no longer
+    # times out (seen in CI on a loaded machine, where the lease took longer than one
+    # send to run out).
+    monkeypatch.setattr(fleet_views, "LIVE_HEARTBEATS", 10 * DEADLINE)
     fleet = make_fleet("pubsub", 3, timeout=3.0)
     _three_mapping_then_stop_one(fleet)
     try:
