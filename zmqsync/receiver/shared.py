@@ -37,7 +37,7 @@ from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Buffer, WeightsSchema
 from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.fit import check_fits
-from zmqsync.tensors.views import torch_dtype
+from zmqsync.tensors.views import address, torch_dtype
 
 __all__ = ["SHARED_MODE", "Placements", "SharedVersion", "check_shareable", "owned_tensors"]
 
@@ -146,9 +146,9 @@ def _read_only_copy(pieces: list[tuple[int, np.ndarray]], total: int) -> np.ndar
     out = np.frombuffer(mapped, dtype=np.uint8)[:total]
     for offset, payload in pieces:
         np.copyto(out[offset : offset + len(payload)], payload)
-    address = ctypes.c_void_p(out.__array_interface__["data"][0])
+    at = ctypes.c_void_p(address(out))
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mprotect(address, ctypes.c_size_t(max(total, 1)), _PROT_READ) != 0:
+    if libc.mprotect(at, ctypes.c_size_t(max(total, 1)), _PROT_READ) != 0:
         raise OSError(ctypes.get_errno(), "mprotect of a private copy failed")
     out.flags.writeable = False
     return out
@@ -161,13 +161,13 @@ def _in_one_block(pieces: list[tuple[int, np.ndarray]], total: int) -> np.ndarra
     if not pieces:
         return None
     first_offset, first = pieces[0]
-    start = _address(first) - first_offset
+    start = address(first) - first_offset
     owner = first.base
     if not isinstance(owner, np.ndarray) or owner.flags.writeable:
         return None
-    if not all(p.base is owner and _address(p) == start + off for off, p in pieces):
+    if not all(p.base is owner and address(p) == start + off for off, p in pieces):
         return None
-    begin = start - _address(owner)
+    begin = start - address(owner)
     if begin < 0 or begin + total > owner.nbytes:
         return None
     # Its base is a memoryview, so views of it keep it (not the mapping alone) alive.
@@ -182,12 +182,8 @@ def _may_hold_whole(piece: np.ndarray, offset: int, total: int) -> bool:
     owner = piece.base
     if not isinstance(owner, np.ndarray) or owner.flags.writeable:
         return False
-    begin = _address(piece) - offset - _address(owner)
+    begin = address(piece) - offset - address(owner)
     return begin >= 0 and begin + total <= owner.nbytes
-
-
-def _address(array: np.ndarray) -> int:
-    return int(array.__array_interface__["data"][0])
 
 
 class SharedVersion:

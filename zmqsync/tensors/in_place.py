@@ -22,7 +22,7 @@ from zmqsync.protocol import Buffer, WeightsSchema
 from zmqsync.tensors.casts import CastPlan
 from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.fit import TargetPlan
-from zmqsync.tensors.views import read_view
+from zmqsync.tensors.views import address, read_view
 
 __all__ = ["InPlace"]
 
@@ -46,10 +46,6 @@ class _Span:
     merged: list[np.ndarray] | None = None
 
 
-def _address(array: np.ndarray) -> int:
-    return int(array.__array_interface__["data"][0])
-
-
 def _merge(span: _Span) -> None:
     """Make one destination of pieces that lie back to back both in the chunk and in
     memory (tensors laid out as the stream, as lent tensors are): one copy for a run of
@@ -60,7 +56,7 @@ def _merge(span: _Span) -> None:
     run: list[np.ndarray] = []
     run_at, run_bytes = 0, 0  # the run's first byte in memory, and its length
     for dest, start in zip(span.dests, span.starts, strict=True):
-        at = _address(dest)
+        at = address(dest)
         if run and start == starts[-1] + run_bytes and at == run_at + run_bytes:
             run.append(dest)
             run_bytes += dest.nbytes

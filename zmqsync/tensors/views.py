@@ -17,6 +17,7 @@ from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import DTYPE_ITEMSIZE, Weights
 
 __all__ = [
+    "address",
     "byte_view",
     "bytes_of",
     "dtype_name",
@@ -30,6 +31,11 @@ _TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
     name: getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name)
 }
 _DTYPE_NAMES: Final[dict[torch.dtype, str]] = {dt: name for name, dt in _TORCH_DTYPES.items()}
+
+
+def address(array: Any) -> int:
+    """The address of a numpy array's first byte."""
+    return int(array.__array_interface__["data"][0])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
