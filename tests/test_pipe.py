@@ -684,10 +684,12 @@ def test_large_frames_travel_through_shared_memory_blocks_reused_once_released()
         del second
         gc.collect()
 
-        # The worker's release reaches the hub when it next reads.
+        # The worker's release reaches the hub when it next reads (it let go of the
+        # frames on its reading thread, which takes the release along).
         def busy() -> list[Any]:
             return [b for b in hub._shm._blocks.values() if b.leases]  # type: ignore[union-attr]
 
+        assert spoke.recv_frames(0) is None
         _read_until(hub, lambda: len(busy()) <= 1, "the worker's release reaching the hub")
         assert hub.recv_frames(0.2) is None
         assert hub.counters()["bad_releases"] == 0
@@ -789,6 +791,122 @@ def test_the_releases_of_frames_let_go_of_together_reach_the_hub_as_one_record(
             assert hub.counters()["bad_releases"] == 0
     finally:
         spoke.close()
+        hub.close()
+
+
+@pytest.mark.timeout(60)
+def test_releases_made_on_the_reading_thread_go_with_its_next_ack_or_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker lets go of a version's frames on its reading thread just before its ack:
+    the release waits for that thread's next write (the ack, ahead of it in one write)
+    or read, and wakes no writer thread. Frames let go of on any other thread (a sink's)
+    are released at once, while the reading thread waits. The writer thread's idle tick
+    is put out of reach here: nothing below arrives by it."""
+    import gc
+    import threading
+
+    monkeypatch.setattr("zmqsync.transport.pipe.writer._IDLE_SECONDS", 600.0)
+    hub, (spoke,) = _pipe_fleet(1)
+    try:
+        spoke.wait_index(10)
+        assert hub.recv_frames(0) is None  # the wake-up of the pipe added at the start
+        big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: through a shared block
+
+        def held() -> int:
+            return sum(sum(b.leases.values()) for b in hub._shm._blocks.values())  # type: ignore[union-attr]
+
+        def one_version() -> Any:
+            hub.send_frames([b"h" * 46, memoryview(big)])
+            got = spoke.recv_frames(10)
+            assert got is not None and np.array_equal(got[1].view(np.float32), big)
+            assert held() == 1
+            return got
+
+        # Let go of on the reading thread, then an ack: the hub reads the release first.
+        got = one_version()
+        del got
+        gc.collect()
+        assert len(spoke._releases) == 1 and spoke._release_queued  # made, not written
+        spoke.send_frames([b"ack"], ack=True)
+        assert held() == 1  # the hub has not read it yet
+        incoming = hub.recv_frames(10)
+        assert incoming is not None and [bytes(f) for f in incoming.frames] == [b"ack"]
+        assert held() == 0, "the release did not go ahead of the ack"
+
+        # Let go of on the reading thread, then a read that times out: it goes then.
+        got = one_version()
+        del got
+        gc.collect()
+        assert spoke.recv_frames(0) is None
+        _read_until(hub, lambda: held() == 0, "the release written by the next read")
+
+        # Let go of on another thread while the reading thread waits for a message.
+        got = one_version()
+        box = [got]
+        del got
+        waiting = threading.Thread(target=spoke.recv_frames, args=(5.0,))
+        waiting.start()
+        dropper = threading.Thread(target=box.clear)
+        dropper.start()
+        dropper.join(10)
+        _read_until(hub, lambda: held() == 0, "the release made on another thread")
+        waiting.join(10)
+        assert not waiting.is_alive()
+        assert hub.counters()["bad_releases"] == 0
+    finally:
+        spoke.close()
+        hub.close()
+
+
+def test_a_pipe_hub_is_waited_for_on_its_pipes_holding_nothing() -> None:
+    """The sender's thread between sends waits on the hub's descriptors, not inside
+    ``recv_frames``: they become readable when a worker writes and when a pipe is
+    added (a late joiner), and ``has_input`` says whether anything waits."""
+    import select
+
+    from zmqsync.transport.base import Waitable
+
+    hub, (spoke,) = _pipe_fleet(1)
+    late: PipeSpoke | None = None
+    try:
+        assert isinstance(hub, Waitable)
+        spoke.wait_index(10)
+        assert hub.recv_frames(0) is None  # the wake-up of the pipe added at the start
+
+        def readable(timeout_ms: int) -> bool:
+            poller = select.poll()
+            for fd in hub.wait_handles():
+                poller.register(fd, select.POLLIN)
+            return bool(poller.poll(timeout_ms))
+
+        assert not hub.has_input() and not readable(0)
+        spoke.send_frames([b"hello"])
+        assert readable(10_000) and hub.has_input()
+        incoming = hub.recv_frames(0)
+        assert incoming is not None and [bytes(f) for f in incoming.frames] == [b"hello"]
+        assert hub.recv_frames(0) is None
+        assert not hub.has_input() and not readable(0)
+
+        # A pipe added wakes whoever waits, so that it waits on the new pipe too.
+        here, there = mp.Pipe()
+        handles = len(hub.wait_handles())
+        hub.add_pipe(here, 1)
+        assert readable(10_000) and hub.has_input()
+        assert hub.recv_frames(0) is None  # the wake-up, read
+        assert len(hub.wait_handles()) == handles + 1
+        late = PipeSpoke(there)
+        assert late.wait_index(10) == 1
+        late.send_frames([b"late"])
+        assert readable(10_000)
+        incoming = hub.recv_frames(0)
+        assert incoming is not None and incoming.peer == peer_id(1)
+        hub.close()
+        assert hub.wait_handles() == [] and not hub.has_input()
+    finally:
+        spoke.close()
+        if late is not None:
+            late.close()
         hub.close()
 
 

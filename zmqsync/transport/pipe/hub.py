@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import selectors
 import socket
 import threading
@@ -26,6 +27,7 @@ from zmqsync.transport.base import (
     PeerId,
     Recipients,
     Stream,
+    Waitable,
 )
 from zmqsync.transport.cuda import handles
 from zmqsync.transport.cuda.blocks import DevicePool
@@ -64,7 +66,16 @@ class _Peer:
     left: bool = False
 
 
-class PipeHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted, ForgetsPeers):
+class PipeHub(
+    OpenEnd,
+    FixedPeers,
+    HubTransport,
+    TakesLentTensors,
+    Lends,
+    Waitable,
+    Counted,
+    ForgetsPeers,
+):
     """The learner's end: one duplex pipe per worker.
 
     Args:
@@ -81,8 +92,9 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counte
     Peer ids are ``b"pipe:<index>"`` (:func:`peer_id`). A worker whose pipe breaks (it
     exited or was killed) is counted in ``counters()["peers_lost"]``; sends to it are
     dropped, never raised. Besides the contract it has the
-    abilities it subclasses: ``Lends``, ``Counted``, and ``TracksPeers`` (as
-    :class:`~zmqsync.transport.ends.FixedPeers`).
+    abilities it subclasses: ``Lends``, ``Waitable`` (the sender's thread between sends
+    waits on the pipes holding nothing, so a send takes the hub without waking it),
+    ``Counted``, and ``TracksPeers`` (as :class:`~zmqsync.transport.ends.FixedPeers`).
     """
 
     name = "pipe"
@@ -332,6 +344,25 @@ class PipeHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counte
 
     def wake(self) -> None:
         self._wakeup.wake()
+
+    def wait_handles(self, *, acks: bool = True) -> list[int]:
+        # The live pipes (level-triggered: readable until recv_frames reads what came;
+        # acks share them with everything else, so ``acks`` leaves nothing out) and the
+        # hub's wake-up, so that a pipe added wakes the waiter to listen to it too.
+        if self._closed:
+            return []
+        with self._lock:
+            conns = [p.conn for p in self._peers.values() if p.lost is None]
+        return [self._wakeup.fileno(), *(c.fileno() for c in conns if not c.closed)]
+
+    def has_input(self, *, acks: bool = True) -> bool:
+        handles = self.wait_handles(acks=acks)
+        if not handles:
+            return False
+        poller = select.poll()
+        for fd in handles:
+            poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def counters(self) -> dict[str, int]:
         with self._lock:

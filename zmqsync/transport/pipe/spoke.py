@@ -71,6 +71,9 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         self._released = 0  # leases released
         self._unread = 0  # messages dropped: they lay in a device block it could not open
         self._release_records = 0  # ... in so many records
+        #: The thread reading messages: releases made on it wait for its next write or
+        #: read (an ack follows a version's last release at once, and takes it along).
+        self._reader: int | None = None
         #: This worker's index, as the hub assigned it (``None`` until it has arrived).
         self.peer_index: int | None = None
 
@@ -130,7 +133,9 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
     def _read(self, deadline: float | None, *, until_index: bool = False) -> list[Buffer] | None:
         """The next message, reading index assignments on the way; None on timeout (or,
         with ``until_index``, once an index has arrived)."""
+        self._reader = threading.get_ident()
         while True:
+            self._writer.wake()  # releases made since the last read go before it waits
             if self._hub_gone is not None:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self._closed_event.wait(remaining)  # nothing will ever come: just time out
@@ -175,7 +180,11 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             if self._release_queued:
                 return
             self._release_queued = True
-        if not self._writer.put(Outgoing(None, make=self._release_record)):
+        # Made on the reading thread, it goes with that thread's next write (the ack) or
+        # read: no wake-up of the writer's thread. Made elsewhere (a sink's frames let go
+        # of later), it goes now.
+        later = threading.get_ident() == self._reader
+        if not self._writer.put(Outgoing(None, make=self._release_record), wake=not later):
             with self._release_lock:
                 self._release_queued = False  # the next release tries again
 

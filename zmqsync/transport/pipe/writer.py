@@ -139,7 +139,12 @@ class Writer:
         self._thread = threading.Thread(target=self._run, name=f"zmqsync-pipe-{name}", daemon=True)
         self._thread.start()
 
-    def put(self, item: Outgoing) -> bool:
+    def put(self, item: Outgoing, *, wake: bool = True) -> bool:
+        """Queue ``item`` (or write a lease at once, see :meth:`_leases_now`); False if
+        it was dropped. ``wake=False`` leaves the writer's thread asleep: the caller
+        writes soon on its own thread (which takes the queued records along) or calls
+        :meth:`wake` (a worker's releases, made on its receiving thread just before its
+        ack: the thread's wake-up would cost more than the release)."""
         with self._cond:
             if self._stopping or self.broken is not None:
                 self.dropped += 1
@@ -155,7 +160,8 @@ class Writer:
                 return False
             if self._queue or self._writing or not self._leases_now(item):
                 self._queue.append(item)
-                self._cond.notify()
+                if wake:
+                    self._cond.notify()
                 return True
             self._writing = True  # this thread writes it; the writer's thread waits
         try:
@@ -166,6 +172,12 @@ class Writer:
                 if self._queue:
                     self._cond.notify_all()
         return True
+
+    def wake(self) -> None:
+        """Have the writer's thread write what is queued (see ``put(wake=False)``)."""
+        with self._cond:
+            if self._queue:
+                self._cond.notify()
 
     def _leases_now(self, item: Outgoing) -> bool:
         """Whether ``item`` may be written on the caller's thread, the writer being idle
