@@ -28,7 +28,9 @@ class CallRunner:
     torchrl's schemes wait without deadlines (``queue.get()``, ``ray.get()``), so the only
     way to give their ``send()`` one is to wait for it from another thread. zmqsync's
     sends go through the same runner, so both pay the same (untimed) handoff; the time
-    recorded is taken on the runner's thread, around the call itself.
+    recorded is taken on the runner's thread, around the call itself. A call's untimed
+    ``before`` runs on that thread first: what a training loop does on the thread that
+    sends (the optimizer's step), so that torch's thread pool is the one the send finds.
     """
 
     def __init__(self, name: str) -> None:
@@ -43,22 +45,32 @@ class CallRunner:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, done, box = job
+            fn, before, done, box = job
             start = time.perf_counter()
             try:
+                if before is not None:
+                    before()
+                    start = time.perf_counter()
                 box["value"] = fn()
             except BaseException as exc:
                 box["error"] = exc
             box["elapsed"] = time.perf_counter() - start
             done.set()
 
-    def call(self, fn: Callable[[], Any], timeout: float, what: str) -> tuple[Any, float]:
-        """``fn()``'s value and its duration; raises what it raised, or :class:`Hung`."""
+    def call(
+        self,
+        fn: Callable[[], Any],
+        timeout: float,
+        what: str,
+        before: Callable[[], Any] | None = None,
+    ) -> tuple[Any, float]:
+        """``fn()``'s value and its duration (``before()`` first, untimed, on the same
+        thread); raises what either raised, or :class:`Hung`."""
         if self.hung is not None:
             raise Hung(f"{self.name}: an earlier call never returned ({self.hung})")
         done = threading.Event()
         box: dict[str, Any] = {}
-        self._jobs.put((fn, done, box))
+        self._jobs.put((fn, before, done, box))
         if not done.wait(timeout):
             self.hung = f"{what} did not return within {timeout:g}s"
             raise Hung(f"{self.name}: {self.hung}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -64,8 +65,10 @@ class Variant:
     def _send(self) -> None:
         raise NotImplementedError
 
-    def send(self, timeout: float) -> float:
-        return self.runner.call(self._send, timeout + DEADLINE_MARGIN, "send()")[1]
+    def send(self, timeout: float, before: Callable[[], Any] | None = None) -> float:
+        """The duration of one send; ``before()`` runs first on the sending thread,
+        untimed (the version's change, as a training step makes it)."""
+        return self.runner.call(self._send, timeout + DEADLINE_MARGIN, "send()", before)[1]
 
     def _close(self) -> None:
         raise NotImplementedError
