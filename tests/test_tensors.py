@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -267,6 +268,41 @@ def test_both_copy_paths_land_every_dtype_in_place(serial: bool, pack_threshold:
     for key, tensor in source.items():
         assert _same(target[key], tensor), key
         assert target[key].data_ptr() == pointers[key], key
+
+
+@pytest.mark.parametrize("shift", [0, 1, 4])  # the frame's address: 8-byte aligned or not
+def test_the_parallel_copy_moves_words_and_still_every_byte(shift: int) -> None:
+    """torch's parallel copy moves the bytes of tensors that start and end on 8-byte
+    words as ``int64`` (faster than ``uint8``), the others byte by byte; a received frame
+    at an address that is not a multiple of 8 is copied byte by byte. Every bit lands,
+    NaN payloads included."""
+    from zmqsync.tensors.apply import ApplyPlan
+
+    torch.manual_seed(3)
+    source: dict[tuple[str, ...], torch.Tensor] = {
+        ("w",): torch.randn(1000, 33),
+        ("odd",): torch.randint(0, 2, (13,), dtype=torch.bool),
+        ("half",): torch.randn(7).to(torch.float16),  # 14 bytes
+        ("nan",): torch.full((6,), float("nan")).view(torch.int32).add_(7).view(torch.float32),
+        ("tail",): torch.randn(40),
+    }
+    target = {k: torch.zeros_like(t) for k, t in source.items()}
+    message = _wire(source, "state_dict")
+    buffer = message.buffers[0]
+    raw = bytearray(len(buffer) + 8)
+    frame = memoryview(raw)[shift : shift + len(buffer)]
+    start = np.frombuffer(frame, dtype=np.uint8).__array_interface__["data"][0]
+    frame[:] = bytes(buffer)
+    message = dataclasses.replace(message, buffers=(frame, *message.buffers[1:]))
+    plan = ApplyPlan(message.schema, target, "state_dict")
+    plan.serial = False
+    split = plan._buffers[0]
+    assert {d.dtype for d in split.words.dests} == {torch.int64}
+    assert len(split.words.dests) >= 3 and len(split.rest.dests) >= 1
+    plan.apply(message)
+    assert (start % 8 == 0) == (shift == 0)
+    for key, tensor in source.items():
+        assert _same(target[key], tensor), key
 
 
 def _applied_in_place(layout: StreamLayout, flat: Any, target: dict[Any, torch.Tensor]) -> Any:

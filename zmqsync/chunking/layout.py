@@ -18,6 +18,7 @@ import torch
 from zmqsync.chunking.copier import copier
 from zmqsync.protocol import Buffer, TensorEntry, WeightsSchema, encode_schema
 from zmqsync.protocol.codec import layout_digest
+from zmqsync.tensors.views import word_spans, word_view, word_width
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -239,8 +240,10 @@ class StreamLayout:
             if not isinstance(source, np.ndarray):
                 source.write(p.start, p.stop, into)
             elif pooled and p.stop - p.start >= POOLED_PIECE_BYTES and source.flags.writeable:
-                dests.append(torch.from_numpy(into))
-                froms.append(torch.from_numpy(source[p.start : p.stop]))
+                dest, part = torch.from_numpy(into), torch.from_numpy(source[p.start : p.stop])
+                width = word_width(*word_spans(dest), *word_spans(part))
+                dests.append(word_view(dest, width))
+                froms.append(word_view(part, width))
             else:
                 copy(into, source[p.start : p.stop])
             pos = p.at + p.stop - p.start

@@ -18,7 +18,16 @@ from zmqsync.protocol import TensorEntry, Weights, WeightsSchema
 from zmqsync.tensors.casts import CastPlan
 from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.fit import TargetPlan
-from zmqsync.tensors.views import byte_view, read_view, source_views, synchronize, torch_dtype
+from zmqsync.tensors.views import (
+    byte_view,
+    read_view,
+    source_views,
+    synchronize,
+    torch_dtype,
+    word_spans,
+    word_view,
+    word_width,
+)
 
 __all__ = ["SERIAL_COPY_BYTES", "ApplyPlan", "apply_weights", "materialize"]
 
@@ -35,16 +44,62 @@ SERIAL_COPY_BYTES: Final = 64 * 1024 * 1024
 
 
 @dataclass
+class _Split:
+    """Where a buffer's bytes land in some of its tensors, as one ``split`` of its first
+    ``total`` bytes viewed as words of ``width`` bytes."""
+
+    width: int = 1
+    sizes: list[int] = field(default_factory=list)  # consecutive pieces, in words
+    take: list[int] = field(default_factory=list)  # which pieces land in a tensor
+    dests: list[torch.Tensor] = field(default_factory=list)  # those tensors, as words
+    total: int = 0  # bytes
+
+    def add(self, offset: int, nbytes: int, dest: torch.Tensor) -> None:
+        """The tensor ``dest`` (flat ``uint8``) takes bytes ``[offset, offset + nbytes)``;
+        the bytes up to it that no tensor here takes are a piece nobody takes."""
+        if offset > self.total:
+            self.sizes.append((offset - self.total) // self.width)
+        self.take.append(len(self.sizes))
+        self.sizes.append(nbytes // self.width)
+        self.dests.append(word_view(dest, self.width))
+        self.total = offset + nbytes
+
+    def pieces(self, view: torch.Tensor) -> list[torch.Tensor]:
+        """The pieces of ``view`` (the buffer, flat ``uint8``) the tensors take."""
+        if not self.dests:
+            return []
+        chunks = torch.split(word_view(view[: self.total], self.width), self.sizes)
+        return [chunks[i] for i in self.take]
+
+
+@dataclass
 class _BufferPlan:
-    sizes: list[int]  # consecutive chunk sizes covering bytes [0, total) of the buffer
-    take: list[int]  # which chunks land in a tensor (the others are padding)
-    dests: list[torch.Tensor]  # byte views of those tensors, in the same order
-    total: int
+    every: _Split  # every tensor, byte by byte (for a frame at an odd address)
+    #: The same tensors in two splits: those whose bytes start and end on 8-byte words
+    #: (copied as ``int64``: torch copies ``uint8`` 10-20% slower), and the rest.
+    words: _Split = field(default_factory=lambda: _Split(8))
+    rest: _Split = field(default_factory=_Split)
     offsets: list[int] = field(default_factory=list)  # where each dest's bytes start
     arrays: list[np.ndarray] = field(default_factory=list)  # dests, as numpy byte arrays
     #: The source buffer (address, length) ``views`` slice, and those slices.
     source: tuple[int, int] = (0, 0)
     views: list[np.ndarray] = field(default_factory=list, repr=False)
+
+    def add(self, offset: int, nbytes: int, dest: torch.Tensor) -> None:
+        self.every.add(offset, nbytes, dest)
+        wide = word_width(offset, nbytes, *word_spans(dest)) >= self.words.width
+        (self.words if wide else self.rest).add(offset, nbytes, dest)
+        self.offsets.append(offset)
+        self.arrays.append(dest.detach().numpy())
+
+    def pieces(self, view: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The pieces of ``view`` (the received buffer) and the tensors they go to."""
+        if word_width(*word_spans(view), self.words.width) < self.words.width:
+            return self.every.pieces(view), self.every.dests
+        return (
+            self.words.pieces(view) + self.rest.pieces(view),
+            self.words.dests + self.rest.dests,
+        )
 
 
 class _DevicePlan:
@@ -132,19 +187,12 @@ class ApplyPlan(TargetPlan):
         ]
         for index, entries in by_buffer.items():
             entries.sort(key=lambda e: e.offset)
-            plan = _BufferPlan([], [], [], 0)
+            plan = _BufferPlan(_Split())
             for e in entries:
-                if e.offset < plan.total:  # overlapping entries: copy those one by one
+                if e.offset < plan.every.total:  # overlapping entries: copy those one by one
                     self._slow.append((e, target[e.key]))
                     continue
-                if e.offset > plan.total:
-                    plan.sizes.append(e.offset - plan.total)  # padding
-                plan.take.append(len(plan.sizes))
-                plan.sizes.append(e.nbytes)
-                plan.dests.append(byte_view(target[e.key]))
-                plan.offsets.append(e.offset)
-                plan.arrays.append(byte_view(target[e.key].detach()).numpy())
-                plan.total = e.offset + e.nbytes
+                plan.add(e.offset, e.nbytes, byte_view(target[e.key]))
             self._buffers[index] = plan
         self.nbytes = sum(e.nbytes for e in schema.entries)
         # Below this size a plain memcpy per tensor beats torch's parallel copy: waking
@@ -176,9 +224,9 @@ class ApplyPlan(TargetPlan):
                 for index, plan in self._buffers.items():
                     view = views[index]
                     assert view is not None
-                    chunks = torch.split(view[: plan.total], plan.sizes)
-                    src.extend(chunks[i] for i in plan.take)
-                    dst.extend(plan.dests)
+                    pieces, dests = plan.pieces(view)
+                    src.extend(pieces)
+                    dst.extend(dests)
                 if dst:
                     torch._foreach_copy_(dst, src)
             for index, device_plan in self._device_plans:

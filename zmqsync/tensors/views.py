@@ -25,6 +25,9 @@ __all__ = [
     "source_views",
     "synchronize",
     "torch_dtype",
+    "word_spans",
+    "word_view",
+    "word_width",
 ]
 
 _TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
@@ -59,6 +62,35 @@ def torch_dtype(name: str) -> torch.dtype:
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's bytes (no copy)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+#: The integer dtype torch copies a byte range as, by its alignment: torch's copy of
+#: ``uint8`` runs 10-20% slower than the same bytes as ``int64`` (measured on one thread
+#: and on two), and a copy of raw bytes keeps every bit whatever the integer width.
+_WORDS: Final = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def word_width(*spans: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that divides every number in ``spans``."""
+    for width, _ in _WORDS:
+        if not any(n % width for n in spans):
+            return width
+    return 1
+
+
+def word_spans(data: torch.Tensor) -> tuple[int, int, int]:
+    """What must be a multiple of a word for ``data`` (flat ``uint8``) to be viewed as
+    words of it: its address, its offset in its storage and its length."""
+    return data.data_ptr(), int(data.storage_offset()), data.numel()
+
+
+def word_view(data: torch.Tensor, width: int) -> torch.Tensor:
+    """A flat ``uint8`` tensor's bytes as integers of ``width`` bytes (no copy; every
+    number in its :func:`word_spans` must be a multiple of ``width``)."""
+    for size, dtype in _WORDS:
+        if size == width:
+            return data.view(dtype) if width > 1 else data
+    raise ValueError(f"no integer dtype of {width} bytes")
 
 
 def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
