@@ -800,9 +800,10 @@ def test_releases_made_on_the_reading_thread_go_with_its_next_ack_or_read(
 ) -> None:
     """A worker lets go of a version's frames on its reading thread just before its ack:
     the release waits for that thread's next write (the ack, ahead of it in one write)
-    or read, and wakes no writer thread. Frames let go of on any other thread (a sink's)
-    are released at once, while the reading thread waits. The writer thread's idle tick
-    is put out of reach here: nothing below arrives by it."""
+    or read (which writes it itself), and wakes no writer thread. Frames let go of on
+    any other thread (a sink's) are released at once, while the reading thread waits.
+    The writer thread's idle tick is put out of reach here: nothing below arrives by
+    it."""
     import gc
     import threading
 
@@ -834,11 +835,13 @@ def test_releases_made_on_the_reading_thread_go_with_its_next_ack_or_read(
         assert incoming is not None and [bytes(f) for f in incoming.frames] == [b"ack"]
         assert held() == 0, "the release did not go ahead of the ack"
 
-        # Let go of on the reading thread, then a read that times out: it goes then.
+        # Let go of on the reading thread, then a read that times out: it goes then,
+        # written by the reading thread itself (nothing is left for the writer's thread).
         got = one_version()
         del got
         gc.collect()
         assert spoke.recv_frames(0) is None
+        assert not spoke._writer._queue and not spoke._releases
         _read_until(hub, lambda: held() == 0, "the release written by the next read")
 
         # Let go of on another thread while the reading thread waits for a message.

@@ -135,7 +135,7 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         with ``until_index``, once an index has arrived)."""
         self._reader = threading.get_ident()
         while True:
-            self._writer.wake()  # releases made since the last read go before it waits
+            self._writer.flush_now()  # releases made since the last read go before it waits
             if self._hub_gone is not None:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self._closed_event.wait(remaining)  # nothing will ever come: just time out

@@ -179,6 +179,17 @@ class Writer:
             if self._queue:
                 self._cond.notify()
 
+    def flush_now(self) -> None:
+        """Write the control records queued (a worker's releases) on the caller's
+        thread if the pipe takes them at once, else :meth:`wake` the writer's thread for
+        them: a receiving thread about to read lets its releases go without waking the
+        writer's thread (a thread switch, and the GIL passed there and back, per chunk)."""
+        with self._cond:
+            if not self._queue:
+                return
+        if not self._write_now(b""):
+            self.wake()
+
     def _leases_now(self, item: Outgoing) -> bool:
         """Whether ``item`` may be written on the caller's thread, the writer being idle
         (call holding the condition): a lease on host blocks the peer has, with little
