@@ -862,6 +862,37 @@ def test_releases_made_on_the_reading_thread_go_with_its_next_ack_or_read(
         hub.close()
 
 
+def test_a_message_that_arrives_in_parts_is_read_whole() -> None:
+    """A worker reads a message's frames without waiting while they are there, and
+    waits (bounded) for the part still on its way: the rest of a large frame written a
+    moment later, as a peer on a busy machine writes it, ends up in the same message."""
+    import threading
+
+    from zmqsync.transport.pipe.framing import message_head, socket_of
+    from zmqsync.transport.pipe.writer import _framed
+
+    hub_end, worker_end = mp.Pipe()
+    spoke = PipeSpoke(worker_end)
+    try:
+        frames = [b"head", np.arange(1 << 16, dtype=np.int64).tobytes()]  # 512 KiB
+        header, lengths = message_head(frames)
+        data = b"".join((_framed(header), _framed(lengths), *frames))
+        cut = len(data) - 1000
+        raw = socket_of(hub_end, "the test's end")
+        writer = threading.Thread(
+            target=lambda: (raw.sendall(data[:cut]), time.sleep(0.3), raw.sendall(data[cut:]))
+        )
+        writer.start()
+        got = spoke.recv_frames(10)
+        writer.join(10)
+        assert got is not None
+        assert [bytes(f) for f in got] == frames
+        assert spoke.recv_frames(0) is None
+    finally:
+        spoke.close()
+        hub_end.close()
+
+
 def test_a_pipe_hub_is_waited_for_on_its_pipes_holding_nothing() -> None:
     """The sender's thread between sends waits on the hub's descriptors, not inside
     ``recv_frames``: they become readable when a worker writes and when a pipe is

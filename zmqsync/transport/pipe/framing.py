@@ -192,8 +192,11 @@ def _recv_raw(
     view = memoryview(buf)
     got = 0
     while got < nbytes:
-        _stall(conn, "in the middle of a message")
-        n = sock.recv_into(view[got:])
+        try:  # the rest is mostly there already: wait only when it is not
+            n = sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            _stall(conn, "in the middle of a message")
+            continue
         if n == 0:
             raise EOFError("the pipe closed in the middle of a message")
         got += n

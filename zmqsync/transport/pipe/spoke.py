@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from collections import deque
@@ -49,6 +50,10 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
     def __init__(self, pipe: Connection) -> None:
         self._sock = socket_of(pipe, "the worker's pipe")
         self._conn = pipe
+        #: Waits for the pipe to be readable: made once (``Connection.poll`` builds a
+        #: selector at every call, four times the cost).
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
         self._writer = Writer(pipe, self._sock, "spoke")
         self._closed = False
         self._closed_event = threading.Event()
@@ -142,7 +147,7 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
                 return None
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                if not self._conn.poll(remaining):
+                if not self._readable(remaining):
                     return None
                 got = read(self._conn, self._sock, None, self._pool, self._blocks)
             except (EOFError, OSError) as exc:
@@ -165,6 +170,13 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
                 continue  # a block's descriptor
             release_when_gone(got.views, self._release)
             return got.frames
+
+    def _readable(self, timeout: float | None) -> bool:
+        """Whether the pipe has something to read (or was closed) within ``timeout``."""
+        try:
+            return bool(self._poller.poll(None if timeout is None else timeout * 1000.0))
+        except RuntimeError:  # another thread polls it (a misuse): wait as it would
+            return self._conn.poll(timeout)
 
     def _release(self, block_id: int) -> None:
         """Tell the hub the frames of one message in ``block_id`` are gone: it may
