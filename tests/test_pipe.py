@@ -862,10 +862,12 @@ def test_releases_made_on_the_reading_thread_go_with_its_next_ack_or_read(
         hub.close()
 
 
-def test_a_message_that_arrives_in_parts_is_read_whole() -> None:
-    """A worker reads a message's frames without waiting while they are there, and
-    waits (bounded) for the part still on its way: the rest of a large frame written a
-    moment later, as a peer on a busy machine writes it, ends up in the same message."""
+@pytest.mark.parametrize("cut", ["after-header", "in-last-frame"])
+def test_a_message_that_arrives_in_parts_is_read_whole(cut: str) -> None:
+    """A worker reads a message's records and frames without waiting while they are
+    there, and waits (bounded) for the part still on its way: the rest written a moment
+    later (its frame table, or the end of a large frame), as a peer on a busy machine
+    writes it, ends up in the same message."""
     import threading
 
     from zmqsync.transport.pipe.framing import message_head, socket_of
@@ -877,10 +879,10 @@ def test_a_message_that_arrives_in_parts_is_read_whole() -> None:
         frames = [b"head", np.arange(1 << 16, dtype=np.int64).tobytes()]  # 512 KiB
         header, lengths = message_head(frames)
         data = b"".join((_framed(header), _framed(lengths), *frames))
-        cut = len(data) - 1000
+        at = len(_framed(header)) if cut == "after-header" else len(data) - 1000
         raw = socket_of(hub_end, "the test's end")
         writer = threading.Thread(
-            target=lambda: (raw.sendall(data[:cut]), time.sleep(0.3), raw.sendall(data[cut:]))
+            target=lambda: (raw.sendall(data[:at]), time.sleep(0.3), raw.sendall(data[at:]))
         )
         writer.start()
         got = spoke.recv_frames(10)

@@ -184,6 +184,16 @@ def _stall(conn: Connection, what: str) -> None:
         raise OSError(f"the peer stopped {what} for {STALL_SECONDS:g}s")
 
 
+def _stall_unless_there(conn: Connection, sock: socket.socket, what: str) -> None:
+    """:func:`_stall` only if nothing is there to read yet: a message is mostly written
+    in one go, and a peek costs less than ``Connection.poll``'s selector."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        _stall(conn, what)
+    # A broken pipe raises OSError here; end of file, in the read that follows.
+
+
 def _recv_raw(
     conn: Connection, sock: socket.socket, nbytes: int, pool: BufferPool | None = None
 ) -> Any:
@@ -331,7 +341,7 @@ def read(
         raise OSError(f"bad pipe record magic {magic!r}: is someone else writing on this pipe?")
     if count > MAX_FRAMES:
         raise OSError(f"a message of {count} frames exceeds the limit of {MAX_FRAMES}")
-    _stall(conn, "in the middle of a message")
+    _stall_unless_there(conn, sock, "in the middle of a message")
     table = conn.recv_bytes(count * _LENGTH.size)
     if len(table) != count * _LENGTH.size:
         raise OSError(f"the frame table of {count} frames takes {count * _LENGTH.size} bytes")
