@@ -863,16 +863,27 @@ def test_releases_made_on_the_reading_thread_go_with_its_next_ack_or_read(
 
 
 @pytest.mark.parametrize("cut", ["after-header", "in-last-frame"])
-def test_a_message_that_arrives_in_parts_is_read_whole(cut: str) -> None:
+def test_a_message_that_arrives_in_parts_is_read_whole(
+    cut: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker reads a message's records and frames without waiting while they are
-    there, and waits (bounded) for the part still on its way: the rest written a moment
-    later (its frame table, or the end of a large frame), as a peer on a busy machine
-    writes it, ends up in the same message."""
+    there, and waits (bounded) for the part still on its way: the rest written only once
+    the worker waits for it (its frame table, or the end of a large frame), as a peer on
+    a busy machine writes it, ends up in the same message."""
     import threading
 
+    from zmqsync.transport.pipe import framing
     from zmqsync.transport.pipe.framing import message_head, socket_of
     from zmqsync.transport.pipe.writer import _framed
 
+    waits = threading.Event()
+    stall = framing._stall
+
+    def waiting(conn: Any, what: str) -> None:
+        waits.set()
+        stall(conn, what)
+
+    monkeypatch.setattr(framing, "_stall", waiting)
     hub_end, worker_end = mp.Pipe()
     spoke = PipeSpoke(worker_end)
     try:
@@ -881,12 +892,17 @@ def test_a_message_that_arrives_in_parts_is_read_whole(cut: str) -> None:
         data = b"".join((_framed(header), _framed(lengths), *frames))
         at = len(_framed(header)) if cut == "after-header" else len(data) - 1000
         raw = socket_of(hub_end, "the test's end")
-        writer = threading.Thread(
-            target=lambda: (raw.sendall(data[:at]), time.sleep(0.3), raw.sendall(data[at:]))
-        )
+
+        def write() -> None:
+            raw.sendall(data[:at])
+            waits.wait(10)  # the worker read what is there and waits for the rest
+            raw.sendall(data[at:])
+
+        writer = threading.Thread(target=write)
         writer.start()
         got = spoke.recv_frames(10)
         writer.join(10)
+        assert waits.is_set(), "the worker never waited for the rest"
         assert got is not None
         assert [bytes(f) for f in got] == frames
         assert spoke.recv_frames(0) is None
