@@ -289,16 +289,18 @@ def test_the_parallel_copy_moves_words_and_still_every_byte(shift: int) -> None:
     target = {k: torch.zeros_like(t) for k, t in source.items()}
     message = _wire(source, "state_dict")
     buffer = message.buffers[0]
-    raw = bytearray(len(buffer) + 8)
-    frame = memoryview(raw)[shift : shift + len(buffer)]
+    raw = bytearray(len(buffer) + 16)
+    frame = memoryview(raw)[shift : shift + len(buffer) + 3]  # a length no word divides
     start = np.frombuffer(frame, dtype=np.uint8).__array_interface__["data"][0]
-    frame[:] = bytes(buffer)
+    frame[: len(buffer)] = bytes(buffer)
     message = dataclasses.replace(message, buffers=(frame, *message.buffers[1:]))
     plan = ApplyPlan(message.schema, target, "state_dict")
     plan.serial = False
     split = plan._buffers[0]
     assert {d.dtype for d in split.words.dests} == {torch.int64}
     assert len(split.words.dests) >= 3 and len(split.rest.dests) >= 1
+    _, dests = split.pieces(torch.frombuffer(frame, dtype=torch.uint8))
+    assert (torch.int64 in {d.dtype for d in dests}) == (shift == 0)  # words where aligned
     plan.apply(message)
     assert (start % 8 == 0) == (shift == 0)
     for key, tensor in source.items():

@@ -94,7 +94,8 @@ class _BufferPlan:
 
     def pieces(self, view: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The pieces of ``view`` (the received buffer) and the tensors they go to."""
-        if word_width(*word_spans(view), self.words.width) < self.words.width:
+        address, offset, _ = word_spans(view)  # its length: only what the splits take
+        if word_width(address, offset, self.words.width) < self.words.width:
             return self.every.pieces(view), self.every.dests
         return (
             self.words.pieces(view) + self.rest.pieces(view),
