@@ -1072,6 +1072,10 @@ def test_leases_go_out_on_the_sending_thread_and_in_order_when_the_pipe_fills() 
         assert first is not None and np.array_equal(first[1], block[:size])
         writer = hub._peers[peer_id(0)].writer
         with writer._cond:  # its thread can take nothing now
+            # once it is idle: the spoke may read the first message before the writer's
+            # thread, done writing it, says so (a chunk put meanwhile would queue)
+            idle = writer._cond.wait_for(lambda: not writer._writing and not writer._queue, 10)
+            assert idle, "the writer's thread never finished the first message"
             hub.send_frames([b"h" * 46, chunk(1)], stream=Stream.MORE)
             got = spoke.recv_frames(10)
         assert got is not None and np.array_equal(got[1], block[size : 2 * size])
