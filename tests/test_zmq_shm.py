@@ -578,3 +578,50 @@ def test_a_learner_restarted_in_the_same_process_on_the_same_path_is_read_anew(
     finally:
         receiver.close()
         sender.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_worker_whose_versions_come_leased_keeps_no_staging_buffer(
+    mode: str, tmp_path: Any
+) -> None:
+    """The default mode over ipc: a version that comes through the socket is gathered
+    in the worker's staging buffer (a whole model's bytes); versions read in place
+    from the hub's blocks need none. Before, the buffer of the version the worker
+    joined on stayed for good: each worker held its model twice."""
+    import gc
+    import weakref
+
+    import torch
+
+    from zmqsync import WeightReceiver, WeightSender, checksum
+
+    hub_cls, spoke_cls = resolve(f"zmq-{mode}")
+    learner = {f"w{i}": torch.full((768, 1024), float(i)) for i in range(4)}  # 12 MB
+    worker = {k: torch.zeros_like(v) for k, v in learner.items()}
+    hub = hub_cls(f"ipc://{tmp_path}/hub")
+    sender = WeightSender(hub, model=learner, strategy="state_dict", num_workers=1, timeout=20)
+    receiver = WeightReceiver(
+        spoke_cls(hub.endpoint, identity="0"), model=worker, strategy="state_dict", worker_idx=0
+    )
+    try:
+        # The version it joins on comes through the socket (its hello is answered
+        # before it joins the hub's lending), several chunks, so staged.
+        receiver.connect(timeout=20)
+        receiver.start()
+        assert receiver.staging.nbytes == 12 * 2**20
+        staged = weakref.ref(receiver.staging.array)
+        for version in (1, 2, 3):
+            for t in learner.values():
+                t.add_(1.0)
+            sender.send()
+            with receiver.lock:
+                assert receiver.version == version
+                assert checksum(worker) == checksum(learner)
+        assert receiver.transport.counters()["shm_shared_frames"] > 0  # read in place
+        assert receiver.staging.nbytes == 0
+        gc.collect()
+        assert staged() is None, "something still holds the staging buffer"
+    finally:
+        receiver.close()
+        sender.close()

@@ -678,6 +678,14 @@ class Applier:
             self._held_layout = chunk.layout
             if writing != "in_place" and self._fills_staging:
                 self._staging_holds = (self.epoch, self.version)
+            elif writing in ("in_place", "parts", "lent", "shared"):
+                # The model took this version without the staging buffer, which holds no
+                # version now (a later delta patches the model): a whole model's worth
+                # of memory kept for nothing while versions keep coming that way (leased
+                # blocks, after a first version copied through a socket).
+                self.staging.release()
+                if self._plan is not None:
+                    self._plan.forget_source()
             self.metadata = self._incoming_metadata
             self.wire_dtype = self._wire_of[1]
             self.lock.mend()

@@ -201,6 +201,12 @@ class ApplyPlan(TargetPlan):
         # whole copy.
         self.serial = self.nbytes <= SERIAL_COPY_BYTES
 
+    def forget_source(self) -> None:
+        """Let go of the views of the buffer last applied (they keep its memory alive)."""
+        for plan in self._buffers.values():
+            plan.source = (0, 0)
+            plan.views = []
+
     def apply(self, message: Weights) -> None:
         # torch views of the frames, for the paths that copy with torch (making them
         # costs more than a small version's serial copies)
