@@ -76,12 +76,15 @@ def _worker(transport: str, where: Any, idx: int, mb: int, mode: str, conn: Any)
     receiver.connect()
     receiver.start()
     conn.send("ready")
-    while conn.recv() != "report":
+    while conn.recv() != "touch":
         pass
     with receiver.lock:
         # Read every weight, as forward passes do: pages never read are not resident.
         touched = sum(float(p.detach().sum()) for p in model.parameters())
-        conn.send({"base": base, "now": _rollup(), "stats": dict(receiver.stats), "t": touched})
+    conn.send("touched")
+    while conn.recv() != "report":
+        pass
+    conn.send({"base": base, "now": _rollup(), "stats": dict(receiver.stats), "t": touched})
     conn.recv()
     receiver.close()
 
@@ -100,11 +103,13 @@ def _ray_actor_class() -> Any:
             self.scheme = scheme
             scheme.init_on_worker("policy", model=self.model, apply_mode=mode)
 
-        def report(self) -> dict[str, Any]:
+        def touch(self) -> float:
             with self.scheme.lock:
-                touched = sum(float(p.detach().sum()) for p in self.model.parameters())
-                stats = dict(self.scheme.get_receiver().stats)
-                return {"base": self.base, "now": _rollup(), "stats": stats, "t": touched}
+                return sum(float(p.detach().sum()) for p in self.model.parameters())
+
+        def report(self) -> dict[str, Any]:
+            stats = dict(self.scheme.get_receiver().stats)
+            return {"base": self.base, "now": _rollup(), "stats": stats}
 
     return RayWorker
 
@@ -124,6 +129,7 @@ def _run_ray(workers: int, mb: int, mode: str, versions: int) -> tuple[Any, list
         scheme.init_on_sender("policy", remote_collectors=actors, source_model=model)
         scheme.connect(timeout=120)
         times = _send_versions(model, scheme.send, versions)
+        ray.get([a.touch.remote() for a in actors], timeout=60)  # every actor first
         reports = ray.get([a.report.remote() for a in actors], timeout=60)
     finally:
         scheme.shutdown()
@@ -178,6 +184,13 @@ def run(transport: str, workers: int, mb: int, mode: str, versions: int, tmp: st
     for c in conns:
         assert c.poll(120) and c.recv() == "ready"
     times = _send_versions(model, sender.send, versions)
+    # Every worker reads its weights before any reports: a shared page's Pss is its size
+    # over the processes that have it resident then, so a worker that reported before
+    # the others had read theirs counted more than its share.
+    for c in conns:
+        c.send("touch")
+    for c in conns:
+        assert c.poll(60) and c.recv() == "touched"
     reports = []
     for c in conns:
         c.send("report")
