@@ -739,3 +739,34 @@ def test_the_spoke_lock_hands_a_looping_thread_s_next_turn_to_a_thread_that_aske
         looper.join(10)
     with lock, lock:  # reentrant; giving way while holding it does not wait for itself
         lock.give_way(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_version_applied_in_place_lets_the_staging_buffer_go() -> None:
+    """The default mode stages a version that comes in several chunks (through a
+    socket) and applies one that needs no buffer in place (one chunk, or read in a
+    hub's block). Once a version came in place the staging buffer holds nothing: it is
+    let go of, and the apply plan's views of it with it (they kept it alive)."""
+    import gc
+    import weakref
+
+    model = _model(1)
+    applier, _, _, _ = _applier(model, apply_mode="auto")
+    staged = _model(2)
+    for chunk in _chunks(staged, version=1):  # five chunks: gathered, then applied
+        applier.feed(chunk)
+    assert applier.version == 1 and checksum(model) == checksum(staged)
+    assert applier.staging.nbytes == _chunks(staged)[0].total
+    buffer = weakref.ref(applier.staging.array)
+    whole = _model(3)
+    (frames,) = version_messages(whole, version=2, epoch=7, chunk_bytes=1 << 20)
+    chunk = decode([bytes(f) for f in frames])
+    assert isinstance(chunk, Chunk) and chunk.count == 1
+    applier.feed(chunk)  # one chunk: straight into the model
+    assert applier.version == 2 and checksum(model) == checksum(whole)
+    assert applier.staging.nbytes == 0
+    gc.collect()
+    assert buffer() is None, "something still holds the staging buffer"
+    for chunk in _chunks(staged, version=3):  # staged again: a buffer anew
+        applier.feed(chunk)
+    assert applier.version == 3 and checksum(model) == checksum(staged)

@@ -259,13 +259,16 @@ class ZMQHub(
         return self._lender.lend_device(nbytes, device)
 
     def lend(self, nbytes: int) -> Any:
-        """Shared memory to carve a sender's snapshot from, while some peer reads this
-        hub's blocks (``ipc://`` peers on this host); else None."""
+        """Shared memory to carve a sender's snapshot from, when this hub lends its
+        blocks (``ipc://``, or asked); else None."""
         self._check_open()
         return None if self._lender is None else self._lender.lend(nbytes)
 
     def lending(self) -> bool:
-        return self._lender is not None and bool(self._lender.members())
+        # Before any peer joined too (as pipes and Ray do): the version a worker joins
+        # on then lies in a block, and goes to it leased once it joined, not copied
+        # through the socket (mapped by a shared-mode worker, never staged).
+        return self._lender is not None
 
     def all_keep_versions(self) -> bool:
         if self._lender is None:

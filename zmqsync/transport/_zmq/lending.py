@@ -384,8 +384,6 @@ class Lender:
         return dict(self._expired)
 
     def lend(self, nbytes: int) -> Any:
-        if not self._members:
-            return None
         lent = self.pool.lend(nbytes)
         return None if lent is None else lent[1]
 
