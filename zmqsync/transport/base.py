@@ -230,8 +230,9 @@ class Lends(Ability):
 
     @abc.abstractmethod
     def lending(self) -> bool:
-        """Whether some peer reads lent memory in place, now (else the sender sends the
-        model's own memory and keeps its snapshot apart)."""
+        """Whether this hub lends memory its peers on this host read in place (from the
+        start, before any peer joined): the sender then carves its copies from
+        :meth:`lend`; else it sends the model's own memory and keeps its snapshot apart."""
 
     @abc.abstractmethod
     def lend(self, nbytes: int) -> Any:
