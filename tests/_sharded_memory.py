@@ -51,9 +51,15 @@ def _memory_now() -> dict[str, int]:
     with open("/proc/self/statm") as f:
         fields = f.read().split()
     page = os.sysconf("SC_PAGE_SIZE")
+    shmem = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                shmem = int(line.split()[1]) * 1024
     return {
         "heap": int(info.uordblks + info.hblkhd),
         "rss": (int(fields[1]) - int(fields[2])) * page,
+        "shmem": shmem,
     }
 
 
