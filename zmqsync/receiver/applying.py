@@ -682,7 +682,7 @@ class Applier:
                 # The model took this version without the staging buffer, which holds no
                 # version now (a later delta patches the model): a whole model's worth
                 # of memory kept for nothing while versions keep coming that way (leased
-                # blocks, after a first version copied through a socket).
+                # blocks again, after versions a hub sent through its socket, copied).
                 self.staging.release()
                 if self._plan is not None:
                     self._plan.forget_source()
