@@ -19,7 +19,7 @@ import torch
 from zmqsync.chunking.layout import MIN_CHUNK_BYTES, StreamLayout
 from zmqsync.errors import SchemaMismatchError
 from zmqsync.receiver.lent import LentTensors, stream_bytes
-from zmqsync.sender.lent import LentPlan, LentTarget
+from zmqsync.sender.lent import FAN_OUT_BLOCK, LentPlan, LentTarget
 from zmqsync.tensors.extract import extract
 from zmqsync.tensors.flatten import Flattener
 from zmqsync.transport.shm import records
@@ -237,6 +237,36 @@ def test_only_tensors_that_can_lie_in_the_stream_are_lent() -> None:
     cast = StreamLayout(flat, MIN_CHUNK_BYTES).schema
     with pytest.raises(SchemaMismatchError, match="wire_dtype"):
         LentTensors(cast, worker, extract(worker, "state_dict"))
+
+
+def test_workers_written_together_get_what_one_written_alone_gets() -> None:
+    """Several workers that said go together are written block by block (each block of
+    the model read once, copied to every worker): each gets exactly the version, the
+    tensors larger than a block (one not a whole number of blocks), those under one and
+    the small ones' stretch alike."""
+    torch.manual_seed(3)
+    rows = 2 * FAN_OUT_BLOCK // (4 * 700) + 3  # a weight of 2 blocks and a bit
+    learner = torch.nn.Sequential(
+        torch.nn.Linear(700, rows), torch.nn.LayerNorm(rows), torch.nn.Linear(rows, 9)
+    )
+    assert learner[0].weight.nbytes > 2 * FAN_OUT_BLOCK
+    assert learner[0].weight.nbytes % FAN_OUT_BLOCK
+    layout = _stream(learner)
+    plan = LentPlan(layout.schema)
+    assert plan.hi > plan.lo  # a stretch of small tensors too
+    gathered = plan.gather(extract(learner, "state_dict"))
+    alone = LentTarget(np.zeros(layout.total, dtype=np.uint8), plan)
+    alone.write(gathered)
+    together = [LentTarget(np.full(layout.total, i, dtype=np.uint8), plan) for i in range(3)]
+    LentTarget.write_all(together, gathered)
+    # Every tensor's bytes are the model's, where the stream puts them (the padding
+    # between them is no one's).
+    tensors = extract(learner, "state_dict")
+    for entry in layout.schema.entries:
+        want = tensors[entry.key].detach().reshape(-1).view(torch.uint8).numpy()
+        for target in [alone, *together]:
+            got = target.memory[entry.offset : entry.offset + entry.nbytes]
+            assert np.array_equal(got, want), entry.dotted_key
 
 
 def test_the_learner_writes_only_memory_that_fits_the_version() -> None:

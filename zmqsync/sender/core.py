@@ -45,7 +45,7 @@ from zmqsync.protocol import (
     encode_metadata,
     peek_kind,
 )
-from zmqsync.sender.lent import LentPlan, LentTarget
+from zmqsync.sender.lent import Gathered, LentPlan, LentTarget
 from zmqsync.sender.pump import HubRunner, InFlight, StallClock, sum_counters
 from zmqsync.sender.slices import SlicedWorkers
 from zmqsync.sender.stats import SendStats
@@ -109,6 +109,10 @@ LENT_GO_WAIT: Final = 0.5
 #: to 1-8 pipe workers took 1.1-1.4x the stream's time, and 2,000 tensors of 4 KB
 #: 1.1-1.3x: a lending worker wakes twice per version, a streamed one once).
 LENT_MIN_BYTES: Final = 4 * 1024 * 1024
+#: How fast a lent version is taken to be written into one worker (bytes per second, a
+#: memory copy on a small machine): the first worker to say go waits for the others at
+#: most as long as its own write would take, so they are written together.
+LENT_WRITE_BYTES_PER_SECOND: Final = 10e9
 #: Workers' lent memories kept mapped as tensors, at most (one per worker is expected).
 MAX_LENT_TARGETS: Final = 4096
 
@@ -746,14 +750,24 @@ class WeightSender:
         # The small tensors are gathered while the workers take their locks: the copy
         # overlaps the asks' round trip instead of following it.
         gathered = plan.gather(tensors)
-        waiting, written = set(asked), set()
+        waiting, written = set(asked), set[PeerId]()
+        # Workers that said go are written together once every asked one did, or once
+        # the first has waited as long as writing it alone would take (a later go
+        # would wait that long anyway, behind its copy).
+        ready: dict[PeerId, LentTarget] = {}
+        ready_since = 0.0
+        batch_wait = plan.total / LENT_WRITE_BYTES_PER_SECOND
         deadline = min(send.deadline, time.monotonic() + LENT_GO_WAIT)
         while waiting:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if ready and now >= ready_since + batch_wait:
+                self._write_ready(ready, gathered, version, epoch, meta, written)
+            remaining = deadline - now
             if remaining <= 0:
                 break
+            wait = min(remaining, ready_since + batch_wait - now) if ready else remaining
             with runner.holding():
-                incoming = runner.hub.recv_frames(min(remaining, pump.PUMP_TICK))
+                incoming = runner.hub.recv_frames(max(0.0, min(wait, pump.PUMP_TICK)))
                 while incoming is not None:
                     self._handle(incoming, runner)
                     incoming = runner.hub.recv_frames(0)
@@ -768,14 +782,35 @@ class WeightSender:
                     if ok:
                         hub.written(peer, version, epoch, False, b"")
                     continue
-                target.write(gathered)
-                hub.written(peer, version, epoch, True, meta)
-                written.add(peer)
+                if not ready:
+                    ready_since = time.monotonic()
+                ready[peer] = target
+        if ready:  # they hold their locks: written even past the deadline
+            self._write_ready(ready, gathered, version, epoch, meta, written)
         for peer in waiting:
             hub.written(peer, version, epoch, False, b"")  # it gets the stream instead
             self._missed_go[peer] = version
             self._stats.add("lent_go_missed")
         return written
+
+    def _write_ready(
+        self,
+        ready: dict[PeerId, LentTarget],
+        gathered: Gathered,
+        version: int,
+        epoch: int,
+        meta: bytes,
+        written: set[PeerId],
+    ) -> None:
+        """Write the version into the workers in ``ready`` (all at once), tell each it
+        is in, and move them to ``written``."""
+        LentTarget.write_all(list(ready.values()), gathered)
+        hub = self._runners[0].hub
+        assert isinstance(hub, Lends)
+        for peer in ready:
+            hub.written(peer, version, epoch, True, meta)
+        written.update(ready)
+        ready.clear()
 
     def _not_passed_over(self, lenders: list[PeerId]) -> list[PeerId]:
         """``lenders`` but those that missed their go for a version they have not acked

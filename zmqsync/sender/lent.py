@@ -10,11 +10,17 @@ them) lie side by side at the end of the stream. They are gathered once per vers
 one buffer laid out as that stretch (:meth:`LentPlan.gather`), and each worker then gets
 the stretch in one copy: a copy of a few thousand tensors per worker would cost more than
 the bytes.
+
+Several workers that said go together are written together (:meth:`LentTarget.write_all`),
+block by block: each block of the model is read from memory once and copied into every
+worker while it is still in the cache, where one worker after the other read the whole
+model from memory each time (128 MiB to 2, 4 and 8 targets on 2 cores: 12.5, 15.7 and
+32 ms against 15.1, 20.5 and 44 ms).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 import numpy as np
@@ -25,10 +31,14 @@ from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD
 from zmqsync.tensors.views import torch_dtype
 
-__all__ = ["SMALL_BYTES", "LentPlan", "LentTarget"]
+__all__ = ["FAN_OUT_BLOCK", "SMALL_BYTES", "Gathered", "LentPlan", "LentTarget"]
 
 #: Tensors smaller than this are gathered once per version, then copied as one stretch.
 SMALL_BYTES: Final = DEFAULT_PACK_THRESHOLD
+#: A tensor larger than this is written into several workers at once in blocks of this
+#: many bytes, each read once and copied to every worker while cached (the last-level
+#: cache of a server holds a few; measured on 2 cores: 4 and 8 MiB alike, 1 MiB slower).
+FAN_OUT_BLOCK: Final = 4 * 1024 * 1024
 #: What :meth:`LentPlan.gather` returns: the large tensors, and the small ones' stretch.
 Gathered = tuple[list[torch.Tensor], torch.Tensor]
 
@@ -107,6 +117,28 @@ class LentTarget:
                 torch._foreach_copy_(self._views, large)
             if len(stretch):
                 self._stretch.copy_(stretch)
+
+    @staticmethod
+    def write_all(targets: Sequence[LentTarget], gathered: Gathered) -> None:
+        """Copy a version into every one of ``targets`` (all of one plan), block by block:
+        a block of the model is read once and written to each target in turn."""
+        if len(targets) == 1:
+            targets[0].write(gathered)
+            return
+        large, stretch = gathered
+        with torch.no_grad():
+            for i, src in enumerate(large):
+                dests = [t._views[i] for t in targets]
+                if src.nbytes <= FAN_OUT_BLOCK or not src.is_contiguous():
+                    torch._foreach_copy_(dests, [src] * len(dests))
+                    continue
+                flat, flats = src.view(-1), [d.view(-1) for d in dests]
+                step = FAN_OUT_BLOCK // src.element_size()
+                for lo in range(0, flat.numel(), step):
+                    block = flat[lo : lo + step]
+                    torch._foreach_copy_([d[lo : lo + step] for d in flats], [block] * len(flats))
+            if len(stretch):
+                torch._foreach_copy_([t._stretch for t in targets], [stretch] * len(targets))
 
 
 def _shape(shape: tuple[int, ...]) -> tuple[int, ...]:
