@@ -46,13 +46,23 @@ class ZmqsyncSpec:
 PIPE_SHARE: Final = "zmqsync-pipe-share"
 #: ``zmqsync-pipe`` whose workers map one read-only copy (``apply_mode="shared"``).
 PIPE_SHARED: Final = "zmqsync-pipe-shared"
-#: ``zmqsync-pipe`` whose workers lend their tensors: the learner writes each version
-#: straight into them, one copy per worker (``lend_tensors=True`` on both sides).
+#: ``zmqsync-pipe`` whose workers lend their tensors whatever the version's size
+#: (``lend_tensors=True`` on both sides; by default they lend from 4 MiB up): the learner
+#: writes each version straight into them, one copy per worker.
 PIPE_LENT: Final = "zmqsync-pipe-lent"
 #: ``zmqsync-zmq`` (over ``ipc://``) whose workers lend their tensors, as ``PIPE_LENT``.
 ZMQ_LENT: Final = "zmqsync-zmq-lent"
 #: ``zmqsync-ray`` whose actors (on the learner's host) lend their tensors, as ``PIPE_LENT``.
 RAY_LENT: Final = "zmqsync-ray-lent"
+#: ``zmqsync-pipe`` that streams every version (``lend_tensors=False``, the default
+#: before 2026-12-05): the learner writes it into shared memory, each worker copies it out.
+PIPE_STREAM: Final = "zmqsync-pipe-stream"
+#: ``zmqsync-zmq`` (over ``ipc://``) that streams every version, as ``PIPE_STREAM``.
+ZMQ_STREAM: Final = "zmqsync-zmq-stream"
+#: ``zmqsync-ray`` that streams every version, as ``PIPE_STREAM``.
+RAY_STREAM: Final = "zmqsync-ray-stream"
+#: Both sides' options of the variants that stream every version.
+_STREAM: Final = {"lend_tensors": False}
 #: zmqsync's variants, in the order a cell runs them. Another is one entry, e.g.
 #: ``"zmqsync-pipe-share": ZmqsyncSpec("pipe", TORCHRL_MP, scheme={"share_params": True})``.
 ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
@@ -68,6 +78,9 @@ ZMQSYNC: Final[dict[str, ZmqsyncSpec]] = {
     ),
     ZMQ: ZmqsyncSpec("zmq"),
     ZMQ_LENT: ZmqsyncSpec("zmq", sender={"lend_tensors": True}, receiver={"lend_tensors": True}),
+    PIPE_STREAM: ZmqsyncSpec("pipe", replaces=TORCHRL_MP, sender=_STREAM, receiver=_STREAM),
+    RAY_STREAM: ZmqsyncSpec("ray", replaces=TORCHRL_RAY, sender=_STREAM, receiver=_STREAM),
+    ZMQ_STREAM: ZmqsyncSpec("zmq", sender=_STREAM, receiver=_STREAM),
 }
 #: The other variants, in the order a cell runs them after zmqsync's.
 PEERS: Final = (TORCHRL_MP, TORCHRL_SHM, TORCHRL_RAY, RAY_STORE, GLOO, MEMCPY)

@@ -14,7 +14,11 @@ own, for these variants run side by side:
   read-only views of one copy of each version in shared memory: not tensors of their
   own, so the check that they are is skipped for it); ``zmqsync-pipe-lent``,
   ``zmqsync-zmq-lent`` and ``zmqsync-ray-lent``: ``lend_tensors=True`` on both sides
-  (the learner writes each version straight into the workers' own tensors);
+  (workers lend their tensors whatever the version's size; by default, since
+  2026-12-05, they lend them from 4 MiB up, and the learner writes each version
+  straight into them); ``zmqsync-pipe-stream``, ``zmqsync-zmq-stream`` and
+  ``zmqsync-ray-stream``: ``lend_tensors=False`` (every version streamed through
+  shared memory, the default before);
 - ``torchrl-mp``: ``torchrl.weight_update.MultiProcessWeightSyncScheme``, driven as its
   collectors drive it, in the same worker processes (``mp.Queue``s; torch moves the
   learner's tensors to shared memory; each worker copies them into its own tensors);

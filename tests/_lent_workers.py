@@ -27,10 +27,16 @@ def in_lent_memory(tensor: torch.Tensor) -> bool:
 
 
 def run_lending_worker(
-    conn: Any, control: Any, worker_idx: int, lend: bool, chunk_timeout: float = 5.0
+    conn: Any,
+    control: Any,
+    worker_idx: int,
+    lend: bool | None,
+    chunk_timeout: float = 5.0,
+    kind: str = "wide",
 ) -> None:
     """A worker (over its pipe ``conn``, or ZeroMQ: ``conn`` is ``(mode, endpoint)``)
-    that lends its tensors (``lend``) and applies versions in the
+    with a ``make_model(kind)`` that lends its tensors (``lend``: the receiver's
+    ``lend_tensors``; None, its default) and applies versions in the
     background; says, for each question on ``control``, every version it applied with
     the checksum of what the model held then, and its counts. Told ``"move"``, it gives
     its first weight new storage (``p.data = ...``), as user code may."""
@@ -42,7 +48,7 @@ def run_lending_worker(
     from zmqsync.transport.zmq_router import RouterSpoke
 
     try:
-        model = make_model("wide", seed=1000 + worker_idx)
+        model = make_model(kind, seed=1000 + worker_idx)
         params = list(model.parameters())
         if isinstance(conn, tuple):  # (mode, endpoint): ZeroMQ
             mode, endpoint = conn

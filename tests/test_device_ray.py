@@ -176,15 +176,18 @@ def test_versions_go_through_device_blocks_to_actors_on_the_learners_device(
 def test_an_actor_off_the_device_gets_every_version_through_the_host(
     learner: Learner,
 ) -> None:
-    """One actor's model is not on the learner's device: nobody is lent device blocks
-    (a version is written once, for all), and every actor holds every version."""
+    """One actor's model is not on the learner's device: nobody is lent device blocks,
+    every version goes through the host (streamed through its shared memory, or, once
+    the actors lend their tensors, written into them), and every actor holds every
+    version."""
     learner.start({}, {"on_device": False})
     for _ in range(3):
         version, checksum = learner.send()
         states = learner.exact([0, 1], version, checksum)
     assert _device_chunks(states) == [0, 0]
     counts = learner.hub.counters()
-    assert counts["device_sends"] == 0 and counts["shared_sends"] >= 6
+    assert counts["device_sends"] == 0
+    assert counts["shared_sends"] + counts.get("lent_writes", 0) >= 6, counts
 
 
 @pytest.mark.timeout(300)

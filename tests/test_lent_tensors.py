@@ -53,14 +53,16 @@ def fleet(monkeypatch, tmp_path):
     made: dict[str, Any] = {}
 
     def start(
-        lends: list[bool],
+        lends: list[bool | None],
         chunk_timeout: float = 5.0,
         late: tuple[int, ...] = (),
         expected: int | None = None,
         zmq: str = "",
+        kind: str = "wide",
+        sender_lends: bool | None = True,
     ) -> tuple[WeightSender, list[Any]]:
         controls = [ctx.Pipe() for _ in lends]
-        model = make_model("wide", seed=1)
+        model = make_model(kind, seed=1)
         if zmq:  # "pubsub" or "router", over ipc://
             endpoint = f"ipc://{tmp_path}/lent"
             hub: Any = (PubSubHub if zmq == "pubsub" else RouterHub)(endpoint)
@@ -74,14 +76,15 @@ def fleet(monkeypatch, tmp_path):
             strategy="state_dict",
             num_workers=len(lends) if expected is None else expected,
             timeout=30,
-            lend_tensors=True,
+            **({} if sender_lends is None else {"lend_tensors": sender_lends}),
         )
         made.update(
             sender=sender,
             procs=[None] * len(lends),
             controls=[c for c, _ in controls],
             args=[
-                (ends[i], controls[i][1], i, lend, chunk_timeout) for i, lend in enumerate(lends)
+                (ends[i], controls[i][1], i, lend, chunk_timeout, kind)
+                for i, lend in enumerate(lends)
             ],
         )
         for i in range(len(lends)):
@@ -140,6 +143,40 @@ def test_versions_are_written_into_the_workers_lent_tensors(fleet, transport: st
             assert stats.get("lent_applied", 0) == 0, stats
     totals = sender.status()["totals"]  # the hub's counters among them
     assert totals["lent_peers"] == 2 and totals["lent_writes"] >= 8, totals
+
+
+@pytest.mark.parametrize("kind", ["big", "wide"])
+def test_workers_on_the_learners_host_lend_by_default_from_4_mib_up(
+    fleet, monkeypatch, kind: str
+) -> None:
+    """Neither side given ``lend_tensors``: a 32 MiB model's versions are written into
+    the workers' lent tensors; a 70 KB model's stream, and its workers lend nothing (their
+    tensors stay where they were)."""
+    from zmqsync.sender import core
+    from zmqsync.transport.shm.lent import LENT_MIN_BYTES
+
+    monkeypatch.setattr(core, "LENT_MIN_BYTES", LENT_MIN_BYTES)  # the fixture lowered it
+    sender, controls = fleet([None, None], kind=kind, sender_lends=None)
+    assert sender.lend_tensors
+    model = sender.model
+    sent: dict[int, str] = {}
+    for _ in range(4):
+        bump(model)
+        sender.send()
+        sent[sender.fleet.version] = zmqsync.checksum(model, "state_dict")
+    totals = sender.status()["totals"]
+    for control in controls:
+        applied, stats, same = _ask(control)
+        _check(applied, sent)
+        assert applied[-1][0] == max(sent) and same
+        if kind == "big":  # the first version streamed; the later ones were written
+            assert stats["lent_applied"] >= 2, stats
+        else:
+            assert stats.get("lent_applied", 0) == 0, stats
+    if kind == "big":
+        assert totals["lent_peers"] == 2 and totals["lent_writes"] >= 4, totals
+    else:
+        assert totals.get("lent_peers", 0) == 0 and totals.get("lent_writes", 0) == 0, totals
 
 
 def _check(applied: list[tuple[int, str, Any]], sent: dict[int, str]) -> None:

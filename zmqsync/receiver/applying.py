@@ -42,6 +42,7 @@ from zmqsync.tensors.sink_feed import SinkFeed
 from zmqsync.tensors.views import byte_view
 from zmqsync.transport.base import Borrows, SpokeTransport
 from zmqsync.transport.cuda import handles
+from zmqsync.transport.shm.lent import LENT_MIN_BYTES
 from zmqsync.vocabulary import Metadata
 
 __all__ = ["APPLY_MODES", "KEEPS", "STAGED_MAX_BYTES", "Applier", "ApplyHost", "Keep"]
@@ -105,7 +106,7 @@ class Applier:
         rejections: Rejections,
         observer: ReceiverObserver,
         retired_epochs: int,
-        lend_tensors: bool = False,
+        lend_tensors: bool | None = None,
     ) -> None:
         self._host = host
         self._rejections = rejections
@@ -176,9 +177,15 @@ class Applier:
         #: straight into them (see :mod:`~zmqsync.receiver.lent`); None: not lent.
         self._lent = (
             LentVersions(stats)
-            if lend_tensors and model is not None and sink is None and self._shared is None
+            if lend_tensors is not False
+            and model is not None
+            and sink is None
+            and self._shared is None
             else None
         )
+        #: Lend the tensors whatever the version's size (``lend_tensors=True``); by
+        #: default only from LENT_MIN_BYTES up, where the learner writes lent memory.
+        self._lend_small = lend_tensors is True
 
     def device_to_take(self) -> torch.device | None:
         """The GPU the model lives on, when versions lent on it can be applied from it
@@ -290,6 +297,8 @@ class Applier:
         spoke = self._host.transport
         if not isinstance(spoke, Borrows) or not spoke.lends_tensors():
             return
+        if not self._lend_small and stream_bytes(self._schema) < LENT_MIN_BYTES:
+            return  # the learner streams versions this small: nothing to lend for
         if self._lent.said_lately(layout, time.monotonic()):
             return  # said within the second, and nothing was refused since
         lent = self._lent.lend(

@@ -126,11 +126,12 @@ class WeightReceiver:
             here; it needs a sharded learner.
         lend_tensors: on the learner's host (pipes, ZeroMQ over ``ipc://``, Ray), once
             a version is whole in the model, move its tensors into memory lent to the hub
-            (they stay the objects they were, private and writable), so that a sender
-            with ``lend_tensors=True`` writes later versions straight into them, under
-            this worker's lock: one copy per version, where the stream takes two (the
-            learner's into shared memory, this worker's out of it). See
-            :mod:`zmqsync.receiver.lent`.
+            (they stay the objects they were, private and writable), so that the sender
+            (unless given ``lend_tensors=False``) writes later versions straight into
+            them, under this worker's lock: one copy per version, where the stream takes
+            two (the learner's into shared memory, this worker's out of it). By default
+            (None) for versions of 4 MiB and more, the ones the sender writes; ``True``
+            for any; ``False`` never. See :mod:`zmqsync.receiver.lent`.
     """
 
     def __init__(
@@ -149,7 +150,7 @@ class WeightReceiver:
         keep: Keep = "weights",
         connect_rank: Callable[[str], SpokeTransport] | None = None,
         slices: SliceSpec | None = None,
-        lend_tensors: bool = False,
+        lend_tensors: bool | None = None,
     ) -> None:
         if apply_mode not in APPLY_MODES:
             raise ValueError(f"apply_mode must be one of {APPLY_MODES}; got {apply_mode!r}")
@@ -182,7 +183,7 @@ class WeightReceiver:
             rejections=self._rejections,
             observer=self._observers,
             retired_epochs=RETIRED_EPOCHS,
-            lend_tensors=lend_tensors and slices is None,
+            lend_tensors=lend_tensors if slices is None else False,
         )
         self._upstream = UpstreamSession(
             self,

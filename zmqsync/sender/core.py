@@ -68,6 +68,7 @@ from zmqsync.transport.base import (
     lost_peers,
     reserved_workers,
 )
+from zmqsync.transport.shm.lent import LENT_MIN_BYTES
 from zmqsync.vocabulary import Metadata, Strategy, WorkerIds
 
 __all__ = ["ACCEPTED", "WeightSender", "new_epoch"]
@@ -104,11 +105,6 @@ LET_GO_SECONDS: Final = 0.05
 #: How long a send waits for the workers that lent their tensors to take their locks
 #: (say go) before it streams the version to those that did not.
 LENT_GO_WAIT: Final = 0.5
-#: Versions whose large tensors (64 KiB and more each) hold fewer bytes than this
-#: stream as usual: the ask and the go cost more than the copy they save (measured: 1 MB
-#: to 1-8 pipe workers took 1.1-1.4x the stream's time, and 2,000 tensors of 4 KB
-#: 1.1-1.3x: a lending worker wakes twice per version, a streamed one once).
-LENT_MIN_BYTES: Final = 4 * 1024 * 1024
 #: How fast a lent version is taken to be written into one worker (bytes per second, a
 #: memory copy on a small machine): the first worker to say go waits for the others at
 #: most as long as its own write would take, so they are written together.
@@ -215,9 +211,11 @@ class WeightSender:
             still queues a chunk of it, the model moves to another buffer first, so
             that worker reads one whole version. ``send_async()`` copies, as without it.
         lend_tensors: write each version straight into the tensors of the workers on
-            this host that lend them (``WeightReceiver(lend_tensors=True)``: pipes,
-            ``ipc://``, Ray actors): each is asked to take its lock and written once
-            it says go (one copy per worker, from the model's own tensors); those that
+            this host that lend them (a ``WeightReceiver``'s default: pipes,
+            ``ipc://``, Ray actors), on by default (``False``: stream every version);
+            versions of under 4 MiB of large tensors stream all the same. Each worker
+            is asked to take its lock and written once it says go (one copy per
+            worker, from the model's own tensors); those that
             do not say go within half a second (or ``timeout``) are streamed to. When
             every worker the sender expects (``num_workers``) took the version that way
             the snapshot is not written: a worker that joins after it gets the next
@@ -274,7 +272,7 @@ class WeightSender:
         delta: bool = False,
         part: LocalPart | None = None,
         ranks: Sequence[str] = (),
-        lend_tensors: bool = False,
+        lend_tensors: bool | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds; got {timeout}")
@@ -314,7 +312,7 @@ class WeightSender:
         self.share_params = share_params
         #: Write each version straight into the tensors of workers that lend them (on
         #: this host), one copy each, instead of streaming it (see _write_lent).
-        self.lend_tensors = lend_tensors and not share_params and part is None
+        self.lend_tensors = lend_tensors is not False and not share_params and part is None
         #: The memory each worker lent, as the tensors of the layout it was mapped for.
         self._lent_targets: dict[PeerId, LentTarget] = {}
         #: Workers that did not say go in time, and the version they missed: not asked

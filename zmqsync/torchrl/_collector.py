@@ -76,9 +76,11 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         #: How each worker applies versions (``"shared"``: read-only views of the
         #: learner's shared memory); None leaves the receiver's default.
         self._apply_mode: str | None = _apply_mode(options.pop("apply_mode", None))
-        #: Every worker lends its tensors to the learner, which writes each version
-        #: into them (the sender's option of the same name, kept for the workers).
-        self._lend_tensors = bool(options.get("lend_tensors", False))
+        #: Whether every worker lends its tensors to the learner, which writes each
+        #: version into them (the sender's option of the same name, kept for the
+        #: workers); None leaves the receiver's default.
+        lend = options.get("lend_tensors")
+        self._lend_tensors: bool | None = None if lend is None else bool(lend)
         inner = inner_class(strategy, **options)
         with warnings.catch_warnings():
             # torchrl warns that ITS state_dict application is experimental; zmqsync
@@ -473,8 +475,8 @@ class _CollectorScheme(_TorchRLWeightSyncScheme):
         options: dict[str, Any] = {}
         if self._apply_mode is not None:
             options["apply_mode"] = self._apply_mode
-        if self._lend_tensors:
-            options["lend_tensors"] = True
+        if self._lend_tensors is not None:
+            options["lend_tensors"] = self._lend_tensors
         return options
 
     def _setup_connection_and_weights_on_receiver_impl(

@@ -98,9 +98,10 @@ class MultiProcessWeightSyncScheme(_CollectorScheme):
             must stay ``True``: workers take their first weights from the snapshot);
             and ``apply_mode``, every worker's (see :class:`zmqsync.WeightReceiver`):
             ``"shared"`` makes each worker's policy read-only views of the learner's one
-            copy in shared memory (see docs/shared.md); ``lend_tensors=True``, the
-            sender's and every worker's: the learner writes each version straight into
-            the workers' own tensors (see docs/streaming.md).
+            copy in shared memory (see docs/shared.md); ``lend_tensors``, the sender's
+            and every worker's (on by default: the learner writes each version of 4 MiB
+            and more straight into the tensors of the workers on its host; ``False``
+            streams every version; see docs/streaming.md).
 
     Without a collector: ``init_on_sender(model_id, model=..., num_workers=N)``, start
     the workers with the scheme (``spawn`` or ``forkserver``), call ``connect()`` on the
