@@ -1,8 +1,8 @@
-"""``lend_tensors=True`` under a real torchrl collector: the learner's scheme carries the
-choice into every spawned worker, each worker lends the memory its policy's tensors live
-in, the learner writes each update into it, and every frame's logits are those of the
-version it is tagged with (PPO's importance ratio needs nothing less). Over pipes and
-ZeroMQ ``ipc://``."""
+"""Lent tensors under a real torchrl collector: the learner's scheme carries the choice
+(``lend_tensors=True``, or the default for a policy of 4 MiB and more) into every spawned
+worker, each worker lends the memory its policy's tensors live in, the learner writes
+each update into it, and every frame's logits are those of the version it is tagged
+with (PPO's importance ratio needs nothing less). Over pipes and ZeroMQ ``ipc://``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from torchrl.collectors import MultiSyncCollector
 
 import zmqsync.torchrl
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
+from zmqsync.transport.shm.lent import LENT_MIN_BYTES
 
 pytestmark = pytest.mark.skipif(not SHM_AVAILABLE, reason="memfd is Linux's")
 
@@ -38,31 +39,45 @@ class LendingActor(Actor):
         return logits, torch.full((*observation.shape[:-1], 1), int(lent))
 
 
-def make_policy() -> TensorDictModule:
+class BigLendingActor(LendingActor):
+    """:class:`LendingActor` with a table of 4 MiB besides (unused by its logits, updated
+    with the rest): a policy the default lends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(LENT_MIN_BYTES // 4 + 1024))
+
+
+def make_policy(big: bool = False) -> TensorDictModule:
     torch.manual_seed(0)
     return TensorDictModule(
-        LendingActor(), in_keys=["observation"], out_keys=["action", "weights_inode"]
+        BigLendingActor() if big else LendingActor(),
+        in_keys=["observation"],
+        out_keys=["action", "weights_inode"],
     )
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport", ["pipe", "zmq-ipc"])
+@pytest.mark.parametrize(
+    "transport, lend", [("pipe", True), ("zmq-ipc", True), ("pipe", None)], ids=str
+)
 def test_multisync_writes_each_update_into_the_workers_lent_policies(
-    transport: str, monkeypatch, tmp_path
+    transport: str, lend: bool | None, monkeypatch, tmp_path
 ) -> None:
     from zmqsync.sender import core
 
-    # The policy is 270 KB, which streams by default; and every go must count, even
-    # from a worker slowed down by a loaded machine.
-    monkeypatch.setattr(core, "LENT_MIN_BYTES", 0)
+    # Every go must count, even from a worker slowed down by a loaded machine.
     monkeypatch.setattr(core, "LENT_GO_WAIT", 20.0)
-    policy = make_policy()
+    options: dict[str, Any] = {"timeout": 30}
+    if lend:
+        # The policy is 270 KB, which streams by default: lend it all the same.
+        monkeypatch.setattr(core, "LENT_MIN_BYTES", 0)
+        options["lend_tensors"] = True
+    policy = make_policy(big=lend is None)  # the default lends from 4 MiB up
     if transport == "pipe":
-        scheme: Any = zmqsync.torchrl.MultiProcessWeightSyncScheme(timeout=30, lend_tensors=True)
+        scheme: Any = zmqsync.torchrl.MultiProcessWeightSyncScheme(**options)
     else:
-        scheme = zmqsync.torchrl.ZMQWeightSyncScheme(
-            endpoint=f"ipc://{tmp_path}/trl", timeout=30, lend_tensors=True
-        )
+        scheme = zmqsync.torchrl.ZMQWeightSyncScheme(endpoint=f"ipc://{tmp_path}/trl", **options)
     collector = MultiSyncCollector(
         [make_env] * NUM_WORKERS,
         policy,

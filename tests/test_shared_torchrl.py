@@ -128,7 +128,7 @@ def _bump(policy: TensorDictModule, step: int) -> None:
 
 def _reference(policy: TensorDictModule) -> Actor:
     """A private copy of the policy's weights now: what its version computes."""
-    actor = Actor()
+    actor = type(policy.module)()  # an Actor, or one of the tests' kinds of it
     actor.load_state_dict({k: v.clone() for k, v in policy.module.state_dict().items()})
     return actor.eval()
 
