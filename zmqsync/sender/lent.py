@@ -106,17 +106,19 @@ class LentTarget:
         self.schema = plan.schema
         #: The memory written into (the hub's mapping of what the worker lent).
         self.memory = mapped
-        self._views = [_view(flat, off, n, dtype, shape) for _, off, n, dtype, shape in plan.large]
-        self._stretch = flat[plan.lo : plan.hi]
+        #: The large tensors' places in the memory, in the plan's order.
+        self.views = [_view(flat, off, n, dtype, shape) for _, off, n, dtype, shape in plan.large]
+        #: The small tensors' stretch in the memory.
+        self.stretch = flat[plan.lo : plan.hi]
 
     def write(self, gathered: Gathered) -> None:
         """Copy a version in: what :meth:`LentPlan.gather` returned for it."""
         large, stretch = gathered
         with torch.no_grad():
-            if self._views:
-                torch._foreach_copy_(self._views, large)
+            if self.views:
+                torch._foreach_copy_(self.views, large)
             if len(stretch):
-                self._stretch.copy_(stretch)
+                self.stretch.copy_(stretch)
 
     @staticmethod
     def write_all(targets: Sequence[LentTarget], gathered: Gathered) -> None:
@@ -128,7 +130,7 @@ class LentTarget:
         large, stretch = gathered
         with torch.no_grad():
             for i, src in enumerate(large):
-                dests = [t._views[i] for t in targets]
+                dests = [t.views[i] for t in targets]
                 if src.nbytes <= FAN_OUT_BLOCK or not src.is_contiguous():
                     torch._foreach_copy_(dests, [src] * len(dests))
                     continue
@@ -138,7 +140,7 @@ class LentTarget:
                     block = flat[lo : lo + step]
                     torch._foreach_copy_([d[lo : lo + step] for d in flats], [block] * len(flats))
             if len(stretch):
-                torch._foreach_copy_([t._stretch for t in targets], [stretch] * len(targets))
+                torch._foreach_copy_([t.stretch for t in targets], [stretch] * len(targets))
 
 
 def _shape(shape: tuple[int, ...]) -> tuple[int, ...]:
