@@ -186,6 +186,9 @@ class Applier:
         #: Lend the tensors whatever the version's size (``lend_tensors=True``); by
         #: default only from LENT_MIN_BYTES up, where the learner writes lent memory.
         self._lend_small = lend_tensors is True
+        #: The last schema sized for lending, and whether it is large enough (walking
+        #: thousands of entries at every version would cost as much as their copy).
+        self._lend_sized: tuple[WeightsSchema, bool] | None = None
 
     def device_to_take(self) -> torch.device | None:
         """The GPU the model lives on, when versions lent on it can be applied from it
@@ -297,7 +300,7 @@ class Applier:
         spoke = self._host.transport
         if not isinstance(spoke, Borrows) or not spoke.lends_tensors():
             return
-        if not self._lend_small and stream_bytes(self._schema) < LENT_MIN_BYTES:
+        if not self._lend_small and not self._large_enough(self._schema):
             return  # the learner streams versions this small: nothing to lend for
         if self._lent.said_lately(layout, time.monotonic()):
             return  # said within the second, and nothing was refused since
@@ -309,6 +312,14 @@ class Applier:
             if moved:
                 self._in_place = self._plan = None  # their views are of the old memory
             spoke.lend_tensors(where, layout)
+
+    def _large_enough(self, schema: WeightsSchema) -> bool:
+        """Whether versions of ``schema`` are large enough for the learner to write
+        into lent memory (LENT_MIN_BYTES and more)."""
+        sized = self._lend_sized
+        if sized is None or sized[0] is not schema:
+            sized = self._lend_sized = (schema, stream_bytes(schema) >= LENT_MIN_BYTES)
+        return sized[1]
 
     def lent_ask(self, version: int, epoch: int, layout: bytes) -> None:
         """The hub asks to write ``version`` into the lent tensors: hold the lock and say
