@@ -230,6 +230,62 @@ def test_a_worker_says_where_its_tensors_lie_again_once_a_second_or_after_a_refu
     assert not versions.said_lately(digest, time.monotonic())
 
 
+def _lent_descriptors() -> int:
+    """How many of this process's descriptors open lent memory."""
+    links = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            links += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:zmqsync-lent")
+        except OSError:  # the directory's own descriptor, closed once listed
+            continue
+    return links
+
+
+def test_lent_memory_is_closed_to_everyone_once_the_hub_wrote_into_it() -> None:
+    """The hub's mapping keeps no descriptor, and the worker closes its own once the hub
+    wrote a version in: nobody opens the memory through /proc/PID/fd after that, a
+    hub included. A version streamed to the worker then (the hub may have forgotten it)
+    moves its tensors into fresh memory, the same objects with their values, and what
+    the hub still writes into the old memory reaches none of them."""
+    from zmqsync.receiver.lent import LentVersions
+
+    learner, worker = _model(1), _model(2)
+    params = list(worker.parameters())
+    layout = _stream(learner)
+    digest, stats = b"layout-1", dict[str, int]()
+    versions = LentVersions(stats)
+    before = _lent_descriptors()
+    lent = versions.lend(layout.schema, digest, worker, extract(worker, "state_dict"))
+    assert lent is not None and lent[1]
+    where = lent[0]
+    assert _lent_descriptors() == before + 1  # the worker's, until the hub has mapped it
+    mapped = map_lent(where, layout.total)
+    assert _lent_descriptors() == before + 1  # the hub's mapping holds none
+    plan = LentPlan(layout.schema)
+    LentTarget(mapped, plan).write(plan.gather(extract(learner, "state_dict")))
+    versions.written()
+    assert _lent_descriptors() == before
+    with pytest.raises((OSError, ValueError)):  # gone, or its number names another file
+        map_lent(where, layout.total)
+    x = torch.randn(5, 64)
+    assert torch.equal(worker(x), learner(x))
+
+    # A streamed version: the tensors move to fresh memory, lent anew.
+    renewed = versions.lend(layout.schema, digest, worker, extract(worker, "state_dict"))
+    assert renewed is not None and renewed[1] and stats["lent_renewed"] == 1
+    assert renewed[0].inode != where.inode and _lent_descriptors() == before + 1
+    assert all(a is b for a, b in zip(params, worker.parameters(), strict=True))
+    assert torch.equal(worker(x), learner(x))
+    mapped[:] = 0  # the old memory: the hub's mapping of it lives on, and reaches nothing
+    assert torch.equal(worker(x), learner(x))
+    # Said again while its descriptor is open: it stays where it is.
+    again = versions.lend(layout.schema, digest, worker, extract(worker, "state_dict"))
+    assert again is not None and not again[1] and again[0] == renewed[0]
+    assert stats["lent_renewed"] == 1
+    versions.take_back()
+    assert _lent_descriptors() == before
+
+
 def test_only_tensors_that_can_lie_in_the_stream_are_lent() -> None:
     learner, worker = _model(1), _model(2)
     flattener = Flattener("state_dict", wire_dtype=torch.bfloat16)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
 import pytest
+from _lent_workers import LENT
 from _workers import bump, make_model
 
 import zmqsync
@@ -26,6 +28,18 @@ pytestmark = [
 ]
 
 WAIT_S = 60.0
+
+
+def _lent_links(pid: int) -> tuple[int, int]:
+    """How many of process ``pid``'s descriptors open its lent memory, and how many of its
+    writable mappings lie in it."""
+    fds = 0
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed while listed
+            fds += os.readlink(f"/proc/{pid}/fd/{name}").startswith(LENT)
+    with open(f"/proc/{pid}/maps") as maps:
+        mapped = sum(1 for line in maps if LENT in line and line.split()[1].startswith("rw"))
+    return fds, mapped
 
 
 def _ask(control: Any) -> tuple[list[tuple[int, str, Any]], dict[str, Any], bool]:
@@ -143,6 +157,10 @@ def test_versions_are_written_into_the_workers_lent_tensors(fleet, transport: st
             assert stats.get("lent_applied", 0) == 0, stats
     totals = sender.status()["totals"]  # the hub's counters among them
     assert totals["lent_peers"] == 2 and totals["lent_writes"] >= 8, totals
+    # The learner mapped what the lending workers lent, and they closed its descriptor
+    # after the first write: nobody else opens it through /proc/PID/fd any more.
+    links = [_lent_links(proc.pid) for proc in fleet.procs()]
+    assert links[0] == (0, 1) and links[1] == (0, 1) and links[2] == (0, 0), links
 
 
 @pytest.mark.parametrize("kind", ["big", "wide"])
@@ -309,6 +327,44 @@ def test_a_stopped_or_killed_lending_worker_holds_nobody_back(fleet, signal_name
     _check(applied, sent)
     assert applied[-1][0] == max(sent), applied[-1]
     assert after["lent_applied"] > before["lent_applied"], (before, after)
+    # The learner had its memory mapped, and kept it, but the worker cannot tell a
+    # stream to a worker passed over from one to a worker forgotten: it lent fresh memory.
+    assert after["lent_renewed"] >= 1, after
+
+
+def test_a_restarted_learner_is_lent_fresh_memory(fleet, tmp_path) -> None:
+    """Lent memory's descriptor is closed once the learner mapped it, so a learner made
+    anew on the same ``ipc://`` path (a restart) cannot open it: the first version it
+    streams to each worker moves the worker's tensors into fresh memory (one copy,
+    ``lent_renewed``), which it lends the new learner, which writes the next versions
+    into it."""
+    sender, controls = fleet([True, True], zmq="router")
+    model, endpoint = sender.model, f"ipc://{tmp_path}/lent"  # the fleet's
+    for _ in range(3):
+        bump(model)
+        sender.send()
+    before = [_ask(control)[1] for control in controls]
+    assert all(s["lent_applied"] >= 2 and s["lent_renewed"] == 0 for s in before), before
+    assert [_lent_links(proc.pid) for proc in fleet.procs()] == [(0, 1), (0, 1)]
+    sender.close()
+    restarted = WeightSender(
+        RouterHub(endpoint), model=model, strategy="state_dict", num_workers=2, timeout=30
+    )
+    try:
+        for _ in range(3):
+            bump(model)
+            restarted.send()  # returns once both workers acked it
+        digest = zmqsync.checksum(model, "state_dict")
+        assert restarted.status()["totals"]["lent_writes"] >= 2
+        for control, was in zip(controls, before, strict=True):
+            applied, stats, same = _ask(control)
+            assert applied[-1][1] == digest and same
+            assert stats["lent_renewed"] == 1, stats
+            assert stats["lent_applied"] >= was["lent_applied"] + 1, (was, stats)
+        # The old memory is gone from the workers; the new one is mapped, its door shut.
+        assert [_lent_links(proc.pid) for proc in fleet.procs()] == [(0, 1), (0, 1)]
+    finally:
+        restarted.close()
 
 
 @pytest.mark.parametrize("what", ["small model", "small tensors"])

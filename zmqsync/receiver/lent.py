@@ -10,6 +10,15 @@ while this worker holds its lock.
 A worker that stops trusting the hub to be done with the memory (the hub went quiet in
 the middle of a write) moves its tensors away again (:meth:`LentTensors.take_back`: one
 copy into private memory), so nothing the hub writes later reaches them.
+
+The memfd's descriptor stays open only until the hub has written a version in: it has
+the memory mapped then, and a mapping outlives the descriptor. Closed, the memory can
+no longer be opened through ``/proc/PID/fd`` by anyone (another process of the worker's
+user, or a peer naming it as its own): only ``/proc/PID/mem`` and ``map_files`` reach
+it, which take the rights to trace the worker. A hub that must map it again (it forgot
+the worker: the learner restarted, or dropped it and took it back) cannot, so when a
+version comes streamed to a worker whose descriptor is closed, its tensors move into a
+fresh memfd (one copy, ``lent_renewed``) and the hub is told where they lie now.
 """
 
 from __future__ import annotations
@@ -81,6 +90,18 @@ class LentTensors:
     def lent(self) -> bool:
         return self.memory is not None
 
+    @property
+    def can_be_opened(self) -> bool:
+        """Whether a hub may still open the memory (its descriptor is open)."""
+        return self.memory is not None and self.memory.fd >= 0
+
+    def mapped(self) -> None:
+        """The hub has the memory mapped (it wrote a version in): close the descriptor,
+        so that nobody else opens it through ``/proc``. The tensors stay where they are,
+        and the hub keeps writing into them."""
+        if self.memory is not None:
+            self.memory.close()
+
     def intact(self) -> bool:
         """Whether every tensor still lies where it was moved (nobody gave one other
         storage, ``p.data = ...``, or another shape since): only then may the hub write."""
@@ -128,11 +149,12 @@ class LentVersions:
     Counts, in the receiver's stats: ``lent_applied`` (versions the hub wrote in),
     ``lent_refused`` (asks answered no: the tensors moved, a version in progress, an
     old version), ``lent_taken_back`` (the hub went quiet mid-write, or the model's
-    tensors moved under it)."""
+    tensors moved under it), ``lent_renewed`` (moved into fresh lent memory: a version
+    came streamed after the hub had mapped the old memory, whose descriptor is closed)."""
 
     def __init__(self, stats: dict[str, Any]) -> None:
         self._stats = stats
-        for key in ("lent_applied", "lent_refused", "lent_taken_back"):
+        for key in ("lent_applied", "lent_refused", "lent_taken_back", "lent_renewed"):
             stats.setdefault(key, 0)
         self.tensors: LentTensors | None = None
         #: The layout digest the tensors are laid out for.
@@ -161,9 +183,16 @@ class LentVersions:
         worker's lock), unless they lie there already; where they are and whether they
         moved now, or None if they cannot be lent."""
         self._said_at = time.monotonic()
-        if self.tensors is not None and self.layout == layout and self.tensors.intact():
-            return self.tensors.where(), False  # lent already, for this layout
-        self.take_back(count=False)
+        held = self.tensors
+        if held is not None and self.layout == layout and held.intact():
+            if held.can_be_opened:
+                return held.where(), False  # lent already, for this layout
+            # The hub mapped this memory (its descriptor is closed since), yet a version
+            # came streamed: the hub may have forgotten this worker, and cannot open the
+            # memory again. Fresh memory, moved into straight from the old one.
+            self._stats["lent_renewed"] += 1
+        else:
+            self.take_back(count=False)
         try:
             self.tensors = LentTensors(schema, model, target)
         except (SchemaMismatchError, ValueError, OSError) as exc:
@@ -199,6 +228,7 @@ class LentVersions:
         self.pending = None
         self._stats["lent_applied"] += 1
         if self.tensors is not None:
+            self.tensors.mapped()  # the hub wrote it: it has it mapped
             # The hub's write bumped no tensor's version counter: a backward pass through
             # a graph saved before it must raise, as it would after a copy_.
             bump = getattr(torch.autograd.graph, "increment_version", None)

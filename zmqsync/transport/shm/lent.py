@@ -17,11 +17,16 @@ Trust, both ways:
   would make the learner's writes fault, ``SIGBUS``), and exactly the version's size.
   A worker that lends anything else is refused (:class:`ValueError`), and the hub sends
   it versions as it sends them to any worker.
+- Nobody else gets in: the descriptor is open only until the hub has mapped the memory
+  (the worker closes it after the hub's first write), so no other process of the
+  worker's user opens it through ``/proc/PID/fd`` later, and no peer names it as its
+  own to have the learner write into it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -65,6 +70,51 @@ _F_ADD_SEALS: Final = 1033
 _F_GET_SEALS: Final = 1034
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED: Final = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """A writable ``MAP_SHARED`` mapping of ``nbytes`` of the file ``fd`` opens that keeps
+    no descriptor (Python's ``mmap`` keeps a duplicate open for as long as it lives, and
+    an open descriptor is what ``/proc/PID/fd`` hands to other processes of the user).
+    Unmapped once the last array over it (:func:`_mapped`) is gone."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
+        address = _libc.mmap(None, nbytes, prot, flags, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {nbytes} bytes failed: {os.strerror(err)}")
+        self.address, self.nbytes = address, nbytes
+        #: What numpy reads: the mapping as bytes (this object stays the array's base).
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        _libc.munmap(self.address, self.nbytes)
+
+
+def _mapped(fd: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of the file ``fd`` opens, mapped shared and writable, as bytes; ``fd``
+    may be closed at once (the mapping lives as long as the array and its views)."""
+    return np.asarray(_Mapping(fd, nbytes))
+
+
 class Where(NamedTuple):
     """What a worker tells the hub of the memory it lends."""
 
@@ -79,9 +129,10 @@ class LentMemory:
     anonymous memfd sealed against resizing, mapped writable here (:attr:`array`).
 
     The mapping stays valid as long as :attr:`array` (or any view of it, a tensor's
-    storage) lives; :meth:`close` closes the descriptor, so a hub can no longer open
-    it (one that mapped it already keeps writing into the same memory: a worker that
-    must stop that moves its tensors to other memory)."""
+    storage) lives; :meth:`close` closes the descriptor, so nobody can open it any more
+    through ``/proc``, a hub included (one that mapped it already keeps writing into the
+    same memory: a worker that must stop that moves its tensors to other memory). A
+    worker closes it once the hub has mapped it (see :mod:`zmqsync.receiver.lent`)."""
 
     def __init__(self, nbytes: int, *, name: str = "zmqsync-lent") -> None:
         import fcntl
@@ -93,13 +144,12 @@ class LentMemory:
         try:
             os.ftruncate(self.fd, nbytes)
             fcntl.fcntl(self.fd, _F_ADD_SEALS, LENT_SEALS)
-            self._mm = mmap.mmap(self.fd, nbytes)
+            #: The lent bytes, writable here.
+            self.array = _mapped(self.fd, nbytes)
         except BaseException:
             os.close(self.fd)
             raise
         self.inode = os.fstat(self.fd).st_ino
-        #: The lent bytes, writable here.
-        self.array = np.frombuffer(self._mm, dtype=np.uint8)
 
     def where(self) -> Where:
         """What to tell the hub (:func:`map_lent` takes it)."""
@@ -108,7 +158,8 @@ class LentMemory:
         return Where(os.getpid(), self.fd, self.inode, self.nbytes)
 
     def close(self) -> None:
-        """Lend it no more: close the descriptor (the mapping lives with its views)."""
+        """Let nobody open it any more: close the descriptor (the mapping here, and a
+        hub's that mapped it already, live on with their views)."""
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
@@ -138,11 +189,11 @@ def map_lent(where: Where, nbytes: int) -> np.ndarray:
             raise ValueError(f"fd {fd} of pid {pid} may shrink or grow under the learner")
         if st.st_size != nbytes:
             raise ValueError(f"fd {fd} of pid {pid} is {st.st_size} bytes, not {nbytes}")
-        mapped = mmap.mmap(handle, nbytes)
+        mapped = _mapped(handle, nbytes)
     finally:
         with contextlib.suppress(OSError):
-            os.close(handle)
-    return np.frombuffer(mapped, dtype=np.uint8)
+            os.close(handle)  # the learner keeps no descriptor of a worker's memory
+    return mapped
 
 
 class LentPeers:
