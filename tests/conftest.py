@@ -112,13 +112,14 @@ class Fleet:
         reply = conn.recv()  # type: ignore[attr-defined]
         assert reply == "ready", f"worker {worker_idx}: {reply}"
 
-    def over_pipes(self, model, kind: str, workers: int = 2):  # type: ignore[no-untyped-def]
-        """A ``MultiProcessWeightSyncScheme`` sending ``model`` to ``workers`` pipe
-        workers of ``kind`` (started here, ready when it returns); shut it down after."""
+    def over_pipes(self, model, kind: str, workers: int = 2, **options):  # type: ignore[no-untyped-def]
+        """A ``MultiProcessWeightSyncScheme`` (given ``options``) sending ``model`` to
+        ``workers`` pipe workers of ``kind`` (started here, ready when it returns); shut
+        it down after."""
         from zmqsync import MultiProcessWeightSyncScheme
 
         pipes = [SPAWN.Pipe() for _ in range(workers)]
-        scheme = MultiProcessWeightSyncScheme(timeout=30)
+        scheme = MultiProcessWeightSyncScheme(timeout=30, **options)
         ends = [p for p, _ in pipes]
         scheme.init_on_sender("policy", pipes=ends, model=model, num_workers=workers)
         try:

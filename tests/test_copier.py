@@ -91,13 +91,14 @@ def test_versions_arrive_exact_through_split_copies(
 ) -> None:
     """A 32 MiB model to two pipe workers with 3 copy threads in the learner and in each
     worker (set through the environment, as on a many-core host): every version exact,
-    through the shared blocks, large pieces split on both sides."""
+    through the shared blocks, large pieces split on both sides (streamed: lent tensors
+    would take every version after the first without a block)."""
     from _workers import make_model
 
     monkeypatch.setenv(COPY_THREADS_ENV, "3")  # the spawned workers inherit it
     monkeypatch.setattr(copier_module, "_copier", None)  # the learner reads it anew
     model = make_model("big", seed=0)
-    scheme = fleet.over_pipes(model, "big", workers=2)
+    scheme = fleet.over_pipes(model, "big", workers=2, lend_tensors=False)
     try:
         fleet.each_version_exact(scheme, model, workers=2)
         assert copier_module.copier().threads == 3

@@ -286,6 +286,60 @@ def test_lent_memory_is_closed_to_everyone_once_the_hub_wrote_into_it() -> None:
     assert _lent_descriptors() == before
 
 
+def _shared_kib() -> int:
+    """This process's resident shared memory (RssShmem), KiB."""
+    with open("/proc/self/status") as status:
+        line = next(x for x in status if x.startswith("RssShmem:"))
+    return int(line.split()[1])
+
+
+def test_a_pool_keeps_no_written_block_once_versions_go_into_lent_tensors() -> None:
+    """The hub's pool reuses a block a version was written into (fresh memory costs a
+    page fault per page), until a version goes only into the workers' lent tensors
+    (``unwritten``): then every free block written before is retired, its memory given
+    back, and a block that never held a version is kept (it costs nothing) and lent
+    first. A block reused for such a version is retired once free."""
+    from zmqsync.transport.shm.blocks import BlockPool
+
+    n = 16 << 20
+    pool = BlockPool()
+    try:
+        before = _shared_kib()
+        a = pool.lend(n)
+        assert a is not None
+        a[1][:] = 1  # a streamed version, written
+        first = a[0].id
+        del a
+        b = pool.lend(n)  # streaming: the same block again
+        assert b is not None and b[0].id == first
+        b[1][:] = 2
+        assert _shared_kib() - before >= n // 1024 * 9 // 10
+        pool.unwritten(b[1])  # this one went only into lent tensors
+        del b
+        assert pool.live_ids() == [first]  # not free when told: retired at the next lend
+        c = pool.lend(n)
+        assert c is not None and c[0].id != first and pool.live_ids() == [c[0].id]
+        assert _shared_kib() - before < 1024  # the written block's memory is back
+        fresh = c[0].id
+        pool.unwritten(c[1])
+        del c
+        d = pool.lend(n)  # the fresh block, kept
+        assert d is not None and d[0].id == fresh
+        other = pool.lend(n)  # a second one while d is lent (a stream, say)
+        assert other is not None
+        other[1][:] = 3
+        del other
+        pool.unwritten(d[1])  # the free, written one goes now
+        assert pool.live_ids() == [fresh]
+        del d
+        e = pool.lend(n)
+        assert e is not None and e[0].id == fresh
+        assert _shared_kib() - before < 1024
+        del e
+    finally:
+        pool.close()
+
+
 def test_only_tensors_that_can_lie_in_the_stream_are_lent() -> None:
     learner, worker = _model(1), _model(2)
     flattener = Flattener("state_dict", wire_dtype=torch.bfloat16)

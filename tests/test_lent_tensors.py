@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import time
 from typing import Any
 
@@ -40,6 +41,27 @@ def _lent_links(pid: int) -> tuple[int, int]:
     with open(f"/proc/{pid}/maps") as maps:
         mapped = sum(1 for line in maps if LENT in line and line.split()[1].startswith("rw"))
     return fds, mapped
+
+
+#: A hub's shared-memory block as /proc/PID/maps names it (lent memory is named
+#: otherwise; block 0 is the page that ZeroMQ and Ray hubs probe their peers with).
+_HUB_BLOCK = re.compile(r"/memfd:zmqsync-[1-9]\d* ")
+
+
+def _hub_blocks(pid: int) -> tuple[int, int]:
+    """How many of the hub's blocks process ``pid`` maps, and how many KiB of them are
+    resident there."""
+    mapped = resident = 0
+    with open(f"/proc/{pid}/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if not head.endswith(":"):  # a mapping's first line
+                inside = _HUB_BLOCK.search(line + " ") is not None
+                mapped += inside
+            elif inside and head == "Rss:":
+                resident += int(line.split()[1])
+    return mapped, resident
 
 
 def _ask(control: Any) -> tuple[list[tuple[int, str, Any]], dict[str, Any], bool]:
@@ -259,6 +281,44 @@ def test_a_worker_that_moved_its_tensors_is_streamed_to_and_lends_again(fleet) -
     _check(applied, sent)
     assert applied[-1][0] == max(sent)
     assert stats["lent_refused"] >= 1 and stats["lent_applied"] >= 3, stats
+
+
+@pytest.mark.parametrize("transport", ["pipe", "router"])
+def test_versions_only_in_lent_tensors_leave_no_block_in_memory(fleet, transport: str) -> None:
+    """Once every worker takes each version into its lent tensors, the learner keeps no
+    shared-memory block that a version was written into (it would hold a model copy
+    nobody reads), and the workers map none: the block the first versions streamed
+    through goes back to the system. A worker that gives its tensors new storage is
+    streamed to through a block again, and that block goes too once it lends again."""
+    sender, controls = fleet([True, True], zmq="" if transport == "pipe" else transport)
+    model = sender.model
+    sent: dict[int, str] = {}
+
+    def send() -> None:
+        bump(model)
+        sender.send()
+        sent[sender.fleet.version] = zmqsync.checksum(model, "state_dict")
+
+    send()  # streamed: the workers lend their tensors after it
+    assert _hub_blocks(os.getpid())[1] > 0  # the learner wrote it into a block
+    for _ in range(3):
+        send()
+    pids = [os.getpid()] + [proc.pid for proc in fleet.procs()]
+    learner, *workers = (_hub_blocks(pid) for pid in pids)
+    assert learner[1] == 0 and all(w == (0, 0) for w in workers), (learner, workers)
+
+    controls[0].send("move")  # p.data = ...: its tensors leave the lent memory
+    _ask(controls[0])
+    send()  # refused by worker 0, streamed to it through a block
+    assert _hub_blocks(os.getpid())[1] > 0
+    send()  # worker 0 lent its tensors again after the stream: every worker takes it
+    send()
+    learner, *workers = (_hub_blocks(pid) for pid in pids)
+    assert learner[1] == 0 and all(w == (0, 0) for w in workers), (learner, workers)
+    for control in controls:
+        applied, stats, same = _ask(control)
+        _check(applied, sent)
+        assert applied[-1][0] == max(sent) and same and stats["lent_applied"] >= 4, stats
 
 
 @pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])

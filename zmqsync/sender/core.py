@@ -630,9 +630,13 @@ class WeightSender:
         ):
             # Every worker took it into its lent tensors, no stream read it and every
             # worker the sender expects holds it: it is never written here, and serves
-            # nobody (a worker that leaves and joins again gets the next one).
+            # nobody (a worker that leaves and joins again gets the next one). The hub
+            # keeps no memory written for the versions before, which nobody reads.
             copy.forgo()
             self._versions.serve(None)
+            hub = self._runners[0].hub
+            if copy.lent_by_hub and isinstance(hub, Lends):
+                hub.unwritten(copy.data)
         else:
             copy.write_through(copy.count - 1)
         if copy.data is None or copy.live:

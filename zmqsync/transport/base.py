@@ -239,6 +239,12 @@ class Lends(Ability):
         """``nbytes`` of memory this hub's peers can read in place (a uint8 numpy array),
         or None. Frames that are read-only views of it are sent without a copy."""
 
+    def unwritten(self, memory: Any) -> None:
+        """``memory``, from :meth:`lend`, was never written and never will be: every
+        peer took its version into tensors it lends (:meth:`ask_lent`). The hub then
+        keeps no memory written for earlier versions that nobody reads. Nothing by
+        default."""
+
     def copying(self) -> dict[PeerId, int]:
         """The peers this hub now sends copies to instead of leases (they still hold
         blocks they should have let go of: stopped, stuck), each with how many blocks

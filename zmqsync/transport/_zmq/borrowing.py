@@ -229,6 +229,12 @@ class Borrower:
         (received frames may lie in them), else 0; then the ``shm_`` counts."""
         return {"borrowing": int(self.active)} | {f"shm_{k}": v for k, v in self.counters.items()}
 
+    def forget_blocks(self) -> None:
+        """A version came into the lent tensors: forget the hub's shared-memory blocks
+        mapped for the versions before (each is mapped again, through ``/proc``, if a
+        later lease names it), so that one the hub retires frees its memory."""
+        self._maps.forget_host()
+
     def close(self) -> None:
         self._maps.clear()
         self._slot = None

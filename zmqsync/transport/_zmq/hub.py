@@ -264,6 +264,10 @@ class ZMQHub(
         self._check_open()
         return None if self._lender is None else self._lender.lend(nbytes)
 
+    def unwritten(self, memory: Any) -> None:
+        if self._lender is not None:
+            self._lender.unwritten(memory)
+
     def lending(self) -> bool:
         # Before any peer joined too (as pipes and Ray do): the version a worker joins
         # on then lies in a block, and goes to it leased once it joined, not copied
@@ -280,7 +284,7 @@ class ZMQHub(
         peers = self._peers  # admitted, and reachable
         return [p for p in self._lent.peers(layout) if p in peers]
 
-    def _lent_record(self, peer: PeerId, record: bytes) -> None:
+    def _lent_record(self, peer: PeerId, record: bytes, *, unmaps: bool = False) -> None:
         self._send_to(peer, [record])
 
     def copying(self) -> dict[PeerId, int]:

@@ -387,6 +387,9 @@ class Lender:
         lent = self.pool.lend(nbytes)
         return None if lent is None else lent[1]
 
+    def unwritten(self, memory: Any) -> None:
+        self.pool.unwritten(memory)
+
     def stats(self) -> dict[str, int]:
         out = {f"shm_{k}": v for k, v in self.counters.items()}
         out["shm_bytes"] = self.pool.nbytes()

@@ -31,7 +31,7 @@ from zmqsync.transport._zmq.sockets import (
 from zmqsync.transport.base import Borrows, Counted, Follows, Peekable, PeerId, SpokeTransport
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.shm.lent import Where, lent_at
-from zmqsync.transport.shm.records import Go, encode, is_lent_record, is_record
+from zmqsync.transport.shm.records import Go, encode, is_lent_record, is_record, written_in
 
 __all__ = ["ZMQSpoke"]
 
@@ -173,7 +173,10 @@ class ZMQSpoke(OpenEnd, SpokeTransport, Peekable, Borrows, Follows, Counted):
                                 return frames
                             if is_lent_record(frames):
                                 # The hub's Ask or Written: the receiver's to act on.
-                                return [bytes(frames[0])]
+                                record = bytes(frames[0])
+                                if written_in(record):
+                                    self._borrower.forget_blocks()
+                                return [record]
                             resolved = self._borrower.on_record(frames)
                             if resolved is not None:
                                 return resolved

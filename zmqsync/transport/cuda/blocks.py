@@ -48,6 +48,11 @@ class DeviceBlock:
 
     fd: Final = -1  # a lease's entry names no descriptor, no inode
     inode: Final = 0
+    #: What the pool tracks of a host block's pages (BlockPool.unwritten): a device
+    #: block is never lent for a version that went only into tensors workers lend.
+    fresh = False
+    fresh_when_lent = False
+    discard = False
 
     def __init__(self, block_id: int, size: int, device: torch.device) -> None:
         self.id = block_id

@@ -307,6 +307,11 @@ def read(
         if isinstance(record, LentAt | Go) and blocks is None:
             return Received(lent=record)
         if isinstance(record, Ask | Written) and blocks is not None:
+            if isinstance(record, Written) and record.ok:
+                # A version in the lent tensors: the blocks mapped for the versions
+                # before are forgotten, so that one the hub retires frees its memory;
+                # the hub hands a block over again when it names it next.
+                blocks.forget_host()
             return Received(lent=record)
         if not isinstance(record, Lease) or blocks is None:
             raise OSError(f"a {type(record).__name__} record where none belongs")

@@ -229,6 +229,10 @@ class PipeHub(
         lent = self._shm.lend(nbytes)
         return None if lent is None else lent[1]
 
+    def unwritten(self, memory: Any) -> None:
+        if self._shm is not None:
+            self._shm.unwritten(memory)
+
     def takes_device(self, device: Any) -> bool:
         """Whether every worker said its model lives on ``device`` (a CUDA device of
         this host) and reads each version in place (none is sent copies)."""
@@ -252,14 +256,15 @@ class PipeHub(
     def lent_peers(self, layout: bytes) -> list[PeerId]:
         return self._lent.peers(layout)
 
-    def _lent_record(self, peer: PeerId, record: bytes) -> None:
+    def _lent_record(self, peer: PeerId, record: bytes, *, unmaps: bool = False) -> None:
         with self._lock:
             found = self._peers.get(peer)
         if found is None or found.lost is not None:
             self._dropped += 1
             return
-        if not found.writer.put_now(record):  # the worker waits for it: no thread hop
-            found.writer.put(Outgoing(None, record=record))
+        # The worker waits for it: written on this thread, no hop to the writer's.
+        if not found.writer.put_now(record, unmaps=unmaps):
+            found.writer.put(Outgoing(None, record=record, unmaps=unmaps))
 
     def recv_frames(self, timeout: float | None) -> Incoming | None:
         self._check_open()

@@ -84,6 +84,9 @@ class Outgoing:
     make: Callable[[], bytes] | None = None
     #: Bytes to write as they are (the rest of a record :meth:`Writer.put_now` began).
     raw: bytes = b""
+    #: The peer forgets the host blocks it maps once it reads this record (the hub's
+    #: word that a version is in its lent tensors): blocks named later are handed anew.
+    unmaps: bool = False
 
     @property
     def lent(self) -> bool:
@@ -238,7 +241,7 @@ class Writer:
             with self._cond:
                 self._queue.appendleft(Outgoing(None, raw=data[sent:]))
 
-    def put_now(self, record: bytes) -> bool:
+    def put_now(self, record: bytes, *, unmaps: bool = False) -> bool:
         """Write a small control ``record`` on the caller's thread if nothing is being
         written and the pipe takes it at once (what it does not take is queued, in
         order); False when it wrote nothing: then :meth:`put` it. Saves the writer
@@ -247,7 +250,7 @@ class Writer:
         order; anything else queued makes it wait its turn."""
         if len(record) > _RECORD_NOW_MAX:
             return False
-        return self._write_now(_framed(record))
+        return self._write_now(_framed(record), unmaps)
 
     def message_now(self, frames: Sequence[Buffer]) -> bool:
         """:meth:`put_now` for a small message of plain ``frames`` (an ack): the bytes
@@ -259,11 +262,12 @@ class Writer:
             b"".join((_framed(header), _framed(lengths), *(memoryview(f) for f in frames)))
         )
 
-    def _write_now(self, data: bytes) -> bool:
+    def _write_now(self, data: bytes, unmaps: bool = False) -> bool:
         with self._cond:
             if self._stopping or self.broken is not None or self._writing:
                 return False
             before = b""
+            queued: list[Outgoing] = []
             if self._queue:
                 queued = list(self._queue)
                 if (
@@ -278,6 +282,8 @@ class Writer:
                 before = b"".join(_control_bytes(m) for m in queued)
             data = before + data
             sent = self._send_now(data)
+            if any(m.unmaps for m in queued):
+                self._forget_known()  # off the queue: written now, or first thing (raw)
             if sent < len(before):  # not even what was queued: the caller queues its own
                 self._queue.appendleft(Outgoing(None, raw=before[sent:]))
                 self._cond.notify()
@@ -287,7 +293,14 @@ class Writer:
             if sent < len(data):
                 self._queue.appendleft(Outgoing(None, raw=data[sent:]))
                 self._cond.notify()
+            if unmaps:
+                self._forget_known()
             return True
+
+    def _forget_known(self) -> None:
+        """The peer forgets the host blocks it maps once it reads what was just written
+        (call holding the condition): hand each block to it again when next leased."""
+        self._known = {b for b in self._known if b >= DEVICE_IDS}
 
     def _has_room(self) -> bool:
         """Whether the pipe takes bytes now (so queued records are not taken off the
@@ -377,6 +390,9 @@ class Writer:
                         self._sock.sendall(item.raw)
                     else:
                         self._conn.send_bytes(item.record if item.make is None else item.make())
+                    if item.unmaps:
+                        with self._cond:
+                            self._forget_known()
                     continue
                 frames = item.frames
                 if any(_on_device(f) and f.block.uuid != self.device for f in frames):  # type: ignore[union-attr]

@@ -42,6 +42,7 @@ from zmqsync.transport.shm.records import (
     encode,
     is_lent_record,
     is_record,
+    written_in,
 )
 
 __all__ = [
@@ -461,6 +462,11 @@ class RaySpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         go of them). None: nothing for the receiver (a poll, or a record answered here)."""
         first = frames[0] if frames else None
         if isinstance(first, bytes) and is_lent_record([first]):
+            if written_in(first):
+                # A version in the lent tensors: the driver's blocks mapped for those
+                # before are forgotten (mapped again through /proc if named again), so
+                # that one it retires frees its memory.
+                self._maps.forget_host()
             return [first]  # the hub's Ask or Written: the receiver's to act on
         if isinstance(first, bytes) and is_record([first]):
             # The hub's blocks stay numpy arrays over this process's read-only mapping

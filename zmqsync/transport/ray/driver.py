@@ -252,7 +252,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted
         with self._lock:
             return [p for p in peers if (a := self._actors.get(p)) and a.lost is None and a.shared]
 
-    def _lent_record(self, peer: PeerId, record: bytes) -> None:
+    def _lent_record(self, peer: PeerId, record: bytes, *, unmaps: bool = False) -> None:
         """A call of its own carrying one record of the lent tensors' handshake."""
         with self._lock:
             actor = self._actors.get(peer)
@@ -266,6 +266,10 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted
         actors that read the hub's blocks), or None."""
         self._check_open()
         return None if self._lending is None else self._lending.lend(nbytes)
+
+    def unwritten(self, memory: Any) -> None:
+        if self._lending is not None:
+            self._lending.unwritten(memory)
 
     def takes_device(self, device: Any) -> bool:
         """Whether every actor reads this host's blocks and said its model lives on GPU

@@ -77,6 +77,9 @@ class ActorLending:
         lent = self.pool.lend(nbytes)
         return None if lent is None else lent[1]
 
+    def unwritten(self, memory: Any) -> None:
+        self.pool.unwritten(memory)
+
     def lend_device(self, nbytes: int, device: Any) -> Any:
         if self.devices is None:
             return None

@@ -69,6 +69,13 @@ class Block:
         #: Leases each peer holds on the block (one per message naming it, until released).
         self.leases: Counter[Any] = Counter()
         self._own_refs = sys.getrefcount(self.array)
+        #: No page of it was ever written: it holds no memory (a sealed block's pages
+        #: cannot be given back but with the block).
+        self.fresh = True
+        #: Whether it was fresh when last lent (see :meth:`BlockPool.unwritten`).
+        self.fresh_when_lent = True
+        #: Retire it once free rather than lend it again: it holds pages nobody reads.
+        self.discard = False
 
     #: Where its memory is: the host (a device block says which device).
     kind: Any = None
@@ -133,10 +140,19 @@ class BlockPool:
     def _lend(self, nbytes: int, kind: Any) -> Any:
         """:meth:`lend`, of a block of ``kind`` (a subclass's: where its memory is)."""
         with self._lock:
-            free = [b for b in self._blocks.values() if b.free()]
-            for block in free:
-                if block.kind == kind and nbytes <= block.size <= 2 * nbytes:
-                    return block, block.array[:nbytes]
+            free = []
+            for block in [b for b in self._blocks.values() if b.free()]:
+                if block.discard:
+                    self._retire(block)
+                else:
+                    free.append(block)
+            fits = [b for b in free if b.kind == kind and nbytes <= b.size <= 2 * nbytes]
+            if fits:
+                # One that held a version first: its pages are there, where a fresh
+                # one's first write costs a page fault per page.
+                block = next((b for b in fits if not b.fresh), fits[0])
+                block.fresh_when_lent, block.fresh = block.fresh, False
+                return block, block.array[:nbytes]
             # No free block fits: give back a free one of the wrong size, then make one.
             if len(self._blocks) >= self._max_blocks and free:
                 self._retire(free[0])
@@ -144,6 +160,7 @@ class BlockPool:
                 self.fallbacks += 1
                 return None
             block = self._make(next(self._ids), max(nbytes, 1), kind)
+            block.fresh = False  # lent now: written, as far as the pool knows
             self._blocks[block.id] = block
             view = block.array[:nbytes]  # viewed now: _trim keeps it
             self._trim()
@@ -209,6 +226,24 @@ class BlockPool:
                 offset += _aligned(n)
         return out, keep
 
+    def unwritten(self, memory: Any) -> None:
+        """``memory``, which :meth:`lend` gave, was never written and never will be: every
+        peer took its version another way (into tensors it lends the hub). Versions go
+        that way now, so the pool keeps no pages nobody will read: every other free
+        block that was written is retired (its memory goes back to the system once no
+        peer maps it either), and so is ``memory``'s block once free, if it held a
+        version before; a fresh one stays, for the next version, at no cost."""
+        found = self.locate(memory)
+        with self._lock:
+            if found is not None:
+                block = found[0]
+                if block.fresh_when_lent:
+                    block.fresh = True
+                else:
+                    block.discard = True  # retired at the next lend that finds it free
+            for block in [b for b in self._blocks.values() if b.free() and not b.fresh]:
+                self._retire(block)
+
     def live_ids(self) -> list[int]:
         """Ids of the blocks that exist now (a peer may forget any other)."""
         with self._lock:
@@ -261,9 +296,10 @@ class BlockPool:
                     self._retire(block)
 
     def nbytes(self) -> int:
-        """Bytes of shared memory this pool maps."""
+        """Bytes of shared memory this pool holds: its blocks but those no version was
+        ever written into (they are mapped, and hold no page)."""
         with self._lock:
-            return sum(b.size for b in self._blocks.values())
+            return sum(b.size for b in self._blocks.values() if not b.fresh)
 
     def _trim(self) -> None:
         free = [b for b in self._blocks.values() if b.free()]

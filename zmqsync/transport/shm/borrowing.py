@@ -12,6 +12,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.shm.records import TOKEN_BYTES, Entry, Lease, Offer, RecordError
 
 __all__ = [
@@ -108,6 +109,14 @@ class PeerBlocks:
         if end > mapped.nbytes:
             raise ValueError(f"a frame names bytes past the end of block {entry.block}")
         return mapped[entry.offset : end]
+
+    def forget_host(self) -> None:
+        """Forget every mapping of a shared-memory block (not a device block's): the
+        hub wrote a version into this worker's lent tensors, and may retire the blocks
+        it read versions from before (they are unmapped once no frame views them, and
+        mapped again if named again)."""
+        for block_id in [b for b in self._maps if b < DEVICE_IDS]:
+            del self._maps[block_id]
 
     def clear(self) -> None:
         self._maps.clear()

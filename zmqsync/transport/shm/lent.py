@@ -302,7 +302,10 @@ class TakesLentTensors:
 
     _lent: LentPeers
 
-    def _lent_record(self, peer: bytes, record: bytes) -> None:
+    def _lent_record(self, peer: bytes, record: bytes, *, unmaps: bool = False) -> None:
+        """Send ``record`` to ``peer``; ``unmaps``: it is a version written in, after which
+        the peer forgets the hub's blocks it maps (a hub that hands blocks over once
+        hands them again)."""
         raise NotImplementedError
 
     def ask_lent(self, peer: bytes, version: int, epoch: int, layout: bytes) -> None:
@@ -316,7 +319,7 @@ class TakesLentTensors:
 
     def written(self, peer: bytes, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
         self._lent.written(ok)
-        self._lent_record(peer, encode(Written(version, epoch, ok, metadata)))
+        self._lent_record(peer, encode(Written(version, epoch, ok, metadata)), unmaps=ok)
 
 
 def lent_at(where: Where | None, layout: bytes) -> LentAt:

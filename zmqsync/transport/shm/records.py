@@ -68,6 +68,7 @@ __all__ = [
     "encode",
     "is_lent_record",
     "is_record",
+    "written_in",
 ]
 
 #: The channels a lease travels on, where a transport has two (ZeroMQ's PUB and
@@ -355,6 +356,18 @@ def is_lent_record(frames: Sequence[Buffer]) -> bool:
         and len(frames[0]) >= _MAGIC_BYTES
         and bytes(frames[0][:_MAGIC_BYTES]) in _LENT_MAGICS
     )
+
+
+def written_in(frame: Buffer) -> bool:
+    """Whether ``frame`` is the hub's :class:`Written` saying a version is in a worker's
+    lent tensors (after which the worker forgets the hub's blocks it maps)."""
+    if len(frame) < _MAGIC_BYTES or bytes(frame[:_MAGIC_BYTES]) != _WRITTEN:
+        return False
+    try:
+        record = decode(frame)
+    except RecordError:
+        return False  # the receiver counts it
+    return isinstance(record, Written) and record.ok
 
 
 def _ids(ids: Sequence[int] | frozenset[int]) -> bytes:
