@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -62,6 +63,19 @@ def _hub_blocks(pid: int) -> tuple[int, int]:
             elif inside and head == "Rss:":
                 resident += int(line.split()[1])
     return mapped, resident
+
+
+def _sends(sender: WeightSender) -> tuple[Callable[[], None], dict[int, str]]:
+    """A send of a new version of ``sender``'s model (bumped first), and the checksum of
+    each version sent, by version."""
+    sent: dict[int, str] = {}
+
+    def send() -> None:
+        bump(sender.model)
+        sender.send()
+        sent[sender.fleet.version] = zmqsync.checksum(sender.model, "state_dict")
+
+    return send, sent
 
 
 def _ask(control: Any) -> tuple[list[tuple[int, str, Any]], dict[str, Any], bool]:
@@ -236,13 +250,7 @@ def test_a_learner_quiet_mid_write_writes_nothing_the_worker_keeps(fleet, monkey
     from zmqsync.sender import lent
 
     sender, (control,) = fleet([True], chunk_timeout=0.5)
-    model = sender.model
-    sent: dict[int, str] = {}
-
-    def send() -> None:
-        bump(model)
-        sender.send()
-        sent[sender.fleet.version] = zmqsync.checksum(model, "state_dict")
+    send, sent = _sends(sender)
 
     for _ in range(3):
         send()
@@ -291,13 +299,7 @@ def test_versions_only_in_lent_tensors_leave_no_block_in_memory(fleet, transport
     through goes back to the system. A worker that gives its tensors new storage is
     streamed to through a block again, and that block goes too once it lends again."""
     sender, controls = fleet([True, True], zmq="" if transport == "pipe" else transport)
-    model = sender.model
-    sent: dict[int, str] = {}
-
-    def send() -> None:
-        bump(model)
-        sender.send()
-        sent[sender.fleet.version] = zmqsync.checksum(model, "state_dict")
+    send, sent = _sends(sender)
 
     send()  # streamed: the workers lend their tensors after it
     assert _hub_blocks(os.getpid())[1] > 0  # the learner wrote it into a block
