@@ -90,6 +90,8 @@ class _Mapping:
     an open descriptor is what ``/proc/PID/fd`` hands to other processes of the user).
     Unmapped once the last array over it (:func:`_mapped`) is gone."""
 
+    address = 0  # nothing mapped (yet)
+
     def __init__(self, fd: int, nbytes: int) -> None:
         prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
         address = _libc.mmap(None, nbytes, prot, flags, fd, 0)
@@ -105,8 +107,10 @@ class _Mapping:
             "version": 3,
         }
 
-    def __del__(self) -> None:
-        _libc.munmap(self.address, self.nbytes)
+    def __del__(self, _munmap: Callable[..., int] = _libc.munmap) -> None:
+        # (munmap held from the start: at exit the module's globals may be gone first.)
+        if self.address:
+            _munmap(self.address, self.nbytes)
 
 
 def _mapped(fd: int, nbytes: int) -> np.ndarray:
