@@ -244,9 +244,11 @@ def _lent_descriptors() -> int:
 def test_lent_memory_is_closed_to_everyone_once_the_hub_wrote_into_it() -> None:
     """The hub's mapping keeps no descriptor, and the worker closes its own once the hub
     wrote a version in: nobody opens the memory through /proc/PID/fd after that, a
-    hub included. A version streamed to the worker then (the hub may have forgotten it)
-    moves its tensors into fresh memory, the same objects with their values, and what
-    the hub still writes into the old memory reaches none of them."""
+    hub included. Told again after a streamed version, the hub hears of the same memory
+    (one that still maps it keeps writing it). Once a hub says it cannot use it (one
+    that forgot it), the next lending moves the tensors into fresh memory, the same
+    objects with their values, and what the old hub still writes into the old memory
+    reaches none of them."""
     from zmqsync.receiver.lent import LentVersions
 
     learner, worker = _model(1), _model(2)
@@ -270,7 +272,12 @@ def test_lent_memory_is_closed_to_everyone_once_the_hub_wrote_into_it() -> None:
     x = torch.randn(5, 64)
     assert torch.equal(worker(x), learner(x))
 
-    # A streamed version: the tensors move to fresh memory, lent anew.
+    # A streamed version (the worker missed its go, say): the same memory, told again.
+    again = versions.lend(layout.schema, digest, worker, extract(worker, "state_dict"))
+    assert again is not None and not again[1] and again[0] == where
+    versions.unusable()  # a hub answered a go so
+    assert not versions.said_lately(digest, time.monotonic())
+    # The next whole version: the tensors move to fresh memory, lent anew.
     renewed = versions.lend(layout.schema, digest, worker, extract(worker, "state_dict"))
     assert renewed is not None and renewed[1] and stats["lent_renewed"] == 1
     assert renewed[0].inode != where.inode and _lent_descriptors() == before + 1
@@ -400,6 +407,7 @@ def test_the_learner_writes_only_memory_that_fits_the_version() -> None:
         records.Go(3, 2, False),
         records.Written(3, 2, True, b'{"step": 3}'),
         records.Written(3, 2, False),
+        records.Written(3, 2, False, unusable=True),
     ],
 )
 def test_the_lent_tensors_records_round_trip(record: records.Record) -> None:
@@ -418,6 +426,7 @@ def test_the_lent_tensors_records_round_trip(record: records.Record) -> None:
         records.encode(records.Go(3, 2, True))[:-1] + b"\x02",  # a flag that is neither
         records.encode(records.Written(3, 2, True)) + b"m" * (records.MAX_WRITTEN_METADATA + 1),
         records.encode(records.Written(3, 2, True))[:-2],
+        records.encode(records.Written(3, 2, True))[:-1] + b"\x03",  # ok and unusable
     ],
 )
 def test_malformed_lent_tensors_records_are_refused(frame: bytes) -> None:

@@ -349,14 +349,19 @@ class Applier:
             spoke.lend_tensors(None, b"")
         spoke.answer(version, epoch, ok)
 
-    def lent_written(self, version: int, epoch: int, ok: bool, metadata: Any) -> PendingAck | None:
+    def lent_written(
+        self, version: int, epoch: int, ok: bool, metadata: Any, unusable: bool = False
+    ) -> PendingAck | None:
         """The hub says ``version`` is in the lent tensors (``ok``) or that it wrote
-        nothing of it (the version then comes as a stream). Returns its ack."""
+        nothing of it (the version then comes as a stream; ``unusable``: it could not
+        use the memory lent). Returns its ack."""
         lent = self._lent
         if lent is None or lent.pending is None or lent.pending[:2] != (version, epoch):
             self.stats["stale"] += 1  # an answer to an ask given up on: nothing to do
             return None
         if not ok:
+            if unusable:
+                lent.unusable()
             lent.pending = None
             self._writing = ""
             with self.lock.raw:

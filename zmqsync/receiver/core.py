@@ -716,7 +716,9 @@ class WeightReceiver:
             return None
         metadata = _metadata(record.metadata)
         epoch = applier.epoch
-        ack = applier.lent_written(record.version, record.epoch, record.ok, metadata)
+        ack = applier.lent_written(
+            record.version, record.epoch, record.ok, metadata, record.unusable
+        )
         if applier.epoch != epoch:
             self._upstream.sender_epoch = applier.epoch  # it follows a restarted sender
         if ack is not None and ack.applied:

@@ -16,9 +16,12 @@ the memory mapped then, and a mapping outlives the descriptor. Closed, the memor
 no longer be opened through ``/proc/PID/fd`` by anyone (another process of the worker's
 user, or a peer naming it as its own): only ``/proc/PID/mem`` and ``map_files`` reach
 it, which take the rights to trace the worker. A hub that must map it again (it forgot
-the worker: the learner restarted, or dropped it and took it back) cannot, so when a
-version comes streamed to a worker whose descriptor is closed, its tensors move into a
-fresh memfd (one copy, ``lent_renewed``) and the hub is told where they lie now.
+the worker: the learner restarted, or dropped it and took it back) cannot: it answers
+the worker's go with a :class:`~zmqsync.transport.shm.records.Written` saying the
+memory is unusable, and after the version that then comes streamed the tensors move
+into a fresh memfd (one copy, ``lent_renewed``), which the hub is told of. A hub that
+still maps the memory (it only streamed a version to a worker that missed its go) is
+told the same memory again, and nothing moves.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class LentTensors:
         self.schema = schema
         self._placed = Placements(schema, owned_tensors(model, target))
         self.memory: LentMemory | None = LentMemory(nbytes)
+        self._where = self.memory.where()
         self._move_onto(self.memory.array)
         #: Where each tensor moved: what :meth:`intact` checks.
         self._moved = [t for t, _, _, _ in self._placed.moves]
@@ -81,10 +85,11 @@ class LentTensors:
         self._strides = list(map(_STRIDE, self._moved))
 
     def where(self) -> Where:
-        """What the hub is told of the memory (it maps it with ``map_lent``)."""
+        """What the hub is told of the memory (it maps it with ``map_lent``): the same
+        once its descriptor is closed (a hub that mapped it knows it by that)."""
         if self.memory is None:
             raise ValueError("the tensors were taken back: nothing is lent")
-        return self.memory.where()
+        return self._where
 
     @property
     def lent(self) -> bool:
@@ -149,8 +154,8 @@ class LentVersions:
     Counts, in the receiver's stats: ``lent_applied`` (versions the hub wrote in),
     ``lent_refused`` (asks answered no: the tensors moved, a version in progress, an
     old version), ``lent_taken_back`` (the hub went quiet mid-write, or the model's
-    tensors moved under it), ``lent_renewed`` (moved into fresh lent memory: a version
-    came streamed after the hub had mapped the old memory, whose descriptor is closed)."""
+    tensors moved under it), ``lent_renewed`` (moved into fresh lent memory: the hub
+    could not use the old memory, whose descriptor was closed once it mapped it)."""
 
     def __init__(self, stats: dict[str, Any]) -> None:
         self._stats = stats
@@ -164,6 +169,8 @@ class LentVersions:
         #: When the hub was last told where the tensors lie (lend), if since then it
         #: asked for nothing they refused.
         self._said_at = float("-inf")
+        #: The hub could not use the memory, whose descriptor is closed: lend other.
+        self._renew = False
 
     def said_lately(self, layout: bytes, now: float) -> bool:
         """Whether the hub was told where the tensors of ``layout`` lie less than
@@ -185,11 +192,11 @@ class LentVersions:
         self._said_at = time.monotonic()
         held = self.tensors
         if held is not None and self.layout == layout and held.intact():
-            if held.can_be_opened:
+            if not self._renew:
                 return held.where(), False  # lent already, for this layout
-            # The hub mapped this memory (its descriptor is closed since), yet a version
-            # came streamed: the hub may have forgotten this worker, and cannot open the
-            # memory again. Fresh memory, moved into straight from the old one.
+            # The hub forgot this memory, and cannot open it again (its descriptor was
+            # closed once mapped): fresh memory, moved into straight from the old one.
+            self._renew = False
             self._stats["lent_renewed"] += 1
         else:
             self.take_back(count=False)
@@ -200,6 +207,15 @@ class LentVersions:
             return None
         self.layout = layout
         return self.tensors.where(), True
+
+    def unusable(self) -> None:
+        """The hub could not use the memory lent (it answered a go so): if its descriptor
+        is closed (a hub mapped it, and this one cannot open it), lend fresh memory after
+        the next whole version. One still open was refused for what it is, and fresh
+        memory would be refused alike: the hub streams to this worker from then on."""
+        if self.tensors is not None and not self.tensors.can_be_opened:
+            self._renew = True
+            self._said_at = float("-inf")
 
     def may_write(self, layout: bytes) -> bool:
         """Whether the hub may write a version of ``layout`` into the tensors now."""
@@ -217,6 +233,7 @@ class LentVersions:
     def take_back(self, *, count: bool = True) -> bool:
         """Move the tensors out of the lent memory (one copy); True if they were lent."""
         tensors, self.tensors, self.pending = self.tensors, None, None
+        self._renew = False
         if tensors is None:
             return False
         tensors.take_back()

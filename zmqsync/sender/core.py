@@ -781,8 +781,8 @@ class WeightSender:
                 waiting.discard(peer)
                 target = self._lent_target(peer, plan) if ok else None
                 if target is None:
-                    if ok:
-                        hub.written(peer, version, epoch, False, b"")
+                    if ok:  # the memory it lends cannot be mapped (any more)
+                        hub.written(peer, version, epoch, False, b"", unusable=True)
                     continue
                 if not ready:
                     ready_since = time.monotonic()

@@ -292,9 +292,18 @@ class Lends(Ability):
         in ``counters()["lent_refused"]``: it is then sent versions the usual way)."""
         return None
 
-    def written(self, peer: PeerId, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
+    def written(
+        self,
+        peer: PeerId,
+        version: int,
+        epoch: int,
+        ok: bool,
+        metadata: bytes,
+        unusable: bool = False,
+    ) -> None:
         """Tell ``peer`` that ``version`` lies in its lent tensors (``ok``), or that
-        nothing of it was written there."""
+        nothing of it was written there (``unusable``: because the memory it lends could
+        not be used)."""
 
 
 class ZeroCopy(Ability):

@@ -321,9 +321,18 @@ class TakesLentTensors:
     def lent_memory(self, peer: bytes, nbytes: int) -> np.ndarray | None:
         return self._lent.memory(peer, nbytes)
 
-    def written(self, peer: bytes, version: int, epoch: int, ok: bool, metadata: bytes) -> None:
+    def written(
+        self,
+        peer: bytes,
+        version: int,
+        epoch: int,
+        ok: bool,
+        metadata: bytes,
+        unusable: bool = False,
+    ) -> None:
         self._lent.written(ok)
-        self._lent_record(peer, encode(Written(version, epoch, ok, metadata)), unmaps=ok)
+        record = Written(version, epoch, ok, metadata, unusable=unusable)
+        self._lent_record(peer, encode(record), unmaps=ok)
 
 
 def lent_at(where: Where | None, layout: bytes) -> LentAt:

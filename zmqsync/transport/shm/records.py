@@ -105,7 +105,8 @@ _ASK_BODY: Final = struct.Struct("<qq16s")  # version, epoch, layout digest
 _GO: Final = b"ZLgo"
 _GO_BODY: Final = struct.Struct("<qqB")  # version, epoch, ok
 _WRITTEN: Final = b"ZLwr"
-_WRITTEN_HEAD: Final = struct.Struct("<qqB")  # version, epoch, ok; the metadata follows
+#: version, epoch, flags (1: ok; 2: unusable, without ok); the metadata follows
+_WRITTEN_HEAD: Final = struct.Struct("<qqB")
 #: Bytes of a version's metadata (JSON) a :class:`Written` may carry.
 MAX_WRITTEN_METADATA: Final = 64 * 1024
 
@@ -287,12 +288,14 @@ class Go:
 class Written:
     """``ok``: version ``version`` lies in the peer's lent tensors, with its
     ``metadata`` (JSON, at most :data:`MAX_WRITTEN_METADATA` bytes); else the hub wrote
-    nothing of it."""
+    nothing of it, and ``unusable`` says whether because it could not use the memory the
+    peer lends (it cannot open it: the peer may lend other memory)."""
 
     version: int
     epoch: int
     ok: bool
     metadata: bytes = b""
+    unusable: bool = False
 
 
 #: The GPU of a peer that takes no device blocks.
@@ -396,7 +399,8 @@ def encode(record: Record) -> bytes:
     if isinstance(record, Go):
         return _GO + _GO_BODY.pack(record.version, record.epoch, record.ok)
     if isinstance(record, Written):
-        head = _WRITTEN_HEAD.pack(record.version, record.epoch, record.ok)
+        flags = 1 if record.ok else 2 * record.unusable
+        head = _WRITTEN_HEAD.pack(record.version, record.epoch, flags)
         return _WRITTEN + head + record.metadata
     if isinstance(record, Joined):
         return _JOINED + _JOINED_BODY.pack(record.slot, record.first_seq, record.secret)
@@ -497,8 +501,11 @@ def decode(frame: Buffer) -> Record:
     if magic == _WRITTEN:
         if not _WRITTEN_HEAD.size <= len(body) <= _WRITTEN_HEAD.size + MAX_WRITTEN_METADATA:
             raise RecordError(f"a written record of {len(body)} bytes")
-        version, epoch, ok = _WRITTEN_HEAD.unpack_from(body)
-        return Written(int(version), int(epoch), _flag(ok), body[_WRITTEN_HEAD.size :])
+        version, epoch, flags = _WRITTEN_HEAD.unpack_from(body)
+        if flags not in (0, 1, 2):
+            raise RecordError(f"written flags of {flags!r}")
+        meta = body[_WRITTEN_HEAD.size :]
+        return Written(int(version), int(epoch), flags == 1, meta, unusable=flags == 2)
     if magic == _LEAVE:
         if body:
             raise RecordError("a leave record carries nothing")
