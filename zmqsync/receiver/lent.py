@@ -14,14 +14,15 @@ copy into private memory), so nothing the hub writes later reaches them.
 The memfd's descriptor stays open only until the hub has written a version in: it has
 the memory mapped then, and a mapping outlives the descriptor. Closed, the memory can
 no longer be opened through ``/proc/PID/fd`` by anyone (another process of the worker's
-user, or a peer naming it as its own): only ``/proc/PID/mem`` and ``map_files`` reach
-it, which take the rights to trace the worker. A hub that must map it again (it forgot
-the worker: the learner restarted, or dropped it and took it back) cannot: it answers
-the worker's go with a :class:`~zmqsync.transport.shm.records.Written` saying the
-memory is unusable, and after the version that then comes streamed the tensors move
-into a fresh memfd (one copy, ``lent_renewed``), which the hub is told of. A hub that
-still maps the memory (it only streamed a version to a worker that missed its go) is
-told the same memory again, and nothing moves.
+user, or a peer naming it as its own): only ``/proc/PID/mem`` (the rights to trace the
+worker) and ``/proc/PID/map_files`` (``CAP_SYS_ADMIN``) reach it. A hub that must map
+it again (it forgot the worker: the learner restarted, or dropped it and took it back)
+cannot: it answers the worker's go with a
+:class:`~zmqsync.transport.shm.records.Written` saying the memory is unusable, and
+after the version that then comes streamed the tensors move into a fresh memfd (one
+copy, ``lent_renewed``), which the hub is told of. A hub that still maps the memory (it
+only streamed a version to a worker that missed its go) is told the same memory again,
+and nothing moves.
 """
 
 from __future__ import annotations
