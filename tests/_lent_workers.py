@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from typing import Any
 
@@ -12,6 +13,27 @@ import zmqsync
 
 #: The name a worker's lent memory carries in /proc/PID/maps.
 LENT = "/memfd:zmqsync-lent"
+
+
+#: A hub's shared-memory block as /proc/PID/maps names it (lent memory is named
+#: otherwise; block 0 is the page that ZeroMQ and Ray hubs probe their peers with).
+_HUB_BLOCK = re.compile(r"/memfd:zmqsync-[1-9]\d* ")
+
+
+def hub_blocks(pid: int) -> tuple[int, int]:
+    """How many of the hub's blocks process ``pid`` maps, and how many KiB of them are
+    resident there."""
+    mapped = resident = 0
+    with open(f"/proc/{pid}/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if not head.endswith(":"):  # a mapping's first line
+                inside = _HUB_BLOCK.search(line + " ") is not None
+                mapped += inside
+            elif inside and head == "Rss:":
+                resident += int(line.split()[1])
+    return mapped, resident
 
 
 def in_lent_memory(tensor: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 from _faults import until
-from _lent_workers import in_lent_memory
+from _lent_workers import hub_blocks, in_lent_memory
 from conftest import ACTOR_START_TIMEOUT, actors_started
 from torch import nn
 
@@ -56,6 +56,9 @@ class LendingActor(WeightSyncActorMixin):
     def setup(self, scheme: RayWeightSyncScheme) -> int:
         self.scheme = scheme
         scheme.init_on_worker("policy", model=self.model, lend_tensors=True)
+        return os.getpid()
+
+    def pid(self) -> int:
         return os.getpid()
 
     def state(self) -> dict[str, Any]:
@@ -119,3 +122,8 @@ def test_actors_on_the_learners_host_take_each_version_into_their_lent_tensors(l
     counts = hub.counters()
     assert counts["lent_peers"] == 2 and counts["lent_writes"] >= 6, counts
     assert counts["bad_releases"] == 0, counts
+    # Versions go only into lent tensors: the driver keeps no block a version was written
+    # into, and the actors map none of its blocks.
+    assert hub_blocks(os.getpid())[1] == 0
+    pids = ray.get([a.pid.remote() for a in actors], timeout=CALL_TIMEOUT)
+    assert all(hub_blocks(pid) == (0, 0) for pid in pids), [hub_blocks(p) for p in pids]

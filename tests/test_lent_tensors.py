@@ -8,13 +8,12 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _lent_workers import LENT
+from _lent_workers import LENT, hub_blocks
 from _workers import bump, make_model
 
 import zmqsync
@@ -42,27 +41,6 @@ def _lent_links(pid: int) -> tuple[int, int]:
     with open(f"/proc/{pid}/maps") as maps:
         mapped = sum(1 for line in maps if LENT in line and line.split()[1].startswith("rw"))
     return fds, mapped
-
-
-#: A hub's shared-memory block as /proc/PID/maps names it (lent memory is named
-#: otherwise; block 0 is the page that ZeroMQ and Ray hubs probe their peers with).
-_HUB_BLOCK = re.compile(r"/memfd:zmqsync-[1-9]\d* ")
-
-
-def _hub_blocks(pid: int) -> tuple[int, int]:
-    """How many of the hub's blocks process ``pid`` maps, and how many KiB of them are
-    resident there."""
-    mapped = resident = 0
-    with open(f"/proc/{pid}/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            head = line.split(maxsplit=1)[0]
-            if not head.endswith(":"):  # a mapping's first line
-                inside = _HUB_BLOCK.search(line + " ") is not None
-                mapped += inside
-            elif inside and head == "Rss:":
-                resident += int(line.split()[1])
-    return mapped, resident
 
 
 def _sends(sender: WeightSender) -> tuple[Callable[[], None], dict[int, str]]:
@@ -302,20 +280,20 @@ def test_versions_only_in_lent_tensors_leave_no_block_in_memory(fleet, transport
     send, sent = _sends(sender)
 
     send()  # streamed: the workers lend their tensors after it
-    assert _hub_blocks(os.getpid())[1] > 0  # the learner wrote it into a block
+    assert hub_blocks(os.getpid())[1] > 0  # the learner wrote it into a block
     for _ in range(3):
         send()
     pids = [os.getpid()] + [proc.pid for proc in fleet.procs()]
-    learner, *workers = (_hub_blocks(pid) for pid in pids)
+    learner, *workers = (hub_blocks(pid) for pid in pids)
     assert learner[1] == 0 and all(w == (0, 0) for w in workers), (learner, workers)
 
     controls[0].send("move")  # p.data = ...: its tensors leave the lent memory
     _ask(controls[0])
     send()  # refused by worker 0, streamed to it through a block
-    assert _hub_blocks(os.getpid())[1] > 0
+    assert hub_blocks(os.getpid())[1] > 0
     send()  # worker 0 lent its tensors again after the stream: every worker takes it
     send()
-    learner, *workers = (_hub_blocks(pid) for pid in pids)
+    learner, *workers = (hub_blocks(pid) for pid in pids)
     assert learner[1] == 0 and all(w == (0, 0) for w in workers), (learner, workers)
     for control in controls:
         applied, stats, same = _ask(control)
