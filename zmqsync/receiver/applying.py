@@ -315,7 +315,13 @@ class Applier:
 
     def _large_enough(self, schema: WeightsSchema) -> bool:
         """Whether versions of ``schema`` are large enough for the learner to write
-        into lent memory (LENT_MIN_BYTES and more)."""
+        into lent memory (LENT_MIN_BYTES and more).
+
+        The whole version's bytes decide, not those of its large tensors alone (which
+        decide the learner's side): a model of thousands of small tensors is streamed
+        even to a lending worker, but its tensors, lent, lie back to back as the stream
+        lays them, and each chunk is applied in one copy, not one per tensor (2,000 x
+        4 KB to one worker: 5.8 ms lent against 9.1 private, in one run)."""
         sized = self._lend_sized
         if sized is None or sized[0] is not schema:
             sized = self._lend_sized = (schema, stream_bytes(schema) >= LENT_MIN_BYTES)
