@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 from _lent_workers import LENT, hub_blocks
+from _prom import one, scrape
 from _workers import bump, make_model
 
 import zmqsync
 from zmqsync import WeightSender
+from zmqsync.tools.metrics import serve_metrics
 from zmqsync.transport.pipe import PipeHub
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 from zmqsync.transport.zmq_pubsub import PubSubHub
@@ -175,6 +177,18 @@ def test_versions_are_written_into_the_workers_lent_tensors(fleet, transport: st
     # after the first write: nobody else opens it through /proc/PID/fd any more.
     links = [_lent_links(proc.pid) for proc in fleet.procs()]
     assert links[0] == (0, 1) and links[1] == (0, 1) and links[2] == (0, 0), links
+    # What a scraper reads of it: the workers lending, the versions written into them,
+    # the shared memory the hub holds (the non-lending worker's stream went through it).
+    server = serve_metrics(sender, 0)
+    try:
+        top = scrape(server.port)
+    finally:
+        server.close()
+    assert one(top, "zmqsync_lent_workers") == 2
+    assert one(top, "zmqsync_lent_writes_total") == totals["lent_writes"]
+    assert one(top, "zmqsync_lent_go_missed_total") == 0
+    assert one(top, "zmqsync_shm_bytes") == totals["shm_bytes"] > 0
+    assert one(top, "zmqsync_dropped_sends_total") == totals["dropped_sends"] == 0
 
 
 @pytest.mark.parametrize("kind", ["big", "wide"])

@@ -76,6 +76,45 @@ _COUNTERS = (
     ("deltas_sent", "deltas_sent", "Versions sent as deltas to some worker."),
     ("stalls", "stalls", "Chunks a stopped worker held past the stall limit."),
     ("expired", "sessions_expired", "Worker sessions dropped for silence."),
+    (
+        "lent_go_missed",
+        "lent_go_missed",
+        "Versions streamed to a worker lending its tensors that did not say go in time.",
+    ),
+)
+
+#: The transports' own counts (``report().totals.transport``) that say what a fleet on
+#: the learner's host costs it and how its workers take versions, as (key, metric name,
+#: help, whether a counter); each family is served only where a hub counts it.
+_TRANSPORT = (
+    (
+        "shm_bytes",
+        "shm_bytes",
+        "Bytes of the hubs' shared-memory blocks that hold pages (versions written there).",
+        False,
+    ),
+    ("device_bytes", "device_bytes", "Bytes of GPU memory the hubs lend to workers.", False),
+    (
+        "lent_peers",
+        "lent_workers",
+        "Workers lending their tensors: versions are written straight into them.",
+        False,
+    ),
+    (
+        "lent_writes",
+        "lent_writes",
+        "Versions written into workers' lent tensors, one per worker and version.",
+        True,
+    ),
+    ("lent_refused", "lent_refused", "Lent memory refused: not what it must be.", True),
+    (
+        "shm_copying",
+        "copying_workers",
+        "Workers sent each version as a copy (stopped or stuck, they pin shared memory).",
+        False,
+    ),
+    ("shm_pinned", "pinned_blocks", "Shared-memory blocks those workers pin.", False),
+    ("dropped_sends", "dropped_sends", "Messages a transport dropped (a peer gone).", True),
 )
 
 
@@ -138,6 +177,12 @@ class StatusCollector:
             c = CounterMetricFamily(f"zmqsync_{name}", doc, labels=keys)
             c.add_metric(ids, getattr(totals, attr))
             yield c
+        for key, name, doc, counter in _TRANSPORT:
+            if key in totals.transport:
+                family = CounterMetricFamily if counter else GaugeMetricFamily
+                m = family(f"zmqsync_{name}", doc, labels=keys)
+                m.add_metric(ids, totals.transport[key])
+                yield m
         hist = totals.latency_histogram
         if hist is not None:
             cumulative, buckets = 0, []
