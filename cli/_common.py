@@ -329,7 +329,28 @@ def status_header(status: SenderStatus) -> Text:
         f"p99 {fmt_seconds(totals.latency_p99_s)}  "
         f"timeouts {totals.timeouts}  rejected frames {totals.rejected_frames}",
     ]
+    host = _host_line(totals.transport, totals.lent_go_missed)
+    if host:
+        lines.append(host)
     return Text("\n".join(lines))
+
+
+def _host_line(transport: Mapping[str, int], go_missed: int) -> str:
+    """What the fleet on the sender's host costs it and how its workers take versions
+    (lent tensors, shared and device memory), or "" where its hubs count none of it."""
+    parts = []
+    lending = transport.get("lent_peers", 0)
+    if lending or transport.get("lent_writes", 0):
+        who = "1 worker lends its" if lending == 1 else f"{lending} workers lend their"
+        parts.append(
+            f"{who} tensors, {transport.get('lent_writes', 0)} versions written into "
+            f"them, {go_missed} streamed for want of a go"
+        )
+    if "shm_bytes" in transport:
+        parts.append(f"shared memory {fmt_bytes(transport['shm_bytes'])}")
+    if transport.get("device_bytes"):
+        parts.append(f"device memory {fmt_bytes(transport['device_bytes'])}")
+    return ("on this host: " + "; ".join(parts)) if parts else ""
 
 
 def status_table(status: SenderStatus, *, silent_after: float | None) -> Table:

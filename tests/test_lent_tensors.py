@@ -19,11 +19,13 @@ from _workers import bump, make_model
 
 import zmqsync
 from zmqsync import WeightSender
+from zmqsync.status_types import SenderStatus
 from zmqsync.tools.metrics import serve_metrics
 from zmqsync.transport.pipe import PipeHub
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE
 from zmqsync.transport.zmq_pubsub import PubSubHub
 from zmqsync.transport.zmq_router import RouterHub
+from zmqsync_cli._common import status_header
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -189,6 +191,12 @@ def test_versions_are_written_into_the_workers_lent_tensors(fleet, transport: st
     assert one(top, "zmqsync_lent_go_missed_total") == 0
     assert one(top, "zmqsync_shm_bytes") == totals["shm_bytes"] > 0
     assert one(top, "zmqsync_dropped_sends_total") == totals["dropped_sends"] == 0
+    # And what `zmqsync status` (and `watch`, `demo`) says of it, from the same report.
+    header = status_header(SenderStatus.from_dict(sender.status())).plain
+    assert (
+        f"on this host: 2 workers lend their tensors, {totals['lent_writes']} versions "
+        "written into them, 0 streamed for want of a go; shared memory "
+    ) in header, header
 
 
 @pytest.mark.parametrize("kind", ["big", "wide"])
