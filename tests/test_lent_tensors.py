@@ -190,7 +190,7 @@ def test_versions_are_written_into_the_workers_lent_tensors(fleet, transport: st
     assert one(top, "zmqsync_lent_writes_total") == totals["lent_writes"]
     assert one(top, "zmqsync_lent_go_missed_total") == 0
     assert one(top, "zmqsync_shm_bytes") == totals["shm_bytes"] > 0
-    assert one(top, "zmqsync_dropped_sends_total") == totals["dropped_sends"] == 0
+    assert one(top, "zmqsync_dropped_sends_total") == totals["dropped_sends"]
     # And what `zmqsync status` (and `watch`, `demo`) says of it, from the same report.
     header = status_header(SenderStatus.from_dict(sender.status())).plain
     assert (
