@@ -114,7 +114,12 @@ _TRANSPORT = (
         False,
     ),
     ("shm_pinned", "pinned_blocks", "Shared-memory blocks those workers pin.", False),
-    ("dropped_sends", "dropped_sends", "Messages a transport dropped (a peer gone).", True),
+    (
+        "dropped_sends",
+        "dropped_sends",
+        "Messages a transport dropped (a peer gone, or its queue full).",
+        True,
+    ),
 )
 
 
