@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -356,11 +357,26 @@ def test_only_tensors_that_can_lie_in_the_stream_are_lent() -> None:
         LentTensors(cast, worker, extract(worker, "state_dict"))
 
 
-def test_workers_written_together_get_what_one_written_alone_gets() -> None:
+@pytest.mark.parametrize("piecewise", [False, True], ids=["in-one-call", "piecewise"])
+def test_workers_written_together_get_what_one_written_alone_gets(monkeypatch, piecewise) -> None:
     """Several workers that said go together are written block by block (each block of
     the model read once, copied to every worker): each gets exactly the version, the
     tensors larger than a block (one not a whole number of blocks), those under one and
-    the small ones' stretch alike."""
+    the small ones' stretch alike. A version large enough is written piecewise into one
+    worker too (2 MiB pieces here), and the sender is called back between pieces, where
+    it tells the workers it is still writing; a smaller one goes in with no call back."""
+    from zmqsync.sender import lent
+
+    if piecewise:
+        monkeypatch.setattr(lent, "PIECEWISE_BYTES", FAN_OUT_BLOCK // 2)
+    calls = {"alone": 0, "together": 0}
+
+    def still_writing(which: str) -> Callable[[], None]:
+        def note() -> None:
+            calls[which] += 1
+
+        return note
+
     torch.manual_seed(3)
     rows = 2 * FAN_OUT_BLOCK // (4 * 700) + 3  # a weight of 2 blocks and a bit
     learner = torch.nn.Sequential(
@@ -373,9 +389,13 @@ def test_workers_written_together_get_what_one_written_alone_gets() -> None:
     assert plan.hi > plan.lo  # a stretch of small tensors too
     gathered = plan.gather(extract(learner, "state_dict"))
     alone = LentTarget(np.zeros(layout.total, dtype=np.uint8), plan)
-    alone.write(gathered)
+    alone.write(gathered, still_writing("alone"))
     together = [LentTarget(np.full(layout.total, i, dtype=np.uint8), plan) for i in range(3)]
-    LentTarget.write_all(together, gathered)
+    LentTarget.write_all(together, gathered, still_writing("together"))
+    if piecewise:  # the big weight alone is 4 pieces and a bit, 2 blocks and a bit
+        assert calls["alone"] >= 5 and calls["together"] >= 3, calls
+    else:
+        assert calls == {"alone": 0, "together": 0}
     # Every tensor's bytes are the model's, where the stream puts them (the padding
     # between them is no one's).
     tensors = extract(learner, "state_dict")

@@ -258,11 +258,11 @@ def test_a_learner_quiet_mid_write_writes_nothing_the_worker_keeps(fleet, monkey
     real_write = lent.LentTarget.write
     stalled: list[int] = []
 
-    def stall_once(self: Any, tensors: Any) -> None:
+    def stall_once(self: Any, *args: Any) -> None:
         if not stalled:
             stalled.append(sender.fleet.version)
             time.sleep(2.0)  # the worker gives up after 0.5 s
-        real_write(self, tensors)
+        real_write(self, *args)
 
     monkeypatch.setattr(lent.LentTarget, "write", stall_once)
     send()  # repaired through the stream within the send: it is acked all the same
@@ -273,6 +273,57 @@ def test_a_learner_quiet_mid_write_writes_nothing_the_worker_keeps(fleet, monkey
     assert applied[-1][0] == max(sent) and stalled
     assert stats["lent_taken_back"] == 1 and same, stats
     assert stats["lent_applied"] >= 3, stats  # lent again once a whole version was in
+
+
+@pytest.mark.parametrize("notes", [True, False], ids=["asked-again", "not-asked-again"])
+def test_a_write_longer_than_the_chunk_timeout_goes_in_whole(fleet, monkeypatch, notes) -> None:
+    """A learner alive but slow to write a version into two workers' lent tensors (each
+    piece of the write takes 0.05 s, 0.8 s in all, past their 0.5 s chunk timeout): it
+    asks them again as it writes, so they hold their locks and the version goes in whole,
+    every time. Without those asks (the case that shows the write is long enough), the
+    workers take their tensors back mid-write and are repaired by a stream: slower, and
+    still exact."""
+    from zmqsync.sender import lent
+
+    sender, controls = fleet([True, True], chunk_timeout=0.5)
+    send, sent = _sends(sender)
+    for _ in range(2):  # the first version streams; each worker lends once it holds one
+        send()
+    assert all(_ask(c)[1]["lent_applied"] >= 1 for c in controls)
+
+    # The model's two 64 KiB weights go in 8 KiB pieces (16 in all, to both workers).
+    monkeypatch.setattr(lent, "FAN_OUT_BLOCK", 8192)
+    monkeypatch.setattr(lent, "PIECEWISE_BYTES", 8192)
+    if not notes:
+        monkeypatch.setattr(lent, "LENT_NOTE_SECONDS", 1e9)
+    real_copy = lent._copy_in_blocks
+    pieces: list[float] = []
+
+    def slowly(dests: Any, sources: Any, between: Callable[[], object], block: int) -> None:
+        def slow_between() -> None:
+            time.sleep(0.05)
+            pieces.append(time.monotonic())
+            between()
+
+        real_copy(dests, sources, slow_between, block)
+
+    monkeypatch.setattr(lent, "_copy_in_blocks", slowly)
+    before = [_ask(c)[1] for c in controls]
+    rounds = 3 if notes else 2
+    for _ in range(rounds):
+        send()
+    assert len(pieces) >= 16 * rounds, len(pieces)  # every write took 0.8 s at least
+    for control, was in zip(controls, before, strict=True):
+        applied, stats, same = _ask(control)
+        _check(applied, sent)
+        assert applied[-1][0] == max(sent) and same
+        if notes:
+            assert stats["lent_taken_back"] == was["lent_taken_back"], stats
+            assert stats["lent_applied"] - was["lent_applied"] == rounds, stats
+            assert stats["lent_still_writing"] > was["lent_still_writing"], stats
+        else:
+            assert stats["lent_taken_back"] > was["lent_taken_back"], stats
+            assert stats["lent_still_writing"] == was["lent_still_writing"], stats
 
 
 def test_a_worker_that_moved_its_tensors_is_streamed_to_and_lends_again(fleet) -> None:

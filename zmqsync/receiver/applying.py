@@ -329,11 +329,14 @@ class Applier:
 
     def lent_ask(self, version: int, epoch: int, layout: bytes) -> None:
         """The hub asks to write ``version`` into the lent tensors: hold the lock and say
-        go, or say no (a version in progress, not newer, the tensors moved)."""
+        go, or say no (a version in progress, not newer, the tensors moved). Asked again
+        for the version it said go for, it holds on: the hub is still writing."""
         spoke = self._host.transport
         if not isinstance(spoke, Borrows):
             return
         lent = self._lent
+        if lent is not None and lent.still_writing(version, epoch, time.monotonic() + self.gap):
+            return  # asked again: the hub is alive, writing the version it said go for
         newer = epoch != self.epoch or version > self.version or self.needs_whole()
         ok = (
             lent is not None

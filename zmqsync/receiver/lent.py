@@ -156,11 +156,19 @@ class LentVersions:
     ``lent_refused`` (asks answered no: the tensors moved, a version in progress, an
     old version), ``lent_taken_back`` (the hub went quiet mid-write, or the model's
     tensors moved under it), ``lent_renewed`` (moved into fresh lent memory: the hub
-    could not use the old memory, whose descriptor was closed once it mapped it)."""
+    could not use the old memory, whose descriptor was closed once it mapped it),
+    ``lent_still_writing`` (the hub asked again for a version it was writing in: a long
+    write, the wait for its end started anew)."""
 
     def __init__(self, stats: dict[str, Any]) -> None:
         self._stats = stats
-        for key in ("lent_applied", "lent_refused", "lent_taken_back", "lent_renewed"):
+        for key in (
+            "lent_applied",
+            "lent_refused",
+            "lent_taken_back",
+            "lent_renewed",
+            "lent_still_writing",
+        ):
             stats.setdefault(key, 0)
         self.tensors: LentTensors | None = None
         #: The layout digest the tensors are laid out for.
@@ -240,6 +248,16 @@ class LentVersions:
         tensors.take_back()
         if count:
             self._stats["lent_taken_back"] += 1
+        return True
+
+    def still_writing(self, version: int, epoch: int, until: float) -> bool:
+        """The hub asked again for ``version``, which it was told go for: it is alive and
+        still writing it in (a large model, many workers), so the lock is held until
+        ``until`` now. False if that is not the version it holds its lock for."""
+        if self.pending is None or self.pending[:2] != (version, epoch):
+            return False
+        self.pending = (version, epoch, until)
+        self._stats["lent_still_writing"] += 1
         return True
 
     def written(self) -> None:

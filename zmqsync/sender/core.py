@@ -45,7 +45,7 @@ from zmqsync.protocol import (
     encode_metadata,
     peek_kind,
 )
-from zmqsync.sender.lent import Gathered, LentPlan, LentTarget
+from zmqsync.sender.lent import Gathered, LentPlan, LentTarget, StillWriting
 from zmqsync.sender.pump import HubRunner, InFlight, StallClock, sum_counters
 from zmqsync.sender.slices import SlicedWorkers
 from zmqsync.sender.stats import SendStats
@@ -757,13 +757,15 @@ class WeightSender:
         # the first has waited as long as writing it alone would take (a later go
         # would wait that long anyway, behind its copy).
         ready: dict[PeerId, LentTarget] = {}
+        still_writing = StillWriting(hub, ready, version, epoch, layout)
         ready_since = 0.0
         batch_wait = plan.total / LENT_WRITE_BYTES_PER_SECOND
         deadline = min(send.deadline, time.monotonic() + LENT_GO_WAIT)
         while waiting:
             now = time.monotonic()
             if ready and now >= ready_since + batch_wait:
-                self._write_ready(ready, gathered, version, epoch, meta, written)
+                self._write_ready(ready, gathered, version, epoch, meta, written, still_writing)
+            still_writing()  # to those waiting for the others' go
             remaining = deadline - now
             if remaining <= 0:
                 break
@@ -788,7 +790,7 @@ class WeightSender:
                     ready_since = time.monotonic()
                 ready[peer] = target
         if ready:  # they hold their locks: written even past the deadline
-            self._write_ready(ready, gathered, version, epoch, meta, written)
+            self._write_ready(ready, gathered, version, epoch, meta, written, still_writing)
         for peer in waiting:
             hub.written(peer, version, epoch, False, b"")  # it gets the stream instead
             self._missed_go[peer] = version
@@ -803,10 +805,11 @@ class WeightSender:
         epoch: int,
         meta: bytes,
         written: set[PeerId],
+        still_writing: Callable[[], object],
     ) -> None:
         """Write the version into the workers in ``ready`` (all at once), tell each it
         is in, and move them to ``written``."""
-        LentTarget.write_all(list(ready.values()), gathered)
+        LentTarget.write_all(list(ready.values()), gathered, still_writing)
         hub = self._runners[0].hub
         assert isinstance(hub, Lends)
         for peer in ready:

@@ -20,7 +20,8 @@ model from memory each time (128 MiB to 2, 4 and 8 targets on 2 cores: 12.5, 15.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 import numpy as np
@@ -30,8 +31,18 @@ from zmqsync.protocol import WeightsSchema
 from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD
 from zmqsync.tensors.views import torch_dtype
+from zmqsync.transport.base import Lends, PeerId
 
-__all__ = ["FAN_OUT_BLOCK", "SMALL_BYTES", "Gathered", "LentPlan", "LentTarget"]
+__all__ = [
+    "FAN_OUT_BLOCK",
+    "LENT_NOTE_SECONDS",
+    "PIECEWISE_BYTES",
+    "SMALL_BYTES",
+    "Gathered",
+    "LentPlan",
+    "LentTarget",
+    "StillWriting",
+]
 
 #: Tensors smaller than this are gathered once per version, then copied as one stretch.
 SMALL_BYTES: Final = DEFAULT_PACK_THRESHOLD
@@ -39,8 +50,22 @@ SMALL_BYTES: Final = DEFAULT_PACK_THRESHOLD
 #: many bytes, each read once and copied to every worker while cached (the last-level
 #: cache of a server holds a few; measured on 2 cores: 4 and 8 MiB alike, 1 MiB slower).
 FAN_OUT_BLOCK: Final = 4 * 1024 * 1024
+#: A version of this many bytes or more is written piece by piece (pieces of this size
+#: into one worker), the sender told between pieces (:meth:`LentTarget.write_all`); a
+#: smaller one goes into one worker in one call.
+PIECEWISE_BYTES: Final = 64 * 1024 * 1024
+#: While workers hold their locks for a version being written into their lent tensors,
+#: the sender asks them again this often (seconds): the version is still going in, so a
+#: write that takes longer than a worker's ``chunk_timeout`` (a large model, many
+#: workers) is not taken for a learner gone quiet, from which the worker would take its
+#: tensors back.
+LENT_NOTE_SECONDS: Final = 0.1
 #: What :meth:`LentPlan.gather` returns: the large tensors, and the small ones' stretch.
 Gathered = tuple[list[torch.Tensor], torch.Tensor]
+
+
+def _nothing() -> None:
+    pass
 
 
 def _view(
@@ -111,36 +136,114 @@ class LentTarget:
         #: The small tensors' stretch in the memory.
         self.stretch = flat[plan.lo : plan.hi]
 
-    def write(self, gathered: Gathered) -> None:
-        """Copy a version in: what :meth:`LentPlan.gather` returned for it."""
+    def write(self, gathered: Gathered, still_writing: Callable[[], object] = _nothing) -> None:
+        """Copy a version in: what :meth:`LentPlan.gather` returned for it;
+        ``still_writing()`` is called between pieces of a large version (see
+        :meth:`write_all`)."""
         large, stretch = gathered
         with torch.no_grad():
             if self.views:
-                torch._foreach_copy_(self.views, large)
+                if self.plan.total < PIECEWISE_BYTES:
+                    torch._foreach_copy_(self.views, large)  # one call: no Python per tensor
+                else:
+                    into = [[v] for v in self.views]
+                    _copy_in_blocks(into, large, still_writing, PIECEWISE_BYTES)
             if len(stretch):
                 self.stretch.copy_(stretch)
 
     @staticmethod
-    def write_all(targets: Sequence[LentTarget], gathered: Gathered) -> None:
+    def write_all(
+        targets: Sequence[LentTarget],
+        gathered: Gathered,
+        still_writing: Callable[[], object] = _nothing,
+    ) -> None:
         """Copy a version into every one of ``targets`` (all of one plan), block by block:
-        a block of the model is read once and written to each target in turn."""
+        a block of the model is read once and written to each target in turn.
+
+        ``still_writing()`` is called between blocks of a version of
+        :data:`PIECEWISE_BYTES` or more (the sender tells the workers, who hold their
+        locks, that it is alive and writing: a write that takes longer than a worker's
+        ``chunk_timeout`` is not taken for a learner gone quiet)."""
         if len(targets) == 1:
-            targets[0].write(gathered)
+            targets[0].write(gathered, still_writing)
             return
         large, stretch = gathered
         with torch.no_grad():
-            for i, src in enumerate(large):
-                dests = [t.views[i] for t in targets]
-                if src.nbytes <= FAN_OUT_BLOCK or not src.is_contiguous():
-                    torch._foreach_copy_(dests, [src] * len(dests))
-                    continue
-                flat, flats = src.view(-1), [d.view(-1) for d in dests]
-                step = FAN_OUT_BLOCK // src.element_size()
-                for lo in range(0, flat.numel(), step):
-                    block = flat[lo : lo + step]
-                    torch._foreach_copy_([d[lo : lo + step] for d in flats], [block] * len(flats))
+            into = [[t.views[i] for t in targets] for i in range(len(large))]
+            if targets[0].plan.total < PIECEWISE_BYTES:
+                still_writing = _nothing
+            _copy_in_blocks(into, large, still_writing, FAN_OUT_BLOCK)
             if len(stretch):
                 torch._foreach_copy_([t.stretch for t in targets], [stretch] * len(targets))
+
+
+class StillWriting:
+    """Tells the workers in ``holding`` (those that said go for ``version`` and hold
+    their locks) that it is still going in, by asking them again, at most every
+    :data:`LENT_NOTE_SECONDS`: called between the pieces of a write, and while the
+    first to say go waits for the others."""
+
+    def __init__(
+        self,
+        hub: Lends,
+        holding: Mapping[PeerId, object],
+        version: int,
+        epoch: int,
+        layout: bytes,
+    ) -> None:
+        self._hub = hub
+        self._holding = holding
+        self._ask = (version, epoch, layout)
+        self._due = time.monotonic() + LENT_NOTE_SECONDS
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now < self._due or not self._holding:
+            return
+        self._due = now + LENT_NOTE_SECONDS
+        for peer in self._holding:
+            self._hub.ask_lent(peer, *self._ask)
+
+
+def _copy_in_blocks(
+    dests: Sequence[Sequence[torch.Tensor]],
+    sources: Sequence[torch.Tensor],
+    between: Callable[[], object],
+    block: int,
+) -> None:
+    """Copy each of ``sources`` into each of its ``dests`` (same shapes) in pieces of
+    about ``block`` bytes: tensors smaller than that grouped into one call, a larger
+    contiguous one cut into blocks (each read once and written to every destination
+    while cached); ``between()`` is called after each piece."""
+    group_dests: list[torch.Tensor] = []
+    group_sources: list[torch.Tensor] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal held
+        if group_sources:
+            torch._foreach_copy_(group_dests, group_sources)
+            group_dests.clear()
+            group_sources.clear()
+            held = 0
+            between()
+
+    for into, src in zip(dests, sources, strict=True):
+        if src.nbytes <= block or not src.is_contiguous():
+            group_dests.extend(into)
+            group_sources.extend([src] * len(into))
+            held += src.nbytes
+            if held >= block:
+                flush()
+            continue
+        flush()
+        flat, flats = src.view(-1), [d.view(-1) for d in into]
+        step = block // src.element_size()
+        for lo in range(0, flat.numel(), step):
+            piece = flat[lo : lo + step]
+            torch._foreach_copy_([d[lo : lo + step] for d in flats], [piece] * len(flats))
+            between()
+    flush()
 
 
 def _shape(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -267,7 +267,8 @@ class LentAt:
 @dataclass(frozen=True, slots=True)
 class Ask:
     """May the hub write ``version`` (of ``epoch``, laid out as ``layout``) into the
-    peer's lent tensors now?"""
+    peer's lent tensors now? Asked again after the peer said go: the hub is still
+    writing it (the peer holds its lock on, and says nothing)."""
 
     version: int
     epoch: int
