@@ -82,6 +82,10 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED: Final = ctypes.c_void_p(-1).value
+#: Map the worker's pages (resident: its tensors are in them) in one go, in the mmap
+#: call: about half what faulting them in page by page at the first write costs (128 MiB:
+#: 8-9 ms against 16-18 on the 2-core machine).
+_MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class _Mapping:
@@ -93,7 +97,7 @@ class _Mapping:
     address = 0  # nothing mapped (yet)
 
     def __init__(self, fd: int, nbytes: int) -> None:
-        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
+        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_POPULATE
         address = _libc.mmap(None, nbytes, prot, flags, fd, 0)
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno()
