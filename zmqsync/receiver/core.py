@@ -97,7 +97,8 @@ class WeightReceiver:
             of each version in shared memory, re-pointed under :attr:`lock` (no copy;
             see docs/shared.md).
         chunk_timeout: seconds between two chunks of a version before its stream counts
-            as broken.
+            as broken; with lent tensors, between its go (or the learner's latest word
+            that it is still writing) and the learner's word that the version is in.
         failover: makers of spokes to other upstreams (relays, or the learner itself;
             the first upstream's again at the end, to come round to it), tried in
             turn when the upstream goes silent (nothing heard for
