@@ -12,9 +12,11 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,54 @@ def test_dockerfile_builds_the_cli_on_cpu_torch() -> None:
     for path in ("pyproject.toml", "zmqsync", "cli"):
         assert re.search(rf"^COPY .*\b{re.escape(path)}\b", text, re.M), path
     assert 'ENTRYPOINT ["zmqsync"]' in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_what_the_dockerfile_copies_builds_the_cli_and_the_c_extension(tmp_path: Path) -> None:
+    """The image's install, without the engine: exactly the paths the Dockerfile copies,
+    built into a wheel as its ``pip install`` builds them (setup.py missing from the
+    copies once left the command line out of the package)."""
+    root = DOCKER.parent
+    text = (DOCKER / "Dockerfile").read_text()
+    context = tmp_path / "context"
+    context.mkdir()
+    copied = 0
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        *sources, dest = line.split()
+        for source in sources:
+            target = context / (source if dest.endswith("/") or dest == "./" else dest)
+            if (root / source).is_dir():
+                shutil.copytree(
+                    root / source, target, ignore=shutil.ignore_patterns("*.so", "__pycache__")
+                )
+            else:
+                shutil.copy(root / source, target)
+            copied += 1
+    assert copied >= 5
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "wheels"),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("zmqsync-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "zmqsync_cli/main.py" in names
+    assert "zmqsync/sender/lent.py" in names
+    assert any(re.fullmatch(r"zmqsync/tensors/_streamcopy\..*\.so", n) for n in names), names
 
 
 def test_every_compose_command_is_a_valid_cli_command() -> None:
