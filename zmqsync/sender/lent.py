@@ -2,8 +2,9 @@
 
 A worker on the learner's host may lend the memory its tensors live in (see
 :mod:`zmqsync.receiver.lent`); the hub maps it (``map_lent``) and the learner writes each
-version straight into it, from its own tensors: on the thread pool its last torch op
-left hot, one copy per worker and none of its own.
+version straight into it, from its own tensors: one copy per worker and none of its
+own, with streaming stores where the C extension is built (the learner never reads
+those bytes again: :mod:`zmqsync.tensors.streaming`), else on torch's thread pool.
 
 Many small tensors (norms, biases: under :data:`SMALL_BYTES` each, as the stream packs
 them) lie side by side at the end of the stream. They are gathered once per version into
@@ -14,8 +15,9 @@ the bytes.
 Several workers that said go together are written together (:meth:`LentTarget.write_all`),
 block by block: each block of the model is read from memory once and copied into every
 worker while it is still in the cache, where one worker after the other read the whole
-model from memory each time (128 MiB to 2, 4 and 8 targets on 2 cores: 12.5, 15.7 and
-32 ms against 15.1, 20.5 and 44 ms).
+model from memory each time (with torch's copies, 128 MiB to 2, 4 and 8 targets on 2
+cores: 12.5, 15.7 and 32 ms against 15.1, 20.5 and 44 ms; the streaming copies block
+the same way inside each call).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import numpy as np
 import torch
 
 from zmqsync.protocol import WeightsSchema
+from zmqsync.tensors import streaming
 from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.flatten import DEFAULT_PACK_THRESHOLD
+from zmqsync.tensors.streaming import fan_out
 from zmqsync.tensors.views import torch_dtype
 from zmqsync.transport.base import Lends, PeerId
 
@@ -142,14 +146,11 @@ class LentTarget:
         :meth:`write_all`)."""
         large, stretch = gathered
         with torch.no_grad():
-            if self.views:
-                if self.plan.total < PIECEWISE_BYTES:
-                    torch._foreach_copy_(self.views, large)  # one call: no Python per tensor
-                else:
-                    into = [[v] for v in self.views]
-                    _copy_in_blocks(into, large, still_writing, PIECEWISE_BYTES)
+            if self.plan.total < PIECEWISE_BYTES:
+                still_writing = _nothing  # one piece, written in one call
+            _copy_in_blocks([[v] for v in self.views], large, still_writing, PIECEWISE_BYTES)
             if len(stretch):
-                self.stretch.copy_(stretch)
+                fan_out([[self.stretch]], [stretch])
 
     @staticmethod
     def write_all(
@@ -172,9 +173,13 @@ class LentTarget:
             into = [[t.views[i] for t in targets] for i in range(len(large))]
             if targets[0].plan.total < PIECEWISE_BYTES:
                 still_writing = _nothing
-            _copy_in_blocks(into, large, still_writing, FAN_OUT_BLOCK)
+            # Streaming copies keep each block in the cache themselves (see
+            # zmqsync.tensors.streaming): the pieces need only be as small as the calls
+            # to still_writing() need them.
+            block = PIECEWISE_BYTES if streaming.AVAILABLE else FAN_OUT_BLOCK
+            _copy_in_blocks(into, large, still_writing, block)
             if len(stretch):
-                torch._foreach_copy_([t.stretch for t in targets], [stretch] * len(targets))
+                fan_out([[t.stretch for t in targets]], [stretch])
 
 
 class StillWriting:
@@ -215,14 +220,14 @@ def _copy_in_blocks(
     about ``block`` bytes: tensors smaller than that grouped into one call, a larger
     contiguous one cut into blocks (each read once and written to every destination
     while cached); ``between()`` is called after each piece."""
-    group_dests: list[torch.Tensor] = []
+    group_dests: list[Sequence[torch.Tensor]] = []
     group_sources: list[torch.Tensor] = []
     held = 0
 
     def flush() -> None:
         nonlocal held
         if group_sources:
-            torch._foreach_copy_(group_dests, group_sources)
+            fan_out(group_dests, group_sources)
             group_dests.clear()
             group_sources.clear()
             held = 0
@@ -230,8 +235,8 @@ def _copy_in_blocks(
 
     for into, src in zip(dests, sources, strict=True):
         if src.nbytes <= block or not src.is_contiguous():
-            group_dests.extend(into)
-            group_sources.extend([src] * len(into))
+            group_dests.append(into)
+            group_sources.append(src)
             held += src.nbytes
             if held >= block:
                 flush()
@@ -240,8 +245,7 @@ def _copy_in_blocks(
         flat, flats = src.view(-1), [d.view(-1) for d in into]
         step = block // src.element_size()
         for lo in range(0, flat.numel(), step):
-            piece = flat[lo : lo + step]
-            torch._foreach_copy_([d[lo : lo + step] for d in flats], [piece] * len(flats))
+            fan_out([[d[lo : lo + step] for d in flats]], [flat[lo : lo + step]])
             between()
     flush()
 
