@@ -18,6 +18,7 @@ import torch
 from zmqsync.chunking.copier import copier
 from zmqsync.protocol import Buffer, TensorEntry, WeightsSchema, encode_schema
 from zmqsync.protocol.codec import layout_digest
+from zmqsync.tensors.streaming import fan_out
 from zmqsync.tensors.views import word_spans, word_view, word_width
 
 __all__ = [
@@ -45,10 +46,10 @@ MIN_CHUNK_BYTES: Final = 64 * 1024
 #: Each buffer of a Flat starts on this boundary in the stream (a cache line), so a
 #: receiver can view any tensor at its natural alignment.
 STREAM_ALIGN: Final = 64
-#: Pieces at least this large are copied by torch's thread pool when a chunk is written
-#: ``pooled``: where nobody copies alongside the writer (workers that map each version
-#: instead of copying it), the pool's threads take every core. Where workers copy each
-#: chunk as the next is written, the pool's halves wait for cores the workers hold, and
+#: Pieces at least this large are copied on as many threads as torch may use when a
+#: chunk is written ``pooled``: where nobody copies alongside the writer (workers that
+#: map each version instead of copying it), the threads take every core. Where workers copy each
+#: chunk as the next is written, the threads wait for cores the workers hold, and
 #: one numpy copy on the writing thread is faster (benchmarks/README.md, "Why the one-host
 #: targets are missed"). Below it, torch's per-tensor cost outweighs the threads.
 POOLED_PIECE_BYTES: Final = 256 * 1024
@@ -216,9 +217,11 @@ class StreamLayout:
         """Fill ``out`` (at least the chunk's length) with chunk ``index``'s bytes.
 
         Alignment gaps between buffers are zeroed: a reused buffer never sends stale bytes.
-        ``pooled``: large pieces are copied by torch's thread pool, in one
-        ``_foreach_copy_`` (for a writer that nobody copies alongside: see
-        :data:`POOLED_PIECE_BYTES`), else each by one numpy copy on this thread.
+        ``pooled``: large pieces are copied in one call on as many threads as torch
+        may use, with streaming stores where they can be
+        (:func:`zmqsync.tensors.streaming.fan_out`: for a writer that nobody copies
+        alongside, see :data:`POOLED_PIECE_BYTES`), else each by one numpy copy on this
+        thread.
         """
         _, length = self.span(index)
         if isinstance(out, torch.Tensor):  # device memory a hub lends: device to device
@@ -250,7 +253,7 @@ class StreamLayout:
         if length > pos:
             out[pos:length] = 0
         if dests:
-            torch._foreach_copy_(dests, froms)
+            fan_out([[d] for d in dests], froms)
 
 
 def overlapping(
