@@ -138,3 +138,14 @@ def test_malformed_calls_are_refused() -> None:
             1,
             1,
         )
+
+
+def test_lazy_views_are_resolved_by_torch() -> None:
+    # a conjugate or negative view's bytes are not its values: torch resolves them
+    z = torch.randn(256, 256, dtype=torch.complex64)
+    conj, neg = z.conj(), torch._neg_view(z)
+    assert conj.is_conj() and neg.is_neg()
+    dests = [[torch.empty_like(z)], [torch.empty_like(z)]]
+    fan_out(dests, [conj, neg])
+    assert torch.equal(dests[0][0], z.conj().resolve_conj())
+    assert torch.equal(dests[1][0], -z)

@@ -48,10 +48,10 @@ MIN_CHUNK_BYTES: Final = 64 * 1024
 STREAM_ALIGN: Final = 64
 #: Pieces at least this large are copied on as many threads as torch may use when a
 #: chunk is written ``pooled``: where nobody copies alongside the writer (workers that
-#: map each version instead of copying it), the threads take every core. Where workers copy each
-#: chunk as the next is written, the threads wait for cores the workers hold, and
-#: one numpy copy on the writing thread is faster (benchmarks/README.md, "Why the one-host
-#: targets are missed"). Below it, torch's per-tensor cost outweighs the threads.
+#: map each version instead of copying it), the threads take every core. Where workers
+#: copy each chunk as the next is written, the threads wait for cores the workers hold,
+#: and one numpy copy on the writing thread is faster (benchmarks/README.md, "Why the
+#: one-host targets are missed"). Below it, the cost per piece outweighs the threads.
 POOLED_PIECE_BYTES: Final = 256 * 1024
 #: What a receiver remembers per stretch of a stream (views made once) is kept for at most
 #: this many stretches: one per chunk of any stream, and bounded whatever comes.

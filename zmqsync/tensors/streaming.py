@@ -37,15 +37,20 @@ AVAILABLE: Final = bool(_streamcopy is not None and _streamcopy.STREAMING)
 MIN_BYTES_PER_THREAD: Final = 2 * 1024 * 1024
 
 
-def _streamable(dest: torch.Tensor, source: torch.Tensor) -> bool:
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values are its bytes, back to back in host memory."""
     return (
-        dest.device.type == "cpu"
-        and source.device.type == "cpu"
-        and dest.dtype == source.dtype
-        and dest.shape == source.shape
-        and dest.is_contiguous()
-        and source.is_contiguous()
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.is_contiguous()
     )
+
+
+def _streamable(dest: torch.Tensor, source: torch.Tensor) -> bool:
+    return dest.dtype == source.dtype and dest.shape == source.shape and _plain(dest)
 
 
 def fan_out(dests: Sequence[Sequence[torch.Tensor]], sources: Sequence[torch.Tensor]) -> None:
@@ -66,7 +71,7 @@ def fan_out(dests: Sequence[Sequence[torch.Tensor]], sources: Sequence[torch.Ten
     left_dests: list[torch.Tensor] = []
     left_sources: list[torch.Tensor] = []
     for into, src in zip(dests, sources, strict=True):
-        if src.nbytes and all(_streamable(d, src) for d in into):
+        if src.nbytes and _plain(src) and all(_streamable(d, src) for d in into):
             streamed.append(src.data_ptr())
             sizes.append(src.nbytes)
             addresses.extend(d.data_ptr() for d in into)
