@@ -40,11 +40,17 @@ step() {
 }
 
 : > "$OUT/summary.txt"
+# The streaming copies' C extension, built in place where this tree has none and a
+# compiler is there (without it, torch copies: machine.txt says which).
+"$PY" -c 'import zmqsync.tensors._streamcopy' 2> /dev/null \
+    || "$PY" setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 \
+    || echo "the C extension did not build: see build_ext.log"
 {
     date -u
     nproc
     nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
     "$PY" -c 'import sys, torch, zmq; print(sys.version.split()[0], torch.__version__, "cuda" if torch.cuda.is_available() else "no cuda", "pyzmq", zmq.__version__)'
+    "$PY" -c 'from zmqsync.tensors import streaming; print("streaming copies:", streaming.AVAILABLE)'
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
