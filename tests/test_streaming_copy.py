@@ -84,14 +84,18 @@ def test_many_sources_to_many_destinations_on_many_threads(
             assert torch.equal(whole[start + src.numel() :], before[start + src.numel() :])
 
 
-def test_a_large_fan_out_on_torch_threads_matches_torch() -> None:
-    # what a lent write does: float tensors of a model, several workers
-    sources = [torch.randn(1024, 1024), torch.randn(3, 777), torch.randn(2048 * 513)]
-    dests = [[torch.empty_like(s) for _ in range(3)] for s in sources]
+def _fans_out_exactly(sources: list[torch.Tensor], k: int) -> None:
+    """``fan_out`` of ``sources`` into ``k`` fresh tensors each leaves each a copy."""
+    dests = [[torch.empty_like(s) for _ in range(k)] for s in sources]
     fan_out(dests, sources)
     for src, into in zip(sources, dests, strict=True):
         for d in into:
             assert torch.equal(d, src)
+
+
+def test_a_large_fan_out_on_torch_threads_matches_torch() -> None:
+    # what a lent write does: float tensors of a model, several workers
+    _fans_out_exactly([torch.randn(1024, 1024), torch.randn(3, 777), torch.randn(2048 * 513)], 3)
 
 
 def test_what_cannot_stream_is_copied_by_torch() -> None:
@@ -107,12 +111,7 @@ def test_what_cannot_stream_is_copied_by_torch() -> None:
 
 def test_without_the_extension_torch_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(streaming, "AVAILABLE", False)
-    sources = [torch.randn(300, 300), torch.arange(10)]
-    dests = [[torch.empty_like(s) for _ in range(2)] for s in sources]
-    fan_out(dests, sources)
-    for src, into in zip(sources, dests, strict=True):
-        for d in into:
-            assert torch.equal(d, src)
+    _fans_out_exactly([torch.randn(300, 300), torch.arange(10)], 2)
 
 
 def test_malformed_calls_are_refused() -> None:
