@@ -252,6 +252,41 @@ def test_bytes_that_are_not_ours_cost_only_that_pipe() -> None:
             child.close()
 
 
+@pytest.mark.parametrize("cut", ["in-its-length", "in-its-bytes"])
+def test_a_worker_that_stops_in_the_middle_of_a_record_costs_only_its_pipe(
+    cut: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that writes part of a record and then nothing (stopped, or hostile)
+    loses its own pipe once the stall bound passes: the hub never waits on it without a
+    bound, and the others are served."""
+    from zmqsync.transport.pipe import framing
+
+    monkeypatch.setattr(framing, "STALL_SECONDS", 0.5)
+    pairs = [mp.Pipe() for _ in range(2)]
+    hub = PipeHub([parent for parent, _ in pairs])
+    good = PipeSpoke(pairs[0][1])
+    stuck = framing.socket_of(pairs[1][1], "the test's end")
+    try:
+        record = struct.pack("!i", 64) + b"x" * 10  # a 64-byte record, 10 bytes of it
+        stuck.sendall(record[:2] if cut == "in-its-length" else record)
+        good.send_frames([b"hello"])
+        got = None
+        deadline = time.monotonic() + 10
+        while hub.counters()["peers_lost"] < 1 or got is None:
+            assert time.monotonic() < deadline, hub.counters()
+            incoming = hub.recv_frames(0.1)
+            if incoming is not None:
+                got = incoming
+        assert got.peer == peer_id(0) and [bytes(f) for f in got.frames] == [b"hello"]
+        hub.send_frames([b"still served"])
+        assert good.recv_frames(5.0) == [b"still served"]
+    finally:
+        hub.close()
+        good.close()
+        stuck.close()
+        pairs[1][1].close()
+
+
 def test_only_duplex_pipe_ends_are_accepted() -> None:
     reader, writer = mp.Pipe(duplex=False)
     try:

@@ -11,9 +11,11 @@ Each unit on the pipe starts with one record written with ``Connection.send_byte
   hub (its inline frames' bytes follow, raw), or a release from a worker.
 
 ``Connection.send``/``recv`` are never used: they pickle, and no pickle travels on
-zmqsync's data path. Raw bytes bypass ``Connection.recv_bytes``, which reads a large
-record in small chunks through an ``io.BytesIO`` (three copies): the reader allocates
-each message once and fills it with ``recv_into``.
+zmqsync's data path. Nor is ``Connection.recv_bytes``: it waits without a bound in the
+middle of a record (a peer that writes half of one and stops would hold the reading
+thread forever), through Python layers (an ``io.BytesIO`` per read). Records are read
+off the socket in ``Connection``'s format, bounded by :data:`STALL_SECONDS`; a message's
+raw bytes into one buffer with ``recv_into``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ __all__ = [
 #: A header record: magic, then a count (of frames, or the index or block it names).
 HEADER: Final = struct.Struct("<4sI")
 _LENGTH: Final = struct.Struct("<Q")
+#: How ``Connection.send_bytes`` prefixes a record: its length, or -1 and a 64-bit one.
+_RECORD_SIZE: Final = struct.Struct("!i")
+_RECORD_SIZE64: Final = struct.Struct("!Q")
 MESSAGE: Final = b"ZSP2"
 #: The record that tells a worker its index (the count field carries the index).
 ASSIGN: Final = b"ZSPI"
@@ -194,6 +199,41 @@ def _stall_unless_there(conn: Connection, sock: socket.socket, what: str) -> Non
     # A broken pipe raises OSError here; end of file, in the read that follows.
 
 
+def _recv_exact(conn: Connection, sock: socket.socket, nbytes: int, *, first: bool) -> bytes:
+    """``nbytes`` bytes of a record, read with as few calls as the pipe allows (mostly
+    one). ``first``: they start a unit, so an end of file here is a clean one."""
+    data = b""
+    while True:
+        try:
+            got = sock.recv(nbytes - len(data), socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            _stall(conn, "in the middle of a record")
+            continue
+        if not got:
+            if first and not data:
+                raise EOFError
+            raise EOFError("the pipe closed in the middle of a record")
+        data = data + got if data else got
+        if len(data) == nbytes:
+            return data
+
+
+def _recv_record(
+    conn: Connection, sock: socket.socket, max_bytes: int, *, first: bool = False
+) -> bytes:
+    """One record as ``Connection.send_bytes`` writes it (a big-endian 32-bit length,
+    or -1 and a 64-bit one, then the bytes), read from the socket itself: the same bytes
+    as ``Connection.recv_bytes``, without its Python layers (a ``BytesIO`` per read),
+    and bounded by ``STALL_SECONDS`` in the middle of one. Never reads past the record
+    (a block's descriptor may ride on the next byte)."""
+    (size,) = _RECORD_SIZE.unpack(_recv_exact(conn, sock, _RECORD_SIZE.size, first=first))
+    if size == -1:
+        (size,) = _RECORD_SIZE64.unpack(_recv_exact(conn, sock, _RECORD_SIZE64.size, first=False))
+    if size < 0 or size > max_bytes:
+        raise OSError("bad message length")
+    return _recv_exact(conn, sock, size, first=False) if size else b""
+
+
 def _recv_raw(
     conn: Connection, sock: socket.socket, nbytes: int, pool: BufferPool | None = None
 ) -> Any:
@@ -230,11 +270,11 @@ def _recv_block(conn: Connection, sock: socket.socket, block_id: int) -> np.ndar
     return np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.empty(0, np.uint8)
 
 
-def _recv_device_block(conn: Connection, block_id: int) -> Any:
+def _recv_device_block(conn: Connection, sock: socket.socket, block_id: int) -> Any:
     """Open the device block whose handle is the next record (None: it cannot be
     opened here; logged)."""
     _stall(conn, f"before sending device block {block_id}")
-    return handles.open_block(block_id, conn.recv_bytes(handles.DeviceHandle.max_size()))
+    return handles.open_block(block_id, _recv_record(conn, sock, handles.DeviceHandle.max_size()))
 
 
 def _inline_frames(raw: Any, sizes: list[int], pool: BufferPool | None) -> list[Buffer]:
@@ -290,8 +330,11 @@ def read(
     reads releases instead). Raises EOFError or OSError when the pipe broke or carries
     bytes that are not ours (the stream is then lost: it cannot be resynchronised).
     """
-    first = conn.recv_bytes(
-        Lease.max_size(MAX_FRAMES) if blocks is not None else Release.max_size(MAX_FRAMES)
+    first = _recv_record(
+        conn,
+        sock,
+        Lease.max_size(MAX_FRAMES) if blocks is not None else Release.max_size(MAX_FRAMES),
+        first=True,
     )
     if is_record([first]):
         try:
@@ -337,7 +380,7 @@ def read(
         blocks.add(count, _recv_block(conn, sock, count))
         return Received()
     if magic == DEVICE and blocks is not None:
-        opened = _recv_device_block(conn, count)
+        opened = _recv_device_block(conn, sock, count)
         if opened is None:
             return Received(refused=count)
         blocks.add(count, opened)
@@ -347,7 +390,7 @@ def read(
     if count > MAX_FRAMES:
         raise OSError(f"a message of {count} frames exceeds the limit of {MAX_FRAMES}")
     _stall_unless_there(conn, sock, "in the middle of a message")
-    table = conn.recv_bytes(count * _LENGTH.size)
+    table = _recv_record(conn, sock, count * _LENGTH.size)
     if len(table) != count * _LENGTH.size:
         raise OSError(f"the frame table of {count} frames takes {count * _LENGTH.size} bytes")
     sizes = [n for (n,) in _LENGTH.iter_unpack(table)]

@@ -34,7 +34,7 @@ from zmqsync.transport.cuda.blocks import DevicePool
 from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
 from zmqsync.transport.pipe.buffers import BufferPool, owned
-from zmqsync.transport.pipe.framing import ASSIGN, HEADER, read, socket_of
+from zmqsync.transport.pipe.framing import ASSIGN, HEADER, Received, read, socket_of
 from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE, BlockPool, Ref
 from zmqsync.transport.shm.lent import LentPeers, TakesLentTensors
@@ -48,6 +48,22 @@ log = logging.getLogger("zmqsync.transport.pipe")
 #: What a hub accepts in one message from a worker. Workers send acks and requests (a
 #: few KiB); a bigger message is a confused peer, refused before it is allocated.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+
+
+#: Units read from one worker in a turn while it has more there (then the others get
+#: theirs: one chatty worker cannot starve them).
+_UNITS_PER_TURN: Final = 8
+
+
+def _readable_now(sock: socket.socket) -> bool:
+    """Whether the pipe has bytes (or its end) to read now, without waiting."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # broken: the read that follows says so
+    return True
 
 
 def peer_id(index: int) -> PeerId:
@@ -287,32 +303,48 @@ class PipeHub(
                 self._rotate = (self._rotate + 1) % len(ready)
                 ready = ready[self._rotate :] + ready[: self._rotate]
             for peer in ready:
-                if peer.lost is not None or peer.conn.closed:
-                    continue  # replaced or lost meanwhile: the next round looks again
-                try:
-                    got = read(peer.conn, peer.sock, self._max_message_bytes)
-                except (EOFError, OSError) as exc:
-                    self._lose(peer, f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
-                    continue
-                peer.writer.heard()
-                if got.release is not None:
-                    self._on_release(peer, got.release)
-                elif got.keeps:
-                    peer.writer.keeps_versions = True
-                elif got.device is not None:
-                    peer.writer.device = got.device
-                elif isinstance(got.lent, LentAt):
-                    self._lent.said(peer_id(peer.index), got.lent)
-                elif isinstance(got.lent, Go):
-                    self._lent.answered(peer_id(peer.index), got.lent)
-                    return None  # the sender waiting for it takes it at once
-                elif got.frames is not None:
-                    peer.left = False  # back after its goodbye (a hello), or never gone
-                    # A message beats a wake-up: whoever woke us wants the hub, and gets
-                    # it back at once either way.
-                    return Incoming(got.frames, peer_id(peer.index))
+                # What a worker writes at once (its releases and its ack, in one write)
+                # is read in one turn, not one unit per round of the selector.
+                for _ in range(_UNITS_PER_TURN):
+                    if peer.lost is not None or peer.conn.closed:
+                        break  # replaced or lost meanwhile: the next round looks again
+                    try:
+                        got = read(peer.conn, peer.sock, self._max_message_bytes)
+                    except (EOFError, OSError) as exc:
+                        why = f"{type(exc).__name__}: {exc}" if str(exc) else "end of file"
+                        self._lose(peer, why)
+                        break
+                    done, incoming = self._took(peer, got)
+                    if done:
+                        return incoming
+                    if not _readable_now(peer.sock):
+                        break
             if woken or (not events and remaining is not None and remaining <= 0):
                 return None
+
+    def _took(self, peer: _Peer, got: Received) -> tuple[bool, Incoming | None]:
+        """Act on a unit ``peer`` sent: whether :meth:`recv_frames` returns now, and
+        with what (a message; None for a lent-tensor answer, which the sender waiting
+        for it takes at once); ``(False, None)`` for a unit that was the hub's own (a
+        release)."""
+        peer.writer.heard()
+        if got.release is not None:
+            self._on_release(peer, got.release)
+        elif got.keeps:
+            peer.writer.keeps_versions = True
+        elif got.device is not None:
+            peer.writer.device = got.device
+        elif isinstance(got.lent, LentAt):
+            self._lent.said(peer_id(peer.index), got.lent)
+        elif isinstance(got.lent, Go):
+            self._lent.answered(peer_id(peer.index), got.lent)
+            return True, None
+        elif got.frames is not None:
+            peer.left = False  # back after its goodbye (a hello), or never gone
+            # A message beats a wake-up: whoever woke us wants the hub, and gets it
+            # back at once either way.
+            return True, Incoming(got.frames, peer_id(peer.index))
+        return False, None
 
     def _selector_for(self, live: dict[Connection, _Peer]) -> selectors.BaseSelector:
         """The selector of the wake-up and of the ``live`` pipes (made again when they
