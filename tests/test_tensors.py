@@ -18,6 +18,7 @@ from zmqsync.protocol import Weights
 from zmqsync.tensors.apply import apply_weights, materialize
 from zmqsync.tensors.extract import as_weights_object, checksum, extract
 from zmqsync.tensors.flatten import Flattener, PackReader
+from zmqsync.tensors.views import read_view
 
 ALL_DTYPES = [
     torch.bool,
@@ -550,3 +551,33 @@ def test_a_device_reader_cuts_the_same_chunks_through_two_slots(chunk_bytes: int
     reader.close()
     # Two slots of at most one chunk: the reader's whole memory, whatever the size.
     assert reader.nbytes <= 2 * chunk_bytes and reader.nbytes <= 2 * layout.total
+
+
+def test_read_only_memory_is_viewed_without_a_warning_and_still_read_only() -> None:
+    """Received frames and mapped versions are read-only: viewing them shows the user no
+    torch warning (torch warns once a process: the first view silences it, later ones
+    pay nothing for silencing), and the views read the bytes."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import mmap, numpy as np
+        from zmqsync.tensors.views import read_only_storage, read_view
+        ro = np.frombuffer(mmap.mmap(-1, 4096, prot=mmap.PROT_READ), dtype=np.uint8)
+        for _ in range(3):
+            assert read_view(ro).shape == (4096,)
+            assert read_only_storage(ro).nbytes() == 4096
+        assert read_view(bytearray(b"ab")).tolist() == [97, 98]
+        assert read_view(b"") is None
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    ro = np.frombuffer(b"\x01\x02", dtype=np.uint8)
+    view = read_view(ro)
+    assert view is not None and view.tolist() == [1, 2]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -37,7 +36,7 @@ from zmqsync.errors import SchemaMismatchError
 from zmqsync.protocol import Buffer, WeightsSchema
 from zmqsync.tensors.extract import KeyPath
 from zmqsync.tensors.fit import check_fits
-from zmqsync.tensors.views import address, torch_dtype
+from zmqsync.tensors.views import address, read_only_storage, torch_dtype
 
 __all__ = ["SHARED_MODE", "Placements", "SharedVersion", "check_shareable", "owned_tensors"]
 
@@ -293,9 +292,7 @@ class SharedVersion:
             placed = self._placed = (schema, target, Placements(schema, target))
             self._storage = None  # these tensors do not all lie in one storage of ours yet
         whole = self._whole()  # the schema spans it exactly (checked when decoded)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only on purpose: a write faults
-            storage = torch.from_numpy(whole).untyped_storage()
+        storage = read_only_storage(whole)  # read-only on purpose: a write faults
         current = self._storage
         if current is not None and _SWAP and current.nbytes() == storage.nbytes():
             # Every tensor lies in ``current`` where the last install put it (the model's

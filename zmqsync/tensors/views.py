@@ -21,6 +21,7 @@ __all__ = [
     "byte_view",
     "bytes_of",
     "dtype_name",
+    "read_only_storage",
     "read_view",
     "source_views",
     "synchronize",
@@ -98,6 +99,28 @@ def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return byte_view(tensor if tensor.is_contiguous() else tensor.contiguous())
 
 
+class _WarnsOnce:
+    """A torch call that warns, once per process, when handed read-only memory (torch's
+    ``TORCH_WARN_ONCE``): the first such call runs with that warning silenced, the later
+    ones as they are (silencing costs more than the call, on every received chunk)."""
+
+    def __init__(self) -> None:
+        self._warned = False
+
+    def __call__(self, make: Any, *args: Any, read_only: bool, **kwargs: Any) -> Any:
+        if self._warned or not read_only:
+            return make(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only on purpose
+            made = make(*args, **kwargs)
+        self._warned = True
+        return made
+
+
+_FROM_BUFFER = _WarnsOnce()
+_FROM_NUMPY = _WarnsOnce()
+
+
 def read_view(buf: Any) -> torch.Tensor | None:
     """A uint8 tensor viewing received bytes (None if there are none), to read from.
 
@@ -105,9 +128,16 @@ def read_view(buf: Any) -> torch.Tensor | None:
     """
     if not len(buf):
         return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=torch.uint8)
+    read_only = memoryview(buf).readonly
+    return _FROM_BUFFER(torch.frombuffer, buf, dtype=torch.uint8, read_only=read_only)
+
+
+def read_only_storage(array: Any) -> torch.UntypedStorage:
+    """The storage of a tensor over a numpy array that may be read-only (a mapping of a
+    shared version: a write through it faults, on purpose)."""
+    return _FROM_NUMPY(
+        torch.from_numpy, array, read_only=not array.flags.writeable
+    ).untyped_storage()
 
 
 def source_views(message: Weights) -> list[torch.Tensor | None]:
