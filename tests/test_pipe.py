@@ -224,6 +224,22 @@ def test_a_worker_process_that_returns_with_its_receiver_open_says_goodbye(
         sender.close()
 
 
+def _lose_them_and_serve_worker_0(hub: PipeHub, good: PipeSpoke, lost: int, within: float) -> None:
+    """The hub loses ``lost`` pipes within ``within`` seconds while worker 0's message
+    reaches it, and serves worker 0 after."""
+    good.send_frames([b"hello"])
+    got = None
+    deadline = time.monotonic() + within
+    while hub.counters()["peers_lost"] < lost or got is None:
+        assert time.monotonic() < deadline, hub.counters()
+        incoming = hub.recv_frames(0.1)
+        if incoming is not None:
+            got = incoming
+    assert got.peer == peer_id(0) and [bytes(f) for f in got.frames] == [b"hello"]
+    hub.send_frames([b"still served"])
+    assert good.recv_frames(5.0) == [b"still served"]
+
+
 def test_bytes_that_are_not_ours_cost_only_that_pipe() -> None:
     """A worker writing garbage, or announcing a message over the hub's limit, loses its
     own pipe (counted, refused before anything is allocated); the others are served."""
@@ -234,17 +250,7 @@ def test_bytes_that_are_not_ours_cost_only_that_pipe() -> None:
         pairs[1][1].send_bytes(b"not a zmqsync pipe header")
         pairs[2][1].send_bytes(struct.pack("<4sI", b"ZSP2", 1))
         pairs[2][1].send_bytes(struct.pack("<Q", 1 << 40))  # a 1 TiB frame, never sent
-        good.send_frames([b"hello"])
-        got = None
-        deadline = time.monotonic() + 5
-        while hub.counters()["peers_lost"] < 2 or got is None:
-            assert time.monotonic() < deadline, hub.counters()
-            incoming = hub.recv_frames(0.1)
-            if incoming is not None:
-                got = incoming
-        assert got.peer == peer_id(0) and [bytes(f) for f in got.frames] == [b"hello"]
-        hub.send_frames([b"still served"])
-        assert good.recv_frames(5.0) == [b"still served"]
+        _lose_them_and_serve_worker_0(hub, good, lost=2, within=5.0)
     finally:
         hub.close()
         good.close()
@@ -269,17 +275,7 @@ def test_a_worker_that_stops_in_the_middle_of_a_record_costs_only_its_pipe(
     try:
         record = struct.pack("!i", 64) + b"x" * 10  # a 64-byte record, 10 bytes of it
         stuck.sendall(record[:2] if cut == "in-its-length" else record)
-        good.send_frames([b"hello"])
-        got = None
-        deadline = time.monotonic() + 10
-        while hub.counters()["peers_lost"] < 1 or got is None:
-            assert time.monotonic() < deadline, hub.counters()
-            incoming = hub.recv_frames(0.1)
-            if incoming is not None:
-                got = incoming
-        assert got.peer == peer_id(0) and [bytes(f) for f in got.frames] == [b"hello"]
-        hub.send_frames([b"still served"])
-        assert good.recv_frames(5.0) == [b"still served"]
+        _lose_them_and_serve_worker_0(hub, good, lost=1, within=10.0)
     finally:
         hub.close()
         good.close()
