@@ -322,6 +322,8 @@ class FakeHost:
         self.turns = 0
         self.failed: BaseException | None = None
         self.forwarded: int | None = None
+        #: The peers the host is beginning to forward a version to (no transfer yet).
+        self.starting: set[bytes] = set()
         self.explode = False
         #: Whether a worker the held chunk went to says it still reads (a slow link's);
         #: by default none does (a stopped peer's). The chunks asked about, in turn.
@@ -345,6 +347,9 @@ class FakeHost:
 
     def forwarded_version(self) -> int | None:
         return self.forwarded
+
+    def forward_starting(self, runner: HubRunner, peer: bytes) -> bool:
+        return peer in self.starting
 
     def reading(self, runner: HubRunner, chunk: InFlight, now: float) -> bool:
         self.asked.append(chunk)
@@ -521,3 +526,5 @@ def test_a_repair_waits_while_the_version_is_on_its_way_to_that_peer() -> None:
             host.forwarded = 5
             assert runner.forwarding_to(b"c")  # sent it just now: it may still read it
             assert not runner.forwarding_to(b"d")
+            host.starting = {b"d"}  # the host begins a forward to it: no transfer yet
+            assert runner.forwarding_to(b"d")

@@ -163,6 +163,13 @@ class _Pumps:
         forwarding = self._sender._forwarding
         return None if forwarding is None else forwarding.copy.version
 
+    def forward_starting(self, runner: HubRunner, peer: PeerId) -> bool:
+        forwarding = self._sender._forwarding
+        if forwarding is None or runner.index not in forwarding.starting:
+            return False
+        to = forwarding.starting.get(runner.index)
+        return to is None or peer in to
+
     def reading(self, runner: HubRunner, chunk: InFlight, now: float) -> bool:
         return self._sender.fleet.reading(runner.index, chunk.to, chunk.read, chunk.sent_at, now)
 
@@ -1049,7 +1056,15 @@ class WeightSender:
                 # its chunks), or to those its send still waits for.
                 to = None if old.copy.reached is None else frozenset(send.missing)
             peers = {} if to is None else self._peers_of(to)
-            self._forwarding = Forwarding(send, copy)
+            # Until each hub's runner has begun it, a worker asking for the version the
+            # fleet now counts is told it is on its way (not repaired, nor fetched again
+            # upstream by a relay without a snapshot).
+            starting: dict[int, frozenset[PeerId] | None] = {
+                r.index: None if to is None else frozenset(peers[r.index])
+                for r in self._runners
+                if to is None or peers.get(r.index)
+            }
+            forwarding = self._forwarding = Forwarding(send, copy, starting)
             self._metadata = chunk.metadata
         for runner in self._runners:
             if to is None:
@@ -1057,6 +1072,7 @@ class WeightSender:
             elif peers.get(runner.index):
                 # Only to the workers (and relays) it is for: they filter it further.
                 runner.begin(Transfer(copy, peers[runner.index]))
+        forwarding.starting = {}
         if restart:
             self._stats.add("bytes_sent", copy.nbytes * max(1, len(send.targets)))
         else:

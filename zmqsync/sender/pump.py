@@ -132,6 +132,10 @@ class PumpHost(Protocol):
     def forwarded_version(self) -> int | None:
         """The version of a stream the host forwards (a relay), if any."""
 
+    def forward_starting(self, runner: HubRunner, peer: PeerId) -> bool:
+        """Whether the host is beginning to forward a version to ``peer`` through
+        ``runner``'s hub, which has no transfer of it yet (from any thread)."""
+
     def reading(self, runner: HubRunner, chunk: InFlight, now: float) -> bool:
         """Whether a worker that ``chunk`` went to through ``runner``'s hub, and that has
         not read it yet, says it still reads (slowly), at ``now`` (from any thread)."""
@@ -326,8 +330,11 @@ class HubRunner:
         )
 
     def forwarding_to(self, peer: PeerId) -> bool:
-        """Whether a relay's version is on its way to ``peer`` (holding the baton): still
-        streaming, or sent so lately that the peer may still be reading it."""
+        """Whether a relay's version is on its way to ``peer`` (holding the baton): about
+        to stream, still streaming, or sent so lately that the peer may still be reading
+        it."""
+        if self._host.forward_starting(self, peer):
+            return True
         if any(
             isinstance(t.copy, Forwarded) and t.copy.readable and (t.to is None or peer in t.to)
             for t in self.transfers

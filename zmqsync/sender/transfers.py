@@ -500,3 +500,7 @@ class Forwarding:
 
     send: Send
     copy: Forwarded = field(repr=False)
+    #: While the forward is being begun on the hubs (the fleet already counts the
+    #: version, a hub's runner not yet): per runner index, the peers it will stream to
+    #: (None: every one). Emptied once every runner has begun it.
+    starting: dict[int, frozenset[PeerId] | None] = field(default_factory=dict)
