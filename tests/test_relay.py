@@ -561,16 +561,25 @@ def test_a_worker_that_a_relay_is_streaming_to_is_not_sent_anything_else(
     # Workers ask for the latest version at every heartbeat while they lack it. While
     # the relay still forwards that version to them, it must not stream its older
     # snapshot (which they hold), nor fetch the version from upstream again.
-    # ``late``: the hub's runner begins each forward 0.3 s after the fleet counted its
-    # version (a busy machine's thread switch, made long): the workers' asks in between
-    # are no reason either (once, on a loaded CI machine, one was: a refetch).
+    # ``late``: the relay's hub runner begins each forward only once the relay has
+    # answered a worker's ask for the version the fleet already counts (a busy
+    # machine's thread switch, made long): those asks are no reason either (once, on a
+    # loaded CI machine, one was: a refetch).
+    asked_in_window: list[bool] = []
+    answered: list[Any] = []  # how many asks the relay has answered, once armed
     if late:
         from zmqsync.sender.pump import HubRunner
+        from zmqsync.sender.transfers import Forwarded
 
         begin = HubRunner.begin
 
         def begin_late(runner: HubRunner, transfer: Any) -> None:
-            time.sleep(0.3)
+            if isinstance(transfer.copy, Forwarded) and answered:
+                before = answered[0]()
+                deadline = time.monotonic() + 10
+                while answered[0]() == before and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                asked_in_window.append(answered[0]() > before)
             begin(runner, transfer)
 
         monkeypatch.setattr(HubRunner, "begin", begin_late)
@@ -587,11 +596,19 @@ def test_a_worker_that_a_relay_is_streaming_to_is_not_sent_anything_else(
         retain_snapshot=retain,
     )
     relay.sender.fleet.repair_after = 0.0  # each request would be answered at once
+    counts = relay.sender._stats.totals  # live: what the relay's pump decided so far
     models: dict[int, dict[str, torch.Tensor]] = {}
     try:
         relay.connect(timeout=30)
         relay.start()
         with _leaves(relay.endpoint, [1, 2], models, mib=32) as leaves:
+            # The forwards of the three sends below (the leaves' first version came
+            # as they connected) wait for an ask.
+            answered.append(
+                lambda: (
+                    counts["repairs_skipped"] + counts["repairs_sent"] + relay.stats["refetches"]
+                )
+            )
             skipped = relay.status()["totals"]["repairs_skipped"]
             repairs = relay.status()["totals"]["repairs_sent"], relay.stats["refetches"]
             for _ in range(3):
@@ -602,6 +619,8 @@ def test_a_worker_that_a_relay_is_streaming_to_is_not_sent_anything_else(
             assert (totals["repairs_sent"], relay.stats["refetches"]) == repairs
             assert totals["repairs_skipped"] > skipped  # they did ask meanwhile
             assert all(r.stats["applied"] >= 4 for r in leaves.values())
+            if late:  # the window was there, and workers asked in it
+                assert asked_in_window and all(asked_in_window), asked_in_window
     finally:
         relay.close()
         learner.close()
