@@ -626,6 +626,48 @@ def test_a_worker_that_a_relay_is_streaming_to_is_not_sent_anything_else(
         learner.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_forward_whose_begin_fails_counts_nobody_as_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A hub runner's begin raises (its transport failing) while a forward starts: the
+    # relay drops that version and fetches it again, and the failed forward says of no
+    # worker that the version is on its way to it (else its asks would go unanswered).
+    from zmqsync.sender.pump import HubRunner
+    from zmqsync.sender.transfers import Forwarded
+
+    begin, failed = HubRunner.begin, []
+
+    def begin_once_failing(runner: HubRunner, transfer: Any) -> None:
+        if isinstance(transfer.copy, Forwarded) and armed and not failed:
+            failed.append(relay.sender._forwarding)
+            raise OSError("the transport failed (the test)")
+        begin(runner, transfer)
+
+    monkeypatch.setattr(HubRunner, "begin", begin_once_failing)
+    armed = False
+    model = _model()
+    learner = WeightSender(
+        _hub(), model=model, strategy="state_dict", timeout=60, chunk_bytes=MIB // 4
+    )
+    relay = Relay(_spoke(learner.endpoint, "relay"), _hub(), strategy="state_dict", heartbeat=0.05)
+    models: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        relay.connect(timeout=30)
+        relay.start()
+        with _leaves(relay.endpoint, [1, 2], models) as leaves:
+            armed = True
+            _bump(model)
+            learner.send()
+            assert [checksum(m) for m in models.values()] == [checksum(model)] * 2
+            assert len(failed) == 1 and failed[0] is not None
+            assert failed[0].starting == {}
+            assert all(r.version == learner.version for r in leaves.values())
+    finally:
+        relay.close()
+        learner.close()
+
+
 class _Gate(PubSubSpoke):
     """A relay's link to its upstream (a real spoke) that can hold back one version's
     chunks from an index on, until the test opens it: the test decides when the rest of

@@ -1066,13 +1066,17 @@ class WeightSender:
             }
             forwarding = self._forwarding = Forwarding(send, copy, starting)
             self._metadata = chunk.metadata
-        for runner in self._runners:
-            if to is None:
-                runner.begin(Transfer(copy, None))
-            elif peers.get(runner.index):
-                # Only to the workers (and relays) it is for: they filter it further.
-                runner.begin(Transfer(copy, peers[runner.index]))
-        forwarding.starting = {}
+        try:
+            for runner in self._runners:
+                if to is None:
+                    runner.begin(Transfer(copy, None))
+                elif peers.get(runner.index):
+                    # Only to the workers (and relays) it is for: they filter it further.
+                    runner.begin(Transfer(copy, peers[runner.index]))
+        finally:
+            # Also when a runner's begin raised: its peers' asks are then answered as
+            # usual, not counted as on their way until the next version.
+            forwarding.starting = {}
         if restart:
             self._stats.add("bytes_sent", copy.nbytes * max(1, len(send.targets)))
         else:
