@@ -283,6 +283,114 @@ def test_a_worker_that_stops_in_the_middle_of_a_record_costs_only_its_pipe(
         pairs[1][1].close()
 
 
+def _wire(frames: list[bytes]) -> bytes:
+    """A message's bytes on a pipe, as a worker writes them: two records, then the frames."""
+    from zmqsync.transport.pipe.framing import message_head
+
+    head, table = message_head(frames)
+    records = b"".join(struct.pack("!i", len(r)) + r for r in (head, table))
+    return records + b"".join(frames)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cut", [2, 9, 14, 40, 1000])  # in each record, in the frames
+def test_a_worker_that_wrote_part_of_a_message_holds_up_nobody_else(
+    cut: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hub reads every worker on one thread. A worker that writes part of a message
+    and pauses (stopped, slow) keeps its pipe and what it wrote, and the hub serves the
+    others meanwhile: it never waits on the rest. Once the rest comes, the message is
+    whole; a worker that never writes the rest loses its own pipe once ``STALL_SECONDS``
+    pass without a byte."""
+    from zmqsync.transport.pipe import framing
+
+    monkeypatch.setattr(framing, "STALL_SECONDS", 3.0)
+    pairs = [mp.Pipe() for _ in range(2)]
+    hub = PipeHub([parent for parent, _ in pairs])
+    good = PipeSpoke(pairs[0][1])
+    slow = framing.socket_of(pairs[1][1], "the test's end")
+    wire = _wire([b"a" * 7, bytes(range(256)) * 8, b""])
+    assert len(wire) > 1000
+    try:
+        slow.sendall(wire[:cut])
+        # Its bytes are there: the hub reads them, keeps them, and goes on.
+        assert hub.recv_frames(0.2) is None
+        for i in range(3):
+            good.send_frames([b"hello %d" % i])
+            got = hub.recv_frames(5.0)
+            assert got is not None and got.peer == peer_id(0)
+            assert [bytes(f) for f in got.frames] == [b"hello %d" % i]
+        assert hub.counters()["peers_lost"] == 0
+        # The rest, in two writes: the message arrives whole.
+        slow.sendall(wire[cut : cut + 3])
+        assert hub.recv_frames(0.1) is None
+        slow.sendall(wire[cut + 3 :])
+        got = hub.recv_frames(5.0)
+        assert got is not None and got.peer == peer_id(1)
+        assert [bytes(f) for f in got.frames] == [b"a" * 7, bytes(range(256)) * 8, b""]
+        # Part of the next, and nothing more: only that pipe is given up.
+        slow.sendall(wire[:cut])
+        started = time.monotonic()
+        _lose_them_and_serve_worker_0(hub, good, lost=1, within=15.0)
+        assert time.monotonic() - started >= 2.5  # not before its bound (0.5 s of slack)
+        assert hub.counters()["peers_lost"] == 1
+    finally:
+        hub.close()
+        good.close()
+        slow.close()
+        pairs[1][1].close()
+
+
+def _read_within(reader: Any, within: float) -> Any:
+    deadline = time.monotonic() + within
+    while (got := reader.read()) is None:
+        assert time.monotonic() < deadline, "no unit came"
+        time.sleep(0.01)
+    return got
+
+
+def test_the_hub_reads_a_unit_that_comes_a_byte_at_a_time() -> None:
+    """The hub's reader returns nothing until a unit is whole, whatever the cuts, and
+    says since when the unit under way has waited; between units it waits for nothing.
+    A message over the limit is refused from its table, before its bytes are taken; an
+    end in the middle of a unit is no clean end."""
+    import socket
+
+    from zmqsync.transport.pipe.units import UnitReader
+
+    here, there = socket.socketpair()
+    try:
+        reader = UnitReader(there, max_message_bytes=4096)
+        frames = [b"x" * 5, bytes(range(200))]
+        release = encode(Release((3, 4)))
+        stream = _wire(frames) + struct.pack("!i", len(release)) + release
+        units = []
+        for byte in range(len(stream)):
+            here.sendall(stream[byte : byte + 1])
+            got = reader.read()
+            if got is None:
+                assert reader.since is not None
+            else:
+                units.append(got)
+                assert reader.since is None
+        assert [bytes(f) for f in units[0].frames or []] == frames
+        assert units[1].release == Release((3, 4))
+        assert len(units) == 2 and reader.read() is None and reader.since is None
+        # Over the limit: refused once its table says so (the frames never sent).
+        here.sendall(_wire([b"y" * 5000])[:-5000])
+        with pytest.raises(OSError, match="exceeds the limit"):
+            _read_within(reader, 10.0)
+        # An end in the middle of a unit.
+        other = UnitReader(here, max_message_bytes=None)
+        there.sendall(struct.pack("!i", 64) + b"z" * 10)
+        there.close()
+        with pytest.raises(EOFError, match="middle of a record"):
+            _read_within(other, 10.0)
+    finally:
+        here.close()
+        there.close()
+
+
 def test_only_duplex_pipe_ends_are_accepted() -> None:
     reader, writer = mp.Pipe(duplex=False)
     try:
@@ -1033,7 +1141,8 @@ def test_small_messages_written_at_once_read_as_queued_ones() -> None:
     when written): the hub reads each message's frames and each release as it would
     have from the writer thread, in the order they were given. A message too large, or
     one behind a queued message, waits for the writer thread."""
-    from zmqsync.transport.pipe.framing import read, socket_of
+    from zmqsync.transport.pipe.framing import socket_of
+    from zmqsync.transport.pipe.units import UnitReader
     from zmqsync.transport.pipe.writer import Writer, close_end
     from zmqsync.transport.shm.records import Release, encode
 
@@ -1063,11 +1172,13 @@ def test_small_messages_written_at_once_read_as_queued_ones() -> None:
             writer.put(Outgoing(message(3)))
             assert made == [1, 2]  # the last release is made when the thread writes it
         assert not writer.message_now([bytes(64 * 1024)])  # too large: the caller queues it
-        sock = socket_of(there, "test pipe")
+        reader = UnitReader(socket_of(there, "test pipe"), None)  # as the hub reads
         got: list[Any] = []
         while len(got) < 7:
             assert there.poll(10), got
-            unit = read(there, sock, None)
+            unit = reader.read()
+            if unit is None:
+                continue  # the rest of a unit is on its way
             if unit.release is not None:
                 got.append(unit.release.blocks)
             else:

@@ -14,8 +14,10 @@ Each unit on the pipe starts with one record written with ``Connection.send_byte
 zmqsync's data path. Nor is ``Connection.recv_bytes``: it waits without a bound in the
 middle of a record (a peer that writes half of one and stops would hold the reading
 thread forever), through Python layers (an ``io.BytesIO`` per read). Records are read
-off the socket in ``Connection``'s format, bounded by :data:`STALL_SECONDS`; a message's
-raw bytes into one buffer with ``recv_into``.
+off the socket in ``Connection``'s format; a message's raw bytes into one buffer with
+``recv_into``. A worker (:func:`read`, one peer) waits for the rest of a unit at most
+:data:`STALL_SECONDS`; the hub (:class:`~zmqsync.transport.pipe.units.UnitReader`, every
+worker on one thread) never waits for it.
 """
 
 from __future__ import annotations
@@ -41,12 +43,10 @@ from zmqsync.transport.shm.borrowing import PeerBlocks, borrow
 from zmqsync.transport.shm.records import (
     Ask,
     Go,
-    Keeps,
     Lease,
     LentAt,
     RecordError,
     Release,
-    TakesDevice,
     Written,
     decode,
     encode,
@@ -60,10 +60,14 @@ __all__ = [
     "HEADER",
     "MAX_FRAMES",
     "Received",
+    "header_of",
     "message_head",
     "read",
+    "record_of",
     "shutdown",
+    "sizes_of",
     "socket_of",
+    "split_frames",
     "write_block",
     "write_device_block",
     "write_lease",
@@ -87,7 +91,7 @@ DEVICE: Final = b"ZSPD"
 MAX_FRAMES: Final = MAX_BUFFERS + 2
 #: The frames of one message follow its first record at once. A peer silent for this
 #: long in the middle of a message is stuck (stopped, or confused) and its pipe is given
-#: up: the stream cannot be resynchronised, and a reader must not wait on it forever.
+#: up: the stream cannot be resynchronised, and nothing may wait on it forever.
 STALL_SECONDS: Final = 10.0
 #: Received frames at least this large are handed out as views of a pooled buffer.
 _VIEW_MIN_BYTES: Final = 64 * 1024
@@ -277,8 +281,8 @@ def _recv_device_block(conn: Connection, sock: socket.socket, block_id: int) -> 
     return handles.open_block(block_id, _recv_record(conn, sock, handles.DeviceHandle.max_size()))
 
 
-def _inline_frames(raw: Any, sizes: list[int], pool: BufferPool | None) -> list[Buffer]:
-    """Split one received buffer into its frames."""
+def split_frames(raw: Any, sizes: list[int], pool: BufferPool | None) -> list[Buffer]:
+    """Split one received buffer into its frames (of ``sizes``)."""
     total = sum(sizes)
     frames: list[Buffer] = []
     offset = 0
@@ -313,50 +317,51 @@ def _recv_frames(
     total = sum(sizes)
     if max_message_bytes is not None and total > max_message_bytes:
         raise OSError(f"a message of {total} bytes exceeds the limit of {max_message_bytes}")
-    return _inline_frames(_recv_raw(conn, sock, total, pool), sizes, pool)
+    return split_frames(_recv_raw(conn, sock, total, pool), sizes, pool)
+
+
+def header_of(first: bytes) -> tuple[bytes, int]:
+    """A header record's magic and count (OSError: it is not one)."""
+    if len(first) != HEADER.size:
+        raise OSError(f"a pipe header is {HEADER.size} bytes; got {len(first)}")
+    magic, count = HEADER.unpack(first)
+    return magic, count
+
+
+def record_of(first: bytes) -> Any:
+    """The shared-memory record ``first`` is (OSError: a malformed one)."""
+    try:
+        return decode(first)
+    except RecordError as exc:
+        raise OSError(f"a malformed shared-memory record on the pipe: {exc}") from exc
 
 
 def read(
     conn: Connection,
     sock: socket.socket,
     max_message_bytes: int | None,
-    pool: BufferPool | None = None,
-    blocks: PeerBlocks | None = None,
+    pool: BufferPool | None,
+    blocks: PeerBlocks,
 ) -> Received:
-    """The next unit, whose first record must be readable now.
+    """A worker's next unit from the hub, whose first record must be readable now.
 
     Frames are views of one buffer that the caller owns, or of shared-memory ``blocks``
-    (a worker's, filled by ``BLOCK`` records; ``None`` on the hub, which takes none and
-    reads releases instead). Raises EOFError or OSError when the pipe broke or carries
-    bytes that are not ours (the stream is then lost: it cannot be resynchronised).
+    (filled by ``BLOCK`` records). Raises EOFError or OSError when the pipe broke or
+    carries bytes that are not ours (the stream is then lost: it cannot be
+    resynchronised). The hub reads its workers with a
+    :class:`~zmqsync.transport.pipe.units.UnitReader`, which never waits.
     """
-    first = _recv_record(
-        conn,
-        sock,
-        Lease.max_size(MAX_FRAMES) if blocks is not None else Release.max_size(MAX_FRAMES),
-        first=True,
-    )
+    first = _recv_record(conn, sock, Lease.max_size(MAX_FRAMES), first=True)
     if is_record([first]):
-        try:
-            record = decode(first)
-        except RecordError as exc:
-            raise OSError(f"a malformed shared-memory record on the pipe: {exc}") from exc
-        if isinstance(record, Release) and blocks is None:
-            return Received(release=record)
-        if isinstance(record, Keeps) and blocks is None:
-            return Received(keeps=True)
-        if isinstance(record, TakesDevice) and blocks is None:
-            return Received(device=record.uuid)
-        if isinstance(record, LentAt | Go) and blocks is None:
-            return Received(lent=record)
-        if isinstance(record, Ask | Written) and blocks is not None:
+        record = record_of(first)
+        if isinstance(record, Ask | Written):
             if isinstance(record, Written) and record.ok:
                 # A version in the lent tensors: the blocks mapped for the versions
                 # before are forgotten, so that one the hub retires frees its memory;
                 # the hub hands a block over again when it names it next.
                 blocks.forget_host()
             return Received(lent=record)
-        if not isinstance(record, Lease) or blocks is None:
+        if not isinstance(record, Lease):
             raise OSError(f"a {type(record).__name__} record where none belongs")
         if len(record.entries) > MAX_FRAMES:
             raise OSError(f"a message of {len(record.entries)} frames exceeds {MAX_FRAMES}")
@@ -371,15 +376,13 @@ def read(
                 return Received(unread=tuple(sorted(named)))
             raise OSError(f"a lease this worker cannot read: {exc}") from exc
         return Received(frames, views)
-    if len(first) != HEADER.size:
-        raise OSError(f"a pipe header is {HEADER.size} bytes; got {len(first)}")
-    magic, count = HEADER.unpack(first)
+    magic, count = header_of(first)
     if magic == ASSIGN:
         return Received(index=count)
-    if magic == BLOCK and blocks is not None:
+    if magic == BLOCK:
         blocks.add(count, _recv_block(conn, sock, count))
         return Received()
-    if magic == DEVICE and blocks is not None:
+    if magic == DEVICE:
         opened = _recv_device_block(conn, sock, count)
         if opened is None:
             return Received(refused=count)
@@ -391,7 +394,11 @@ def read(
         raise OSError(f"a message of {count} frames exceeds the limit of {MAX_FRAMES}")
     _stall_unless_there(conn, sock, "in the middle of a message")
     table = _recv_record(conn, sock, count * _LENGTH.size)
+    return Received(_recv_frames(conn, sock, sizes_of(table, count), max_message_bytes, pool))
+
+
+def sizes_of(table: bytes, count: int) -> list[int]:
+    """The frame lengths a message's table record gives (OSError: not ``count`` of them)."""
     if len(table) != count * _LENGTH.size:
         raise OSError(f"the frame table of {count} frames takes {count * _LENGTH.size} bytes")
-    sizes = [n for (n,) in _LENGTH.iter_unpack(table)]
-    return Received(_recv_frames(conn, sock, sizes, max_message_bytes, pool))
+    return [n for (n,) in _LENGTH.iter_unpack(table)]

@@ -33,8 +33,10 @@ from zmqsync.transport.cuda import handles
 from zmqsync.transport.cuda.blocks import DevicePool
 from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.ends import FixedPeers, OpenEnd, worker_index
+from zmqsync.transport.pipe import framing
 from zmqsync.transport.pipe.buffers import BufferPool, owned
-from zmqsync.transport.pipe.framing import ASSIGN, HEADER, Received, read, socket_of
+from zmqsync.transport.pipe.framing import ASSIGN, HEADER, Received, socket_of
+from zmqsync.transport.pipe.units import UnitReader
 from zmqsync.transport.pipe.writer import Outgoing, Writer, close_end
 from zmqsync.transport.shm.blocks import SHM_AVAILABLE, BlockPool, Ref
 from zmqsync.transport.shm.lent import LentPeers, TakesLentTensors
@@ -55,28 +57,19 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 _UNITS_PER_TURN: Final = 8
 
 
-def _readable_now(sock: socket.socket) -> bool:
-    """Whether the pipe has bytes (or its end) to read now, without waiting."""
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True  # broken: the read that follows says so
-    return True
-
-
 def peer_id(index: int) -> PeerId:
     """The hub's peer id of the worker at ``index``: ``b"pipe:3"``."""
     return b"pipe:%d" % index
 
 
-@dataclass
+@dataclass(eq=False)  # one per pipe: hashed by identity
 class _Peer:
     index: int
     conn: Connection = field(repr=False)
     sock: socket.socket = field(repr=False)
     writer: Writer = field(repr=False)
+    #: Its units, read as they come (a unit it wrote in part waits for the rest).
+    reader: UnitReader = field(repr=False)
     lost: str | None = None
     #: It said goodbye and has said nothing since: its pipe's end is expected news.
     left: bool = False
@@ -135,6 +128,8 @@ class PipeHub(
         self._lock = threading.Lock()
         self._endpoint = f"pipe://{os.getpid()}"
         self._rotate = 0
+        #: Workers whose pipe holds part of a unit (read on recv_frames' thread only).
+        self._partial: set[_Peer] = set()
         self._wakeup = Wakeup()  # wakes a recv_frames blocked on the pipes
         #: What recv_frames waits on, kept while the live pipes stay the same (a
         #: selector made at each call cost a registration per pipe per message).
@@ -167,7 +162,7 @@ class PipeHub(
             writer = Writer(pipe, sock, f"hub-{index}", self._shm, self._device)
             # Before anything else on this pipe: tell the worker who it is.
             writer.put(Outgoing(None, record=HEADER.pack(ASSIGN, index)))
-            peer = _Peer(index, pipe, sock, writer)
+            peer = _Peer(index, pipe, sock, writer, UnitReader(sock, self._max_message_bytes))
             self._peers[peer_id(index)] = peer
         if old is not None:
             close_end(old.conn, old.sock, old.writer)
@@ -288,9 +283,11 @@ class PipeHub(
         while True:
             with self._lock:
                 live = {p.conn: p for p in self._peers.values() if p.lost is None}
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            now = time.monotonic()
+            remaining = None if deadline is None else max(0.0, deadline - now)
+            wait = self._stalls(now, remaining)
             try:
-                events = self._selector_for(live).select(remaining)
+                events = self._selector_for(live).select(wait)
             except (OSError, ValueError) as exc:
                 if any(conn.closed for conn in live):
                     continue  # add_pipe() replaced a broken pipe meanwhile: look again
@@ -309,18 +306,42 @@ class PipeHub(
                     if peer.lost is not None or peer.conn.closed:
                         break  # replaced or lost meanwhile: the next round looks again
                     try:
-                        got = read(peer.conn, peer.sock, self._max_message_bytes)
+                        got = peer.reader.read()
                     except (EOFError, OSError) as exc:
                         why = f"{type(exc).__name__}: {exc}" if str(exc) else "end of file"
                         self._lose(peer, why)
                         break
+                    if got is None:  # nothing more now (a unit begun waits for the rest)
+                        if peer.reader.since is not None:
+                            self._partial.add(peer)
+                        break
                     done, incoming = self._took(peer, got)
                     if done:
                         return incoming
-                    if not _readable_now(peer.sock):
-                        break
-            if woken or (not events and remaining is not None and remaining <= 0):
+            if woken or (not events and deadline is not None and time.monotonic() >= deadline):
                 return None
+
+    def _stalls(self, now: float, remaining: float | None) -> float | None:
+        """Give up the pipes of workers that wrote part of a unit and nothing more for
+        ``STALL_SECONDS`` (stopped, or hostile: the stream cannot be resynchronised);
+        returns how long to wait for the others: ``remaining``, or less, until the next
+        of those pipes would be given up."""
+        if not self._partial:
+            return remaining
+        wait = remaining
+        for peer in list(self._partial):
+            since = peer.reader.since
+            if peer.lost is not None or since is None:
+                self._partial.discard(peer)
+                continue
+            left = since + framing.STALL_SECONDS - now
+            if left <= 0:
+                self._partial.discard(peer)
+                why = f"it wrote part of a unit and nothing for {framing.STALL_SECONDS:g}s"
+                self._lose(peer, why)
+            elif wait is None or left < wait:
+                wait = left
+        return wait
 
     def _took(self, peer: _Peer, got: Received) -> tuple[bool, Incoming | None]:
         """Act on a unit ``peer`` sent: whether :meth:`recv_frames` returns now, and
