@@ -341,6 +341,40 @@ def test_a_worker_that_wrote_part_of_a_message_holds_up_nobody_else(
         pairs[1][1].close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cut", [2, 9, 14, 40, 1000])  # in each record, in the frames
+def test_a_hub_that_wrote_part_of_a_message_is_waited_for_within_each_read(
+    cut: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A learner stopped in the middle of writing a message (SIGSTOP, a debugger) and
+    continued later costs its worker only the wait: each of the worker's reads returns
+    at its own deadline meanwhile, the pipe is kept however long the pause (here past
+    the hub's stall bound), and the message arrives whole."""
+    from zmqsync.transport.pipe import framing
+
+    monkeypatch.setattr(framing, "STALL_SECONDS", 0.3)
+    parent, child = mp.Pipe()
+    spoke = PipeSpoke(child)
+    hub = framing.socket_of(parent, "the test's hub")
+    frames = [b"a" * 7, bytes(range(256)) * 8, b""]
+    wire = _wire(frames)
+    try:
+        assign = framing.HEADER.pack(framing.ASSIGN, 3)
+        hub.sendall(struct.pack("!i", len(assign)) + assign + wire[:cut])
+        for _ in range(3):  # 1.2 s in all: four times the bound
+            started = time.monotonic()
+            assert spoke.recv_frames(0.4) is None
+            assert time.monotonic() - started < 5.0  # its own deadline, not a stall's
+        assert spoke.peer_index == 3
+        hub.sendall(wire[cut:])
+        got = spoke.recv_frames(5.0)
+        assert got is not None and [bytes(f) for f in got] == frames
+    finally:
+        spoke.close()
+        hub.close()
+        parent.close()
+
+
 def _read_within(reader: Any, within: float) -> Any:
     deadline = time.monotonic() + within
     while (got := reader.read()) is None:
@@ -1006,23 +1040,25 @@ def test_a_message_that_arrives_in_parts_is_read_whole(
     cut: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker reads a message's records and frames without waiting while they are
-    there, and waits (bounded) for the part still on its way: the rest written only once
-    the worker waits for it (its frame table, or the end of a large frame), as a peer on
-    a busy machine writes it, ends up in the same message."""
+    there, and waits for the part still on its way: the rest written only once the
+    worker has read what was there (its frame table, or the end of a large frame), as a
+    peer on a busy machine writes it, ends up in the same message."""
     import threading
 
-    from zmqsync.transport.pipe import framing
     from zmqsync.transport.pipe.framing import message_head, socket_of
+    from zmqsync.transport.pipe.units import UnitReader
     from zmqsync.transport.pipe.writer import _framed
 
     waits = threading.Event()
-    stall = framing._stall
+    read = UnitReader.read
 
-    def waiting(conn: Any, what: str) -> None:
-        waits.set()
-        stall(conn, what)
+    def reading(reader: UnitReader) -> Any:
+        got = read(reader)
+        if got is None and reader.since is not None:
+            waits.set()  # part of a unit read: the rest is waited for
+        return got
 
-    monkeypatch.setattr(framing, "_stall", waiting)
+    monkeypatch.setattr(UnitReader, "read", reading)
     hub_end, worker_end = mp.Pipe()
     spoke = PipeSpoke(worker_end)
     try:

@@ -18,7 +18,8 @@ from zmqsync.transport.cuda import handles
 from zmqsync.transport.cuda.handles import DEVICE_IDS
 from zmqsync.transport.ends import OpenEnd
 from zmqsync.transport.pipe.buffers import BufferPool, owned
-from zmqsync.transport.pipe.framing import read, socket_of
+from zmqsync.transport.pipe.framing import socket_of
+from zmqsync.transport.pipe.units import UnitReader
 from zmqsync.transport.pipe.writer import LINGER_SECONDS, Outgoing, Writer, close_end
 from zmqsync.transport.shm.borrowing import PeerBlocks, release_when_gone
 from zmqsync.transport.shm.lent import lent_at
@@ -63,6 +64,9 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
         #: The hub's blocks, mapped read-only from the descriptors it passed (never
         #: evicted: the hub passes each one once).
         self._blocks = PeerBlocks(limit=None)
+        #: The hub's units, read as they come: a unit it wrote in part waits for the rest
+        #: (a learner stopped and continued), within each read's own deadline.
+        self._units = UnitReader(self._sock, None, blocks=self._blocks, pool=self._pool)
         self._keeps = False  # told the hub it keeps each version mapped
         #: The GPU this worker told the hub its model lives on (device blocks come as
         #: tensors on it, and each is released only once the device is synchronized).
@@ -149,10 +153,12 @@ class PipeSpoke(OpenEnd, SpokeTransport, Borrows, Counted):
             try:
                 if not self._readable(remaining):
                     return None
-                got = read(self._conn, self._sock, None, self._pool, self._blocks)
+                got = self._units.read()
             except (EOFError, OSError) as exc:
                 self._gone(f"{type(exc).__name__}: {exc}" if str(exc) else "end of file")
                 continue
+            if got is None:
+                continue  # part of a unit: the rest is waited for as the next one would be
             if got.index is not None:
                 self.peer_index = got.index
                 if until_index:
