@@ -64,6 +64,45 @@ def _anon_rss_reader() -> Callable[[], int] | None:
 
 
 @functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    path = ctypes.util.find_library("c")
+    if not path or not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(path).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def give_back_freed() -> bool:
+    """Collect garbage and hand the memory glibc keeps for reuse back to the system
+    (``malloc_trim(0)``), so what a closed session freed is free for the next one; False
+    where glibc is not there to ask."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def mem_available_bytes() -> int | None:
+    """The machine's ``MemAvailable`` (what can be allocated without swapping), bytes;
+    None without /proc."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@functools.cache
 def _readers() -> dict[str, Callable[[], int]]:
     """What the meter reads, best first ("heap" is what the table shows); built once, so
     the process holds one open /proc/self/statm however many meters it makes."""

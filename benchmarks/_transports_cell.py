@@ -8,12 +8,13 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
 
-from benchmarks._memory import PeakMemoryMeter
+from benchmarks._memory import PeakMemoryMeter, give_back_freed, mem_available_bytes
 from benchmarks._models import SIZES, bump, digest
 from benchmarks._results import VariantResult
 from benchmarks._transports_spec import BEST_PEER_FROM, MEMCPY, PAIRS, WHERE, ZMQSYNC
@@ -22,6 +23,9 @@ from benchmarks._transports_variants import CellEnv, Variant, make_variant
 log = logging.getLogger("benchmarks.transports")
 #: How much of an error's text a failure keeps.
 WHY_CHARS: Final = 300
+#: Memory a cell leaves free beyond what its open variants are expected to take
+#: (:func:`need_bytes`): the interpreters, libraries and Ray's processes grow too.
+RESERVE_BYTES: Final = 3 << 30
 
 
 def pss_bytes(pid: int) -> int | None:
@@ -70,6 +74,8 @@ class Cell:
     results: dict[str, VariantResult] = field(default_factory=dict)
     #: Where workers hung in this cell ("pool", "ray"): the pool or actors are replaced.
     broke: set[str] = field(default_factory=set)
+    #: The variants open together, group by group (one group where all fit in memory).
+    groups: list[list[str]] = field(default_factory=list)
 
     def median(self, variant: str) -> float:
         r = self.results.get(variant)
@@ -110,6 +116,7 @@ class Cell:
             "workers": self.workers,
             "best_peer": None if best is None else {"name": best[0], "median_ms": best[1]},
             "ratios": self.ratios(),
+            "groups": self.groups,
             "variants": {
                 name: r.to_json(SIZES[self.size].nbytes, outcome=True)
                 for name, r in self.results.items()
@@ -117,17 +124,89 @@ class Cell:
         }
 
 
+def need_bytes(name: str, nbytes: int, workers: int) -> int:
+    """What variant ``name`` may hold while it is open in a cell, every process together:
+    a model's copy in each of its workers and two more (the learner's blocks, a store's
+    objects, a flat buffer); in the shared mode, where every worker maps the learner's
+    blocks, three in all."""
+    spec = ZMQSYNC.get(name)
+    if spec is not None and spec.shares:
+        return 3 * nbytes
+    return (workers + 2) * nbytes
+
+
+def plan_groups(names: Sequence[str], needs: Mapping[str, int], budget: int) -> list[list[str]]:
+    """``names`` dealt in turn into the fewest groups whose needs each fit ``budget``
+    (each group keeps the canonical order, and mixes zmqsync's variants with the peers);
+    one name per group where even that does not fit."""
+    for count in range(1, len(names) + 1):
+        groups = [list(names[i::count]) for i in range(count)]
+        if all(sum(needs[n] for n in g) <= budget for g in groups):
+            return groups
+    return [[n] for n in names]
+
+
+def _budget() -> int:
+    """What a group of variants may take now: the machine's available memory less
+    :data:`RESERVE_BYTES` (no limit where it cannot be read)."""
+    available = mem_available_bytes()
+    return sys.maxsize if available is None else max(0, available - RESERVE_BYTES)
+
+
 def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int) -> Cell:
-    """Open every variant for the cell, time them (A..Z, Z..A), check every worker."""
+    """Time every variant for the cell and check every worker's copy.
+
+    The variants of a cell are open together and take turns, so that a change in the
+    machine's load falls on all of them alike. Where they would not fit in memory together
+    (each worker holds a copy of the model per variant: 16 variants of 128 MB to 8
+    workers are 16 GB), the cell runs them in groups, one after the other, each group
+    closed (and its memory given back) before the next opens: ``Cell.groups`` says which.
+    """
     cell = Cell(env.size, env.workers)
+    nbytes = SIZES[env.size].nbytes
+    needs = {name: need_bytes(name, nbytes, env.workers) for name in variants}
+    pending = plan_groups(variants, needs, _budget())
     opened: list[Variant] = []
-    live: list[Variant] = []
     step = 0
+    while pending:
+        group = pending.pop(0)
+        budget = _budget()  # what the groups before this one left behind counts too
+        if len(group) > 1 and sum(needs[n] for n in group) > budget:
+            pending[:0] = plan_groups(group, needs, budget)
+            continue
+        broke = {WHERE[v.name] for v in opened if v.broke_workers}
+        for name in [n for n in group if WHERE[n] in broke]:
+            cell.results[name] = VariantResult(
+                failure=f"not run: the {WHERE[name]}'s workers hung earlier in this cell"
+            )
+        group = [n for n in group if WHERE[n] not in broke]
+        if group:
+            cell.groups.append(group)
+            step = _run_group(env, cell, group, opened, repeats=repeats, warmup=warmup, step=step)
+    cell.broke = {WHERE[v.name] for v in opened if v.broke_workers}
+    return cell
+
+
+def _run_group(
+    env: CellEnv,
+    cell: Cell,
+    names: Sequence[str],
+    opened: list[Variant],
+    *,
+    repeats: int,
+    warmup: int,
+    step: int,
+) -> int:
+    """Open ``names``, time them (A..Z, Z..A), check every worker, close them; the
+    versions' counter after them."""
+    mine: list[Variant] = []
+    live: list[Variant] = []
     interrupted = False
     try:
-        for name in variants:
+        for name in names:
             v = make_variant(name)
             result = cell.results[name] = VariantResult()
+            mine.append(v)
             opened.append(v)
             try:
                 result.notes = v.open(env)
@@ -198,9 +277,9 @@ def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int
     finally:
         if not interrupted:
             with _quiet("zmqsync.transport.pipe"):  # a pipe's far end closing is expected
-                _close_cell(env, opened)
-    cell.broke = {WHERE[v.name] for v in opened if v.broke_workers}
-    return cell
+                _close_cell(env, mine)
+            give_back_freed()
+    return step
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks._memory import give_back_freed
 from benchmarks._models import SIZES, digest, make_state_dict
 from benchmarks._peers import FlatLayout
 from benchmarks._transports_spec import RAY_STORE, TORCHRL_RAY
@@ -134,4 +135,5 @@ class BenchActor(WeightSyncActorMixin):
             closed += 1
         self._receiver_schemes = {}
         self.policy = None
+        give_back_freed()  # what the sessions held is free for the cell's next ones
         return closed

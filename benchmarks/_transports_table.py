@@ -213,14 +213,32 @@ def markdown(cells: Sequence[Cell], variants: Sequence[str], run: Run) -> str:
         "(/proc/PID/smaps_rollup: private resident memory plus its share of shared memory) "
         "after the variant's first block of sends, and (in brackets) what that block added; "
         "the worker is the largest of the K. The pool's worker processes hold every pool "
-        "variant's tensors of the cell at once (Ray's actors every Ray variant's), so "
-        "compare the growth, and a side's Pss across cells; memcpy has no workers.",
+        "variant's tensors of the cell (of its group, below) at once (Ray's actors every Ray "
+        "variant's), so compare the growth, and a side's Pss across cells; memcpy has no "
+        "workers.",
         "",
+        *_groups(ordered),
         *_summary(ordered, variants),
         "",
         *run.footer(sorted({c.size for c in cells}, key=list(SIZES).index)),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _groups(cells: Sequence[Cell]) -> list[str]:
+    """Which cells ran their variants in groups, and the groups."""
+    grouped = [c for c in cells if len(c.groups) > 1]
+    if not grouped:
+        return []
+    lines = [
+        "Cells timed in groups (their variants would not fit in memory together; each group "
+        "open on its own, its variants taking turns, then closed before the next):",
+        "",
+    ]
+    for c in grouped:
+        groups = "; then ".join(", ".join(g) for g in c.groups)
+        lines.append(f"- {c.size} K={c.workers}: {groups}")
+    return [*lines, ""]
 
 
 def progress(cell: Cell, variants: Sequence[str]) -> None:
