@@ -61,6 +61,7 @@ __all__ = [
     "sizes_of",
     "socket_of",
     "split_frames",
+    "table_bytes",
     "write_block",
     "write_device_block",
     "write_lease",
@@ -221,8 +222,13 @@ def record_of(first: bytes) -> Any:
         raise OSError(f"a malformed shared-memory record on the pipe: {exc}") from exc
 
 
+def table_bytes(count: int) -> int:
+    """The length of a message's table record for ``count`` frames."""
+    return count * _LENGTH.size
+
+
 def sizes_of(table: bytes, count: int) -> list[int]:
     """The frame lengths a message's table record gives (OSError: not ``count`` of them)."""
-    if len(table) != count * _LENGTH.size:
-        raise OSError(f"the frame table of {count} frames takes {count * _LENGTH.size} bytes")
+    if len(table) != table_bytes(count):
+        raise OSError(f"the frame table of {count} frames takes {table_bytes(count)} bytes")
     return [n for (n,) in _LENGTH.iter_unpack(table)]

@@ -38,6 +38,7 @@ from zmqsync.transport.pipe.framing import (
     record_of,
     sizes_of,
     split_frames,
+    table_bytes,
 )
 from zmqsync.transport.shm.borrowing import PeerBlocks, borrow
 from zmqsync.transport.shm.records import (
@@ -55,7 +56,6 @@ from zmqsync.transport.shm.records import (
 
 __all__ = ["UnitReader"]
 
-_LENGTH_BYTES: Final = 8  # one frame's length in a message's table
 _SIZE: Final = struct.Struct("!i")
 _SIZE64: Final = struct.Struct("!Q")
 
@@ -180,7 +180,7 @@ class UnitReader:
         if body == _FIRST_BODY:
             bound = self._max_first
         elif body == _TABLE_BODY:
-            bound = self._count * _LENGTH_BYTES
+            bound = table_bytes(self._count)
         else:
             bound = handles.DeviceHandle.max_size()
         if size < 0 or size > bound:
