@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 #: How often the memory meter samples the process's memory.
 MEMORY_SAMPLE_SECONDS: Final = 0.001
@@ -30,14 +30,21 @@ class _MallInfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _heap_reader() -> Callable[[], int] | None:
-    """Bytes this process holds from malloc now (glibc >= 2.33), or None elsewhere."""
+def _glibc(name: str) -> Any:
+    """glibc's function ``name`` (through ctypes), or None where there is none."""
     path = ctypes.util.find_library("c")
     if not path or not sys.platform.startswith("linux"):
         return None
     try:
-        mallinfo2 = ctypes.CDLL(path).mallinfo2
+        return getattr(ctypes.CDLL(path), name)
     except (OSError, AttributeError):
+        return None
+
+
+def _heap_reader() -> Callable[[], int] | None:
+    """Bytes this process holds from malloc now (glibc >= 2.33), or None elsewhere."""
+    mallinfo2 = _glibc("mallinfo2")
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
 
@@ -65,15 +72,10 @@ def _anon_rss_reader() -> Callable[[], int] | None:
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    path = ctypes.util.find_library("c")
-    if not path or not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL(path).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
+    trim = _glibc("malloc_trim")
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+        trim.restype = ctypes.c_int
     return trim
 
 
@@ -89,17 +91,23 @@ def give_back_freed() -> bool:
     return True
 
 
-def mem_available_bytes() -> int | None:
-    """The machine's ``MemAvailable`` (what can be allocated without swapping), bytes;
-    None without /proc."""
+def proc_kib_field(path: str, key: bytes) -> int | None:
+    """The figure in kiB on the line ``key`` of a /proc file (``/proc/meminfo``,
+    ``/proc/PID/smaps_rollup``), in bytes; None where it cannot be read."""
     try:
-        with open("/proc/meminfo", "rb") as f:
+        with open(path, "rb") as f:
             for line in f:
-                if line.startswith(b"MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def mem_available_bytes() -> int | None:
+    """The machine's ``MemAvailable`` (what can be allocated without swapping), bytes;
+    None without /proc."""
+    return proc_kib_field("/proc/meminfo", b"MemAvailable:")
 
 
 @functools.cache

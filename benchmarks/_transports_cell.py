@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
 
-from benchmarks._memory import PeakMemoryMeter, give_back_freed, mem_available_bytes
+from benchmarks._memory import (
+    PeakMemoryMeter,
+    give_back_freed,
+    mem_available_bytes,
+    proc_kib_field,
+)
 from benchmarks._models import SIZES, bump, digest
 from benchmarks._results import VariantResult
 from benchmarks._transports_spec import BEST_PEER_FROM, MEMCPY, PAIRS, WHERE, ZMQSYNC
@@ -32,14 +37,7 @@ def pss_bytes(pid: int) -> int | None:
     """A process's proportional set size (its private resident memory plus its share of
     what it shares: torch's and zmqsync's shared-memory blocks, Ray's store it maps),
     from ``/proc/PID/smaps_rollup``; None where that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-            for line in f:
-                if line.startswith(b"Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return proc_kib_field(f"/proc/{pid}/smaps_rollup", b"Pss:")
 
 
 def _side_pids(env: CellEnv, name: str) -> list[int]:
