@@ -375,11 +375,15 @@ def test_a_hub_that_wrote_part_of_a_message_is_waited_for_within_each_read(
         parent.close()
 
 
-def _read_within(reader: Any, within: float) -> Any:
+def _read_within(reader: Any, sock: Any, within: float) -> Any:
+    """``reader``'s next unit, waiting on ``sock`` for its bytes (never past ``within``)."""
+    import select
+
     deadline = time.monotonic() + within
     while (got := reader.read()) is None:
-        assert time.monotonic() < deadline, "no unit came"
-        time.sleep(0.01)
+        left = deadline - time.monotonic()
+        assert left > 0, "no unit came"
+        select.select([sock], [], [], left)
     return got
 
 
@@ -413,13 +417,13 @@ def test_the_hub_reads_a_unit_that_comes_a_byte_at_a_time() -> None:
         # Over the limit: refused once its table says so (the frames never sent).
         here.sendall(_wire([b"y" * 5000])[:-5000])
         with pytest.raises(OSError, match="exceeds the limit"):
-            _read_within(reader, 10.0)
+            _read_within(reader, there, 10.0)
         # An end in the middle of a unit.
         other = UnitReader(here, max_message_bytes=None)
         there.sendall(struct.pack("!i", 64) + b"z" * 10)
         there.close()
         with pytest.raises(EOFError, match="middle of a record"):
-            _read_within(other, 10.0)
+            _read_within(other, here, 10.0)
     finally:
         here.close()
         there.close()
