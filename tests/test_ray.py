@@ -3,11 +3,14 @@ contract, then the promises end to end with real actors."""
 
 from __future__ import annotations
 
+import json
 import logging
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -785,3 +788,22 @@ def test_a_malformed_batch_is_counted_and_the_spoke_goes_on() -> None:
         assert spoke.recv_frames(0) == [b"after"]
     finally:
         spoke.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_scheme_left_open_after_ray_shutdown_starts_no_new_cluster() -> None:
+    """``ray.shutdown()`` with the sender still open: its thread's next poll must not
+    start a new local Ray cluster (Ray connects on first use); every actor is lost at
+    once, the next send fails naming them, and the scheme closes. (It used to start a
+    cluster from the sender's thread, log every poll's failure, and wait out the send's
+    timeout.)"""
+    script = Path(__file__).with_name("_ray_after_shutdown.py")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["ray_after_polls"] is False and out["ray_at_end"] is False, out
+    assert out["lost"] == 2, out
+    assert out["send"].startswith("SyncTimeout"), out
+    assert out["send"].count("its transport says it is gone") == 2, out

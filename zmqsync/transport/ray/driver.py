@@ -59,6 +59,8 @@ MAX_IN_FLIGHT: Final = 16
 #: the call (leases, small chunks) go together in the next call (see ``actor.batch``).
 CHUNK_CALLS: Final = 2
 MAX_WAITING: Final = 64
+#: Why every actor is lost once this process has left Ray.
+RAY_GONE: Final = "Ray is not running in this process any more (ray.shutdown() ran)"
 #: Default longest gap between polls of an idle actor; it bounds how late a new worker
 #: is noticed and how late its heartbeat arrives.
 POLL_INTERVAL: Final = 0.25
@@ -331,6 +333,8 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted
     ) -> None:
         """Start one call (caller holds the lock); its result arrives as an event.
         ``chunk``: it carries chunks; ``lent``: a lease on the hub's blocks."""
+        if not self._ray_running():
+            return
         seq = actor.next_seq
         if chunk:
             actor.chunk_calls.add(seq)
@@ -376,6 +380,7 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted
         chunk = stream is not None
         first = stream is Stream.START
         with self._lock:
+            self._ray_running()
             targets = (
                 list(self._actors.values()) if to is None else [self._actors.get(p) for p in to]
             )
@@ -531,20 +536,37 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted
         if self._lending is not None:
             self._lending.release(actor.index, payload)
 
+    def _lose(self, actor: _Actor, why: str) -> None:
+        """``actor`` is gone for good: no more calls, no block lent to it."""
+        if actor.lost is not None:
+            return
+        actor.lost = why
+        self._counters["peers_lost"] += 1
+        if self._lending is not None:
+            self._lending.forget(actor.index)  # it reads no block any more
+        self._lent.forget(peer_id(actor.index))
+        actor.waiting.clear()
+        actor.lent_seqs.clear()
+        log.warning("Ray actor of worker %d is lost: %s", actor.index, why)
+
+    def _ray_running(self) -> bool:
+        """Whether this process is still connected to Ray (caller holds the lock). Once
+        ``ray.shutdown()`` has run, a call or a put would start a new local cluster (Ray
+        connects on first use) from the hub's thread, with none of the hub's actors in
+        it; instead every actor is lost, so nothing more is called or put, and the
+        sender's timeouts say so."""
+        if self._ray.is_initialized():
+            return True
+        for actor in self._actors.values():
+            self._lose(actor, RAY_GONE)
+        return False
+
     def _result(self, actor: _Actor, future: Any) -> list[list[Buffer]]:
         exceptions = self._ray.exceptions
         try:
             result = future.result(timeout=0)
         except exceptions.ActorDiedError as exc:
-            if actor.lost is None:
-                actor.lost = str(exc).splitlines()[0] if str(exc) else "actor died"
-                self._counters["peers_lost"] += 1
-                if self._lending is not None:
-                    self._lending.forget(actor.index)  # it reads no block any more
-                self._lent.forget(peer_id(actor.index))
-                actor.waiting.clear()
-                actor.lent_seqs.clear()
-                log.warning("Ray actor of worker %d died: %s", actor.index, actor.lost)
+            self._lose(actor, str(exc).splitlines()[0] if str(exc) else "actor died")
             return []
         except Exception as exc:  # counted; the actor stays in the fleet
             self._counters["remote_errors"] += 1
