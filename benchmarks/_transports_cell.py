@@ -1,5 +1,6 @@
 """One cell of the transports benchmark (a size and K workers): every variant opened,
-timed taking turns (A..Z, then Z..A), and every worker's copy checked.
+its memory measured over its first sends, then every variant timed taking turns in blocks
+(A..Z, Z..A, A..Z, ...), and every worker's copy checked.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ WHY_CHARS: Final = 300
 #: Memory a cell leaves free beyond what its open variants are expected to take
 #: (:func:`need_bytes`): the interpreters, libraries and Ray's processes grow too.
 RESERVE_BYTES: Final = 3 << 30
+#: A cell's rounds of blocks (:func:`blocks`): at most this many...
+MAX_ROUNDS: Final = 6
+#: ...of at least this many timed sends of each variant.
+MIN_BLOCK_SENDS: Final = 2
+#: Untimed sends of each variant, after its warm-up, over which its memory is measured.
+MEMORY_SENDS: Final = 2
 
 
 def pss_bytes(pid: int) -> int | None:
@@ -185,6 +192,23 @@ def run_cell(env: CellEnv, variants: Sequence[str], *, repeats: int, warmup: int
     return cell
 
 
+def blocks(repeats: int) -> list[int]:
+    """The timed sends of each of a cell's rounds (A..Z, Z..A, A..Z, ...): ``repeats``
+    split into blocks of at least MIN_BLOCK_SENDS, at most MAX_ROUNDS of them and at
+    least two (where there are two sends).
+
+    Each variant's block starts with untimed warm-up sends, so what the variant before it
+    left behind in the worker processes they share falls on those (sends taken in turn
+    one by one fall on it every time: with torchrl-mp in the rotation, zmqsync-pipe's
+    sends of 2,000 x 4 KB took twice as long, gloo-flat's no longer). Several short
+    blocks, not two long ones, so that one slow spell of the machine over one variant's
+    block does not decide its median (with two, the same cell read 0.52 and 1.00 in two
+    runs of one night).
+    """
+    rounds = max(min(2, repeats), min(MAX_ROUNDS, repeats // MIN_BLOCK_SENDS))
+    return [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
+
+
 def _run_group(
     env: CellEnv,
     cell: Cell,
@@ -195,8 +219,8 @@ def _run_group(
     warmup: int,
     step: int,
 ) -> int:
-    """Open ``names``, time them (A..Z, Z..A), check every worker, close them; the
-    versions' counter after them."""
+    """Open ``names``, measure each one's memory over its first sends, time them
+    (:func:`blocks`), check every worker, close them; the versions' counter after them."""
     mine: list[Variant] = []
     live: list[Variant] = []
     interrupted = False
@@ -212,32 +236,37 @@ def _run_group(
             except Exception as exc:
                 result.failure = f"set-up failed: {_why(exc)}"
                 log.warning("%s %s K=%d: %s", name, env.size, env.workers, result.failure)
-        halves = (math.ceil(repeats / 2), repeats // 2)
-        for round_no, order in enumerate((live, live[::-1])):
-            for v in order:
+        # Memory: each variant's first sends, untimed. (The first round of blocks, timed
+        # under the meter, which samples every millisecond, ran 10-45% slower than the
+        # rounds after it for every variant, memcpy's included.)
+        for v in live:
+            result = cell.results[v.name]
+            pss_before = _pss(env, v.name)
+            try:
+                with PeakMemoryMeter() as meter:
+                    for _ in range(warmup + MEMORY_SENDS):
+                        _send(env, v, step)
+                        step += 1
+            except Exception as exc:
+                _failed(result, v, env, f"send failed: {_why(exc)}")
+                continue
+            result.extra_bytes = {**meter.extra, **v.held_bytes()}
+            result.retained_bytes = meter.retained
+            result.notes["pss"] = {"before": pss_before, "after": _pss(env, v.name)}
+        # Time: rounds of blocks, A..Z, Z..A, A..Z, ...
+        for round_no, count in enumerate(blocks(repeats)):
+            for v in live if round_no % 2 == 0 else live[::-1]:
                 result = cell.results[v.name]
-                if halves[round_no] == 0 or result.failure:
+                if result.failure:
                     continue
-                meter = PeakMemoryMeter() if round_no == 0 else None
-                pss_before = _pss(env, v.name) if round_no == 0 else None
                 try:
-                    with meter if meter is not None else contextlib.nullcontext():
-                        for i in range(warmup + halves[round_no]):
-                            # The version is made on the thread that sends it, as a
-                            # training loop makes it: torch's pool there is hot.
-                            elapsed = v.send(env.timeout, partial(bump, env.model.state_dict, step))
-                            step += 1
-                            if i >= warmup:
-                                result.times.append(elapsed)
+                    for i in range(warmup + count):
+                        elapsed = _send(env, v, step)
+                        step += 1
+                        if i >= warmup:
+                            result.times.append(elapsed)
                 except Exception as exc:
-                    result.failure = f"send failed: {_why(exc)}"
-                    log.warning("%s %s K=%d: %s", v.name, env.size, env.workers, result.failure)
-                    continue
-                if meter is not None:
-                    result.extra_bytes, result.retained_bytes = meter.extra, meter.retained
-                    result.extra_bytes = {**result.extra_bytes, **v.held_bytes()}
-                if pss_before is not None:
-                    result.notes["pss"] = {"before": pss_before, "after": _pss(env, v.name)}
+                    _failed(result, v, env, f"send failed: {_why(exc)}")
         # Every variant sends the model as it is now; every worker's copy must match it
         # and be its own memory (nothing shared with, or aliased to, the learner's).
         survivors = [v for v in live if not cell.results[v.name].failure]
@@ -278,6 +307,17 @@ def _run_group(
                 _close_cell(env, mine)
             give_back_freed()
     return step
+
+
+def _send(env: CellEnv, v: Variant, step: int) -> float:
+    """One send of a new version, its duration: the version is made on the thread that
+    sends it, untimed, as a training loop makes it (torch's pool there is hot)."""
+    return v.send(env.timeout, partial(bump, env.model.state_dict, step))
+
+
+def _failed(result: VariantResult, v: Variant, env: CellEnv, why: str) -> None:
+    result.failure = why
+    log.warning("%s %s K=%d: %s", v.name, env.size, env.workers, why)
 
 
 @contextlib.contextmanager

@@ -75,8 +75,8 @@ _MIB: Final = 1 << 20
 
 
 def _pss(cell: Cell, variant: str) -> str:
-    """``learner / worker`` Pss in MiB after the variant's first block of sends (the
-    worker: the largest of its K), each with what that block added to it."""
+    """``learner / worker`` Pss in MiB after the variant's first sends, untimed (the
+    worker: the largest of its K), each with what those sends added to it."""
     r = cell.results[variant]
     pss = r.notes.get("pss")
     if r.failure or pss is None:
@@ -201,17 +201,18 @@ def markdown(cells: Sequence[Cell], variants: Sequence[str], run: Run) -> str:
         f"torchrl (target: at or below 1 everywhere, and {SPEEDUP_TARGET:.0f}x faster for "
         f"{SMALL_TENSORS}).",
         "Extra mem = peak extra bytes the learner holds from malloc during a variant's first "
-        "block of sends, % of the model, plus the shared-memory blocks zmqsync-pipe and "
-        "zmqsync-ray map and the flat buffers ray-store and gloo-flat allocate once "
-        "(Ray's object store and torch's shared memory are not malloc'd by the learner, so "
-        "they do not show here; memcpy's destinations stand for the workers' tensors and are "
-        "not counted).",
+        "sends (a warm-up and two, untimed), % of the model, plus the shared-memory blocks "
+        "zmqsync-pipe and zmqsync-ray map and the flat buffers ray-store and gloo-flat "
+        "allocate once (Ray's object store and torch's shared memory are not malloc'd by the "
+        "learner, so they do not show here; memcpy's destinations stand for the workers' "
+        "tensors and are not counted).",
         "",
         *memory,
         "",
         "Pss MiB = learner / worker: each process's proportional set size "
         "(/proc/PID/smaps_rollup: private resident memory plus its share of shared memory) "
-        "after the variant's first block of sends, and (in brackets) what that block added; "
+        "after the variant's first sends (a warm-up and two, untimed), and (in brackets) "
+        "what they added; "
         "the worker is the largest of the K. The pool's worker processes hold every pool "
         "variant's tensors of the cell (of its group, below) at once (Ray's actors every Ray "
         "variant's), so compare the growth, and a side's Pss across cells; memcpy has no "

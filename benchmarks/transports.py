@@ -34,10 +34,12 @@ own, for these variants run side by side:
   (:mod:`._peers`);
 - ``memcpy``: the physical bound, K serial copies of the model in the learner.
 
-A cell runs the variants A B C ..., then ... C B A, half the repeats each, so drift on a
-shared machine hits them alike. Every send, torchrl's included, runs on a helper thread
-with a deadline (torchrl's own waits have none), so a scheme that hangs is recorded as a
-failure and the run goes on.
+A cell measures each variant's memory over its first sends (untimed), then runs the
+variants in blocks of a few sends, A B C ..., then ... C B A, then A B C ... again (up
+to six rounds, each block starting with an untimed warm-up send), so drift on a shared
+machine hits them alike and one slow spell does not decide a median. Every send,
+torchrl's included, runs on a helper thread with a deadline (torchrl's own waits have
+none), so a scheme that hangs is recorded as a failure and the run goes on.
 
 The variants are named in :mod:`._transports_spec`, opened in :mod:`._transports_variants`
 (on the workers of :mod:`._transports_fleet`), run cell by cell in
