@@ -453,6 +453,9 @@ class RayHub(OpenEnd, FixedPeers, HubTransport, TakesLentTensors, Lends, Counted
         """Poll every idle actor that is due; return when the next one will be."""
         soonest: float | None = None
         with self._lock:
+            # Checked here too: a call under way when Ray went never completes, so the
+            # actor it went to is never polled (nor called) again.
+            self._ray_running()
             for actor in self._actors.values():
                 if actor.lost is not None or actor.in_flight:
                     continue
